@@ -1,0 +1,65 @@
+"""`kafila` entry point: dispatch to a subcommand and turn errors into exit codes."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import logging
+import sys
+import traceback
+
+from kafila.commands import COMMANDS
+from kafila.errors import EXIT_UNEXPECTED, KafilaError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kafila",
+        description="Pool a trusted group's machines to serve one large language model.",
+    )
+    parser.add_argument("--debug", action="store_true", help="show tracebacks and debug logs")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    for name in COMMANDS:
+        try:
+            module = importlib.import_module(f"kafila.commands.{name}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"kafila.commands.{name}":
+                raise
+            continue  # a command not built yet
+        module.register(subparsers)
+    return parser
+
+
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = build_parser()
+    args = parser.parse_args(argv)  # argparse itself exits 2 with one line on bad arguments
+    logging.basicConfig(
+        level=logging.DEBUG if args.debug else logging.WARNING,
+        format="%(asctime)s %(name)s %(levelname)s %(message)s",
+    )
+    try:
+        return int(args.handler(args) or 0)
+    except KafilaError as exc:
+        if args.debug:
+            traceback.print_exc()
+        print(f"kafila {args.command}: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        print(f"kafila {args.command}: interrupted", file=sys.stderr)
+        return 130
+    except Exception as exc:  # an unexpected failure: the reason, the traceback only on request
+        if args.debug:
+            traceback.print_exc()
+        print(
+            f"kafila {args.command}: unexpected failure: {type(exc).__name__}: {exc} "
+            "(rerun with --debug for the traceback)",
+            file=sys.stderr,
+        )
+        return EXIT_UNEXPECTED
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,28 @@
+"""The errors a person sees, each mapped to one exit code (see shared/design/CONTRACTS.md).
+
+Raise these deep; `kafila.cli.main` turns them into one line on stderr and the exit code.
+Anything else that escapes is an unexpected failure (exit 1; traceback only with --debug).
+"""
+
+EXIT_OK = 0
+EXIT_UNEXPECTED = 1
+EXIT_BAD_INPUT = 2
+EXIT_REFUSED = 3
+
+
+class KafilaError(Exception):
+    """Base of every error meant for a person: the message is one line saying what to do."""
+
+    exit_code = EXIT_UNEXPECTED
+
+
+class BadInput(KafilaError):
+    """Arguments, files, models or JSON that cannot be used (exit 2)."""
+
+    exit_code = EXIT_BAD_INPUT
+
+
+class Refused(KafilaError):
+    """A valid request that cannot be honoured: a plan that does not fit, a session that cannot form (exit 3)."""
+
+    exit_code = EXIT_REFUSED
