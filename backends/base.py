@@ -1,0 +1,58 @@
+"""The one interface every shard runtime implements (reference, openvino, mlx).
+
+A shard holds a contiguous block range [first, last) of one model. The head shard also holds the
+token embedding (it takes token ids) and the final norm + lm_head (`logits`). Every call works on
+one *slot*: an independent KV state for one request (one InferRequest on OpenVINO, one cache on MLX).
+
+Positions are logical and the mask is physical, as in the OpenVINO paper's mask-based rewind:
+`mask` covers every physical cache position of the slot, past and new (length cache_len + n),
+1 where the position is visible and 0 where it was rejected; `positions` are the logical
+position ids of the n new tokens. Every stage of a ring receives the same mask and positions.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """Which part of which model a shard holds."""
+
+    model_path: str  # the GGUF file
+    first: int  # first block, inclusive
+    last: int  # last block, exclusive
+    embed: bool  # holds the token embedding: forward takes token ids
+    head: bool  # holds final norm + lm_head: `logits` works
+
+
+class Shard(Protocol):
+    spec: ShardSpec
+
+    def open_slot(self) -> int:
+        """A new independent KV state; returns its id."""
+
+    def forward(
+        self, slot: int, x: np.ndarray, positions: np.ndarray, mask: np.ndarray
+    ) -> np.ndarray:
+        """Run the shard's blocks on n new positions of `slot`.
+
+        x: int64 [n] token ids when spec.embed, else float32 [n, hidden].
+        positions: int64 [n] logical positions. mask: int64 [cache_len + n] over physical positions.
+        Returns float32 [n, hidden], the hidden states after block last-1.
+        """
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        """Final norm + lm_head on float32 [n, hidden] → float32 [n, vocab] (head shards only)."""
+
+    def close_slot(self, slot: int) -> None:
+        """Free the slot's KV state; its id may be reused."""
+
+    def capture(self, slot: int) -> Any:
+        """An opaque copy of the slot's KV state (prefix caching)."""
+
+    def restore(self, slot: int, state: Any) -> None:
+        """Replace the slot's KV state with one captured from this shard."""
