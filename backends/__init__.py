@@ -1,1 +1,55 @@
+"""Shard runtimes behind one interface (backends.base.Shard), chosen by name.
 
+Backends import their heavy libraries only when a shard is built, so a machine without MLX
+(or OpenVINO) can still use the others; `status(name)` says why one is unavailable.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+from backends.base import Shard, ShardSpec
+
+# name -> (module, class, the import that must work, how to install it)
+_BACKENDS = {
+    "reference": ("backends.reference", "ReferenceShard", "numpy", "pip install numpy"),
+    "openvino": ("backends.openvino", "OpenVINOShard", "openvino", "pip install openvino"),
+    "mlx": ("backends.mlx", "MLXShard", "mlx.core", "pip install 'mlx[cpu]' mlx-lm (Linux) or mlx mlx-lm (macOS)"),
+}
+NAMES = tuple(_BACKENDS)
+PRECISIONS = ("serving", "f32")  # serving: the backend's fast defaults; f32: f32 compute and KV
+
+
+@dataclass(frozen=True)
+class BackendStatus:
+    name: str
+    available: bool
+    reason: str  # why not, with the install hint; "" when available
+
+
+def status(name: str) -> BackendStatus:
+    if name not in _BACKENDS:
+        return BackendStatus(name, False, f"unknown backend {name!r} (choose from {', '.join(NAMES)})")
+    _, _, probe, hint = _BACKENDS[name]
+    try:
+        importlib.import_module(probe)
+    except Exception as exc:  # ImportError, or a library that fails to initialise here
+        return BackendStatus(name, False, f"backend {name} is unavailable ({type(exc).__name__}: {exc}); install with: {hint}")
+    return BackendStatus(name, True, "")
+
+
+def load_shard(name: str, spec: ShardSpec, precision: str = "serving", **options) -> Shard:
+    """Build a shard of `spec` on backend `name` (raises BadInput when it is unavailable)."""
+    from kafila.errors import BadInput  # backends depend on nothing of the app but its error type
+
+    st = status(name)
+    if not st.available:
+        raise BadInput(st.reason)
+    if precision not in PRECISIONS:
+        raise BadInput(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
+    module, cls, _, _ = _BACKENDS[name]
+    return getattr(importlib.import_module(module), cls)(spec, precision=precision, **options)
+
+
+__all__ = ["NAMES", "PRECISIONS", "BackendStatus", "Shard", "ShardSpec", "load_shard", "status"]

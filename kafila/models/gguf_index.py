@@ -1,0 +1,228 @@
+"""An index of a GGUF model file: hyperparameters, tensors per block and head, byte ranges.
+
+The index is what every other part needs to know about a model without loading its weights:
+the planner takes β_block/β_head from it, the host serves tensors' byte ranges from it, and
+each backend builds its shard from the tensors of its block range.
+Anything Kafila cannot serve exactly is refused here, with one line that names what is wrong.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from dataclasses import dataclass, field
+from functools import cached_property
+
+import numpy as np
+
+from kafila.errors import BadInput
+from kafila.models.quant import QK, QuantBlocks, split_blocks
+
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+GGUF_MAGIC = b"GGUF"
+BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
+HEAD_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
+BLOCK_TENSOR_NAMES = (
+    "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+    "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
+)  # fmt: skip
+OPTIONAL_BLOCK_TENSORS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")  # Qwen2
+HASH_CHUNK_BYTES = 8 << 20
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    qtype: str  # one of SUPPORTED_TYPES
+    shape: tuple[int, ...]  # numpy order: (rows=out, cols=in) for matrices, (n,) for vectors
+    offset: int  # absolute byte offset in the file
+    n_bytes: int
+
+    @property
+    def byte_range(self) -> tuple[int, int]:
+        return self.offset, self.offset + self.n_bytes
+
+
+@dataclass(frozen=True)
+class Hyperparams:
+    arch: str
+    n_blocks: int
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn: int
+    vocab: int
+    context_length: int
+    rope_base: float
+    rms_eps: float
+    tied_embeddings: bool  # no output.weight: lm_head is the embedding
+    qkv_bias: bool
+
+
+@dataclass(frozen=True)
+class ModelIndex:
+    path: str
+    name: str
+    file_bytes: int
+    hparams: Hyperparams
+    tensors: dict[str, TensorInfo]
+    metadata: dict[str, object] = field(repr=False)
+
+    def block_tensors(self, block: int) -> list[TensorInfo]:
+        prefix = f"blk.{block}."
+        return [t for n, t in self.tensors.items() if n.startswith(prefix)]
+
+    def head_tensors(self) -> list[TensorInfo]:
+        return [self.tensors[n] for n in HEAD_TENSORS if n in self.tensors]
+
+    def shard_tensors(self, first: int, last: int, head: bool) -> list[TensorInfo]:
+        """Every tensor a shard of blocks [first, last) needs (plus the head's when `head`)."""
+        out = self.head_tensors() if head else []
+        for b in range(first, last):
+            out.extend(self.block_tensors(b))
+        return out
+
+    @cached_property
+    def block_bytes(self) -> int:
+        """β_block: bytes of the largest block (blocks of these models are all alike)."""
+        return max(sum(t.n_bytes for t in self.block_tensors(b)) for b in range(self.hparams.n_blocks))
+
+    @cached_property
+    def head_bytes(self) -> int:
+        """β_head: embedding + final norm + lm_head (the embedding once when tied)."""
+        return sum(t.n_bytes for t in self.head_tensors())
+
+    def kv_bytes_per_token_per_block(self, bytes_per_value: int = 2) -> int:
+        h = self.hparams
+        return 2 * h.n_kv_heads * h.head_dim * bytes_per_value
+
+    def planner_model(self) -> dict:
+        """The model entry of the planner's fleet format."""
+        return {
+            "name": self.name,
+            "blocks": self.hparams.n_blocks,
+            "block_bytes": float(self.block_bytes),
+            "head_bytes": float(self.head_bytes),
+            "kv_bytes_per_token_per_block": self.kv_bytes_per_token_per_block(),
+        }
+
+    @cached_property
+    def sha256(self) -> str:
+        digest = hashlib.sha256()
+        with open(self.path, "rb") as f:
+            while chunk := f.read(HASH_CHUNK_BYTES):
+                digest.update(chunk)
+        return digest.hexdigest()
+
+    # --- weights -------------------------------------------------------------------------
+
+    def raw(self, name: str) -> np.ndarray:
+        """The tensor's bytes as a read-only uint8 view of the file (no copy)."""
+        t = self.tensors[name]
+        return np.memmap(self.path, dtype=np.uint8, mode="r", offset=t.offset, shape=(t.n_bytes,))
+
+    def blocks_of(self, name: str) -> QuantBlocks:
+        t = self.tensors[name]
+        rows, cols = t.shape
+        return split_blocks(t.qtype, self.raw(name), rows, cols)
+
+    def dequantize(self, name: str, dtype=np.float64) -> np.ndarray:
+        """The exact weights of a tensor, shaped as TensorInfo.shape."""
+        t = self.tensors[name]
+        if t.qtype in ("F32", "F16"):
+            return self.raw(name).view(np.float32 if t.qtype == "F32" else np.float16).astype(dtype).reshape(t.shape)
+        return self.blocks_of(name).dequantize(dtype)
+
+
+def _field(reader, key: str, default=None):
+    f = reader.fields.get(key)
+    if f is None:
+        return default
+    return f.contents()
+
+
+def open_model(path: str) -> ModelIndex:
+    """Index a GGUF file, refusing with BadInput anything Kafila cannot serve exactly."""
+    import gguf  # heavy import, only when a model is opened
+
+    if not os.path.exists(path):
+        raise BadInput(f"model file not found: {path} (give a GGUF path or an alias; see `kafila models`)")
+    if not os.path.isfile(path):
+        raise BadInput(f"model path is not a file: {path}")
+    file_bytes = os.path.getsize(path)
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise BadInput(f"not a GGUF file (bad magic {magic!r}): {path}")
+    try:
+        reader = gguf.GGUFReader(path, "r")
+    except Exception as exc:  # the gguf package raises many types on damaged files
+        raise BadInput(f"cannot read GGUF {path}: it is damaged or truncated ({type(exc).__name__}: {exc})") from None
+
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise BadInput(
+            f"unsupported architecture {arch!r} in {path}: Kafila serves {', '.join(SUPPORTED_ARCHITECTURES)}"
+        )
+
+    def hp(key: str, default=None):
+        value = _field(reader, f"{arch}.{key}", default)
+        if value is None:
+            raise BadInput(f"GGUF {path} lacks {arch}.{key}")
+        return value
+
+    tensors: dict[str, TensorInfo] = {}
+    for t in reader.tensors:
+        qtype = t.tensor_type.name
+        if qtype not in SUPPORTED_TYPES:
+            raise BadInput(
+                f"tensor {t.name} has quant type {qtype}, which Kafila does not serve "
+                f"(supported: {', '.join(SUPPORTED_TYPES)})"
+            )
+        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
+        offset = int(t.data_offset)
+        if offset + int(t.n_bytes) > file_bytes:
+            raise BadInput(f"GGUF {path} is truncated: tensor {t.name} ends past the end of the file")
+        if qtype in ("Q8_0", "Q4_0", "Q4_1") and shape[-1] % QK:
+            raise BadInput(f"tensor {t.name}: row length {shape[-1]} is not a multiple of {QK}")
+        tensors[t.name] = TensorInfo(t.name, qtype, shape, offset, int(t.n_bytes))
+
+    n_heads = int(hp("attention.head_count"))
+    hidden = int(hp("embedding_length"))
+    n_blocks = int(hp("block_count"))
+    hparams = Hyperparams(
+        arch=arch,
+        n_blocks=n_blocks,
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=int(hp("attention.head_count_kv", n_heads)),
+        head_dim=int(hp("rope.dimension_count", hidden // n_heads)),
+        ffn=int(hp("feed_forward_length")),
+        vocab=int(tensors["token_embd.weight"].shape[0]) if "token_embd.weight" in tensors else 0,
+        context_length=int(hp("context_length")),
+        rope_base=float(hp("rope.freq_base", 10000.0)),
+        rms_eps=float(hp("attention.layer_norm_rms_epsilon")),
+        tied_embeddings="output.weight" not in tensors,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+    )
+    _check_complete(path, tensors, hparams)
+    metadata = {k: _field(reader, k) for k in reader.fields if not k.startswith("GGUF.")}
+    name = os.path.basename(path).removesuffix(".gguf")
+    return ModelIndex(path=os.path.abspath(path), name=name, file_bytes=file_bytes,
+                      hparams=hparams, tensors=tensors, metadata=metadata)
+
+
+def _check_complete(path: str, tensors: dict[str, TensorInfo], h: Hyperparams) -> None:
+    missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in tensors]
+    for b in range(h.n_blocks):
+        missing += [f"blk.{b}.{n}" for n in BLOCK_TENSOR_NAMES if f"blk.{b}.{n}" not in tensors]
+    if missing:
+        raise BadInput(f"GGUF {path} lacks tensor {missing[0]} ({len(missing)} missing in all)")
+    extra = [n for n in tensors if (m := BLOCK_TENSOR.match(n)) and int(m.group(1)) >= h.n_blocks]
+    if extra:
+        raise BadInput(f"GGUF {path} has tensor {extra[0]} beyond block_count {h.n_blocks}")
+    if h.n_heads * h.head_dim != tensors["blk.0.attn_q.weight"].shape[0]:
+        raise BadInput(f"GGUF {path}: head_count × head_dim does not match attn_q's rows")
