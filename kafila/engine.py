@@ -1,0 +1,64 @@
+"""What prompt entry (HTTP API, chat, `kafila run`) needs from whatever generates tokens.
+
+Two engines implement it: a local chain of shards in one process, and a ring session whose
+head may be another machine. The HTTP layer only sees this protocol.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+MAX_NEW_TOKENS_LIMIT = 4096
+
+
+class EngineError(Exception):
+    """A request that failed after it was accepted (a member gone, the session degraded).
+
+    `status` is the HTTP status the API answers with when nothing was streamed yet.
+    """
+
+    def __init__(self, message: str, status: int = 503) -> None:
+        super().__init__(message)
+        self.status = status
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]  # already templated and tokenized
+    max_new_tokens: int
+    stop_at_eos: bool = True
+    temperature: float = 0.0  # 0 = greedy (the only mode the ring must reproduce exactly)
+    seed: int | None = None
+
+
+@dataclass
+class GenerationStats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    ttft_ms: float | None = None
+    tok_s: float | None = None
+    finish_reason: str = "length"  # "stop" | "length" | "error"
+    extra: dict = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    model_name: str
+    context_length: int  # the most positions (prompt + new) one request may use
+
+    @property
+    def ready(self) -> bool:
+        """False while the session is forming or degraded (the API answers 503)."""
+
+    def tokenizer(self):  # kafila.models.Tokenizer
+        ...
+
+    def generate(self, request: GenerationRequest, stats: GenerationStats) -> AsyncIterator[int]:
+        """Yield new token ids as they are produced; fill `stats` as it goes.
+
+        Raises EngineError when the request fails (before or during generation).
+        """
+
+    def status(self) -> dict:
+        """The JSON body of GET /status."""
