@@ -1,0 +1,99 @@
+"""Eq. 2 of the Kafila paper: what a stage costs per token, and what a device can hold.
+
+    c_i = o_i + n_i·β_block/b̄_i + [i = head]·β_head/b̄_i
+
+split as Algorithm 1 states it into fixed(i) = o_i (+ β_head/b̄_i for the head) and
+per(i) = β_block/b̄_i, so that a stage costs `fixed + n·per` for n blocks.
+
+Units: bandwidth in GB/s (1e9 bytes/s), overhead in µs, every cost returned in ms.
+Bytes / (GB/s) = bytes / (b·1e9) s = bytes / (b·1e6) ms.
+
+The throughput tier (§V-D) prices a block by arithmetic instead: two floating-point
+operations per weight, counting one weight per byte, at the reported TFLOP/s, with no
+overhead and no head term: per(i) = 2·β_block / (tflops·1e12) s. Its numbers are only
+meaningful relative to each other (they rank devices, they do not predict ms).
+
+    lim(i) = floor((memory_i − [i = head]·β_head) / (β_block + kv·context·concurrency))
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+
+from planner.fleet import Device, Fleet
+
+__all__ = [
+    "StageCost",
+    "Tier",
+    "block_limit",
+    "bytes_per_block",
+    "short_bytes",
+    "stage_cost",
+]
+
+_MS_PER_US = 1e-3
+_BYTES_PER_GB_MS = 1e6  # bytes moved in one ms at 1 GB/s
+_FLOP_PER_TFLOP_MS = 1e9  # floating-point operations in one ms at 1 TFLOP/s
+FLOP_PER_WEIGHT_BYTE = 2.0
+
+
+class Tier(str, Enum):
+    """How well the session is measured, best first (§V-D)."""
+
+    FULL = "full"  # every member has bandwidth and overhead: eq. 2
+    THROUGHPUT = "throughput"  # every member has TFLOP/s: per(i) from arithmetic, no head term
+    MEMORY = "memory"  # nothing to price with: divide by memory
+
+
+@dataclass(frozen=True)
+class StageCost:
+    """A stage's per-token cost, affine in the blocks it holds: fixed_ms + n·per_ms."""
+
+    fixed_ms: float
+    per_ms: float
+
+    def at(self, blocks: int) -> float:
+        """The stage's cost in ms with `blocks` blocks (the one formula every caller uses)."""
+        return self.fixed_ms + blocks * self.per_ms
+
+
+def stage_cost(device: Device, fleet: Fleet, tier: Tier, is_head: bool) -> StageCost:
+    """fixed(i) and per(i) for `device` under `tier` (not defined for the memory tier)."""
+    model = fleet.model
+    if tier is Tier.FULL:
+        if device.bandwidth_gbps is None or device.overhead_us is None:
+            raise ValueError(f"device {device.name!r} is not measured for the full tier")
+        per_byte_ms = 1.0 / (device.bandwidth_gbps * _BYTES_PER_GB_MS)
+        fixed = device.overhead_us * _MS_PER_US + (
+            model.head_bytes * per_byte_ms if is_head else 0.0
+        )
+        return StageCost(fixed, model.block_bytes * per_byte_ms)
+    if tier is Tier.THROUGHPUT:
+        if device.tflops is None:
+            raise ValueError(f"device {device.name!r} has no TFLOP/s for the throughput tier")
+        flops = FLOP_PER_WEIGHT_BYTE * model.block_bytes
+        return StageCost(0.0, flops / (device.tflops * _FLOP_PER_TFLOP_MS))
+    raise ValueError("the memory tier prices nothing")
+
+
+def bytes_per_block(fleet: Fleet) -> float:
+    """Resident bytes one block needs: its weights plus its KV cache at the declared load."""
+    model = fleet.model
+    kv = model.kv_bytes_per_token_per_block * fleet.context * fleet.concurrency
+    return model.block_bytes + kv
+
+
+def block_limit(device: Device, fleet: Fleet, is_head: bool) -> int:
+    """lim(i): the most blocks `device` can hold (0 when even the head alone does not fit)."""
+    room = device.memory_bytes - (fleet.model.head_bytes if is_head else 0.0)
+    if room <= 0:
+        return 0
+    return math.floor(room / bytes_per_block(fleet))
+
+
+def short_bytes(device: Device, fleet: Fleet, blocks: int, is_head: bool) -> int:
+    """Bytes `device` lacks to hold `blocks` blocks (and the head); 0 when it fits."""
+    needed = blocks * bytes_per_block(fleet) + (fleet.model.head_bytes if is_head else 0.0)
+    return max(0, math.ceil(needed - device.memory_bytes))

@@ -1,0 +1,174 @@
+"""`make_plan(fleet, policy) -> Plan`: ordering, head, division and admission in one call.
+
+Order of work: pick the tier from what was measured; order the ring (anchor first); divide the
+blocks by the policy — `kafila` runs PARTITION per rotation (full tier) or at the anchor
+(throughput tier) and falls back to memory-proportional shares in the memory tier, `uniform`
+and `memory` are the baselines with the head at the anchor; then the memory check.
+
+When no division fits anywhere (PARTITION is infeasible for every rotation), the plan shows the
+division the cost model would choose with memory ignored, and names each member that cannot
+hold its share there and by how many bytes (`feasible` false).
+
+The plan's `ring` starts with the head and the cycle closes back to it; `blocks` are
+contiguous in ring order: the head holds blocks [0, n_head), the next member the following
+n, and so on (see `Plan.block_ranges`). Stage costs are ms per token; in the memory tier
+nothing is priced and `stage_ms`/`bottleneck_ms` are null. An edge with an unmeasured end
+has `ms` null.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any
+
+from planner.admission import Refusal, choose_tier, refusals
+from planner.baselines import memory_proportional_counts, uniform_counts
+from planner.cost import Tier, stage_cost
+from planner.fleet import Device, Fleet, parse_fleet
+from planner.head import place_head
+from planner.ring import Edge, order_ring, ring_edges
+
+__all__ = ["Plan", "Policy", "compare", "make_plan", "plan_fleet"]
+
+_JSON_DIGITS = 6
+
+
+class Policy(str, Enum):
+    KAFILA = "kafila"  # the planner
+    UNIFORM = "uniform"  # GPipe
+    MEMORY = "memory"  # exo's memory-proportional
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A session plan; the per-member tuples follow `ring` (head first)."""
+
+    feasible: bool
+    tier: Tier
+    policy: Policy
+    head: str
+    ring: tuple[str, ...]
+    blocks: tuple[int, ...]
+    stage_ms: tuple[float, ...] | None  # None in the memory tier
+    edges: tuple[Edge, ...]
+    refused: tuple[Refusal, ...]
+
+    @property
+    def bottleneck_ms(self) -> float | None:
+        return None if self.stage_ms is None else max(self.stage_ms)
+
+    @property
+    def imbalance(self) -> float | None:
+        """Slowest stage over fastest."""
+        if self.stage_ms is None or min(self.stage_ms) <= 0:
+            return None
+        return max(self.stage_ms) / min(self.stage_ms)
+
+    @property
+    def utilisation(self) -> float | None:
+        """Mean stage over the bottleneck: the share of device-time spent computing."""
+        if self.stage_ms is None or max(self.stage_ms) <= 0:
+            return None
+        return sum(self.stage_ms) / len(self.stage_ms) / max(self.stage_ms)
+
+    @property
+    def edges_ms(self) -> float:
+        """Summed priced edge latency (unpriced edges count as 0)."""
+        return sum(edge.ms for edge in self.edges if edge.ms is not None)
+
+    @property
+    def predicted_tok_s(self) -> float | None:
+        """1 / (Σ stages + Σ edges), one request at batch size one."""
+        if self.stage_ms is None:
+            return None
+        circuit_ms = sum(self.stage_ms) + self.edges_ms
+        return 1000.0 / circuit_ms if circuit_ms > 0 else None
+
+    def block_ranges(self) -> dict[str, tuple[int, int]]:
+        """Each member's half-open block range [start, end), contiguous in ring order."""
+        ranges: dict[str, tuple[int, int]] = {}
+        start = 0
+        for name, n in zip(self.ring, self.blocks, strict=True):
+            ranges[name] = (start, start + n)
+            start += n
+        return ranges
+
+    def to_json(self) -> dict[str, Any]:
+        """The `kafila plan --json` contract."""
+
+        def ms(value: float | None) -> float | None:
+            return None if value is None else round(value, _JSON_DIGITS)
+
+        stages = self.stage_ms if self.stage_ms is not None else (None,) * len(self.ring)
+        return {
+            "feasible": self.feasible,
+            "tier": self.tier.value,
+            "policy": self.policy.value,
+            "head": self.head,
+            "ring": list(self.ring),
+            "blocks": dict(zip(self.ring, self.blocks, strict=True)),
+            "stage_ms": {name: ms(s) for name, s in zip(self.ring, stages, strict=True)},
+            "bottleneck_ms": ms(self.bottleneck_ms),
+            "edges": [
+                {"from": e.src, "to": e.dst, "kind": e.kind.value, "ms": ms(e.ms)}
+                for e in self.edges
+            ],
+            "refused": [{"device": r.device, "short_bytes": r.short_bytes} for r in self.refused],
+        }
+
+
+def make_plan(fleet: Fleet, policy: Policy | str = Policy.KAFILA) -> Plan:
+    """Plan `fleet` under `policy` (a Policy or its name)."""
+    policy = Policy(policy)
+    tier = choose_tier(fleet.devices)
+    ring = order_ring(fleet.devices, fleet.anchor)  # anchor first
+    order, counts = _divide(ring, fleet, tier, policy)
+    stages = None
+    if tier is not Tier.MEMORY:
+        stages = tuple(
+            stage_cost(d, fleet, tier, is_head=(i == 0)).at(n)
+            for i, (d, n) in enumerate(zip(order, counts, strict=True))
+        )
+    refused = refusals(order, counts, fleet)
+    return Plan(
+        feasible=not refused,
+        tier=tier,
+        policy=policy,
+        head=order[0].name,
+        ring=tuple(d.name for d in order),
+        blocks=counts,
+        stage_ms=stages,
+        edges=ring_edges(order),
+        refused=refused,
+    )
+
+
+def _divide(
+    ring: tuple[Device, ...], fleet: Fleet, tier: Tier, policy: Policy
+) -> tuple[tuple[Device, ...], tuple[int, ...]]:
+    """The ring rotated to start at the head, and the block counts in that order."""
+    blocks = fleet.model.blocks
+    if policy is Policy.UNIFORM:
+        return ring, uniform_counts(blocks, len(ring))
+    if policy is Policy.MEMORY or tier is Tier.MEMORY:
+        return ring, memory_proportional_counts(blocks, [d.memory_gb for d in ring])
+    choice = place_head(ring, fleet, tier)
+    if choice is None:  # nothing fits: show the cost-optimal division and who is short
+        choice = place_head(ring, fleet, tier, respect_memory=False)
+    assert choice is not None  # without memory limits every division with k >= m is feasible
+    by_name = {d.name: d for d in ring}
+    return tuple(by_name[name] for name in choice.order), choice.division.counts
+
+
+def plan_fleet(
+    data: Mapping[str, Any], model: str | None = None, policy: Policy | str = Policy.KAFILA
+) -> Plan:
+    """Parse a fleet object (raises PlanInputError) and plan it."""
+    return make_plan(parse_fleet(data, model), policy)
+
+
+def compare(fleet: Fleet) -> dict[Policy, Plan]:
+    """The planner's plan and both baselines, for Table IV."""
+    return {policy: make_plan(fleet, policy) for policy in Policy}
