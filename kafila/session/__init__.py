@@ -1,0 +1,1 @@
+"""A Kafila session: lifecycle (host, member), weight transfer, the ring data plane, RingEngine."""
