@@ -1,0 +1,126 @@
+"""The head's scheduler without a ring: a fake model whose next token depends on a slot's history."""
+
+import random
+
+import pytest
+
+from kafila.session.scheduler import Finished, Scheduler, SchedulerError, SlotFreed, TokenOut
+
+EOS = 0
+
+
+class FakeRing:
+    """Per-slot KV as a list of (position, token); next token = hash of the visible history."""
+
+    def __init__(self, slots):
+        self.kv = {s: [] for s in range(slots)}
+
+    def run(self, step):
+        kv = self.kv[step.slot]
+        if step.cache_len == 0:
+            kv.clear()
+        assert len(kv) == step.cache_len, "the scheduler's cache_len must match the stage's KV"
+        for i, t in enumerate(step.tokens.tolist()):
+            kv.append((step.pos0 + i, t))
+        return (sum((p + 1) * t for p, t in kv) * 2654435761) % 50  # 0 = EOS sometimes
+
+
+def drive(sched, ring, order=random.Random(0)):
+    out, done = {}, {}
+    for _ in range(10_000):
+        steps = sched.steps()
+        if not steps:
+            break
+        order.shuffle(steps)  # steps return in any order
+        for s in steps:
+            for ev in sched.complete(s.rid, ring.run(s)):
+                if isinstance(ev, TokenOut):
+                    out.setdefault(ev.rid, []).append(ev.token)
+                elif isinstance(ev, Finished):
+                    done[ev.rid] = ev.finish
+    return out, done
+
+
+PROMPTS = {f"r{i}": [random.Random(i).randrange(1, 50) for _ in range(3 + i)] for i in range(6)}
+
+
+def solo(rid):
+    s = Scheduler(slots=1, context=64, eos_ids=frozenset({EOS}))
+    s.submit(rid, "m2", PROMPTS[rid], 20)
+    return drive(s, FakeRing(1))[0].get(rid, [])
+
+
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_concurrent_requests_get_their_solo_tokens(slots):
+    s = Scheduler(slots=slots, context=64, eos_ids=frozenset({EOS}))
+    for rid, p in PROMPTS.items():
+        s.submit(rid, "m" + rid[-1], p, 20)
+    out, done = drive(s, FakeRing(slots))
+    assert set(done) == set(PROMPTS)
+    for rid in PROMPTS:
+        assert out.get(rid, []) == solo(rid)
+    assert s.free_slots == slots and s.active == 0 and s.queued == 0
+
+
+def test_length_stop_and_context():
+    s = Scheduler(slots=1, context=8, eos_ids=frozenset())
+    s.submit("a", "m1", [1, 2, 3], 100)  # clipped to the context: 5 new
+    out, done = drive(s, FakeRing(1))
+    assert len(out["a"]) == 5 and done["a"] == "length"
+    with pytest.raises(SchedulerError, match="context is 8"):
+        s.submit("b", "m1", list(range(8)), 1)
+    with pytest.raises(SchedulerError, match="empty"):
+        s.submit("c", "m1", [], 1)
+
+
+def test_eos_stops_without_emitting_it():
+    s = Scheduler(slots=1, context=64, eos_ids=frozenset({7}))
+    s.submit("a", "m1", [1], 10)
+    (step,) = s.steps()
+    assert s.complete("a", 7) == [Finished("a", "m1", "stop"), SlotFreed(0)]
+
+
+def test_cancel_in_flight_waits_for_the_step():
+    s = Scheduler(slots=1, context=64)
+    s.submit("a", "m1", [1, 2], 10)
+    s.submit("b", "m1", [3], 10)
+    (step,) = s.steps()
+    assert step.rid == "a"
+    assert s.cancel("a") == []  # its activation is still round the ring
+    assert s.steps() == []  # the slot is not reused under it
+    events = s.complete("a", 5)
+    assert Finished("a", "m1", "cancelled") in events and SlotFreed(0) in events
+    (step,) = s.steps()
+    assert step.rid == "b" and step.cache_len == 0
+    assert s.cancel("nope") == []
+
+
+def test_fail_all_names_the_reason_and_frees_everything():
+    s = Scheduler(slots=2, context=64)
+    for r in "abc":
+        s.submit(r, "m2", [1], 10)
+    s.steps()
+    events = s.fail_all("member m3 left the session", 503)
+    assert sorted(e.rid for e in events if isinstance(e, Finished)) == ["a", "b", "c"]
+    assert all(e.error == "member m3 left the session" for e in events if isinstance(e, Finished))
+    assert s.free_slots == 2 and s.queued == 0
+    assert s.complete("a", 1) == []  # a late step is ignored
+
+
+def test_decode_steps_track_positions():
+    s = Scheduler(slots=1, context=64)
+    s.submit("a", "m1", [5, 6, 7], 3)
+    (st,) = s.steps()
+    assert (st.cache_len, st.pos0, st.tokens.tolist()) == (0, 0, [5, 6, 7])
+    s.complete("a", 9)
+    (st,) = s.steps()
+    assert (st.cache_len, st.pos0, st.tokens.tolist()) == (3, 3, [9])
+
+
+def test_queue_bound():
+    s = Scheduler(slots=1, context=64, max_queue=2)
+    s.submit("a", "m", [1], 1)
+    s.submit("b", "m", [1], 1)
+    with pytest.raises(SchedulerError) as e:
+        s.submit("c", "m", [1], 1)
+    assert e.value.status == 503
