@@ -101,8 +101,8 @@ def parse_fleet(data: Any, model: str | None = None) -> Fleet:
         )
     if len(devices) > chosen.blocks:
         raise PlanInputError(
-            f"fleet has {len(devices)} devices but model {chosen.name!r} has only "
-            f"{chosen.blocks} blocks; every device needs at least one block"
+            f"fleet has more devices ({len(devices)}) than model {chosen.name!r} has blocks "
+            f"({chosen.blocks}); every device needs at least one block"
         )
     return Fleet(context, concurrency, anchor, chosen, devices)
 
