@@ -3,7 +3,7 @@
 Theory of operation
 -------------------
 One lab = one "internet" namespace holding a bridge `br0` with the rendezvous address
-(100.64.0.1/16, two ports are the rendezvous's business), plus, per member, either
+(100.64.0.1/16, and 100.64.0.2 for a rendezvous that tests filtering by address), plus, per member, either
 
 * a router namespace (WAN `wan` on the bridge at 100.64.1.N/16, LAN `lan` at 10.N.0.1/24, NAT
   rules from `nat.py`) and a member namespace (`eth0` at 10.N.0.2/24, default route via the
@@ -41,6 +41,7 @@ from natlab_tests import nat
 
 NS_PREFIX = "knl"
 RENDEZVOUS_IP = "100.64.0.1"
+RENDEZVOUS_ALT_IP = "100.64.0.2"  # a second rendezvous address, for RFC 5780 address tests
 INTERNET_PREFIX_LEN = 16
 CMD_TIMEOUT_S = 20.0
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -162,6 +163,8 @@ class Proc:
     popen: subprocess.Popen
     lines: queue.Queue = field(default_factory=queue.Queue)
     stderr_tail: list[str] = field(default_factory=list)
+    answers: dict = field(default_factory=dict)  # id -> answer read while waiting for another
+    ids: itertools.count = field(default_factory=lambda: itertools.count(1))
 
     def __post_init__(self) -> None:
         threading.Thread(target=self._pump_out, daemon=True).start()
@@ -198,6 +201,23 @@ class Proc:
             if line.startswith("{"):
                 return json.loads(line)
 
+    def submit(self, op: str, **fields: object) -> int:
+        """Send one command {"id", "op", ...}; collect its answer with result(id)."""
+        cmd_id = next(self.ids)
+        self.send_json({"id": cmd_id, "op": op, **fields})
+        return cmd_id
+
+    def result(self, cmd_id: int, timeout_s: float) -> dict:
+        """The answer carrying `cmd_id` (answers to other commands are kept for later)."""
+        deadline = time.monotonic() + timeout_s
+        while cmd_id not in self.answers:
+            got = self.read_json(max(deadline - time.monotonic(), 0.001))
+            self.answers[got.get("id")] = got
+        return self.answers.pop(cmd_id)
+
+    def request(self, op: str, timeout_s: float = 60.0, **fields: object) -> dict:
+        return self.result(self.submit(op, **fields), timeout_s)
+
     def send_json(self, obj: dict) -> None:
         self.popen.stdin.write(json.dumps(obj) + "\n")
         self.popen.stdin.flush()
@@ -224,6 +244,7 @@ class Lab:
         self.id = f"{NS_PREFIX}{os.getpid()}x{next(_lab_ids)}"
         self.inet_ns = f"{self.id}-inet"
         self.rendezvous_ip = RENDEZVOUS_IP
+        self.rendezvous_alt_ip = RENDEZVOUS_ALT_IP
         self._namespaces: list[str] = []
         self._procs: list[Proc] = []
         self._routers = itertools.count(1)
@@ -236,6 +257,7 @@ class Lab:
             self._ns(self.inet_ns)
             self._ip(self.inet_ns, "link add br0 type bridge")
             self._ip(self.inet_ns, f"addr add {RENDEZVOUS_IP}/{INTERNET_PREFIX_LEN} dev br0")
+            self._ip(self.inet_ns, f"addr add {RENDEZVOUS_ALT_IP}/{INTERNET_PREFIX_LEN} dev br0")
             self._ip(self.inet_ns, "link set br0 up")
         except BaseException:
             self.close()
