@@ -1,0 +1,118 @@
+"""Weight transfer between two in-process streams on the real default model file."""
+
+import asyncio
+import os
+
+import pytest
+
+from kafila.models import open_model, resolve_model
+from kafila.session import weights as W
+from kafila.session.transfer import check_local_file, fetch_weights, serve_weights
+
+try:
+    MODEL = resolve_model("smollm2-135m")
+except Exception:  # the default model is not installed
+    MODEL = None
+pytestmark = pytest.mark.skipif(MODEL is None, reason="the default model is not installed")
+
+
+class Pipe:
+    """One direction of an in-memory stream: a StreamReader fed by a writer-like object."""
+
+    def __init__(self, fail_after=None):
+        self.reader = asyncio.StreamReader()
+        self.fail_after = fail_after
+        self.writes = 0
+
+    def write(self, data):
+        self.writes += 1
+        if self.fail_after is not None and self.writes > self.fail_after:
+            self.reader.feed_eof()  # the edge dropped
+            raise ConnectionResetError("edge lost")
+        self.reader.feed_data(data)
+
+    async def drain(self):
+        await asyncio.sleep(0)
+
+    def close(self):
+        if not self.reader.at_eof():
+            self.reader.feed_eof()
+
+
+async def transfer(manifest, path, fail_after=None):
+    up, down = Pipe(), Pipe(fail_after)
+    server = asyncio.create_task(serve_weights(up.reader, down, MODEL, manifest.file_bytes, {}))
+    try:
+        return await fetch_weights(down.reader, up, "m2", manifest, path)
+    finally:
+        up.close()
+        try:
+            await server
+        except Exception:
+            pass
+
+
+@pytest.fixture(scope="module")
+def digests():
+    return W.DigestCache(open_model(MODEL))
+
+
+def test_fetch_only_own_tensors_and_open_the_sparse_copy(tmp_path, digests):
+    m = digests.manifest(10, 20, False)
+    path = str(tmp_path / "copy.gguf")
+    stats = asyncio.run(transfer(m, path))
+    assert stats["received_bytes"] <= 1.05 * m.tensor_bytes
+    assert stats["fetched_tensors"] == len(m.tensors)
+    assert os.path.getsize(path) == m.file_bytes
+    assert os.stat(path).st_blocks * 512 < 0.5 * m.file_bytes  # sparse: holes elsewhere
+    index = open_model(path)  # the header is intact: backends open it like the real file
+    assert index.hparams.n_blocks == 30
+    with open(MODEL, "rb") as a, open(path, "rb") as b:
+        for t in m.tensors:
+            a.seek(t.offset), b.seek(t.offset)
+            assert a.read(t.n_bytes) == b.read(t.n_bytes)
+    # a second run finds everything in place: nothing crosses
+    assert asyncio.run(transfer(m, path))["received_bytes"] == 0
+
+
+def test_resume_after_interruption_and_corruption(tmp_path, digests):
+    m = digests.manifest(0, 3, True)
+    path = str(tmp_path / "copy.gguf")
+    with pytest.raises(Exception):
+        asyncio.run(transfer(m, path, fail_after=34))
+    header, missing = W.plan_fetch(path, m)
+    assert not header and 0 < len(missing) < len(m.tensors)
+    # damage a tensor that had arrived: it is fetched again
+    done = [t for t in m.tensors if t not in missing]
+    W.write_at(path, done[0].offset, b"\xff" * 16)
+    stats = asyncio.run(transfer(m, path))
+    assert stats["fetched_tensors"] == len(missing) + 1
+    assert W.plan_fetch(path, m) == (False, [])
+
+
+def test_bad_chunks_are_refused(digests):
+    m = digests.manifest(29, 30, False)
+    f = W.Fetcher(m, False, list(m.tensors))
+    (first, *_) = f.requests()
+    with pytest.raises(W.WeightError, match="does not answer"):
+        f.received(W.WeightData(first.offset + 1, first.length, False, b"\0" * first.length))
+    f = W.Fetcher(m, True, [])
+    (get,) = f.requests()
+    with pytest.raises(W.WeightError, match="corrupt"):
+        f.received(W.WeightData(0, get.length, True, b"not zlib"))
+
+
+def test_manifest_json_roundtrip_and_bounds(digests):
+    m = digests.manifest(5, 7, False)
+    assert W.Manifest.from_json(m.to_json()) == m
+    bad = m.to_json() | {"tensors": [["x", m.file_bytes, 10, "0" * 64]]}
+    with pytest.raises(W.WeightError, match="outside"):
+        W.Manifest.from_json(bad)
+    with pytest.raises(W.WeightError, match="malformed"):
+        W.Manifest.from_json({"sha256": "x"})
+
+
+def test_local_file_with_the_same_digest_is_used(tmp_path, digests):
+    m = digests.manifest(0, 1, False)
+    assert check_local_file(MODEL, m)
+    assert not check_local_file(str(tmp_path / "none.gguf"), m)
