@@ -31,6 +31,7 @@ class GenerationRequest:
     stop_at_eos: bool = True
     temperature: float = 0.0  # 0 = greedy (the only mode the ring must reproduce exactly)
     seed: int | None = None
+    top_p: float = 1.0  # nucleus sampling when temperature > 0; 1 = the whole distribution
 
 
 @dataclass

@@ -1,0 +1,90 @@
+"""OpenAI's response and stream-chunk shapes (chat.completion, text_completion, model list)."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+
+from kafila.engine import GenerationStats
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:24]}"
+
+
+def now_s() -> int:
+    return int(time.time())
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+def timings(stats: GenerationStats) -> dict:
+    """Kafila's own extension field: time to first token and decode speed."""
+    return {"ttft_ms": stats.ttft_ms, "tok_s": stats.tok_s}
+
+
+def model_card(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "kafila"}
+
+
+def model_list(names: tuple[str, ...]) -> dict:
+    return {"object": "list", "data": [model_card(n) for n in names]}
+
+
+class Shapes:
+    """Builds the bodies of one response: `chat` selects chat.completion or text_completion."""
+
+    def __init__(self, chat: bool, model: str) -> None:
+        self.chat = chat
+        self.model = model
+        self.id = new_id("chatcmpl" if chat else "cmpl")
+        self.created = now_s()
+
+    def _envelope(self, obj: str, choices: list) -> dict:
+        return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
+                "system_fingerprint": None, "choices": choices}  # fmt: skip
+
+    def complete(
+        self, text: str, finish: str, prompt_tokens: int, new_tokens: int, stats: GenerationStats
+    ) -> dict:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": finish}  # fmt: skip
+            body = self._envelope("chat.completion", [choice])
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
+            body = self._envelope("text_completion", [choice])
+        body["usage"] = usage(prompt_tokens, new_tokens)
+        body["kafila"] = timings(stats)
+        return body
+
+    def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> dict:
+        if self.chat:
+            delta: dict = {"role": "assistant", "content": ""} if first else {}
+            if text:
+                delta["content"] = text
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            return self._envelope("chat.completion.chunk", [choice])
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+        return self._envelope("text_completion", [choice])
+
+    def usage_chunk(self, prompt_tokens: int, new_tokens: int, stats: GenerationStats) -> dict:
+        body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
+        body["usage"] = usage(prompt_tokens, new_tokens)
+        body["kafila"] = timings(stats)
+        return body
+
+
+def sse(obj: dict | str) -> bytes:
+    """One server-sent event carrying a JSON object (or the literal `[DONE]`)."""
+    data = (
+        obj if isinstance(obj, str) else json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+    )
+    return f"data: {data}\n\n".encode()

@@ -1,0 +1,402 @@
+"""The OpenAI-compatible HTTP API every member serves, over any `kafila.engine.Engine`.
+
+Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, POST /v1/completions
+(both with `stream: true` → server-sent events ending `data: [DONE]`), GET /status.
+Requests are validated in `_validate` (pure); this module only moves bytes and tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ipaddress
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from aiohttp import web
+
+from kafila.api._errors import ApiError, error_body
+from kafila.api._format import Shapes, model_card, model_list, sse
+from kafila.api._limits import DEFAULT_API_HOST, DEFAULT_API_PORT, ApiLimits
+from kafila.api._stops import StopScanner
+from kafila.api._validate import (
+    Sampling,
+    bad,
+    decode_json,
+    parse_chat,
+    parse_completion,
+    token_budget,
+)
+from kafila.engine import Engine, EngineError, GenerationRequest, GenerationStats
+from kafila.errors import BadInput, KafilaError
+from kafila.models import StreamDecoder
+
+log = logging.getLogger("kafila.api")
+
+SSE_HEADERS = {
+    "Content-Type": "text/event-stream; charset=utf-8",
+    "Cache-Control": "no-cache",
+    "X-Accel-Buffering": "no",
+}
+NOT_READY_RETRY_S = 5
+_END = object()  # what anext() returns when a generation has no more tokens
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
+    """The token ids of a chat: the model's template, then the tokenizer (as `kafila run` does)."""
+    return tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True))
+
+
+class TextStream:
+    """Token ids → text pieces for one answer: UTF-8-safe decoding, EOS and stop sequences."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...]) -> None:
+        self.decoder = StreamDecoder(tokenizer)
+        self.scanner = StopScanner(stops)
+        self.eos_ids = tokenizer.eos_ids
+        self.tokens = 0  # new tokens received, EOS excluded
+        self.finish: str | None = None  # "stop" once an EOS or a stop sequence arrived
+
+    def push(self, token: int) -> str:
+        if token in self.eos_ids:
+            self.finish = "stop"
+            return ""
+        self.tokens += 1
+        piece = self.scanner.feed(self.decoder.push(token))
+        if self.scanner.stopped:
+            self.finish = "stop"
+        return piece
+
+    def end(self, stats: GenerationStats) -> tuple[str, str]:
+        """The held-back tail and the finish reason once the generation is over."""
+        finish = self.finish or ("stop" if stats.finish_reason == "stop" else "length")
+        return self.scanner.flush(), finish
+
+
+def _json(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:
+    return web.json_response(
+        body, status=status, headers=headers, dumps=lambda o: json.dumps(o, ensure_ascii=False)
+    )
+
+
+def _error_response(status: int, code: str, message: str, param: str | None = None) -> web.Response:
+    headers = {"Retry-After": str(NOT_READY_RETRY_S)} if status == 503 else None
+    return _json(error_body(status, code, message, param), status=status, headers=headers)
+
+
+_HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+
+
+async def _aclose(gen: AsyncIterator[int]) -> None:
+    close = getattr(gen, "aclose", None)
+    if close is not None:
+        await close()
+
+
+class ApiServer:
+    """One member's HTTP API over `engine`; `start()` binds it, `close()` stops it."""
+
+    def __init__(self, engine: Engine, limits: ApiLimits | None = None) -> None:
+        self.engine = engine
+        self.limits = limits or ApiLimits()
+        self.inflight = 0  # generation requests admitted and not yet finished
+        self.host: str | None = None
+        self.port: int | None = None
+        self._runner: web.AppRunner | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if self.host and ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def app(self) -> web.Application:
+        app = web.Application(
+            client_max_size=self.limits.max_body_bytes, middlewares=[self._errors]
+        )
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model:.+}", self.model)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_get("/status", self.status)
+        return app
+
+    async def start(self, host: str = DEFAULT_API_HOST, port: int = DEFAULT_API_PORT) -> None:
+        # handler_cancellation: a client that hangs up cancels its handler, and so its generation
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        await runner.setup()
+        try:
+            await web.TCPSite(runner, host, port).start()
+        except OSError as exc:
+            await runner.cleanup()
+            raise BadInput(f"cannot serve the API on {host}:{port}: {exc.strerror or exc}; "
+                           "pass --api HOST:PORT with a free port") from None  # fmt: skip
+        self._runner = runner
+        self.host, self.port = runner.addresses[0][:2]
+        if not _is_loopback(host):
+            log.warning(
+                "the API on %s:%s has no authentication: anyone who can reach it can use the model",
+                host,
+                self.port,
+            )
+
+    async def close(self) -> None:
+        if self._runner is not None:
+            runner, self._runner = self._runner, None
+            await runner.cleanup()
+
+    # --- routes ---------------------------------------------------------------------------
+
+    def model_names(self) -> tuple[str, ...]:
+        return (self.engine.model_name,)
+
+    async def models(self, request: web.Request) -> web.Response:
+        return _json(model_list(self.model_names()))
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        self._check_model(name)
+        return _json(model_card(name))
+
+    async def status(self, request: web.Request) -> web.Response:
+        body = dict(self.engine.status())
+        body.setdefault("api", {"url": self.url, "inflight_requests": self.inflight})
+        return _json(body)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        params = parse_chat(await self._body(request), self.limits)
+        self._check_model(params.model)
+        self._check_ready()
+        tokenizer = self.engine.tokenizer()
+        try:
+            ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, list(params.messages))
+        except BadInput as exc:
+            raise bad("invalid_messages", str(exc), "messages") from None
+        default = self.limits.default_chat_max_tokens
+        return await self._generate(
+            request, Shapes(True, params.model), ids, params.sampling, default
+        )
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        params = parse_completion(await self._body(request), self.limits)
+        self._check_model(params.model)
+        self._check_ready()
+        tokenizer = self.engine.tokenizer()
+        if isinstance(params.prompt, str):
+            ids = await asyncio.to_thread(tokenizer.encode, params.prompt)
+        else:
+            ids = list(params.prompt)
+            vocab = _vocab_size(tokenizer)
+            if vocab is not None and any(not 0 <= t < vocab for t in ids):
+                raise bad(
+                    "invalid_value", f"prompt token ids must be from 0 to {vocab - 1}", "prompt"
+                )
+        default = self.limits.default_completion_max_tokens
+        return await self._generate(
+            request, Shapes(False, params.model), ids, params.sampling, default
+        )
+
+    # --- the shared path of both generation routes ---------------------------------------------
+
+    async def _body(self, request: web.Request) -> dict:
+        if (
+            request.content_length is not None
+            and request.content_length > self.limits.max_body_bytes
+        ):
+            raise self._too_large()
+        try:
+            raw = await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise self._too_large() from None
+        return decode_json(raw)
+
+    def _too_large(self) -> ApiError:
+        return ApiError(
+            413,
+            "body_too_large",
+            f"the request body is larger than {self.limits.max_body_bytes} bytes",
+        )
+
+    def _check_model(self, name: str) -> None:
+        if name not in self.model_names():
+            served = ", ".join(repr(n) for n in self.model_names())
+            raise ApiError(
+                404,
+                "model_not_found",
+                f"model {name!r} is not served here; this session serves {served}",
+                "model",
+            )
+
+    def _check_ready(self) -> None:
+        if not self.engine.ready:
+            raise ApiError(
+                503,
+                "not_ready",
+                "the session is not ready (forming or degraded); try again shortly",
+            )
+
+    async def _generate(
+        self, request: web.Request, shapes: Shapes, ids: list[int], sampling: Sampling, default: int
+    ) -> web.StreamResponse:
+        if not ids:
+            raise bad("empty_prompt", "the prompt is empty", "prompt")
+        budget = token_budget(len(ids), sampling.max_tokens, default, self.engine.context_length)
+        if self.inflight >= self.limits.max_inflight_requests:
+            raise ApiError(
+                429,
+                "too_many_requests",
+                f"{self.inflight} requests are already waiting or running; try again shortly",
+            )
+        job = GenerationRequest(
+            prompt_ids=tuple(ids), max_new_tokens=budget, stop_at_eos=True,
+            temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+        )  # fmt: skip
+        stats = GenerationStats(prompt_tokens=len(ids))
+        text = TextStream(self.engine.tokenizer(), sampling.stop)
+        self.inflight += 1
+        gen = self.engine.generate(job, stats)
+        try:
+            if sampling.stream:
+                return await self._stream(
+                    request, shapes, gen, text, stats, len(ids), sampling.include_usage
+                )
+            return await self._whole(shapes, gen, text, stats, len(ids))
+        finally:
+            self.inflight -= 1
+            await _aclose(gen)  # stops the engine's work on this request and frees its slot
+
+    async def _whole(
+        self, shapes: Shapes, gen, text: TextStream, stats: GenerationStats, n_prompt: int
+    ) -> web.Response:
+        pieces = []
+        async for token in gen:  # EngineError goes to the middleware with its status
+            pieces.append(text.push(token))
+            if text.finish:
+                break
+        tail, finish = text.end(stats)
+        return _json(shapes.complete("".join(pieces) + tail, finish, n_prompt, text.tokens, stats))
+
+    async def _stream(
+        self, request: web.Request, shapes: Shapes, gen, text: TextStream, stats: GenerationStats,
+        n_prompt: int, include_usage: bool,
+    ) -> web.StreamResponse:  # fmt: skip
+        # The first token comes before the headers, so an engine that fails at once still
+        # answers with its HTTP status rather than a 200 carrying an error event.
+        token = await anext(gen, _END)
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        try:
+            if shapes.chat:
+                await resp.write(sse(shapes.chunk(None, first=True)))
+            while token is not _END:
+                piece = text.push(token)
+                if piece:
+                    await resp.write(sse(shapes.chunk(piece)))
+                if text.finish:
+                    break
+                token = await anext(gen, _END)
+            tail, finish = text.end(stats)
+            await resp.write(sse(shapes.chunk(tail or None, finish)))
+            if include_usage:
+                await resp.write(sse(shapes.usage_chunk(n_prompt, text.tokens, stats)))
+            await resp.write(sse("[DONE]"))
+        except ConnectionResetError:  # the client hung up: _generate's finally frees the slot
+            log.debug("client left mid-stream")
+            return resp
+        except EngineError as exc:
+            await self._stream_error(resp, exc.status, "generation_failed", str(exc))
+        except Exception as exc:  # after the headers went out, errors travel as an event
+            log.exception("generation failed mid-stream")
+            await self._stream_error(
+                resp, 500, "internal_error", f"internal error: {type(exc).__name__}: {exc}"
+            )
+        return resp
+
+    async def _stream_error(
+        self, resp: web.StreamResponse, status: int, code: str, message: str
+    ) -> None:
+        try:
+            await resp.write(sse(error_body(status, code, message)))
+        except ConnectionResetError:
+            pass
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
+        """Every failure leaves as OpenAI's error JSON, converted here and only here."""
+        try:
+            return await handler(request)
+        except ApiError as exc:
+            return _error_response(exc.status, exc.code, exc.message, exc.param)
+        except EngineError as exc:
+            return _error_response(exc.status, "generation_failed", str(exc))
+        except web.HTTPException as exc:
+            if exc.status < 400:
+                raise
+            return _error_response(
+                exc.status,
+                _HTTP_CODES.get(exc.status, "http_error"),
+                f"{exc.reason}: {request.method} {request.path}",
+            )
+        except KafilaError as exc:
+            return _error_response(400, "bad_request", str(exc))
+        except Exception as exc:
+            log.exception("request failed: %s %s", request.method, request.path)
+            return _error_response(
+                500, "internal_error", f"internal error: {type(exc).__name__}: {exc}"
+            )
+
+
+def _vocab_size(tokenizer) -> int | None:
+    get = getattr(getattr(tokenizer, "backend", None), "get_vocab_size", None)
+    return int(get(with_added_tokens=True)) if get is not None else None
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+async def start_api(
+    engine: Engine,
+    host: str = DEFAULT_API_HOST,
+    port: int = DEFAULT_API_PORT,
+    limits: ApiLimits | None = None,
+) -> ApiServer:
+    """Serve `engine` on host:port (port 0: any free port; see `.port` and `.url`)."""
+    server = ApiServer(engine, limits)
+    await server.start(host, port)
+    return server
+
+
+def parse_hostport(
+    text: str, default_host: str = DEFAULT_API_HOST, default_port: int = DEFAULT_API_PORT
+) -> tuple[str, int]:
+    """`HOST:PORT`, `HOST`, `:PORT` or `PORT` → (host, port); `[::1]:8740` for IPv6 (BadInput otherwise)."""
+    text = text.strip()
+    host, port_text = default_host, ""
+    if text.startswith("["):
+        end = text.find("]")
+        if end < 0:
+            raise BadInput(f"bad address {text!r}: use HOST:PORT, e.g. 127.0.0.1:{default_port}")
+        host, rest = text[1:end], text[end + 1 :]
+        port_text = rest.removeprefix(":")
+    elif text.isdigit():
+        port_text = text
+    elif text.count(":") == 1:
+        h, port_text = text.split(":")
+        host = h or default_host
+    elif ":" in text:  # a bare IPv6 address
+        try:
+            host = str(ipaddress.IPv6Address(text))
+        except ValueError:
+            raise BadInput(f"bad address {text!r}: use HOST:PORT, or [IPv6]:PORT") from None
+    elif text:
+        host = text
+    if not port_text:
+        return host, default_port
+    if not port_text.isdigit() or not 0 <= int(port_text) <= 65535:
+        raise BadInput(f"bad port in {text!r}: use HOST:PORT with a port from 0 to 65535")
+    return host, int(port_text)

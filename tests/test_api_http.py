@@ -1,0 +1,308 @@
+"""The HTTP API over real sockets (127.0.0.1, port 0) with a scripted engine: formats,
+streaming, errors and their status codes, slots freed when a client leaves. No model runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import pytest
+
+from kafila.api import ApiLimits, chat_prompt_ids, start_api
+from tests.api_fixtures import ScriptedEngine, tokenizer  # noqa: F401 (fixture)
+
+MSGS = [{"role": "user", "content": "Say something."}]
+
+
+def serve(engine, test, limits=None):
+    """Run `await test(server, http)` against a server on a free port, then stop it."""
+
+    async def main():
+        server = await start_api(engine, "127.0.0.1", 0, limits)
+        try:
+            async with aiohttp.ClientSession(base_url=server.url) as http:
+                return await asyncio.wait_for(test(server, http), 30)
+        finally:
+            await server.close()
+
+    return asyncio.run(main())
+
+
+async def sse_events(resp) -> list:
+    """The `data:` payloads of a server-sent event stream, JSON-decoded except [DONE]."""
+    events = []
+    async for line in resp.content:
+        line = line.decode().rstrip("\n")
+        if line.startswith("data: "):
+            data = line[len("data: ") :]
+            events.append(data if data == "[DONE]" else json.loads(data))
+    return events
+
+
+def expected_text(tok, messages, n):
+    ids = chat_prompt_ids(tok, messages)
+    return tok.decode(ScriptedEngine.answer(ids, n)), len(ids)
+
+
+def test_models(tokenizer):  # noqa: F811
+    async def test(server, http):
+        async with http.get("/v1/models") as r:
+            assert r.status == 200
+            body = await r.json()
+        assert body["object"] == "list" and [m["id"] for m in body["data"]] == ["scripted"]
+        async with http.get("/v1/models/scripted") as r:
+            assert r.status == 200 and (await r.json())["id"] == "scripted"
+        async with http.get("/v1/models/gpt-4") as r:
+            assert r.status == 404 and (await r.json())["error"]["code"] == "model_not_found"
+        async with http.get("/status") as r:
+            body = await r.json()
+            assert body["ready"] is True and body["api"]["inflight_requests"] == 0
+
+    serve(ScriptedEngine(tokenizer), test)
+
+
+def test_chat_whole_and_streamed_agree(tokenizer):  # noqa: F811
+    want, n_prompt = expected_text(tokenizer, MSGS, 7)
+
+    async def test(server, http):
+        req = {"model": "scripted", "messages": MSGS, "max_tokens": 7}
+        async with http.post("/v1/chat/completions", json=req) as r:
+            assert r.status == 200
+            body = await r.json()
+        assert body["object"] == "chat.completion"
+        choice = body["choices"][0]
+        assert choice["message"] == {"role": "assistant", "content": want}
+        assert choice["finish_reason"] == "length"
+        assert body["usage"] == {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": 7,
+            "total_tokens": n_prompt + 7,
+        }
+
+        stream = {**req, "stream": True, "stream_options": {"include_usage": True}}
+        async with http.post("/v1/chat/completions", json=stream) as r:
+            assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+            events = await sse_events(r)
+        assert events[-1] == "[DONE]"
+        chunks, usage = events[:-2], events[-2]
+        assert all(
+            c["object"] == "chat.completion.chunk" and c["id"] == chunks[0]["id"] for c in chunks
+        )
+        assert chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+        assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks) == want
+        assert [c["choices"][0]["finish_reason"] for c in chunks][-1] == "length"
+        assert all(c["choices"][0]["finish_reason"] is None for c in chunks[:-1])
+        assert len(chunks) > 3  # streamed piece by piece, not in one go
+        assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 7
+
+    serve(ScriptedEngine(tokenizer), test)
+
+
+def test_completions(tokenizer):  # noqa: F811
+    ids = tokenizer.encode("Once upon a time")
+    want = tokenizer.decode(ScriptedEngine.answer(ids, 16))
+
+    async def test(server, http):
+        req = {"model": "scripted", "prompt": "Once upon a time"}
+        async with http.post("/v1/completions", json=req) as r:
+            body = await r.json()
+        assert body["object"] == "text_completion"
+        assert body["choices"][0]["text"] == want  # 16 tokens: OpenAI's default max_tokens
+        assert body["usage"]["prompt_tokens"] == len(ids)
+        async with http.post("/v1/completions", json={**req, "stream": True}) as r:
+            events = await sse_events(r)
+        assert events[-1] == "[DONE]"
+        assert "".join(e["choices"][0]["text"] for e in events[:-1]) == want
+        async with http.post(
+            "/v1/completions", json={"model": "scripted", "prompt": ids, "max_tokens": 3}
+        ) as r:
+            assert (await r.json())["choices"][0]["text"] == tokenizer.decode(
+                ScriptedEngine.answer(ids, 3)
+            )
+
+    serve(ScriptedEngine(tokenizer), test)
+
+
+def test_eos_and_stop_sequences_end_the_answer(tokenizer):  # noqa: F811
+    engine = ScriptedEngine(tokenizer, eos_after=3)
+    want, _ = expected_text(tokenizer, MSGS, 3)
+
+    async def test(server, http):
+        req = {"model": "scripted", "messages": MSGS, "max_tokens": 50}
+        async with http.post("/v1/chat/completions", json=req) as r:
+            choice = (await r.json())["choices"][0]
+        assert (choice["message"]["content"], choice["finish_reason"]) == (want, "stop")
+
+        engine.eos_after = None
+        full, _ = expected_text(tokenizer, MSGS, 12)
+        stop = full.split()[4]  # a word in the middle of the answer
+        for stream in (False, True):
+            async with http.post(
+                "/v1/chat/completions", json={**req, "stop": [stop], "stream": stream}
+            ) as r:
+                if stream:
+                    events = await sse_events(r)
+                    text = "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+                    finish = events[-2]["choices"][0]["finish_reason"]
+                else:
+                    choice = (await r.json())["choices"][0]
+                    text, finish = choice["message"]["content"], choice["finish_reason"]
+            assert (text, finish) == (full[: full.index(stop)], "stop")
+        assert engine.open_slots == 0  # the rest of the generation was cancelled
+
+    serve(engine, test)
+
+
+async def post_raw(http, path, data, headers=None):
+    async with http.post(
+        path, data=data, headers=headers or {"Content-Type": "application/json"}
+    ) as r:
+        body = await r.json(content_type=None)
+        return r.status, body
+
+
+def test_bad_requests_get_the_right_status_and_error_json(tokenizer):  # noqa: F811
+    engine = ScriptedEngine(tokenizer, context_length=64)
+    limits = ApiLimits(max_body_bytes=4096)
+    cases = [
+        ("/v1/chat/completions", b"{not json", 400, "invalid_json"),
+        ("/v1/chat/completions", b"", 400, "invalid_json"),
+        ("/v1/chat/completions", json.dumps({"messages": MSGS}), 400, "missing_field"),
+        ("/v1/chat/completions", json.dumps({"model": "scripted"}), 400, "missing_field"),
+        ("/v1/completions", json.dumps({"model": "scripted"}), 400, "missing_field"),
+        ("/v1/chat/completions", json.dumps({"model": "gpt-4o", "messages": MSGS}), 404, "model_not_found"),
+        ("/v1/completions", json.dumps({"model": "gpt-4o", "prompt": "x"}), 404, "model_not_found"),
+        ("/v1/chat/completions", json.dumps({"model": "scripted", "messages": [{"role": "user", "content": "x" * 5000}]}), 413, "body_too_large"),
+        ("/v1/chat/completions", json.dumps({"model": "scripted", "messages": [{"role": "user", "content": "word " * 200}]}), 400, "context_length_exceeded"),
+        ("/v1/completions", json.dumps({"model": "scripted", "prompt": [5] * 64}), 400, "context_length_exceeded"),
+        ("/v1/completions", json.dumps({"model": "scripted", "prompt": "hi", "max_tokens": 64}), 400, "context_length_exceeded"),
+        ("/v1/completions", json.dumps({"model": "scripted", "prompt": "hi", "max_tokens": 0}), 400, "invalid_value"),
+        ("/v1/completions", json.dumps({"model": "scripted", "prompt": "hi", "max_tokens": 10**6}), 400, "invalid_value"),
+        ("/v1/completions", json.dumps({"model": "scripted", "prompt": [10**7]}), 400, "invalid_value"),
+        ("/v1/completions", json.dumps({"model": "scripted", "prompt": ""}), 400, "empty_prompt"),
+        ("/v1/nothing", b"{}", 404, "not_found"),
+    ]  # fmt: skip
+
+    async def test(server, http):
+        for path, data, status, code in cases:
+            got_status, body = await post_raw(http, path, data)
+            assert (got_status, body["error"]["code"]) == (status, code), (path, data[:80])
+            assert set(body["error"]) >= {"message", "type", "code"} and body["error"]["message"]
+        _, body = await post_raw(
+            http, "/v1/completions", json.dumps({"model": "scripted", "prompt": [5] * 64})
+        )
+        assert "64 tokens" in body["error"]["message"] and "64" in body["error"]["message"]
+        async with http.get("/v1/chat/completions") as r:
+            assert r.status == 405 and (await r.json())["error"]["code"] == "method_not_allowed"
+        assert engine.requests == []  # nothing bad reached the engine
+
+    serve(engine, test, limits)
+
+
+def test_not_ready_is_503(tokenizer):  # noqa: F811
+    engine = ScriptedEngine(tokenizer)
+    engine.is_ready = False
+
+    async def test(server, http):
+        for stream in (False, True):
+            req = {"model": "scripted", "messages": MSGS, "stream": stream}
+            async with http.post("/v1/chat/completions", json=req) as r:
+                assert r.status == 503 and r.headers["Retry-After"]
+                assert (await r.json())["error"]["code"] == "not_ready"
+        async with http.get("/v1/models") as r:
+            assert r.status == 200  # what is served is known before the session is ready
+
+    serve(engine, test)
+
+
+def test_engine_failure_before_and_during_generation(tokenizer):  # noqa: F811
+    engine = ScriptedEngine(tokenizer)
+
+    async def test(server, http):
+        req = {"model": "scripted", "messages": MSGS, "max_tokens": 10}
+        engine.fail_after = 0
+        for stream in (False, True):  # nothing streamed yet: a plain HTTP error
+            async with http.post("/v1/chat/completions", json={**req, "stream": stream}) as r:
+                assert r.status == 503
+                assert "m2 is gone" in (await r.json())["error"]["message"]
+        engine.fail_after = 3
+        async with http.post("/v1/chat/completions", json={**req, "stream": True}) as r:
+            assert r.status == 200
+            events = await sse_events(r)
+        assert "m2 is gone" in events[-1]["error"]["message"] and "[DONE]" not in events
+        assert engine.open_slots == 0 and server.inflight == 0
+
+    serve(engine, test)
+
+
+def test_client_leaving_mid_stream_frees_its_slot(tokenizer):  # noqa: F811
+    engine = ScriptedEngine(tokenizer, context_length=4096, token_delay_s=0.02)
+
+    async def test(server, http):
+        req = {"model": "scripted", "messages": MSGS, "max_tokens": 1000, "stream": True}
+        for _ in range(2):
+            engine.slot_freed.clear()
+            async with http.post("/v1/chat/completions", json=req) as r:
+                await r.content.readline()  # the stream has begun
+                await r.content.readline()
+                assert engine.open_slots == 1
+                r.connection.transport.abort()  # hang up as a killed client would
+            await asyncio.wait_for(engine.slot_freed.wait(), 5)
+            assert engine.open_slots == 0
+        await asyncio.sleep(0.05)
+        assert server.inflight == 0
+        async with http.get("/status") as r:
+            assert (await r.json())["open_slots"] == 0
+
+    serve(engine, test)
+
+
+def test_client_leaving_a_whole_request_frees_its_slot(tokenizer):  # noqa: F811
+    engine = ScriptedEngine(tokenizer, context_length=4096, token_delay_s=0.02)
+
+    async def test(server, http):
+        req = {"model": "scripted", "messages": MSGS, "max_tokens": 1000}
+        with pytest.raises(asyncio.TimeoutError):
+            await asyncio.wait_for(http.post("/v1/chat/completions", json=req), 0.2)
+        await asyncio.wait_for(engine.slot_freed.wait(), 5)
+        assert engine.open_slots == 0
+
+    serve(engine, test)
+
+
+def test_too_many_requests_in_flight_is_429(tokenizer):  # noqa: F811
+    engine = ScriptedEngine(tokenizer, context_length=4096, token_delay_s=0.02)
+
+    async def test(server, http):
+        req = {"model": "scripted", "messages": MSGS, "max_tokens": 20, "stream": True}
+        async with http.post("/v1/chat/completions", json=req) as first:
+            await first.content.readline()
+            async with http.post("/v1/chat/completions", json=req) as second:
+                assert second.status == 429
+                assert (await second.json())["error"]["type"] == "rate_limit_error"
+            await sse_events(first)
+        async with http.post("/v1/chat/completions", json=req) as third:
+            assert third.status == 200
+
+    serve(engine, test, ApiLimits(max_inflight_requests=1))
+
+
+def test_concurrent_requests_each_get_their_own_answer(tokenizer):  # noqa: F811
+    engine = ScriptedEngine(tokenizer, token_delay_s=0.005)
+    prompts = [[{"role": "user", "content": f"Question number {i}"}] for i in range(6)]
+
+    async def one(http, messages, stream):
+        req = {"model": "scripted", "messages": messages, "max_tokens": 9, "stream": stream}
+        async with http.post("/v1/chat/completions", json=req) as r:
+            if stream:
+                events = await sse_events(r)
+                return "".join(e["choices"][0]["delta"].get("content", "") for e in events[:-1])
+            return (await r.json())["choices"][0]["message"]["content"]
+
+    async def test(server, http):
+        got = await asyncio.gather(*(one(http, m, i % 2 == 0) for i, m in enumerate(prompts)))
+        assert got == [expected_text(tokenizer, m, 9)[0] for m in prompts]
+
+    serve(engine, test)
