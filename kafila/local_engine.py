@@ -1,0 +1,183 @@
+"""An Engine over one process's chain of shards (kafila.local.LocalChain).
+
+Theory of operation. Everything that touches the model runs on one worker thread, so the event
+loop never blocks and shards never see two calls at once. Each request gets its own slot (its
+own KV state on every stage) and a step iterator that yields its greedy tokens one by one; each
+`next()` is one job on the worker. Requests with a slot take turns on the worker's FIFO queue,
+so concurrent requests interleave token by token, and each gets exactly the tokens it gets
+alone because slots share nothing. At most `max_slots` requests hold a slot; the others wait
+(FIFO, at most `max_queued`). A request that ends early — a stop sequence, a client that hung
+up — closes its iterator on the worker, which frees the slot before the next request opens one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+from kafila.engine import EngineError, GenerationRequest, GenerationStats
+
+DEFAULT_MAX_SLOTS = 4  # requests generating at once (each holds a KV state on every stage)
+DEFAULT_MAX_QUEUED = 64  # requests waiting for a slot
+_END = object()
+
+# A request → an iterator of its new token ids (greedy), run only on the worker thread.
+StepSource = Callable[[GenerationRequest], Iterator[int]]
+
+
+class LocalEngine:
+    """kafila.engine.Engine for one process. Build with `LocalEngine.open(...)` for a model,
+    or give any `source` (tests). Call `close()` when done."""
+
+    def __init__(
+        self,
+        source: StepSource,
+        tokenizer,
+        model_name: str,
+        context_length: int,
+        *,
+        max_slots: int = DEFAULT_MAX_SLOTS,
+        max_queued: int = DEFAULT_MAX_QUEUED,
+        describe: dict | None = None,
+    ) -> None:
+        self.model_name = model_name
+        self.context_length = context_length
+        self.max_slots = max_slots
+        self.max_queued = max_queued
+        self._source = source
+        self._tokenizer = tokenizer
+        self._describe = describe or {}
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kafila-local")
+        self._slots: asyncio.Semaphore | None = None  # made on first use, in the serving loop
+        self._closed = False
+        self.active = 0  # requests holding a slot
+        self.queued = 0  # requests waiting for one
+        self.served = 0  # requests finished (any way)
+        self.last_stats: GenerationStats | None = None
+
+    # --- Engine protocol ------------------------------------------------------------------
+
+    @property
+    def ready(self) -> bool:
+        return not self._closed
+
+    def tokenizer(self):
+        return self._tokenizer
+
+    async def generate(
+        self, request: GenerationRequest, stats: GenerationStats
+    ) -> AsyncIterator[int]:
+        self._check(request)
+        if self.queued >= self.max_queued:
+            raise EngineError(f"{self.queued} requests are already waiting; try again shortly", 503)
+        if self._slots is None:
+            self._slots = asyncio.Semaphore(self.max_slots)
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        stats.prompt_tokens = len(request.prompt_ids)
+        self.queued += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.queued -= 1
+        # Created here, started on the worker by the first next(): the source's own work (opening
+        # the slot, prefill) happens on the worker too, and closing it is safe at any point.
+        steps = _steps(self._source, request)
+        self.active += 1
+        try:
+            eos = self._tokenizer.eos_ids
+            t_first = None
+            while True:
+                token = await loop.run_in_executor(self._worker, _next, steps)
+                if token is _END:
+                    stats.finish_reason = "length"
+                    break
+                if request.stop_at_eos and token in eos:
+                    stats.finish_reason = "stop"
+                    break
+                now = time.perf_counter()
+                if t_first is None:
+                    t_first = now
+                    stats.ttft_ms = (now - t0) * 1e3
+                stats.new_tokens += 1
+                if stats.new_tokens > 1:
+                    stats.tok_s = (stats.new_tokens - 1) / max(now - t_first, 1e-9)
+                yield token
+                if stats.new_tokens >= request.max_new_tokens:
+                    stats.finish_reason = "length"
+                    break
+        except EngineError:
+            stats.finish_reason = "error"
+            raise
+        except Exception as exc:  # a backend failure: one line for the client, not a crash
+            stats.finish_reason = "error"
+            raise EngineError(f"generation failed: {type(exc).__name__}: {exc}", 500) from exc
+        finally:
+            # Queued behind any step still running for this request; frees its slot.
+            with contextlib.suppress(RuntimeError):  # the worker is already shut down
+                self._worker.submit(_close, steps)
+            self.active -= 1
+            self.served += 1
+            self.last_stats = stats
+            self._slots.release()
+
+    def status(self) -> dict:
+        last = self.last_stats
+        return {
+            "mode": "local",
+            "model": self.model_name,
+            "ready": self.ready,
+            "context_length": self.context_length,
+            "slots": {"max": self.max_slots, "active": self.active, "queued": self.queued},
+            "served_requests": self.served,
+            "last_request": None
+            if last is None
+            else {"prompt_tokens": last.prompt_tokens, "new_tokens": last.new_tokens,
+                  "ttft_ms": last.ttft_ms, "tok_s": last.tok_s, "finish_reason": last.finish_reason},
+            **self._describe,
+        }  # fmt: skip
+
+    # --- lifecycle --------------------------------------------------------------------------
+
+    def _check(self, request: GenerationRequest) -> None:
+        if self._closed:
+            raise EngineError("the engine is shut down", 503)
+        n = len(request.prompt_ids)
+        if n == 0 or request.max_new_tokens < 1:
+            raise EngineError("a request needs a prompt and at least one new token", 400)
+        if n + request.max_new_tokens > self.context_length:
+            raise EngineError(
+                f"the prompt ({n} tokens) and max_new_tokens ({request.max_new_tokens}) exceed the "
+                f"context of {self.context_length} tokens",
+                400,
+            )
+
+    async def aclose(self) -> None:
+        """Stop taking requests and wait for the worker to finish what it has."""
+        self._closed = True
+        await asyncio.get_running_loop().run_in_executor(None, self._worker.shutdown, True)
+
+    def close(self) -> None:
+        self._closed = True
+        self._worker.shutdown(wait=True)
+
+
+def _steps(source: StepSource, request: GenerationRequest) -> Iterator[int]:
+    steps = source(request)
+    try:
+        yield from steps
+    finally:
+        _close(steps)
+
+
+def _next(steps: Iterator[int]):
+    return next(steps, _END)
+
+
+def _close(steps: Iterator[int]) -> None:
+    close = getattr(steps, "close", None)
+    if close is not None:
+        close()
