@@ -197,7 +197,7 @@ class MemberDriver:
             timeout_s = float(cmd.get("op_timeout_s", 120))
             result = await asyncio.wait_for(handler(cmd), timeout_s)
             emit(id=cmd.get("id"), ok=True, **result)
-        except Exception as exc:  # reported to the orchestrator, which fails the test
+        except Exception as exc:  # noqa: BLE001 - reported to the orchestrator, which fails the test
             emit(id=cmd.get("id"), ok=False, error=f"{type(exc).__name__}: {exc}")
 
     async def serve(self) -> None:
