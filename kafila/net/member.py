@@ -1,0 +1,584 @@
+"""A session participant (host or member): signaling, PAKE, roster, and edges to other members.
+
+The asyncio layer around the sans-I/O pieces: rendezvous.messages (signaling codec),
+handshake (SPAKE2 + SealedChannel), natcheck (via stunclient), punch and edge.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import logging
+import os
+import socket
+from typing import Any
+
+import msgpack
+
+from kafila.errors import BadInput, Refused
+from kafila.net.certs import Identity
+from kafila.net.code import make_code, parse_code
+from kafila.net.edge import Edge, quic_destination_cid
+from kafila.net.handshake import Pake, SealedChannel, reject, rejection_reason
+from kafila.net.natcheck import RESTRICTIVE, NatReport, predict_edge_kind
+from kafila.net.punch import edge_id_of
+from kafila.net.roster import (
+    MemberInfo,
+    MemberJoined,
+    MemberLeft,
+    Message,
+    RosterUpdated,
+    SessionEvent,
+    valid_name,
+)
+from kafila.net.sock import MemberSocket
+from kafila.net.stunclient import check_nat, resolve
+from rendezvous import frames
+from rendezvous import messages as m
+from rendezvous.errors import ProtocolError
+
+log = logging.getLogger("kafila.net")
+
+Address = tuple[str, int]
+HEARTBEAT_S = 0.5
+SIGNAL_TIMEOUT_S = 10.0  # a reply the rendezvous or host owes us
+EDGE_ALLOCATE_TIMEOUT_S = 5.0
+RELAY_BIND_RETRY_S = 0.2
+RELAY_BIND_REFRESH_S = 20.0
+UNKNOWN_PEER_WAIT_S = 3.0  # an edge from a member the roster does not show yet
+MAX_APP_MESSAGE_BYTES = 64 * 1024
+GROUP_KEY_BYTES = 32
+
+
+def _local_candidates(bind_host: str, port: int, toward: Address) -> list[Address]:
+    """This machine's address toward the rendezvous (and the bind address), with our port."""
+    hosts = []
+    if bind_host not in ("0.0.0.0", "::", ""):
+        hosts.append(bind_host)
+    else:
+        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        try:
+            probe.connect(toward)  # no packet is sent: this only picks the route
+            hosts.append(probe.getsockname()[0])
+        except OSError:
+            pass
+        finally:
+            probe.close()
+    return [(h, port) for h in hosts]
+
+
+class _Signal:
+    """The TCP signaling connection: framed messages in, framed messages out."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader, self.writer = reader, writer
+        self.frames = m.FrameReader()
+        self.pending: collections.deque[m.Message] = collections.deque()
+
+    def send(self, message: m.Message) -> None:
+        if not self.writer.is_closing():
+            self.writer.write(m.encode(message))
+
+    async def next(self) -> m.Message:
+        while not self.pending:
+            data = await self.reader.read(64 * 1024)
+            if not data:
+                raise ConnectionError("the rendezvous closed the signaling connection")
+            self.pending.extend(self.frames.feed(data))
+        return self.pending.popleft()
+
+    async def expect(self, *kinds: type) -> m.Message:
+        """The next message, which must be one of kinds (an Error becomes Refused)."""
+        while True:
+            message = await asyncio.wait_for(self.next(), SIGNAL_TIMEOUT_S)
+            if isinstance(message, m.Error):
+                raise Refused(f"rendezvous refused: {message.reason}")
+            if isinstance(message, m.Heartbeat):
+                continue
+            if isinstance(message, kinds):
+                return message
+            raise Refused(f"rendezvous sent an unexpected {type(message).__name__}")
+
+
+class Member:
+    """One participant. Build with `await Member.host(...)` or `await Member.join(...)`."""
+
+    def __init__(self) -> None:
+        self.code: str | None = None
+        self.name = ""
+        self.is_host = False
+        self.nat: NatReport
+        self.descriptor: dict = {}
+        self.identity: Identity
+        self.rid = 0
+        self.nameplate = 0
+        self._sock: MemberSocket
+        self._signal: _Signal
+        self._rendezvous: Address = ("", 0)
+        self._bind_host = "0.0.0.0"
+        self._roster: dict[str, MemberInfo] = {}
+        self._group_key = b""
+        self._channels: dict[int, SealedChannel] = {}  # rid -> channel (the host: one per member)
+        self._pakes: dict[int, Pake] = {}
+        self._names: dict[int, str] = {}  # rid -> name
+        self._events: asyncio.Queue[SessionEvent] = asyncio.Queue()
+        self._edges: dict[bytes, Edge] = {}
+        self._cids: dict[bytes, Edge] = {}
+        self._pending_edges: dict[int, collections.deque[asyncio.Future[bytes]]] = {}
+        self._accepted: asyncio.Queue[Edge] = asyncio.Queue()
+        self._relay_token = b""
+        self._relay_bound = asyncio.Event()
+        self._roster_changed = asyncio.Event()
+        self._tasks: set[asyncio.Task] = set()
+        self._closed = False
+        self.signaling_up = True
+
+    # construction
+    @classmethod
+    async def host(
+        cls, rendezvous: tuple[str, int], name: str, descriptor: dict, *,
+        bind_host: str = "0.0.0.0", send_delay_ms: float = 0.0,
+    ) -> Member:
+        """Register a new session at the rendezvous; `.code` is the code to share."""
+        self = cls()
+        await self._open(rendezvous, name, descriptor, bind_host, send_delay_ms, is_host=True)
+        try:
+            self._signal.send(m.Open())
+            opened = await self._signal.expect(m.Opened)
+            assert isinstance(opened, m.Opened)
+            self.nameplate, self.rid, self._relay_token = opened.nameplate, 0, opened.relay_token
+            self.code = make_code(opened.nameplate)
+            self._start_relay_binding()
+            self.nat = await self._nat_task
+            self._names[0] = name
+            self._roster[name] = self._own_info()
+            self._group_key = os.urandom(GROUP_KEY_BYTES)
+            self._start_background()
+        except BaseException:
+            await self._teardown()
+            raise
+        return self
+
+    @classmethod
+    async def join(
+        cls, code: str, rendezvous: tuple[str, int], name: str, descriptor: dict, *,
+        bind_host: str = "0.0.0.0", send_delay_ms: float = 0.0,
+    ) -> Member:
+        """Join the session behind `code`: PAKE with the host, then the roster."""
+        nameplate, normalized = parse_code(code)
+        self = cls()
+        await self._open(rendezvous, name, descriptor, bind_host, send_delay_ms, is_host=False)
+        try:
+            await self._join(nameplate, normalized)
+        except BaseException:
+            await self._teardown()
+            raise
+        return self
+
+    async def _open(self, rendezvous: tuple[str, int], name: str, descriptor: dict,
+                    bind_host: str, send_delay_ms: float, *, is_host: bool) -> None:
+        if not valid_name(name):
+            raise BadInput(f"member name {name!r}: use 1-64 letters, digits, . _ @ + -")
+        if not isinstance(descriptor, dict):
+            raise BadInput("the member descriptor must be a dict")
+        try:
+            packed = msgpack.packb(descriptor, use_bin_type=True)
+        except (TypeError, ValueError) as exc:
+            raise BadInput(f"the member descriptor cannot be sent: {exc}") from None
+        if len(packed) > MAX_APP_MESSAGE_BYTES:
+            raise BadInput("the member descriptor is too large")
+        self.name, self.descriptor, self.is_host = name, descriptor, is_host
+        self._bind_host = bind_host
+        self._rendezvous = await resolve(*rendezvous)
+        self.identity = Identity.generate(name)
+        self._sock = await MemberSocket.open(bind_host, send_delay_ms=send_delay_ms)
+        self._sock.handlers[frames.KIND_RELAY] = self._on_relay
+        self._sock.handlers[frames.KIND_PUNCH] = self._on_punch
+        self._sock.handlers[frames.KIND_QUIC] = self._on_quic
+        self._nat_task = asyncio.ensure_future(check_nat(self._sock, self._rendezvous))
+        try:
+            reader, writer = await asyncio.wait_for(
+                asyncio.open_connection(*self._rendezvous), SIGNAL_TIMEOUT_S
+            )
+        except (OSError, asyncio.TimeoutError) as exc:
+            self._nat_task.cancel()
+            self._sock.close()
+            host, port = rendezvous
+            raise Refused(f"cannot reach the rendezvous at {host}:{port}: {exc or 'timeout'}") from None
+        self._signal = _Signal(reader, writer)
+
+    async def _join(self, nameplate: int, code: str) -> None:
+        self._signal.send(m.Join(nameplate))
+        try:
+            joined = await self._signal.expect(m.Joined)
+        except Refused as exc:
+            raise Refused(f"cannot join {code.split('-')[0]}-...: {exc} (check the code)") from None
+        assert isinstance(joined, m.Joined)
+        self.nameplate, self.rid, self._relay_token = nameplate, joined.rid, joined.relay_token
+        self._start_relay_binding()
+        pake = Pake(code)
+        self._signal.send(m.Send(0, pake.start()))
+        reply = await self._from_host()
+        try:
+            key = pake.finish(reply)
+        except ProtocolError as exc:
+            raise Refused(f"session handshake failed: {exc.reason}") from None
+        channel = SealedChannel(key, is_host=False, nameplate=nameplate, rid=self.rid)
+        self._channels[0] = channel
+        self.nat = await self._nat_task
+        own = self._own_info()
+        self._signal.send(m.Send(0, channel.seal({"t": "hello", "member": own.to_wire()})))
+        body = await self._from_host()
+        reason = rejection_reason(body)
+        if reason is not None:
+            raise Refused(f"wrong code: {reason}")
+        try:
+            welcome = channel.open(body)
+            if welcome.get("t") == "refuse":
+                raise Refused(f"the host refused: {welcome.get('reason')}")
+            if welcome.get("t") != "welcome" or not isinstance(welcome.get("key"), bytes):
+                raise ProtocolError("malformed", "expected the host's welcome")
+            self._group_key = welcome["key"]
+            self._set_roster(welcome.get("members"))
+        except ProtocolError as exc:
+            raise Refused(
+                f"the host's reply failed authentication ({exc.reason}): wrong code, or the "
+                "rendezvous tampered with it"
+            ) from None
+        self._start_background()
+
+    async def _from_host(self) -> bytes:
+        deliver = await self._signal.expect(m.Deliver)
+        assert isinstance(deliver, m.Deliver)
+        if deliver.sender != 0:
+            raise Refused("the rendezvous delivered a message that is not from the host")
+        return deliver.body
+
+    def _own_info(self) -> MemberInfo:
+        mapped_ip, _, mapped_port = self.nat.mapped.rpartition(":")
+        candidates = [(mapped_ip, int(mapped_port))]
+        for addr in _local_candidates(self._bind_host, self._sock.local_address[1], self._rendezvous):
+            if addr not in candidates:
+                candidates.append(addr)
+        return MemberInfo(self.name, self.descriptor, self.nat.nat, self.nat.rtt_ms,
+                          self.identity.fingerprint, tuple(candidates), self.rid, self.nat)
+
+    # background work
+    def _spawn(self, coro: Any, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=f"member-{self.name}-{name}")
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    def _start_relay_binding(self) -> None:
+        """Once the rendezvous knows us: bind our UDP address for the relay, and heartbeat."""
+        self._spawn(self._relay_binding(), "relay-bind")
+        self._spawn(self._heartbeat(), "heartbeat")
+
+    def _start_background(self) -> None:
+        self._spawn(self._signal_loop(), "signal")
+
+    async def _relay_binding(self) -> None:
+        frame = frames.encode_bind(self._relay_token)
+        while not self._closed:
+            self._sock.sendto(frame, self._rendezvous)
+            delay = RELAY_BIND_REFRESH_S if self._relay_bound.is_set() else RELAY_BIND_RETRY_S
+            await asyncio.sleep(delay)
+
+    async def _heartbeat(self) -> None:
+        while not self._closed:
+            self._signal.send(m.Heartbeat())
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def _signal_loop(self) -> None:
+        try:
+            while not self._closed:
+                message = await self._signal.next()
+                self._handle(message)
+        except (ConnectionError, OSError, ProtocolError) as exc:
+            reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
+            if not self._closed:
+                self.signaling_up = False
+                log.warning("%s: signaling lost: %s", self.name, reason)
+                if not self.is_host:
+                    host = self._names.get(0, "host")
+                    self._events.put_nowait(MemberLeft(host, f"signaling lost: {reason}"))
+
+    def _handle(self, message: m.Message) -> None:
+        if isinstance(message, m.Deliver):
+            self._deliver(message)
+        elif isinstance(message, m.EdgeAllocated):
+            self._edge_allocated(message)
+        elif isinstance(message, m.PeerLeft) and self.is_host:
+            self._member_gone(message.rid, message.reason)
+        elif isinstance(message, m.SessionClosed) and not self.is_host:
+            self._events.put_nowait(MemberLeft(self._names.get(0, "host"), message.reason))
+        elif isinstance(message, m.Error):
+            log.warning("%s: rendezvous error: %s", self.name, message.reason)
+            for waiters in self._pending_edges.values():
+                if waiters and message.code in ("no-such-member", "full"):
+                    waiters.popleft().set_exception(Refused(f"edge refused: {message.reason}"))
+                    break
+
+    def _deliver(self, message: m.Deliver) -> None:
+        body, rid = message.body, message.sender
+        if self.is_host and body[:1] == b"P":
+            self._host_pake(rid, body)
+            return
+        channel = self._channels.get(rid)
+        if channel is None:
+            return
+        try:
+            sealed = channel.open(body)
+            if self.is_host and rid not in self._names:
+                self._host_hello(rid, sealed)
+            elif sealed.get("t") == "app":
+                self._events.put_nowait(Message(self._names.get(rid, str(rid)), sealed.get("body")))
+            elif sealed.get("t") == "roster" and not self.is_host:
+                self._set_roster(sealed.get("members"))
+                self._events.put_nowait(RosterUpdated(self.roster()))
+        except ProtocolError as exc:
+            self._auth_failure(rid, exc)
+
+    def _auth_failure(self, rid: int, exc: ProtocolError) -> None:
+        if self.is_host:
+            first = rid not in self._names
+            log.warning("member %d: %s; removing it%s", rid, exc.reason,
+                        " and closing the nameplate" if first else "")
+            self._signal.send(m.Send(rid, reject(
+                "the host could not verify your code; the nameplate is now closed"
+                if first else f"authentication failure: {exc.reason}")))
+            self._signal.send(m.Kick(rid))
+            if first:
+                self._signal.send(m.CloseNameplate())
+            self._channels.pop(rid, None)
+            if not first:
+                self._member_gone(rid, f"authentication failure: {exc.reason}")
+        else:
+            log.error("%s: signaling from the host failed: %s; leaving", self.name, exc.reason)
+            self._events.put_nowait(MemberLeft(self._names.get(0, "host"),
+                                               f"authentication failure: {exc.reason}"))
+            self._closed = True
+            self._signal.writer.close()
+
+    def _host_pake(self, rid: int, body: bytes) -> None:
+        if rid in self._pakes or rid in self._channels:
+            self._auth_failure(rid, ProtocolError("state", "second PAKE message"))
+            return
+        assert self.code is not None
+        pake = Pake(self.code)
+        self._pakes[rid] = pake
+        self._signal.send(m.Send(rid, pake.start()))
+        try:
+            key = pake.finish(body)
+        except ProtocolError as exc:
+            self._auth_failure(rid, exc)
+            return
+        self._channels[rid] = SealedChannel(key, is_host=True, nameplate=self.nameplate, rid=rid)
+
+    def _host_hello(self, rid: int, hello: dict) -> None:
+        channel = self._channels[rid]
+        if hello.get("t") != "hello":
+            raise ProtocolError("malformed", "expected a hello")
+        info = MemberInfo.from_wire({**(hello.get("member") or {}), "rid": rid})
+        if info.name in self._roster:
+            self._signal.send(m.Send(rid, channel.seal(
+                {"t": "refuse", "reason": f"the name {info.name!r} is taken; pick another"})))
+            self._signal.send(m.Kick(rid))
+            self._channels.pop(rid, None)
+            return
+        self._names[rid] = info.name
+        self._roster[info.name] = info
+        self._signal.send(m.Send(rid, channel.seal(
+            {"t": "welcome", "key": self._group_key, "members": self._roster_wire()})))
+        self._broadcast_roster(exclude=rid)
+        self._roster_changed.set()
+        self._events.put_nowait(MemberJoined(info))
+
+    def _member_gone(self, rid: int, reason: str) -> None:
+        self._channels.pop(rid, None)
+        self._pakes.pop(rid, None)
+        name = self._names.pop(rid, None)
+        if name is None:
+            return
+        self._roster.pop(name, None)
+        self._broadcast_roster()
+        self._events.put_nowait(MemberLeft(name, reason))
+
+    def _roster_wire(self) -> list[dict]:
+        return [info.to_wire() for info in self._roster.values()]
+
+    def _broadcast_roster(self, exclude: int | None = None) -> None:
+        members = self._roster_wire()
+        for rid, channel in self._channels.items():
+            if rid != exclude and rid in self._names:
+                self._signal.send(m.Send(rid, channel.seal({"t": "roster", "members": members})))
+
+    def _set_roster(self, members: object) -> None:
+        if not isinstance(members, list):
+            raise ProtocolError("malformed", "roster is not a list")
+        roster = {}
+        for item in members:
+            info = MemberInfo.from_wire(item)
+            roster[info.name] = info
+        self._roster = roster
+        self._names = {info.peer_id: info.name for info in roster.values()}
+        self._roster_changed.set()
+
+    # public API
+    def roster(self) -> dict[str, MemberInfo]:
+        """name -> MemberInfo: the host's view, or the roster the host last sent."""
+        return dict(self._roster)
+
+    async def send(self, to: str, message: Any) -> None:
+        """An authenticated message to `to` (members may only send to the host)."""
+        info = self._roster.get(to)
+        if info is None:
+            raise BadInput(f"no member named {to!r} in this session")
+        if not self.is_host and info.peer_id != 0:
+            raise BadInput("members can only send to the host")
+        if info.peer_id == self.rid:
+            raise BadInput("cannot send to yourself")
+        if len(msgpack.packb(message, use_bin_type=True)) > MAX_APP_MESSAGE_BYTES:
+            raise BadInput(f"message larger than {MAX_APP_MESSAGE_BYTES} bytes")
+        channel = self._channels.get(info.peer_id)
+        if channel is None:
+            raise Refused(f"no signaling channel to {to}")
+        self._signal.send(m.Send(info.peer_id, channel.seal({"t": "app", "body": message})))
+        await self._signal.writer.drain()
+
+    async def recv(self) -> SessionEvent:
+        return await self._events.get()
+
+    async def connect(self, peer: str) -> Edge:
+        """A QUIC edge to `peer`: up over the relay at once, upgraded to direct underneath."""
+        info = self._roster.get(peer)
+        if info is None:
+            raise BadInput(f"no member named {peer!r} in this session")
+        if info.peer_id == self.rid:
+            raise BadInput("cannot open an edge to yourself")
+        await asyncio.wait_for(self._relay_bound.wait(), SIGNAL_TIMEOUT_S)
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+        self._pending_edges.setdefault(info.peer_id, collections.deque()).append(future)
+        self._signal.send(m.EdgeRequest(info.peer_id))
+        try:
+            edge_id = await asyncio.wait_for(future, EDGE_ALLOCATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise Refused(f"the rendezvous did not allocate an edge to {peer}") from None
+        edge = self._new_edge(edge_id, info, is_client=True)
+        await edge.connect()
+        return edge
+
+    async def accept(self) -> Edge:
+        """The next edge a peer opened to us (authenticated)."""
+        return await self._accepted.get()
+
+    async def close(self) -> None:
+        """Leave the session cleanly (the host sees MemberLeft)."""
+        if self._closed:
+            return
+        with contextlib.suppress(Exception):
+            self._signal.send(m.Bye())
+            await asyncio.wait_for(self._signal.writer.drain(), 1.0)
+        await self._teardown()
+
+    # edges
+    def _new_edge(self, edge_id: bytes, info: MemberInfo, *, is_client: bool) -> Edge:
+        predicted = predict_edge_kind(self.nat.nat, info.nat)
+        edge = Edge(
+            edge_id=edge_id, peer=info.name, peer_fingerprint=info.fingerprint,
+            peer_candidates=list(info.candidates), predicted=predicted, is_client=is_client,
+            identity=self.identity, group_key=self._group_key, sock=self._sock,
+            relay_addr=self._rendezvous, register_cid=self._register_cid,
+            on_closed=self._edge_closed,
+            on_authed=None if is_client else self._accepted.put_nowait,
+            punch_rounds=1 if self.nat.nat == info.nat == RESTRICTIVE else 3,
+        )
+        self._edges[edge_id] = edge
+        return edge
+
+    def _register_cid(self, cid: bytes, edge: Edge | None) -> None:
+        if edge is None:
+            self._cids.pop(cid, None)
+        else:
+            self._cids[cid] = edge
+
+    def _edge_closed(self, edge: Edge) -> None:
+        self._edges.pop(edge.edge_id, None)
+
+    def _edge_allocated(self, message: m.EdgeAllocated) -> None:
+        if message.initiator:
+            waiters = self._pending_edges.get(message.peer)
+            if waiters:
+                waiters.popleft().set_result(message.edge_id)
+            return
+        self._spawn(self._incoming_edge(message), "incoming-edge")
+
+    async def _incoming_edge(self, message: m.EdgeAllocated) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + UNKNOWN_PEER_WAIT_S
+        while message.peer not in self._names and loop.time() < deadline:
+            self._roster_changed.clear()
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._roster_changed.wait(), deadline - loop.time())
+        name = self._names.get(message.peer)
+        if name is None or name == self.name:
+            log.warning("edge offered by unknown member %d: ignored", message.peer)
+            return
+        self._new_edge(message.edge_id, self._roster[name], is_client=False)
+
+    # datagrams from the member socket
+    def _on_relay(self, data: bytes, src: Address) -> None:
+        if src != self._rendezvous:
+            return
+        if data[0] == frames.BIND_ACK:
+            if frames.decode_bind(data) == self._relay_token:
+                self._relay_bound.set()
+            return
+        edge_id, payload = frames.decode_data(data)
+        edge = self._edges.get(edge_id)
+        if edge is not None and payload:
+            edge.datagram(payload)
+
+    def _on_punch(self, data: bytes, src: Address) -> None:
+        edge = self._edges.get(edge_id_of(data))
+        if edge is not None:
+            edge.punch_frame(data, src)
+
+    def _on_quic(self, data: bytes, src: Address) -> None:
+        try:
+            cid, _ = quic_destination_cid(data)
+        except ProtocolError:
+            return
+        edge = self._cids.get(cid)
+        if edge is None:
+            return
+        if src != edge.puncher.direct and src not in edge.puncher.candidates:
+            return  # QUIC from an address this edge never punched: not ours to accept
+        edge.datagram(data)
+
+    async def _teardown(self) -> None:
+        self._closed = True
+        for edge in list(self._edges.values()):
+            with contextlib.suppress(Exception):
+                await edge.close()
+        current = asyncio.current_task()
+        for task in list(self._tasks):
+            if task is not current:
+                task.cancel()
+        for task in list(self._tasks):
+            if task is not current:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        nat_task = getattr(self, "_nat_task", None)
+        if nat_task is not None and not nat_task.done():
+            nat_task.cancel()
+        signal = getattr(self, "_signal", None)
+        if signal is not None:
+            signal.writer.close()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(signal.writer.wait_closed(), 1.0)
+        sock = getattr(self, "_sock", None)
+        if sock is not None:
+            sock.close()

@@ -1,0 +1,78 @@
+"""The member's one UDP socket carries several protocols, told apart by the first byte.
+
+    0x00-0x03  STUN (RFC 5389 header; the magic cookie confirms it)
+    0x10       BIND      member -> rendezvous: [0x10][relay token 16]  (register my UDP address)
+    0x11       BIND_ACK  rendezvous -> member: [0x11][relay token 16]
+    0x12       DATA      relay frame, both ways: [0x12][edge id 8][opaque payload]
+    0x20       PROBE     member -> member punch probe  (kafila.net.punch)
+    0x21       PONG      member -> member punch answer (kafila.net.punch)
+    0x40-0xFF  QUIC (the fixed bit 0x40 is set in every long and short header)
+
+The relay never looks inside a DATA payload: it is a QUIC packet, encrypted end to end.
+"""
+
+from __future__ import annotations
+
+from rendezvous.errors import ProtocolError
+from rendezvous.limits import MAX_DATAGRAM_BYTES
+from rendezvous.messages import EDGE_ID_BYTES, RELAY_TOKEN_BYTES
+
+BIND = 0x10
+BIND_ACK = 0x11
+DATA = 0x12
+PROBE = 0x20
+PONG = 0x21
+STUN_COOKIE = b"\x21\x12\xa4\x42"
+
+KIND_STUN = "stun"
+KIND_RELAY = "relay"  # BIND / BIND_ACK / DATA
+KIND_PUNCH = "punch"  # PROBE / PONG
+KIND_QUIC = "quic"
+
+DATA_HEADER_BYTES = 1 + EDGE_ID_BYTES
+
+
+def kind_of(datagram: bytes) -> str | None:
+    """Which protocol a datagram belongs to, or None for garbage (to be dropped)."""
+    if not datagram or len(datagram) > MAX_DATAGRAM_BYTES:
+        return None
+    first = datagram[0]
+    if first & 0x40:
+        return KIND_QUIC
+    if first <= 0x03:
+        return KIND_STUN if len(datagram) >= 20 and datagram[4:8] == STUN_COOKIE else None
+    if first in (BIND, BIND_ACK, DATA):
+        return KIND_RELAY
+    if first in (PROBE, PONG):
+        return KIND_PUNCH
+    return None
+
+
+def encode_bind(token: bytes, *, ack: bool = False) -> bytes:
+    if len(token) != RELAY_TOKEN_BYTES:
+        raise ProtocolError("malformed", "relay token must be 16 bytes")
+    return bytes([BIND_ACK if ack else BIND]) + token
+
+
+def decode_bind(datagram: bytes) -> bytes:
+    """A BIND or BIND_ACK -> its token."""
+    if len(datagram) != 1 + RELAY_TOKEN_BYTES or datagram[0] not in (BIND, BIND_ACK):
+        raise ProtocolError("malformed", "bad relay bind frame")
+    return bytes(datagram[1:])
+
+
+def encode_data(edge_id: bytes, payload: bytes) -> bytes:
+    if len(edge_id) != EDGE_ID_BYTES:
+        raise ProtocolError("malformed", "edge id must be 8 bytes")
+    if DATA_HEADER_BYTES + len(payload) > MAX_DATAGRAM_BYTES:
+        raise ProtocolError("too-large", f"relay payload of {len(payload)} bytes")
+    return bytes([DATA]) + edge_id + payload
+
+
+def decode_data(datagram: bytes) -> tuple[bytes, bytes]:
+    """A DATA frame -> (edge id, payload)."""
+    if len(datagram) < DATA_HEADER_BYTES or datagram[0] != DATA:
+        raise ProtocolError("malformed", "bad relay data frame")
+    if len(datagram) > MAX_DATAGRAM_BYTES:
+        raise ProtocolError("too-large", "relay frame too large")
+    return bytes(datagram[1:DATA_HEADER_BYTES]), bytes(datagram[DATA_HEADER_BYTES:])

@@ -1,0 +1,219 @@
+"""The rendezvous service: the asyncio layer around Registry, StunResponder and RelayTable.
+
+One TCP listener (signaling) and one UDP socket (STUN + relay) share the primary port; a second
+UDP socket on another port (and optionally one on an alternate IP) answers STUN for RFC 5780
+classification. All state is in memory. Input that breaks a rule is dropped (UDP) or answered
+with an Error and the connection closed (TCP); the service itself never stops on bad input.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import logging
+
+from rendezvous import frames
+from rendezvous import messages as m
+from rendezvous.errors import ProtocolError
+from rendezvous.limits import MAX_DATAGRAM_BYTES
+from rendezvous.registry import Action, CloseConn, Registry, SendTo
+from rendezvous.relay import RelayTable
+from rendezvous.stun import ALTERNATE_IP, PRIMARY, SECOND_PORT, StunResponder
+
+log = logging.getLogger("kafila.rendezvous")
+
+TICK_S = 0.25
+MAX_WRITE_BUFFER_BYTES = 4 * 1024 * 1024  # a member that reads slower than this is dropped
+TCP_READ_BYTES = 64 * 1024
+BIND_ATTEMPTS = 20
+
+
+class _UdpSocket(asyncio.DatagramProtocol):
+    def __init__(self, service: Rendezvous, index: int) -> None:
+        self.service = service
+        self.index = index
+        self.transport: asyncio.DatagramTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def datagram_received(self, data: bytes, addr: tuple) -> None:
+        self.service._datagram(data, (addr[0], addr[1]), self.index)
+
+    def error_received(self, exc: Exception) -> None:  # ICMP errors etc.: not fatal
+        log.debug("udp socket %d: %s", self.index, exc)
+
+
+class Rendezvous:
+    """Registry, signaling, STUN on two ports and a ciphertext relay, in one process."""
+
+    def __init__(self, registry: Registry, stun_responder: StunResponder) -> None:
+        self.registry = registry
+        self.stun = stun_responder
+        self._server: asyncio.Server | None = None
+        self._udp: dict[int, _UdpSocket] = {}
+        self._writers: dict[int, asyncio.StreamWriter] = {}
+        self._tasks: set[asyncio.Task] = set()
+        self._conn_ids = itertools.count(1)
+        self._ticker: asyncio.Task | None = None
+        self.address: tuple[str, int] = ("", 0)
+        self.stun_port2 = 0
+        self.udp_dropped = 0
+
+    @classmethod
+    async def start(
+        cls,
+        host: str = "0.0.0.0",
+        port: int = 0,
+        *,
+        alternate_ip: str | None = None,
+        relay: RelayTable | None = None,
+    ) -> Rendezvous:
+        """Listen on host:port (TCP + UDP), a second UDP port, and alternate_ip if given."""
+        loop = asyncio.get_running_loop()
+        self = cls(Registry(relay=relay), StunResponder(port2=0, alternate_ip=alternate_ip))
+        last_error: OSError | None = None
+        for _ in range(BIND_ATTEMPTS if port == 0 else 1):
+            server = await asyncio.start_server(self._connection, host, port)
+            bound = server.sockets[0].getsockname()[1]
+            try:
+                _, proto = await loop.create_datagram_endpoint(
+                    lambda: _UdpSocket(self, PRIMARY), local_addr=(host, bound)
+                )
+            except OSError as exc:  # UDP port taken: try another pair
+                last_error = exc
+                server.close()
+                await server.wait_closed()
+                continue
+            self._server, self._udp[PRIMARY] = server, proto
+            break
+        else:
+            raise OSError(f"cannot bind the rendezvous on {host}:{port}: {last_error}")
+        _, second = await loop.create_datagram_endpoint(
+            lambda: _UdpSocket(self, SECOND_PORT), local_addr=(host, 0)
+        )
+        self._udp[SECOND_PORT] = second
+        self.stun_port2 = second.transport.get_extra_info("sockname")[1]
+        if alternate_ip is not None:
+            _, alt = await loop.create_datagram_endpoint(
+                lambda: _UdpSocket(self, ALTERNATE_IP), local_addr=(alternate_ip, 0)
+            )
+            self._udp[ALTERNATE_IP] = alt
+        self.stun.port2 = self.stun_port2
+        self.registry.stun_port2 = self.stun_port2
+        self.address = (host, bound)
+        self._ticker = asyncio.create_task(self._tick_forever(), name="rendezvous-tick")
+        log.info("rendezvous on %s:%d (tcp+udp), stun also on udp %d", host, bound, self.stun_port2)
+        return self
+
+    async def close(self) -> None:
+        if self._ticker is not None:
+            self._ticker.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._ticker
+        if self._server is not None:
+            self._server.close()
+        for writer in list(self._writers.values()):
+            writer.close()
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        for proto in self._udp.values():
+            if proto.transport is not None:
+                proto.transport.close()
+        if self._server is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._server.wait_closed(), 2.0)
+
+    async def serve_forever(self) -> None:
+        """Run until cancelled."""
+        await asyncio.Event().wait()
+
+    # TCP signaling
+    async def _connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        if task is not None:
+            self._tasks.add(task)
+        conn = next(self._conn_ids)
+        self._writers[conn] = writer
+        loop = asyncio.get_running_loop()
+        reason = "disconnected"
+        try:
+            self._apply(self.registry.connected(conn, loop.time()))
+            frame_reader = m.FrameReader()
+            while conn in self._writers:
+                data = await reader.read(TCP_READ_BYTES)
+                if not data:
+                    break
+                try:
+                    messages = frame_reader.feed(data)
+                except ProtocolError as exc:
+                    self.registry.rejected += 1
+                    self._send(conn, m.Error(exc.code, exc.reason[: m.MAX_REASON_CHARS]))
+                    reason = f"protocol error: {exc.reason}"
+                    break
+                for message in messages:
+                    self._apply(self.registry.receive(conn, message, loop.time()))
+        except (ConnectionError, OSError):
+            reason = "connection lost"
+        finally:
+            self._apply(self.registry.disconnected(conn, reason, loop.time()))
+            self._close_writer(conn)
+            if task is not None:
+                self._tasks.discard(task)
+
+    def _apply(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, SendTo):
+                self._send(action.conn, action.message)
+            elif isinstance(action, CloseConn):
+                self._close_writer(action.conn)
+
+    def _send(self, conn: int, message: m.Message) -> None:
+        writer = self._writers.get(conn)
+        if writer is None or writer.is_closing():
+            return
+        writer.write(m.encode(message))
+        if writer.transport.get_write_buffer_size() > MAX_WRITE_BUFFER_BYTES:
+            log.warning("signaling connection %d reads too slowly; closing it", conn)
+            self._close_writer(conn)
+
+    def _close_writer(self, conn: int) -> None:
+        writer = self._writers.pop(conn, None)
+        if writer is not None:
+            writer.close()
+
+    async def _tick_forever(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            await asyncio.sleep(TICK_S)
+            try:
+                self._apply(self.registry.tick(loop.time()))
+            except Exception:  # a bug in one tick must not stop the service
+                log.exception("rendezvous tick failed")
+
+    # UDP: STUN and relay
+    def _datagram(self, data: bytes, src: tuple[str, int], index: int) -> None:
+        if len(data) > MAX_DATAGRAM_BYTES:
+            self.udp_dropped += 1
+            return
+        kind = frames.kind_of(data)
+        if kind == frames.KIND_STUN:
+            answer = self.stun.respond(data, src, index)
+            if answer is not None:
+                self._sendto(answer[1], answer[0], src)
+        elif kind == frames.KIND_RELAY and index == PRIMARY:
+            now = asyncio.get_running_loop().time()
+            out = self.registry.relay.receive(data, src, now)
+            if out is not None:
+                self._sendto(PRIMARY, out[0], out[1])
+        else:
+            self.udp_dropped += 1
+
+    def _sendto(self, index: int, data: bytes, addr: tuple[str, int]) -> None:
+        proto = self._udp.get(index)
+        if proto is not None and proto.transport is not None:
+            proto.transport.sendto(data, addr)
