@@ -1,0 +1,287 @@
+"""Measure this machine for the planner: the terms of eq. 2 and the tiers below it (§V-A, §V-D).
+
+`probe_device(quick=False) -> ProbeResult` measures
+- memory bandwidth b̄ (GB/s): a streaming read, on every CPU this process may use, of a buffer
+  far larger than the last-level cache (at least 512 MiB and twice the LLC; 128 MiB in quick
+  mode, which trades rigour for a sub-two-second start);
+- per-token dispatch overhead o (µs): one forward of a tiny OpenVINO graph on CPU
+  ([1, 1, 64] → MatMul [64, 64] → result), the cost the backend pays per shard per token
+  whatever the shard's size;
+- free memory (GB = 1e9 bytes): what the OS reports available, lowered to the room left under
+  a cgroup memory limit when one is set;
+- arithmetic throughput (TFLOP/s): a float32 numpy matmul.
+Each figure is the median over several runs, with its spread (max − min over the runs, in the
+same unit). Every run lasts at least a fixed wall-clock time, so a figure is a sustained rate:
+a CPU quota or thermal throttling shows in it rather than hiding between bursts.
+A measurement that fails is reported as None with the reason in `errors`; the planner then
+plans in a lower admission tier.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+MIB = 1 << 20
+BYTES_PER_GB = 1e9
+FULL_BUFFER_MIN_BYTES = 512 * MIB
+QUICK_BUFFER_BYTES = 128 * MIB
+MAX_BUFFER_BYTES = 2048 * MIB
+OVERHEAD_WIDTH = 64  # the tiny graph's hidden size
+
+
+@dataclass(frozen=True)
+class ProbeSettings:
+    """How long and how often to measure."""
+
+    runs: int
+    run_s: float  # each run repeats its work for at least this long
+    buffer_bytes: int  # upper bound; lowered to a quarter of free memory
+    matmul_n: int
+
+    @staticmethod
+    def for_mode(quick: bool) -> ProbeSettings:
+        if quick:
+            return ProbeSettings(runs=5, run_s=0.025, buffer_bytes=QUICK_BUFFER_BYTES, matmul_n=512)
+        llc = last_level_cache_bytes() or 0
+        buffer = min(MAX_BUFFER_BYTES, max(FULL_BUFFER_MIN_BYTES, 2 * llc))
+        return ProbeSettings(runs=7, run_s=0.2, buffer_bytes=buffer, matmul_n=1024)
+
+
+@dataclass(frozen=True)
+class ProbeResult:
+    """One machine's measurements; medians over `runs`, spreads are max − min."""
+
+    bandwidth_gbps: float | None
+    overhead_us: float | None
+    memory_gb: float
+    tflops: float | None
+    bandwidth_spread: float | None  # GB/s
+    overhead_spread: float | None  # µs
+    tflops_spread: float | None  # TFLOP/s
+    runs: int
+    quick: bool
+    threads: int
+    buffer_mib: int
+    llc_mib: int | None
+    backend: str
+    errors: tuple[str, ...] = field(default=())
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["errors"] = list(self.errors)
+        for key, value in out.items():
+            if isinstance(value, float):
+                out[key] = round(value, 4)
+        return out
+
+    def fleet_device(self, name: str, **extra: Any) -> dict[str, Any]:
+        """This machine as a `devices` entry of the planner's fleet file."""
+        entry: dict[str, Any] = {
+            "name": name,
+            "memory_gb": round(self.memory_gb, 3),
+            "bandwidth_gbps": self.bandwidth_gbps,
+            "overhead_us": self.overhead_us,
+            "tflops": self.tflops,
+        }
+        entry.update(extra)
+        return entry
+
+
+def probe_device(quick: bool = False) -> ProbeResult:
+    """Measure this machine (quick: under two seconds, for session start)."""
+    settings = ProbeSettings.for_mode(quick)
+    errors: list[str] = []
+    memory_bytes = free_memory_bytes()  # before the probe's own buffer takes some
+    threads = usable_cpus()
+    buffer_bytes = max(64 * MIB, min(settings.buffer_bytes, int(memory_bytes // 4)))
+
+    bandwidth = _attempt(
+        lambda: measure_bandwidth(buffer_bytes, threads, settings), errors, "bandwidth"
+    )
+    overhead = _attempt(lambda: measure_overhead(settings), errors, "overhead")
+    tflops = _attempt(lambda: measure_tflops(settings), errors, "tflops")
+    llc = last_level_cache_bytes()
+    return ProbeResult(
+        bandwidth_gbps=_median(bandwidth),
+        overhead_us=_median(overhead),
+        memory_gb=memory_bytes / BYTES_PER_GB,
+        tflops=_median(tflops),
+        bandwidth_spread=_spread(bandwidth),
+        overhead_spread=_spread(overhead),
+        tflops_spread=_spread(tflops),
+        runs=settings.runs,
+        quick=quick,
+        threads=threads,
+        buffer_mib=buffer_bytes // MIB,
+        llc_mib=None if llc is None else llc // MIB,
+        backend="openvino CPU",
+        errors=tuple(errors),
+    )
+
+
+def _attempt(
+    measure: Callable[[], list[float]], errors: list[str], what: str
+) -> list[float] | None:
+    try:
+        return measure()
+    except (ImportError, MemoryError, OSError, RuntimeError, ValueError) as exc:
+        # a failed measurement lowers the planner's tier; the reason travels with the result
+        errors.append(f"{what}: {type(exc).__name__}: {exc}")
+        return None
+
+
+def _median(values: list[float] | None) -> float | None:
+    return None if not values else statistics.median(values)
+
+
+def _spread(values: list[float] | None) -> float | None:
+    return None if not values else max(values) - min(values)
+
+
+def _timed_runs(work: Callable[[], float], settings: ProbeSettings) -> list[float]:
+    """Rates from `settings.runs` runs; `work` does one unit and returns its size.
+
+    Each run repeats `work` for at least `run_s` and reports size / elapsed s; one run before
+    them warms caches, pages and thread pools and is discarded.
+    """
+    rates = []
+    for run in range(settings.runs + 1):
+        done = 0.0
+        start = time.perf_counter()
+        while True:
+            done += work()
+            elapsed = time.perf_counter() - start
+            if elapsed >= settings.run_s:
+                break
+        if run > 0:
+            rates.append(done / elapsed)
+    return rates
+
+
+def measure_bandwidth(buffer_bytes: int, threads: int, settings: ProbeSettings) -> list[float]:
+    """GB/s per run: every thread reads its own slice of the buffer (integer OR-reduction)."""
+    words = np.empty(buffer_bytes // 8, dtype=np.uint64)
+    words.fill(1)  # touch every page before timing
+    slices = np.array_split(words, threads * 4)
+    with ThreadPoolExecutor(max_workers=threads) as pool:
+
+        def read_once() -> float:
+            # numpy releases the GIL inside the reduction, so the threads read in parallel
+            list(pool.map(np.bitwise_or.reduce, slices))
+            return float(words.nbytes)
+
+        rates = _timed_runs(read_once, settings)
+    return [rate / BYTES_PER_GB for rate in rates]
+
+
+def measure_overhead(settings: ProbeSettings) -> list[float]:
+    """µs per forward of a tiny OpenVINO graph: the backend's fixed cost per stage and token."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    x = ops.parameter([1, 1, OVERHEAD_WIDTH], np.float32, name="x")  # (B, T, C)
+    weight = np.full((OVERHEAD_WIDTH, OVERHEAD_WIDTH), 0.01, dtype=np.float32)
+    y = ops.matmul(x, ops.constant(weight), False, False)  # (B, T, C)
+    model = ov.Model([ops.result(y)], [x], "kafila-probe")
+    compiled = ov.Core().compile_model(model, "CPU")
+    request = compiled.create_infer_request()
+    token = np.ones((1, 1, OVERHEAD_WIDTH), dtype=np.float32)  # (B, T, C)
+
+    def forward() -> float:
+        # as a shard steps: wrap this token's activations without a copy, infer, read back
+        request.set_input_tensor(0, ov.Tensor(token, shared_memory=True))
+        request.infer()
+        request.get_output_tensor(0).data.sum()
+        return 1.0
+
+    calls_per_s = _timed_runs(forward, settings)
+    return [1e6 / rate for rate in calls_per_s]
+
+
+def measure_tflops(settings: ProbeSettings) -> list[float]:
+    """TFLOP/s of a float32 n×n matmul (2·n³ operations)."""
+    n = settings.matmul_n
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((n, n), dtype=np.float32)
+    b = rng.standard_normal((n, n), dtype=np.float32)
+
+    def matmul() -> float:
+        np.matmul(a, b)
+        return 2.0 * n**3
+
+    return [rate / 1e12 for rate in _timed_runs(matmul, settings)]
+
+
+def usable_cpus() -> int:
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except AttributeError:  # not Linux
+        return max(1, os.cpu_count() or 1)
+
+
+def free_memory_bytes() -> float:
+    """Available memory, lowered to the room left under this process's cgroup limit."""
+    available = float(psutil.virtual_memory().available)
+    room = cgroup_memory_room_bytes()
+    return available if room is None else min(available, room)
+
+
+def cgroup_memory_room_bytes(
+    root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
+) -> float | None:
+    """limit − usage of this process's memory cgroup (v2 or v1), None when unlimited."""
+    try:
+        lines = membership.read_text().splitlines()
+    except OSError:
+        return None
+    candidates: list[tuple[Path, str, str]] = []
+    for line in lines:
+        if line.count(":") < 2:
+            continue
+        _, controllers, path = line.split(":", 2)
+        relative = path.lstrip("/")
+        if controllers == "":  # cgroup v2
+            for base in (root / relative, root):
+                candidates.append((base, "memory.max", "memory.current"))
+        elif "memory" in controllers.split(","):
+            for base in (root / "memory" / relative, root / "memory"):
+                candidates.append((base, "memory.limit_in_bytes", "memory.usage_in_bytes"))
+    for base, limit_name, usage_name in candidates:
+        try:
+            limit_text = (base / limit_name).read_text().strip()
+            usage = float((base / usage_name).read_text().strip())
+        except (OSError, ValueError):
+            continue
+        if limit_text == "max":
+            return None
+        limit = float(limit_text)
+        if limit >= 1 << 60:  # v1 writes "unlimited" as a huge number
+            return None
+        return max(0.0, limit - usage)
+    return None
+
+
+def last_level_cache_bytes() -> int | None:
+    """The largest CPU cache the kernel reports for cpu0, None if it reports none."""
+    sizes = []
+    for index in Path("/sys/devices/system/cpu/cpu0/cache").glob("index*"):
+        try:
+            text = (index / "size").read_text().strip()
+        except OSError:
+            continue
+        units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+        if text and text[-1] in units and text[:-1].isdigit():
+            sizes.append(int(text[:-1]) * units[text[-1]])
+        elif text.isdigit():
+            sizes.append(int(text))
+    return max(sizes) if sizes else None
