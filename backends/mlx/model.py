@@ -1,0 +1,153 @@
+"""The Llama block range as MLX ops: a small attention of our own over a per-slot KV cache.
+
+mlx-lm's attention takes its RoPE offset from the cache length and its mask from the cache shape.
+Kafila needs both from outside: positions are *logical* (a rejected draft moves them back) while
+the cache is *physical* (rejected positions stay in it, masked out). So the attention here builds
+the mask exactly as the OpenVINO stage does, over the S = cache_len + n physical positions:
+
+    visible[i, j] = (j ≤ cache_len + i) AND (attention_mask[j] ≠ 0)        # [n, S]
+
+and rotates q/k with `mx.fast.rope` at the logical positions (interleaved, "traditional" RoPE:
+GGUF stores Llama's q/k rows permuted for it).
+
+Everything is lazy: a forward builds one graph over all blocks, evaluated once by the caller.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from backends.mlx.weights import BlockWeights
+
+CACHE_STEP = 256  # the KV buffers grow in steps of this many positions (as mlx-lm's KVCache)
+
+
+@dataclass(frozen=True)
+class Dims:
+    hidden: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    rope_base: float
+    rms_eps: float
+
+
+class SlotCache:
+    """One slot's KV: per block a key and a value buffer [1, Hkv, capacity, D], `length` used."""
+
+    def __init__(self, n_blocks: int, dims: Dims, dtype: mx.Dtype = mx.float32):
+        self.n_blocks = n_blocks
+        self.dims = dims
+        self.dtype = dtype
+        self.length = 0  # physical positions filled
+        self.keys: list[mx.array | None] = [None] * n_blocks
+        self.values: list[mx.array | None] = [None] * n_blocks
+
+    @property
+    def capacity(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def reserve(self, n: int) -> None:
+        """Make room for n more positions, growing by whole steps (no O(n²) concatenation)."""
+        need = self.length + n
+        if need <= self.capacity:
+            return
+        capacity = -(-need // CACHE_STEP) * CACHE_STEP
+        d = self.dims
+        pad_shape = (1, d.n_kv_heads, capacity - self.length, d.head_dim)
+        for i in range(self.n_blocks):
+            for buffers in (self.keys, self.values):
+                # a distinct array per buffer: block() writes into it in place
+                pad = mx.zeros(pad_shape, self.dtype)
+                old = buffers[i]
+                buffers[i] = pad if old is None else mx.concatenate([old[:, :, : self.length], pad], axis=2)
+
+    def arrays(self) -> list[mx.array]:
+        return [a for a in self.keys + self.values if a is not None]
+
+    def snapshot(self) -> tuple[int, tuple[mx.array, ...], tuple[mx.array, ...]]:
+        """The used part of every buffer, as new arrays (MLX arrays are values: later writes to
+        the live buffers cannot reach them)."""
+        n = self.length
+        if n == 0:
+            return 0, (), ()
+        keys = tuple(k[:, :, :n] for k in self.keys)
+        values = tuple(v[:, :, :n] for v in self.values)
+        mx.eval(keys, values)
+        return n, keys, values
+
+    def load(self, length: int, keys: tuple[mx.array, ...], values: tuple[mx.array, ...]) -> None:
+        self.length = length
+        self.keys = list(keys) if length else [None] * self.n_blocks
+        self.values = list(values) if length else [None] * self.n_blocks
+
+
+def attention_mask(mask: np.ndarray, cache_len: int, n: int) -> mx.array | str | None:
+    """The boolean [n, S] visibility of the module docstring, or a cheaper equivalent:
+    None when everything is visible (one new token, nothing masked), "causal" when only the
+    causal part applies (MLX aligns it to the lower right, as j ≤ cache_len + i)."""
+    if mask.all():
+        return None if n == 1 else "causal"
+    s = cache_len + n
+    causal = np.arange(s)[None, :] <= cache_len + np.arange(n)[:, None]  # [n, S]
+    return mx.array(causal & (mask[None, :] != 0))
+
+
+def rope(x: mx.array, positions: int | mx.array, dims: Dims) -> mx.array:
+    """Interleaved RoPE on x [1, heads, n, D] at logical positions.
+
+    positions: the first position when the n positions are consecutive (the usual case, one fused
+    kernel), else an int32 [n] array of arbitrary positions.
+    """
+    if isinstance(positions, int):
+        return mx.fast.rope(x, dims.head_dim, traditional=True, base=dims.rope_base, scale=1.0, offset=positions)
+    half = dims.head_dim // 2
+    inv_freq = dims.rope_base ** (-mx.arange(half, dtype=mx.float32) * 2 / dims.head_dim)  # [D/2]
+    theta = positions.astype(mx.float32)[:, None] * inv_freq[None, :]  # [n, D/2]
+    cos, sin = mx.cos(theta), mx.sin(theta)
+    pairs = x.reshape(*x.shape[:-1], half, 2)  # [1, heads, n, D/2, 2]: (even, odd) pairs
+    a, b = pairs[..., 0], pairs[..., 1]
+    rotated = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1)  # [1, heads, n, D/2, 2]
+    return rotated.reshape(x.shape).astype(x.dtype)
+
+
+def block(
+    x: mx.array,
+    w: BlockWeights,
+    cache: SlotCache,
+    layer: int,
+    positions: int | mx.array,
+    mask: mx.array | str | None,
+    dims: Dims,
+) -> mx.array:
+    """One Llama block on x [1, n, hidden]; writes the n new keys/values at cache.length."""
+    _, n, _ = x.shape
+    H, Hkv, D = dims.n_heads, dims.n_kv_heads, dims.head_dim
+    start, end = cache.length, cache.length + n
+
+    h = mx.fast.rms_norm(x, w.attn_norm, dims.rms_eps)  # [1, n, hidden]
+    q = w.q(h).reshape(1, n, H, D).transpose(0, 2, 1, 3)  # [1, H, n, D]
+    k = w.k(h).reshape(1, n, Hkv, D).transpose(0, 2, 1, 3)  # [1, Hkv, n, D]
+    v = w.v(h).reshape(1, n, Hkv, D).transpose(0, 2, 1, 3)  # [1, Hkv, n, D]
+    q = rope(q, positions, dims)
+    k = rope(k, positions, dims)
+
+    keys, values = cache.keys[layer], cache.values[layer]  # [1, Hkv, capacity, D]
+    keys[:, :, start:end] = k.astype(keys.dtype)
+    values[:, :, start:end] = v.astype(values.dtype)
+    cache.keys[layer], cache.values[layer] = keys, values
+    o = mx.fast.scaled_dot_product_attention(
+        q, keys[:, :, :end], values[:, :, :end], scale=D**-0.5, mask=mask
+    )  # [1, H, n, D], GQA handled by the kernel
+    o = o.transpose(0, 2, 1, 3).reshape(1, n, H * D)  # [1, n, H·D]
+    x = x + w.o(o)  # [1, n, hidden]
+
+    h = mx.fast.rms_norm(x, w.ffn_norm, dims.rms_eps)
+    return x + w.down(nn_silu(w.gate(h)) * w.up(h))  # [1, n, hidden]
+
+
+def nn_silu(x: mx.array) -> mx.array:
+    return x * mx.sigmoid(x)

@@ -1,0 +1,131 @@
+"""MLXShard: a block range of a GGUF model on MLX, behind backends.base.Shard.
+
+One KV cache per slot (model.SlotCache). Every forward is one lazy graph over all of the shard's
+blocks, evaluated once together with the updated caches, then handed back as float32 numpy, the
+form hidden states take between backends.
+
+Precision: "f32" converts the f16 quantization scales and biases to f32 (exact) so every product
+is f32; "serving" keeps them f16 as they are in the file (activations and KV stay f32 on CPU).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import mlx.core as mx
+import numpy as np
+
+from backends.base import ShardSpec
+from backends.mlx.model import Dims, SlotCache, attention_mask, block
+from backends.mlx.weights import load_shard_weights, weight_bytes
+
+
+@dataclass(frozen=True)
+class SlotState:
+    """A captured slot: its physical length and the used part of every block's K and V."""
+
+    length: int
+    keys: tuple[mx.array, ...]  # per block [1, Hkv, length, D]
+    values: tuple[mx.array, ...]
+    first: int  # the shard it came from: blocks [first, last)
+    last: int
+
+
+class MLXShard:
+    def __init__(self, spec: ShardSpec, precision: str = "serving"):
+        from kafila.errors import BadInput
+        from kafila.models import open_model
+
+        index = open_model(spec.model_path)
+        hp = index.hparams
+        if not 0 <= spec.first < spec.last <= hp.n_blocks:
+            raise BadInput(f"block range [{spec.first}, {spec.last}) is outside the model's {hp.n_blocks} blocks")
+        self.spec = spec
+        self.precision = precision
+        self.hparams = hp
+        self.dims = Dims(hp.hidden, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.rope_base, hp.rms_eps)
+        self.weights = load_shard_weights(
+            index.path, spec.first, spec.last, spec.embed, spec.head, f32=precision == "f32"
+        )
+        self._slots: dict[int, SlotCache] = {}
+
+    @property
+    def n_blocks(self) -> int:
+        return self.spec.last - self.spec.first
+
+    @property
+    def weight_bytes(self) -> int:
+        return weight_bytes(self.weights)
+
+    # --- slots -----------------------------------------------------------------------------
+
+    def open_slot(self) -> int:
+        slot = next(i for i in range(len(self._slots) + 1) if i not in self._slots)
+        self._slots[slot] = SlotCache(self.n_blocks, self.dims)
+        return slot
+
+    def close_slot(self, slot: int) -> None:
+        self._cache(slot)
+        del self._slots[slot]
+
+    def cache_len(self, slot: int) -> int:
+        return self._cache(slot).length
+
+    def capture(self, slot: int) -> SlotState:
+        length, keys, values = self._cache(slot).snapshot()
+        return SlotState(length, keys, values, self.spec.first, self.spec.last)
+
+    def restore(self, slot: int, state: SlotState) -> None:
+        if not isinstance(state, SlotState) or (state.first, state.last) != (self.spec.first, self.spec.last):
+            raise ValueError("restore takes a state captured from an MLX shard of the same block range")
+        self._cache(slot).load(state.length, state.keys, state.values)
+
+    def _cache(self, slot: int) -> SlotCache:
+        cache = self._slots.get(slot)
+        if cache is None:
+            raise ValueError(f"slot {slot} is not open")
+        return cache
+
+    # --- compute ---------------------------------------------------------------------------
+
+    def forward(self, slot: int, x: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        cache = self._cache(slot)
+        n = len(x)
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        mask = np.asarray(mask).reshape(-1)
+        if n == 0 or positions.shape != (n,):
+            raise ValueError(f"forward needs n ≥ 1 inputs and n positions (got {n} and {positions.shape[0]})")
+        if mask.shape != (cache.length + n,):
+            raise ValueError(f"mask covers {mask.shape[0]} positions; slot {slot} needs cache_len + n = {cache.length + n}")
+
+        if self.spec.embed:
+            h = self.weights.embedding.rows(mx.array(np.asarray(x, dtype=np.int32).reshape(n)))  # [n, hidden]
+        else:
+            h = mx.array(np.asarray(x, dtype=np.float32).reshape(n, self.dims.hidden))  # [n, hidden]
+        h = h.astype(mx.float32)[None]  # [1, n, hidden]
+
+        first = int(positions[0])
+        consecutive = bool((positions == first + np.arange(n)).all())
+        pos: int | mx.array = first if consecutive else mx.array(positions.astype(np.int32))
+        visible = attention_mask(mask, cache.length, n)
+
+        cache.reserve(n)
+        for layer, w in enumerate(self.weights.blocks):
+            h = block(h, w, cache, layer, pos, visible, self.dims)
+        cache.length += n
+        mx.eval(h, cache.arrays())  # one evaluation: the hidden states and every block's KV
+        return np.array(h[0], dtype=np.float32)  # [n, hidden]
+
+    def _logits(self, hidden: np.ndarray) -> mx.array:
+        if not self.spec.head:
+            raise ValueError("logits needs the head shard (spec.head)")
+        h = mx.array(np.asarray(hidden, dtype=np.float32).reshape(-1, self.dims.hidden))  # [n, hidden]
+        h = mx.fast.rms_norm(h, self.weights.output_norm, self.dims.rms_eps)
+        return self.weights.lm_head(h).astype(mx.float32)  # [n, vocab]
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return np.array(self._logits(hidden), dtype=np.float32)  # [n, vocab]
+
+    def greedy(self, hidden: np.ndarray) -> np.ndarray:
+        """Top-1 token of each row, computed in the graph: int64 [n] (only n ids come back)."""
+        return np.array(mx.argmax(self._logits(hidden), axis=-1), dtype=np.int64)
