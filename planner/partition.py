@@ -27,59 +27,77 @@ class Division:
     bottleneck_ms: float
 
 
-def _most_blocks(cost: StageCost, tau: float, cap: int) -> int:
-    """⌊(τ − fixed)/per⌋, clamped to [0, cap], exact with respect to `cost.at`."""
-    if cost.per_ms <= 0.0:
-        return cap
-    n = min(cap, max(0, math.floor((tau - cost.fixed_ms) / cost.per_ms)))
-    # float division can land one off; settle against the very formula the candidates use
-    while n < cap and cost.at(n + 1) <= tau:
-        n += 1
-    while n > 0 and cost.at(n) > tau:
-        n -= 1
-    return n
+_Terms = list[tuple[float, float, int]]  # (fixed(i), per(i), lim(i)) in device order
+
+
+def _greedy(blocks: int, terms: _Terms, tau: float) -> tuple[int, ...] | None:
+    """FEASIBLE's left-to-right pass over precomputed terms (the search's inner loop)."""
+    m = len(terms)
+    left = blocks
+    counts = []
+    for i, (fixed, per, limit) in enumerate(terms):
+        if fixed > tau:  # line 10
+            return None
+        # line 13: ⌊(τ − fixed(i))/per(i)⌋, capped by lim(i) and the blocks later devices need
+        cap = min(limit, left - (m - 1 - i))
+        if per <= 0.0:
+            n = cap
+        else:
+            n = min(cap, max(0, math.floor((tau - fixed) / per)))
+            # the division can land one off in floating point: settle against the exact
+            # candidate formula fixed + n·per (StageCost.at)
+            while n < cap and fixed + (n + 1) * per <= tau:
+                n += 1
+            while n > 0 and fixed + n * per > tau:
+                n -= 1
+        if n < 1:  # line 14
+            return None
+        counts.append(n)
+        left -= n
+    if left != 0:  # line 19
+        return None
+    return tuple(counts)
+
+
+def _terms(costs: Sequence[StageCost], limits: Sequence[int]) -> _Terms:
+    if len(costs) != len(limits):
+        raise ValueError("costs and limits must describe the same devices")
+    return [(c.fixed_ms, c.per_ms, limit) for c, limit in zip(costs, limits)]
 
 
 def feasible(
     blocks: int, costs: Sequence[StageCost], limits: Sequence[int], tau: float
 ) -> tuple[int, ...] | None:
-    """FEASIBLE(k, τ): the greedy division whose every stage is within τ, or None."""
-    m = len(costs)
-    left = blocks
-    counts: list[int] = []
-    for i, (cost, limit) in enumerate(zip(costs, limits, strict=True)):
-        if cost.fixed_ms > tau:
-            return None
-        later = m - 1 - i  # one block reserved for each device still to come
-        n = min(_most_blocks(cost, tau, blocks), limit, left - later)
-        if n < 1:
-            return None
-        counts.append(n)
-        left -= n
-    if left != 0:
-        return None
-    return tuple(counts)
+    """FEASIBLE(k, τ): the greedy division whose every stage is within τ, or None.
+
+    Each device takes the most blocks it can within τ and lim(i), leaving one block for
+    every device still to come.
+    """
+    return _greedy(blocks, _terms(costs, limits), tau)
 
 
 def partition(blocks: int, costs: Sequence[StageCost], limits: Sequence[int]) -> Division | None:
     """PARTITION: the division of `blocks` minimising the bottleneck, or None if none fits."""
-    if len(costs) != len(limits):
-        raise ValueError("costs and limits must describe the same devices")
+    terms = _terms(costs, limits)
     # line 1: every value a bottleneck can take, sorted ascending
     candidates = sorted(
-        {cost.at(n) for cost, limit in zip(costs, limits) for n in range(1, min(blocks, limit) + 1)}
+        {
+            fixed + n * per  # = StageCost.at(n)
+            for fixed, per, limit in terms
+            for n in range(1, min(blocks, limit) + 1)
+        }
     )
-    if not candidates or feasible(blocks, costs, limits, candidates[-1]) is None:
-        return None
+    if not candidates or _greedy(blocks, terms, candidates[-1]) is None:
+        return None  # lines 3-4
     # line 2: the smallest feasible candidate (feasibility is monotone in τ)
     lo, hi = 0, len(candidates) - 1
     while lo < hi:
         mid = (lo + hi) // 2
-        if feasible(blocks, costs, limits, candidates[mid]) is None:
+        if _greedy(blocks, terms, candidates[mid]) is None:
             lo = mid + 1
         else:
             hi = mid
     tau = candidates[lo]
-    counts = feasible(blocks, costs, limits, tau)
+    counts = _greedy(blocks, terms, tau)  # line 6
     assert counts is not None
     return Division(counts, tau)

@@ -164,10 +164,6 @@ def _exhaustive(w: list[list[int]]) -> list[int]:
     return best_path
 
 
-def _cycle_cost(w: list[list[int]], path: Sequence[int]) -> int:
-    return sum(w[path[i]][path[(i + 1) % len(path)]] for i in range(len(path)))
-
-
 def _nearest_neighbour(w: list[list[int]]) -> list[int]:
     m = len(w)
     path = [0]
@@ -181,17 +177,21 @@ def _nearest_neighbour(w: list[list[int]]) -> list[int]:
 
 
 def _two_opt(w: list[list[int]], path: list[int]) -> list[int]:
-    """Reverse segments path[i..j] (never moving the anchor at 0) while the cycle gets cheaper."""
+    """Reverse segments path[i..j] (never moving the anchor at 0) while the cycle gets cheaper.
+
+    Weights are symmetric, so a reversal changes only the two edges at its ends.
+    """
     m = len(path)
-    best = _cycle_cost(w, path)
+    path = list(path)
     for _ in range(_TWO_OPT_MAX_PASSES):
         improved = False
         for i in range(1, m - 1):
             for j in range(i + 1, m):
-                candidate = path[:i] + path[i : j + 1][::-1] + path[j + 1 :]
-                cost = _cycle_cost(w, candidate)
-                if cost < best:
-                    path, best, improved = candidate, cost, True
+                a, b = path[i - 1], path[i]
+                c, d = path[j], path[(j + 1) % m]
+                if w[a][c] + w[b][d] < w[a][b] + w[c][d]:
+                    path[i : j + 1] = path[i : j + 1][::-1]
+                    improved = True
         if not improved:
             break
     return path
