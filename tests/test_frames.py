@@ -27,10 +27,10 @@ def roundtrip(frame, limits=LIM, chunk=None):
 @pytest.mark.parametrize("chunk", [None, 1, 7])
 def test_activation_roundtrip(chunk):
     x = np.arange(24, dtype=np.float32).reshape(3, 8)
-    a = F.Activation("r1", 1, 4, 4, (2,), x)
+    a = F.Activation("r1", 1, 4, 4, (2,), x, (("m1", 120), ("m2", 300)))
     b = roundtrip(a, chunk=chunk)
     assert isinstance(b, F.Activation)
-    assert (b.rid, b.slot, b.cache_len, b.pos0, b.zeros) == ("r1", 1, 4, 4, (2,))
+    assert (b.rid, b.slot, b.cache_len, b.pos0, b.zeros, b.trace) == ("r1", 1, 4, 4, (2,), a.trace)
     np.testing.assert_array_equal(b.hidden, x)
     assert b.mask().tolist() == [1, 1, 0, 1, 1, 1, 1]
     assert b.positions().tolist() == [4, 5, 6]
@@ -41,7 +41,7 @@ def test_other_frames_roundtrip():
     r = roundtrip(req)
     assert r.prompt.tolist() == [1, 2, 3] and (r.rid, r.origin, r.dst, r.max_new) == ("m2:1", "m2", "m1", 5)
     for f in (
-        F.Tokens("m2:1", "m2", (4, 5), True, "error", "member m3 left", 503),
+        F.Tokens("m2:1", "m2", (4, 5), True, "error", "member m3 left", 503, (("tok_s", 41.5),)),
         F.Hello("m2", "ring"),
         F.Free(1),
         F.Cancel("m2:1", "m1"),
@@ -74,6 +74,7 @@ ACT = {"k": "act", "rid": "r", "slot": 0, "cache": 0, "pos0": 0, "zeros": [], "d
         ({**ACT, "rid": ""}, b"\0" * 32, "rid"),
         ({**ACT, "rid": "x" * 65}, b"\0" * 32, "rid"),
         ({**ACT, "slot": True}, b"\0" * 32, "slot"),
+        ({**ACT, "trace": [["m1", "x"]]}, b"\0" * 32, "trace"),
         ({"k": "tok", "rid": "r", "dst": "m", "ids": [100], "done": False, "finish": "", "error": "", "status": 0}, b"", "vocabulary"),
         ({"k": "req", "rid": "r", "origin": "a", "dst": "b", "max_new": 1, "eos": True, "dtype": "i32", "shape": [33]}, b"\0" * 132, "prompt"),
         ({"k": "nope"}, b"", "unknown frame kind"),

@@ -37,6 +37,7 @@ MAX_FRAME_BYTES = 16 << 20  # payload: 16 MiB bounds a prefill of 4096 positions
 MAX_NAME_CHARS = 64
 MAX_TOKENS_PER_FRAME = 256
 MAX_ERROR_CHARS = 500
+MAX_TRACE_ENTRIES = 64
 WEIGHT_CHUNK_BYTES = 4 << 20
 FINISH_REASONS = ("", "stop", "length", "error")
 PURPOSES = ("ring", "weights")
@@ -86,6 +87,7 @@ class Activation:
     pos0: int  # logical position of the first new position
     zeros: tuple[int, ...]
     hidden: np.ndarray  # float32 [n, hidden]
+    trace: tuple[tuple[str, int], ...] = ()  # (stage, compute µs) appended by every stage
 
     @property
     def n(self) -> int:
@@ -131,6 +133,7 @@ class Tokens:
     finish: str = ""  # when done: "stop" | "length" | "error"
     error: str = ""  # when finish == "error": one line naming the cause
     status: int = 0  # HTTP status for an error before any token (0: none)
+    stats: tuple[tuple[str, float], ...] = ()  # with done: the ring's latest measurements
 
 
 @dataclass(frozen=True)
@@ -180,7 +183,7 @@ def encode(frame: Frame) -> bytes:
         return _pack(
             {"k": "act", "rid": frame.rid, "slot": frame.slot, "cache": frame.cache_len,
              "pos0": frame.pos0, "zeros": list(frame.zeros), "dtype": "f32",
-             "shape": list(x.shape)},
+             "shape": list(x.shape), "trace": [list(t) for t in frame.trace]},
             x.data.cast("B"),
         )  # fmt: skip
     if isinstance(frame, Request):
@@ -194,7 +197,7 @@ def encode(frame: Frame) -> bytes:
     if isinstance(frame, Tokens):
         return _pack({"k": "tok", "rid": frame.rid, "dst": frame.dst, "ids": list(frame.ids),
                       "done": frame.done, "finish": frame.finish, "error": frame.error,
-                      "status": frame.status})  # fmt: skip
+                      "status": frame.status, "stats": [list(t) for t in frame.stats]})  # fmt: skip
     if isinstance(frame, Hello):
         return _pack({"k": "hello", "name": frame.name, "purpose": frame.purpose})
     if isinstance(frame, Free):
@@ -245,6 +248,16 @@ def _bool(h: dict, key: str) -> bool:
     if not isinstance(v, bool):
         raise FrameError(f"field {key!r} must be a boolean")
     return v
+
+
+def _pairs(h: dict, key: str, types) -> None:
+    v = h.get(key, [])
+    if not isinstance(v, list) or len(v) > MAX_TRACE_ENTRIES or not all(
+        isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and len(p[0]) <= MAX_NAME_CHARS
+        and isinstance(p[1], types) and not isinstance(p[1], bool)
+        for p in v
+    ):
+        raise FrameError(f"field {key!r} must be a short list of [name, number] pairs")
 
 
 def _shape(h: dict, dtype: str, dims: int) -> tuple[int, ...]:
@@ -305,6 +318,7 @@ def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
             isinstance(z, int) and not isinstance(z, bool) and 0 <= z < cache + n for z in zeros
         ):
             raise FrameError("mask zeros must be physical positions inside the slot")
+        _pairs(h, "trace", int)
         size = n * hidden * 4
     elif kind == "req":
         _str(h, "rid")
@@ -329,6 +343,7 @@ def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
             raise FrameError(f"unknown finish reason {h.get('finish')!r}")
         _str(h, "error", MAX_ERROR_CHARS, empty=True)
         _int(h, "status", 0, 599)
+        _pairs(h, "stats", (int, float))
     elif kind == "free":
         _int(h, "slot", 0, limits.slots - 1)
     elif kind == "cancel":
@@ -346,12 +361,14 @@ def build_frame(h: dict, payload: bytes) -> Frame:
     kind = h["k"]
     if kind == "act":
         x = np.frombuffer(payload, dtype="<f4").reshape(h["shape"])
-        return Activation(h["rid"], h["slot"], h["cache"], h["pos0"], tuple(h["zeros"]), x)
+        trace = tuple((a, b) for a, b in h.get("trace", []))
+        return Activation(h["rid"], h["slot"], h["cache"], h["pos0"], tuple(h["zeros"]), x, trace)
     if kind == "req":
         p = np.frombuffer(payload, dtype="<i4")
         return Request(h["rid"], h["origin"], h["dst"], h["max_new"], h["eos"], p)
     if kind == "tok":
-        return Tokens(h["rid"], h["dst"], tuple(h["ids"]), h["done"], h["finish"], h["error"], h["status"])
+        stats = tuple((a, b) for a, b in h.get("stats", []))
+        return Tokens(h["rid"], h["dst"], tuple(h["ids"]), h["done"], h["finish"], h["error"], h["status"], stats)
     if kind == "hello":
         return Hello(h["name"], h["purpose"])
     if kind == "free":

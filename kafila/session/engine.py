@@ -1,0 +1,82 @@
+"""RingEngine: the Engine protocol (kafila/engine.py) over a ring session, on every member."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import AsyncIterator, Callable
+
+from kafila.engine import EngineError, GenerationRequest, GenerationStats
+from kafila.session.frames import Tokens
+from kafila.session.ring import RingNode
+from kafila.session.scheduler import SchedulerError
+
+
+class RingEngine:
+    """Prompts typed at this member go to the head; its tokens come back as they are produced.
+
+    Greedy only: the ring reproduces `kafila run` token for token; a temperature is ignored
+    (the head samples greedily) and said so in the status."""
+
+    def __init__(self, model_name: str, context_length: int, tokenizer, status: Callable[[], dict]) -> None:
+        self.model_name = model_name
+        self.context_length = context_length
+        self._tokenizer = tokenizer
+        self._status = status
+        self.node: RingNode | None = None  # set when the ring is up
+        self.last_stats: GenerationStats | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.node is not None and self.node.degraded is None
+
+    def tokenizer(self):
+        return self._tokenizer
+
+    async def generate(self, request: GenerationRequest, stats: GenerationStats) -> AsyncIterator[int]:
+        node = self.node
+        if node is None:
+            raise EngineError("the session is not ready yet (forming); try again shortly", 503)
+        if node.degraded:
+            raise EngineError(f"the session is degraded: {node.degraded}", 503)
+        stats.prompt_tokens = len(request.prompt_ids)
+        if len(request.prompt_ids) >= self.context_length:
+            raise EngineError(
+                f"the prompt has {len(request.prompt_ids)} tokens; the session's context is "
+                f"{self.context_length} (prompt and answer together)", 400)  # fmt: skip
+        start = time.perf_counter()
+        try:
+            rid, waiter = await node.submit(list(request.prompt_ids), request.max_new_tokens, request.stop_at_eos)
+        except SchedulerError as exc:
+            raise EngineError(str(exc), exc.status) from None
+        first = None
+        done = False
+        try:
+            while True:
+                item = await waiter.queue.get()
+                if isinstance(item, Tokens):
+                    done = True
+                    if item.finish == "error":
+                        stats.finish_reason = "error"
+                        raise EngineError(item.error or "the request failed", item.status or 503)
+                    stats.finish_reason = item.finish or "length"
+                    break
+                now = time.perf_counter()
+                if first is None:
+                    first = now
+                    stats.ttft_ms = (now - start) * 1000
+                stats.new_tokens += 1
+                if stats.new_tokens > 1:
+                    stats.tok_s = (stats.new_tokens - 1) / max(now - first, 1e-9)
+                yield item
+        finally:
+            if not done:
+                with contextlib.suppress(Exception):
+                    await node.cancel(rid)
+            stats.extra["request_id"] = rid
+            self.last_stats = stats
+            if stats.tok_s is not None:
+                node.measured.tok_s = stats.tok_s
+
+    def status(self) -> dict:
+        return self._status()

@@ -1,0 +1,387 @@
+"""The ring data plane: activations, requests and tokens over one stream per ring edge.
+
+Theory of operation. Members form a ring in the plan's order, head first; each member writes
+frames to its successor on one long-lived stream and reads frames from its predecessor on
+another. Everything travels in the ring's direction:
+
+- Activation: the head embeds a step's tokens and runs its blocks; every member runs its blocks
+  on what arrives and forwards the result; when an activation reaches the head again it has been
+  through every block, and the head samples the next token (final norm + lm_head).
+- Request (dst = head): a prompt typed at any member hops forward until it reaches the head.
+- Tokens (dst = origin): each new token hops forward from the head to the member that asked.
+- Cancel (dst = head), Free (ring slot released: every stage drops its KV, the head ends it).
+
+So a ring needs no reverse streams, a request from the head's predecessor takes one hop and one
+from its successor takes n−1 hops (tokens the other way round). Frames on a stream are handled
+in order by one task, and each member runs its shard on one worker thread, so a stage's KV slots
+never see two calls at once and the asyncio loop never blocks on compute.
+
+The head's scheduling is `scheduler.Scheduler`; a single driver task owns it, fed by a queue.
+A broken edge, a malformed frame or a member gone (told by the host) make the node *degraded*:
+every request in flight fails with an error naming the cause, and new ones are refused.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kafila.session.frames import (
+    Activation, Cancel, Frame, FrameError, Free, Limits, Request, Tokens,
+)  # fmt: skip
+from kafila.session.scheduler import Finished, Scheduler, SchedulerError, SlotFreed, Step, TokenOut
+from kafila.session.streams import FrameWriter, StreamClosed, read_frame
+
+log = logging.getLogger(__name__)
+EMA = 0.2  # weight of the newest measurement in the moving averages
+
+
+class LocalSlots:
+    """Ring slot ids (the head's) → this shard's slot ids; a fresh step resets its slot."""
+
+    def __init__(self, shard) -> None:
+        self.shard = shard
+        self.slots: dict[int, int] = {}
+
+    def get(self, ring_slot: int, fresh: bool) -> int:
+        if fresh:
+            self.free(ring_slot)
+        if ring_slot not in self.slots:
+            self.slots[ring_slot] = self.shard.open_slot()
+        return self.slots[ring_slot]
+
+    def free(self, ring_slot: int) -> None:
+        local = self.slots.pop(ring_slot, None)
+        if local is not None:
+            self.shard.close_slot(local)
+
+    def free_all(self) -> None:
+        for s in list(self.slots):
+            self.free(s)
+
+
+def greedy(shard, hidden: np.ndarray) -> int:
+    if hasattr(shard, "greedy"):
+        return int(shard.greedy(hidden))
+    return int(np.argmax(shard.logits(hidden[-1:])[-1]))
+
+
+@dataclass
+class Waiter:
+    """What the member that asked keeps for one of its requests."""
+
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # int tokens, then a Tokens(done)
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class Measured:
+    stage_ms: dict[str, float] = field(default_factory=dict)
+    step_ms: float | None = None  # head: one decode step round the ring
+    network_ms: float | None = None  # step_ms minus every stage's compute
+    tok_s: float | None = None  # the latest finished request's decode rate
+
+    def as_pairs(self) -> tuple[tuple[str, float], ...]:
+        out = [("stage:" + k, round(v, 3)) for k, v in self.stage_ms.items()]
+        for k in ("step_ms", "network_ms", "tok_s"):
+            if (v := getattr(self, k)) is not None:
+                out.append((k, round(v, 3)))
+        return tuple(out)
+
+    def update_from(self, pairs) -> None:
+        for k, v in pairs:
+            if k.startswith("stage:"):
+                self.stage_ms[k[6:]] = float(v)
+            elif k in ("step_ms", "network_ms", "tok_s"):
+                setattr(self, k, float(v))
+
+
+class RingNode:
+    """One member's part of the ring (the head's when `head` is its own name)."""
+
+    def __init__(self, name: str, head: str, ring: list[str], shard, limits: Limits,
+                 eos_ids: frozenset[int] = frozenset(),
+                 on_degraded: Callable[[str], None] | None = None) -> None:  # fmt: skip
+        self.name = name
+        self.head = head
+        self.ring = ring
+        self.is_head = name == head
+        self.shard = shard
+        self.limits = limits
+        self.slots = LocalSlots(shard)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage-{name}")
+        self.out: FrameWriter | None = None  # to the successor (None: a ring of one)
+        self.waiters: dict[str, Waiter] = {}
+        self.degraded: str | None = None
+        self.on_degraded = on_degraded
+        self.measured = Measured()
+        self.scheduler = Scheduler(limits.slots, limits.context, eos_ids) if self.is_head else None
+        self._events: asyncio.Queue = asyncio.Queue()
+        self._step_started: dict[str, float] = {}
+        self._first_token: dict[str, float] = {}
+        self._tasks: list[asyncio.Task] = []
+        self._counter = 0
+
+    # --- wiring ------------------------------------------------------------------------------
+
+    def start(self, reader=None, writer=None) -> None:
+        """Run with the predecessor's stream `reader` and the successor's `writer` (None, None:
+        a ring of one member)."""
+        if writer is not None:
+            self.out = FrameWriter(writer)
+        if reader is not None:
+            self._tasks.append(asyncio.create_task(self._read_loop(reader), name=f"ring-read-{self.name}"))
+        if self.is_head:
+            self._tasks.append(asyncio.create_task(self._drive(), name=f"ring-head-{self.name}"))
+
+    async def close(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        self._tasks.clear()
+        self._fail_waiters(self.degraded or "the session is closing")
+        if self.out is not None:
+            self.out.close()
+        await asyncio.get_running_loop().run_in_executor(self.executor, self.slots.free_all)
+        self.executor.shutdown(wait=True)
+
+    def degrade(self, reason: str) -> None:
+        """The ring is broken: fail everything in flight with `reason` (idempotent)."""
+        if self.degraded is not None:
+            return
+        self.degraded = reason
+        log.warning("session degraded: %s", reason)
+        if self.is_head:
+            self._events.put_nowait(("fail", reason))
+        self._fail_waiters(reason)
+        if self.on_degraded:
+            self.on_degraded(reason)
+
+    def _fail_waiters(self, reason: str) -> None:
+        for rid, w in list(self.waiters.items()):
+            w.queue.put_nowait(Tokens(rid, self.name, (), True, "error", reason[:500], 503))
+
+    async def _compute(self, fn, *args):
+        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+
+    # --- prompt entry (any member) -------------------------------------------------------------
+
+    async def submit(self, prompt: list[int], max_new: int, stop_at_eos: bool = True) -> tuple[str, Waiter]:
+        if self.degraded:
+            raise SchedulerError(f"the session is degraded: {self.degraded}", 503)
+        self._check_ids(prompt)
+        self._counter += 1
+        rid = f"{self.name}:{self._counter}"
+        waiter = self.waiters[rid] = Waiter()
+        if self.is_head:
+            try:
+                self.scheduler.submit(rid, self.name, prompt, max_new, stop_at_eos)
+            except SchedulerError:
+                del self.waiters[rid]
+                raise
+            self._events.put_nowait(("pump",))
+        else:
+            await self._send(Request(rid, self.name, self.head, max_new, stop_at_eos,
+                                     np.asarray(prompt, dtype=np.int32)))  # fmt: skip
+        return rid, waiter
+
+    def _check_ids(self, prompt) -> None:
+        if prompt and not 0 <= min(prompt) <= max(prompt) < self.limits.vocab:
+            raise SchedulerError(f"prompt token ids must lie in 0..{self.limits.vocab - 1}", 400)
+
+    async def cancel(self, rid: str) -> None:
+        self.waiters.pop(rid, None)
+        if self.degraded:
+            return
+        if self.is_head:
+            self._events.put_nowait(("cancel", rid))
+        else:
+            with contextlib.suppress(StreamClosed):
+                await self._send(Cancel(rid, self.head))
+
+    # --- frames from the predecessor -------------------------------------------------------------
+
+    async def _read_loop(self, reader) -> None:
+        pred = self.ring[(self.ring.index(self.name) - 1) % len(self.ring)]
+        try:
+            while True:
+                frame = await read_frame(reader, self.limits)
+                await self._on_frame(frame)
+        except StreamClosed:
+            self.degrade(f"the ring edge from member {pred} closed (member {pred} is gone)")
+        except FrameError as exc:
+            self.degrade(f"member {pred} sent a malformed frame ({exc}); its edge was closed")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a shard that failed: the ring cannot go on
+            log.exception("ring stage failed")
+            self.degrade(f"member {self.name}'s stage failed: {type(exc).__name__}: {exc}")
+
+    async def _on_frame(self, frame: Frame) -> None:
+        if isinstance(frame, Activation):
+            if self.is_head:
+                self._events.put_nowait(("back", frame))
+            else:
+                await self._stage(frame)
+        elif isinstance(frame, Free):
+            if not self.is_head:  # back at the head it is over (the head freed its own at once)
+                await self._compute(self.slots.free, frame.slot)
+                await self._send(frame)
+        elif isinstance(frame, Request):
+            if frame.dst != self.name:
+                await self._send(frame)
+            elif self.is_head:
+                self._events.put_nowait(("request", frame))
+        elif isinstance(frame, Tokens):
+            if frame.dst != self.name:
+                await self._send(frame)
+            else:
+                self._deliver(frame)
+        elif isinstance(frame, Cancel):
+            if frame.dst != self.name:
+                await self._send(frame)
+            elif self.is_head:
+                self._events.put_nowait(("cancel", frame.rid))
+
+    async def _stage(self, act: Activation) -> None:
+        def run():
+            t0 = time.perf_counter()
+            slot = self.slots.get(act.slot, act.cache_len == 0)
+            h = self.shard.forward(slot, act.hidden, act.positions(), act.mask())
+            return h, int((time.perf_counter() - t0) * 1e6)
+
+        hidden, us = await self._compute(run)
+        self._measure(self.name, us)
+        await self._send(Activation(act.rid, act.slot, act.cache_len, act.pos0, act.zeros, hidden,
+                                    act.trace + ((self.name, us),)))  # fmt: skip
+
+    async def _send(self, frame: Frame) -> None:
+        if self.out is None:
+            raise StreamClosed("this member has no successor")
+        await self.out.send(frame)
+
+    def _deliver(self, frame: Tokens) -> None:
+        if frame.stats:
+            self.measured.update_from(frame.stats)
+        w = self.waiters.get(frame.rid)
+        if w is None:
+            return  # a request its origin already gave up on
+        for t in frame.ids:
+            w.queue.put_nowait(t)
+        if frame.done:
+            w.queue.put_nowait(frame)
+            self.waiters.pop(frame.rid, None)
+
+    def _measure(self, stage: str, us: int) -> None:
+        ms = us / 1000
+        old = self.measured.stage_ms.get(stage)
+        self.measured.stage_ms[stage] = ms if old is None else old + EMA * (ms - old)
+
+    # --- the head's driver -------------------------------------------------------------------------
+
+    async def _drive(self) -> None:
+        sched = self.scheduler
+        while True:
+            ev = await self._events.get()
+            kind = ev[0]
+            try:
+                if kind == "fail":
+                    await self._emit(sched.fail_all(ev[1], 503))
+                    continue
+                if kind == "request":
+                    req: Request = ev[1]
+                    try:
+                        if self.degraded:
+                            raise SchedulerError(f"the session is degraded: {self.degraded}", 503)
+                        self._check_ids(req.prompt.tolist())
+                        sched.submit(req.rid, req.origin, req.prompt.tolist(), req.max_new, req.stop_at_eos)
+                    except SchedulerError as exc:
+                        await self._to_origin(Tokens(req.rid, req.origin, (), True, "error", str(exc)[:500], exc.status))
+                elif kind == "cancel":
+                    await self._emit(sched.cancel(ev[1]))
+                elif kind == "back":
+                    act: Activation = ev[1]
+                    token = await self._compute(greedy, self.shard, act.hidden)
+                    self._account(act)
+                    await self._emit(sched.complete(act.rid, token))
+                await self._pump()
+            except StreamClosed as exc:
+                self.degrade(f"the ring edge to the next member closed ({exc})")
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:
+                log.exception("head driver failed")
+                self.degrade(f"the head {self.name} failed: {type(exc).__name__}: {exc}")
+
+    async def _pump(self) -> None:
+        if self.degraded:
+            return
+        for step in self.scheduler.steps():
+            self._step_started[step.rid] = time.perf_counter()
+            hidden, us = await self._compute(self._head_forward, step)
+            self._measure(self.name, us)
+            act = Activation(step.rid, step.slot, step.cache_len, step.pos0, step.zeros, hidden,
+                             ((self.name, us),))  # fmt: skip
+            if self.out is None:  # a ring of one: the activation is back at once
+                self._events.put_nowait(("back", act))
+            else:
+                await self._send(act)
+
+    def _head_forward(self, step: Step):
+        t0 = time.perf_counter()
+        slot = self.slots.get(step.slot, step.cache_len == 0)
+        n = len(step.tokens)
+        mask = np.ones(step.cache_len + n, dtype=np.int64)
+        if step.zeros:
+            mask[list(step.zeros)] = 0
+        positions = np.arange(step.pos0, step.pos0 + n, dtype=np.int64)
+        h = self.shard.forward(slot, step.tokens, positions, mask)
+        return h, int((time.perf_counter() - t0) * 1e6)
+
+    def _account(self, act: Activation) -> None:
+        started = self._step_started.pop(act.rid, None)
+        if started is None or act.n != 1:
+            return  # time decode steps only: a prefill's cost grows with the prompt
+        step_ms = (time.perf_counter() - started) * 1000
+        compute = sum(us for _, us in act.trace) / 1000
+        for stage, us in act.trace[1:]:
+            self._measure(stage, us)
+        m = self.measured
+        m.step_ms = step_ms if m.step_ms is None else m.step_ms + EMA * (step_ms - m.step_ms)
+        net = max(0.0, step_ms - compute)
+        m.network_ms = net if m.network_ms is None else m.network_ms + EMA * (net - m.network_ms)
+
+    async def _emit(self, events) -> None:
+        for ev in events:
+            if isinstance(ev, TokenOut):
+                await self._to_origin(Tokens(ev.rid, ev.origin, (ev.token,)))
+            elif isinstance(ev, Finished):
+                self._step_started.pop(ev.rid, None)
+                if ev.finish == "cancelled":
+                    continue
+                finish = ev.finish
+                frame = Tokens(ev.rid, ev.origin, (), True, finish, ev.error[:500], ev.status,
+                               self.measured.as_pairs())  # fmt: skip
+                await self._to_origin(frame)
+            elif isinstance(ev, SlotFreed):
+                await self._compute(self.slots.free, ev.slot)
+                if self.out is not None and not self.degraded:
+                    await self._send(Free(ev.slot))
+
+    async def _to_origin(self, frame: Tokens) -> None:
+        if frame.dst == self.name:
+            self._deliver(frame)
+        elif not self.degraded:
+            await self._send(frame)
+        else:  # a broken ring may still carry it part of the way; the host tells the rest
+            with contextlib.suppress(StreamClosed):
+                await self._send(frame)
