@@ -133,6 +133,7 @@ class Member:
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
         self.signaling_up = True
+        self.allow_direct = True  # False: every edge stays on the relay (tests, diagnostics)
 
     # construction
     @classmethod
@@ -493,7 +494,8 @@ class Member:
             relay_addr=self._rendezvous, register_cid=self._register_cid,
             on_closed=self._edge_closed,
             on_authed=None if is_client else self._accepted.put_nowait,
-            punch_rounds=1 if self.nat.nat == info.nat == RESTRICTIVE else 3,
+            punch_rounds=0 if not self.allow_direct else
+            1 if self.nat.nat == info.nat == RESTRICTIVE else 3,
         )
         self._edges[edge_id] = edge
         return edge
@@ -542,6 +544,8 @@ class Member:
             edge.datagram(payload)
 
     def _on_punch(self, data: bytes, src: Address) -> None:
+        if not self.allow_direct:
+            return
         edge = self._edges.get(edge_id_of(data))
         if edge is not None:
             edge.punch_frame(data, src)

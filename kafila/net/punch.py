@@ -134,6 +134,8 @@ class Puncher:
         self.direct_since: float | None = None
         self.rtt_s: float | None = None  # round trip of the latest probe/pong on this path
         self._sent_txids: dict[bytes, float] = {}
+        if rounds <= 0:  # punching disabled: stay on the relay, answer nothing
+            self.state, self.next_probe_at = WAITING, float("inf")
 
     def add_candidate(self, addr: Address) -> None:
         if addr not in self.candidates and len(self.candidates) < MAX_CANDIDATES:
@@ -167,6 +169,9 @@ class Puncher:
                 self.next_probe_at = now + KEEPALIVE_S
             return out
         if self.state == WAITING:
+            if self.rounds <= 0:
+                self.next_probe_at = float("inf")
+                return out
             self.state, self.round, self.round_started = PUNCHING, 1, now
         if now - self.round_started >= PUNCH_ROUND_S:
             if self.round >= self.rounds:
