@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -34,11 +35,12 @@ def kafila_plan(*args: str) -> subprocess.CompletedProcess[str]:
     )
 
 
-def metrics(plan: dict[str, Any]) -> dict[str, float | None]:
+def metrics(plan: dict[str, Any]) -> dict[str, float]:
+    """Table IV's columns from a plan's JSON (NaN where the memory tier priced nothing)."""
     stages = [s for s in plan["stage_ms"].values() if s is not None]
     edges = sum(e["ms"] for e in plan["edges"] if e["ms"] is not None)
     if not stages:
-        return {"bneck": None, "imbal": None, "util": None, "tok_s": None}
+        return dict.fromkeys(("bneck", "imbal", "util", "tok_s"), math.nan)
     bneck = max(stages)
     return {
         "bneck": bneck,

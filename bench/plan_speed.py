@@ -14,6 +14,7 @@ import random
 import statistics
 import time
 from collections.abc import Callable
+from functools import partial
 
 from planner import Device, Fleet, Model, Nat, make_plan, order_ring
 
@@ -69,12 +70,12 @@ def main() -> None:
 
     fleets = [random_fleet(rng, 16, 128) for _ in range(args.fleets)]
     feasible = sum(make_plan(f).feasible for f in fleets)
-    times = [time_ms(lambda f=f: make_plan(f), REPEATS) for f in fleets]
+    times = [time_ms(partial(make_plan, f), REPEATS) for f in fleets]
     report("make_plan, 128 blocks on 16 devices (16 rotations)", times, PLAN_TARGET_MS)
     print(f"  ({feasible} of {len(fleets)} random fleets feasible)")
 
     rings = [random_fleet(rng, 9, 64) for _ in range(args.fleets)]
-    times = [time_ms(lambda f=f: order_ring(f.devices, "d0"), REPEATS) for f in rings]
+    times = [time_ms(partial(order_ring, f.devices, "d0"), REPEATS) for f in rings]
     report("order_ring, 9 members with RTTs (exhaustive)", times, RING_TARGET_MS)
     # the hardest case for the bound: every edge costs the same, every order ties
     same = Fleet(
@@ -86,10 +87,10 @@ def main() -> None:
     )
     report(
         "order_ring, 9 members, all ties",
-        [time_ms(lambda: order_ring(same.devices, "d0"), REPEATS)],
+        [time_ms(partial(order_ring, same.devices, "d0"), REPEATS)],
         RING_TARGET_MS,
     )
-    times = [time_ms(lambda f=f: make_plan(f), REPEATS) for f in rings]
+    times = [time_ms(partial(make_plan, f), REPEATS) for f in rings]
     report("make_plan, 64 blocks on 9 members (ring + 9 rotations)", times, RING_TARGET_MS)
 
 
