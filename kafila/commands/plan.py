@@ -147,9 +147,12 @@ def _print_compare(fleet: Any, plans: dict[Any, Any]) -> None:
     from rich.table import Table
 
     names = [d.name for d in fleet.devices]
-    table = Table(title=f"{fleet.model.name} on {len(names)} devices ({_tier(plans)} tier)")
+    table = Table(
+        title=f"{fleet.model.name} on {len(names)} devices ({_tier(plans)} tier); "
+        f"per device: {' / '.join(names)}"
+    )
     table.add_column("allocation")
-    table.add_column("blocks " + " / ".join(names), justify="right")
+    table.add_column("blocks", justify="right")
     table.add_column("stage ms", justify="right")
     table.add_column("imbal. max/min", justify="right")
     table.add_column("bneck ms", justify="right")
