@@ -25,6 +25,8 @@ import argparse
 import asyncio
 import hashlib
 import json
+import logging
+import os
 import random
 import socket
 import sys
@@ -213,9 +215,37 @@ class MemberDriver:
         await asyncio.gather(*self.tasks, return_exceptions=True)
 
 
-async def run_member(args: argparse.Namespace) -> None:
-    from kafila.net import Member
+def trace_unrouted_quic(member_cls) -> None:
+    """Diagnosis only: log QUIC datagrams the member drops for want of an edge (stderr)."""
+    from kafila.net.edge import quic_destination_cid
 
+    original = member_cls._on_quic
+
+    def on_quic(self, data, src):
+        try:
+            cid, initial = quic_destination_cid(data)
+        except Exception:  # noqa: BLE001 - diagnosis only
+            cid, initial = b"?", None
+        edge = self._cids.get(cid)
+        if edge is None:
+            print(
+                f"TRACE dropped QUIC from {src}: unknown cid {cid.hex()} initial={initial}",
+                file=sys.stderr,
+                flush=True,
+            )
+        original(self, data, src)
+
+    member_cls._on_quic = on_quic
+
+
+async def run_member(args: argparse.Namespace) -> None:
+    try:
+        from kafila.net import Member
+    except ImportError:  # before kafila.net re-exports it
+        from kafila.net.member import Member
+
+    if os.environ.get("KAFILA_LAB_TRACE_DROPS"):
+        trace_unrouted_quic(Member)
     rendezvous = parse_addr(args.rendezvous)
     descriptor = {"name": args.name, "lab": True}
     kwargs = {"bind_host": "0.0.0.0", "send_delay_ms": args.send_delay_ms}
@@ -256,6 +286,12 @@ def main() -> None:
     p = sub.add_parser("probe-raw")
     p.add_argument("--rendezvous", required=True)
     args = parser.parse_args()
+    if os.environ.get("KAFILA_LAB_DEBUG"):
+        logging.basicConfig(
+            level=logging.WARNING, format="%(relativeCreated)d %(name)s %(message)s"
+        )
+        for name in os.environ["KAFILA_LAB_DEBUG"].split(","):  # e.g. "kafila,quic"
+            logging.getLogger(name).setLevel(logging.DEBUG)
     if args.cmd == "rendezvous":
         asyncio.run(run_rendezvous(args))
     elif args.cmd == "member":

@@ -107,8 +107,25 @@ def start_session(
     ]
     members = [LabMember(names[0], nodes[0], host, host_ready)]
     for node, name, proc in zip(nodes[1:], names[1:], procs):
-        members.append(LabMember(name, node, proc, proc.read_json(START_TIMEOUT_S)))
+        ready = proc.read_json(START_TIMEOUT_S)
+        if ready.get("ev") != "ready":
+            raise LabError(f"{name} not ready: {ready}")
+        members.append(LabMember(name, node, proc, ready))
+    wait_roster(members, set(names))
     return members
+
+
+def wait_roster(members: Sequence[LabMember], names: set[str], timeout_s: float = 30.0) -> None:
+    """Until every member's roster shows every name."""
+    deadline = time.monotonic() + timeout_s
+    for m in members:
+        while True:
+            roster = check(m.proc.request("roster", timeout_s=timeout_s))["roster"]
+            if names <= set(roster):
+                break
+            if time.monotonic() > deadline:
+                raise LabError(f"{m.name}'s roster lacks {sorted(names - set(roster))}")
+            time.sleep(0.1)
 
 
 def check(answer: dict) -> dict:
@@ -126,10 +143,17 @@ def open_edges(
         pending.append((a, a.proc.submit("connect", peer=b.name), b, b.proc.submit("accept")))
     out = []
     accepted: dict[tuple[str, str], dict] = {}
+    failed = []
     for a, a_id, b, b_id in pending:
-        out.append([check(a.proc.result(a_id, timeout_s)), None])
+        got_a = a.proc.result(a_id, timeout_s)
+        out.append([got_a, None])
+        if not got_a.get("ok"):
+            failed.append((a.name, b.name, got_a.get("error")))
+            continue
         got = check(b.proc.result(b_id, timeout_s))
         accepted[(b.name, str(got.get("peer")))] = got
+    if failed:
+        raise LabError(f"edges failed to open (initiator, responder, error): {failed}")
     for row, (a, b) in zip(out, pairs):
         row[1] = accepted.get((b.name, a.name))
         if row[1] is None:
