@@ -330,6 +330,11 @@ class Member:
         channel = self._channels.get(rid)
         if channel is None:
             return
+        refusal = rejection_reason(body)
+        if refusal is not None and not self.is_host:
+            log.error("%s: the host removed us: %s", self.name, refusal)
+            self._events.put_nowait(MemberLeft(self._names.get(0, "host"), f"removed: {refusal}"))
+            return
         try:
             sealed = channel.open(body)
             if self.is_host and rid not in self._names:
