@@ -1,9 +1,29 @@
 """Kafila's planner: measured devices in; ring order, head, division and admission out.
 
-Pure functions of explicit inputs: no I/O, no clocks, no sockets, no globals. See
-`planner.plan` for the order of work and each module's docstring for its part of §V:
-`cost` (eq. 2, lim), `partition` (Algorithm 1), `head` (rotation with margin µ),
-`ring` (ordering), `admission` (tiers and the memory check), `baselines` (GPipe, exo).
+Pure functions of explicit inputs: no I/O, no clocks, no sockets, no globals. Entry points:
+`parse_fleet(dict, model) -> Fleet` (raises `PlanInputError`, one line) and
+`make_plan(fleet, policy) -> Plan` (`Plan.to_json()` is the `kafila plan --json` contract).
+
+Decisions the issue leaves open, taken here:
+- Tiers are triggered by nulls. `bandwidth_gbps` and `overhead_us` must be present on every
+  device (a missing key is malformed input); `null` means "the probe could not measure it".
+  full: every device has both; throughput: otherwise, if every device has `tflops`;
+  memory: otherwise. In the memory tier nothing is priced: `stage_ms` values and
+  `bottleneck_ms` are null.
+- The ring is a cycle ordered with the anchor fixed first; head placement only rotates it, so
+  `ring` lists the members from the head, the edges run ring[i] → ring[i+1] and close back to
+  the head, and blocks are contiguous in that order starting at the head.
+- A member with no NAT class is treated as restrictive (the safe prediction, a relay); an edge
+  with an end that has no RTT is unpriced (`ms` null). Ordering uses RTT pricing only when every
+  member has an RTT, and the counting rule otherwise.
+- When nothing fits, the plan shows the division the cost model would choose with memory
+  ignored, and `refused` names each member short of room in it, with the bytes it lacks.
+- Baselines keep the head at the anchor and the planner's ring; exo's memory-proportional
+  shares use largest remainder and give every member at least one block.
+
+Modules, one part of §V each: `cost` (eq. 2, lim), `partition` (Algorithm 1), `head`
+(rotation with margin µ), `ring` (ordering), `admission` (tiers and the memory check),
+`baselines` (GPipe, exo), `plan` (the order of work), `fleet` (input validation).
 """
 
 from planner.admission import Refusal, choose_tier, refusals
