@@ -272,6 +272,11 @@ class Edge:
             raise Refused(f"edge to {self.peer} failed: {exc.reason}") from None
         self._mark_authed()
 
+    @property
+    def awaiting_initial(self) -> bool:
+        """A server edge whose client's first Initial has not arrived yet."""
+        return not self.is_client and self._protocol is None and not self.closed
+
     def datagram(self, data: bytes) -> None:
         """A QUIC datagram for this edge (from the relay or the direct path)."""
         self.bytes_received += len(data)
@@ -286,6 +291,7 @@ class Edge:
                 return
             config = quic_configuration(self.identity, is_client=False)
             self._attach(QuicConnection(configuration=config, original_destination_connection_id=cid))
+            self._add_cid(cid)  # the client's Initial retransmissions still carry this one
         assert self._protocol is not None
         self._protocol.datagram_received(data, FAKE_PEER)
 

@@ -48,6 +48,10 @@ RELAY_BIND_RETRY_S = 0.2
 RELAY_BIND_REFRESH_S = 20.0
 UNKNOWN_PEER_WAIT_S = 3.0  # an edge from a member the roster does not show yet
 MAX_APP_MESSAGE_BYTES = 64 * 1024
+# datagrams for an edge whose EdgeAllocated has not arrived yet (UDP can beat TCP): kept briefly
+EARLY_EDGES_MAX = 16
+EARLY_DATAGRAMS_PER_EDGE_MAX = 32
+EARLY_DATAGRAM_TTL_S = 5.0
 GROUP_KEY_BYTES = 32
 
 
@@ -127,6 +131,7 @@ class Member:
         self._cids: dict[bytes, Edge] = {}
         self._pending_edges: dict[int, collections.deque[asyncio.Future[bytes]]] = {}
         self._accepted: asyncio.Queue[Edge] = asyncio.Queue()
+        self._early: dict[bytes, list[tuple[float, str, bytes, Address]]] = {}
         self._relay_token = b""
         self._relay_bound = asyncio.Event()
         self._roster_changed = asyncio.Event()
@@ -533,7 +538,28 @@ class Member:
         if name is None or name == self.name:
             log.warning("edge offered by unknown member %d: ignored", message.peer)
             return
-        self._new_edge(message.edge_id, self._roster[name], is_client=False)
+        edge = self._new_edge(message.edge_id, self._roster[name], is_client=False)
+        now = loop.time()
+        for stamp, kind, data, src in self._early.pop(message.edge_id, []):
+            if now - stamp > EARLY_DATAGRAM_TTL_S or edge.closed:
+                continue
+            if kind == frames.KIND_RELAY:
+                edge.datagram(data)
+            elif self.allow_direct:
+                edge.punch_frame(data, src)
+
+    def _keep_early(self, edge_id: bytes, kind: str, data: bytes, src: Address) -> None:
+        """Hold a datagram for an edge we have not heard of yet (its allocation may be late)."""
+        now = asyncio.get_running_loop().time()
+        for key in [k for k, v in self._early.items() if now - v[-1][0] > EARLY_DATAGRAM_TTL_S]:
+            del self._early[key]
+        queue = self._early.get(edge_id)
+        if queue is None:
+            if len(self._early) >= EARLY_EDGES_MAX:
+                return
+            queue = self._early[edge_id] = []
+        if len(queue) < EARLY_DATAGRAMS_PER_EDGE_MAX:
+            queue.append((now, kind, data, src))
 
     # datagrams from the member socket
     def _on_relay(self, data: bytes, src: Address) -> None:
@@ -545,22 +571,33 @@ class Member:
             return
         edge_id, payload = frames.decode_data(data)
         edge = self._edges.get(edge_id)
-        if edge is not None and payload:
+        if edge is None:
+            if payload:
+                self._keep_early(edge_id, frames.KIND_RELAY, payload, src)
+        elif payload:
             edge.datagram(payload)
 
     def _on_punch(self, data: bytes, src: Address) -> None:
         if not self.allow_direct:
             return
-        edge = self._edges.get(edge_id_of(data))
+        edge_id = edge_id_of(data)
+        edge = self._edges.get(edge_id)
         if edge is not None:
             edge.punch_frame(data, src)
+        else:
+            self._keep_early(edge_id, frames.KIND_PUNCH, data, src)
 
     def _on_quic(self, data: bytes, src: Address) -> None:
         try:
-            cid, _ = quic_destination_cid(data)
+            cid, initial = quic_destination_cid(data)
         except ProtocolError:
             return
         edge = self._cids.get(cid)
+        if edge is None and initial:
+            # a retransmitted Initial that took the direct path before we saw the first one:
+            # the server edge waiting for its connection, punched from this address
+            edge = next((e for e in self._edges.values() if e.awaiting_initial
+                         and (src == e.puncher.direct or src in e.puncher.candidates)), None)
         if edge is None:
             return
         if src != edge.puncher.direct and src not in edge.puncher.candidates:
