@@ -238,7 +238,7 @@ def decode(payload: bytes) -> Message:
         items = msgpack.unpackb(
             payload, raw=False, use_list=True, strict_map_key=True
         )
-    except Exception as exc:  # msgpack raises many types for bad input; all mean "malformed"
+    except Exception as exc:  # noqa: BLE001 - msgpack raises many types for bad input; all mean "malformed"
         raise ProtocolError("malformed", f"undecodable signaling frame ({type(exc).__name__})")
     if not isinstance(items, list) or not items or type(items[0]) is not int:
         raise ProtocolError("malformed", "signaling frame is not [tag, fields...]")

@@ -113,7 +113,7 @@ class RelayTable:
             if datagram[:1] == bytes([frames.BIND]):
                 return self._bind(frames.decode_bind(datagram), src, now)
             if datagram[:1] == bytes([frames.DATA]):
-                edge_id, payload = frames.decode_data(datagram)
+                edge_id, _ = frames.decode_data(datagram)
                 return self._forward(edge_id, datagram, src, now)
             self.stats.drop("not-relay")
         except ProtocolError:

@@ -35,7 +35,7 @@ class StunResponder:
             return None
         try:
             request = stun.parse_message(datagram)
-        except Exception:  # aioice raises ValueError/struct.error/KeyError on garbage
+        except Exception:  # noqa: BLE001 - aioice raises ValueError/struct.error/KeyError on garbage
             self.dropped += 1
             return None
         if request.message_method != stun.Method.BINDING or request.message_class != stun.Class.REQUEST:

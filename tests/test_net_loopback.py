@@ -118,7 +118,7 @@ def parse_ok(code: str) -> bool:
 
 def test_silent_member_reaches_host_as_left_within_3_s() -> None:
     async def main():
-        async with session(1) as (rv, (host, a)):
+        async with session(1) as (_rv, (host, a)):
             # stop a's heartbeats and signaling reads without closing its TCP connection
             for task in list(a._tasks):
                 task.cancel()
@@ -209,7 +209,7 @@ def test_relay_carries_only_ciphertext() -> None:
 
             rv.registry.relay.receive = spying
             ea, eb = await _pair(a, b)
-            ra, wa = await ea.open_stream()
+            _, wa = await ea.open_stream()
             wa.write(secret * 50)
             rb, _ = await eb.accept_stream()
             assert await rb.readexactly(len(secret) * 50) == secret * 50
@@ -311,7 +311,7 @@ def test_cli_rendezvous_and_netcheck() -> None:
         port = int(line.split(f"{LOOP}:")[1].split()[0])
         out = subprocess.run(
             [sys.executable, "-m", "kafila", "netcheck", "--rendezvous", f"{LOOP}:{port}", "--json"],
-            capture_output=True, text=True, timeout=30, env=env,
+            capture_output=True, text=True, timeout=30, env=env, check=False,
         )
         assert out.returncode == 0, out.stderr
         report = json.loads(out.stdout)
@@ -319,7 +319,7 @@ def test_cli_rendezvous_and_netcheck() -> None:
         assert report["nat"] == "permissive" and report["mapped"].startswith(LOOP)
         bad = subprocess.run(
             [sys.executable, "-m", "kafila", "netcheck", "--rendezvous", "nohost:port"],
-            capture_output=True, text=True, timeout=30, env=env,
+            capture_output=True, text=True, timeout=30, env=env, check=False,
         )
         assert bad.returncode == 2 and "port" in bad.stderr
     finally:

@@ -12,7 +12,7 @@ from aioice import stun
 
 from kafila.errors import BadInput
 from kafila.net.code import make_code, parse_code
-from kafila.net.handshake import Pake, SealedChannel, rejection_reason, reject
+from kafila.net.handshake import Pake, SealedChannel, reject, rejection_reason
 from kafila.net.natcheck import (
     FILTER_WAIT_S,
     NatProbe,
@@ -123,7 +123,7 @@ def test_altered_or_redirected_message_fails_closed() -> None:
         host.open(bytes(body))
     assert err.value.code == "auth-failed"
     # the same key but another member's rid (a message moved between members) fails too
-    h2, m2 = _pair("7-a-b-c", "7-a-b-c")
+    _, m2 = _pair("7-a-b-c", "7-a-b-c")
     other = SealedChannel(b"k" * 32, is_host=True, nameplate=7, rid=4)
     with pytest.raises(ProtocolError):
         other.open(m2.seal({"t": "app"}))

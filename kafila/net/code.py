@@ -16,7 +16,7 @@ from kafila.net.words import EVEN_WORDS, ODD_WORDS
 from rendezvous.limits import MAX_NAMEPLATE
 
 CODE_WORDS = 3
-_CODE_RE = re.compile(r"^(\d{1,6})((?:-[a-z]+){%d})$" % CODE_WORDS)
+_CODE_RE = re.compile(rf"^(\d{{1,6}})((?:-[a-z]+){{{CODE_WORDS}}})$")
 _ODD, _EVEN = frozenset(ODD_WORDS), frozenset(EVEN_WORDS)
 
 

@@ -263,7 +263,7 @@ class Edge:
             if verdict.get("ok") is not True:
                 raise ProtocolError("auth-failed", f"peer refused us: {verdict.get('error')}")
             writer.write_eof()
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             reason = self.error or f"no answer within {EDGE_CONNECT_TIMEOUT_S:.0f} s ({type(exc).__name__})"
             await self._fail(reason)
             raise Refused(f"edge to {self.peer} failed: {reason}") from None
@@ -387,7 +387,7 @@ class Edge:
                 writer.write(_frame({"ok": False, "error": exc.reason}))
             log.warning("edge from %s refused: %s", self.peer, exc.reason)
             await self._fail(exc.reason)
-        except (asyncio.TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
+        except (TimeoutError, asyncio.IncompleteReadError, ConnectionError) as exc:
             await self._fail(f"authentication did not complete ({type(exc).__name__})")
 
     def _mark_authed(self) -> None:

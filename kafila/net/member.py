@@ -207,7 +207,7 @@ class Member:
             reader, writer = await asyncio.wait_for(
                 asyncio.open_connection(*self._rendezvous), SIGNAL_TIMEOUT_S
             )
-        except (OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, OSError) as exc:
             self._nat_task.cancel()
             self._sock.close()
             host, port = rendezvous
@@ -475,7 +475,7 @@ class Member:
         self._signal.send(m.EdgeRequest(info.peer_id))
         try:
             edge_id = await asyncio.wait_for(future, EDGE_ALLOCATE_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Refused(f"the rendezvous did not allocate an edge to {peer}") from None
         edge = self._new_edge(edge_id, info, is_client=True)
         await edge.connect()
