@@ -304,7 +304,7 @@ class Member:
                 self._handle(message)
         except (ConnectionError, OSError, ProtocolError) as exc:
             reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
-            if not self._closed:
+            if not self._closed and self.signaling_up:
                 self.signaling_up = False
                 log.warning("%s: signaling lost: %s", self.name, reason)
                 if not self.is_host:
@@ -319,6 +319,7 @@ class Member:
         elif isinstance(message, m.PeerLeft) and self.is_host:
             self._member_gone(message.rid, message.reason)
         elif isinstance(message, m.SessionClosed) and not self.is_host:
+            self.signaling_up = False  # the rendezvous closes the connection next: expected
             self._events.put_nowait(MemberLeft(self._names.get(0, "host"), message.reason))
         elif isinstance(message, m.Error):
             log.warning("%s: rendezvous error: %s", self.name, message.reason)
