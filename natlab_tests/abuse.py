@@ -192,6 +192,13 @@ async def joins(target: tuple[str, int], n: int, avoid: set[int], stats: dict) -
         writer.close()
 
 
+async def targeted_joins(target: tuple[str, int], nameplate: int, n: int, stats: dict) -> None:
+    """Bogus members of a real session: Join its nameplate, then a garbage PAKE message."""
+    for _ in range(n):
+        payload = m.encode(m.Join(nameplate)) + m.encode(m.Send(0, b"P" + os.urandom(40)))
+        await tcp_once(target, payload, stats, "joins_sent", read_s=0.5)
+
+
 async def main_async(args: argparse.Namespace) -> dict:
     target = parse_addr(args.rendezvous)
     stats: dict = {
@@ -209,6 +216,10 @@ async def main_async(args: argparse.Namespace) -> dict:
     stats["answers"] = {}
     avoid = {int(x) for x in args.avoid.split(",") if x}
     started = time.monotonic()
+    if args.target:
+        await targeted_joins(target, args.target, args.joins, stats)
+        stats["seconds"] = round(time.monotonic() - started, 2)
+        return stats
     await asyncio.gather(
         udp_flood(target, args.port2, args.seconds, stats),
         tcp_garbage(target, args.seconds, stats),
@@ -225,6 +236,12 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--joins", type=int, default=1000)
     parser.add_argument("--avoid", default="")
+    parser.add_argument(
+        "--target",
+        type=int,
+        default=0,
+        help="send every bogus join to this nameplate (no UDP or TCP garbage)",
+    )
     args = parser.parse_args()
     print(json.dumps(asyncio.run(main_async(args))), flush=True)
 

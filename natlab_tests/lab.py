@@ -180,6 +180,16 @@ class Proc:
             self.stderr_tail.append(line)
             del self.stderr_tail[:-40]
 
+    def read_line(self, timeout_s: float) -> str:
+        """The next stdout line, whatever it holds."""
+        try:
+            line = self.lines.get(timeout=timeout_s)
+        except queue.Empty:
+            raise LabError(f"no output from {self.argv[-4:]} within {timeout_s} s") from None
+        if line is None:
+            raise LabError(f"{self.argv[-4:]} exited; stderr: {self.stderr()}")
+        return line
+
     def read_json(self, timeout_s: float) -> dict:
         """The next JSON object the process prints (other stdout lines are skipped)."""
         deadline = time.monotonic() + timeout_s
