@@ -5,10 +5,10 @@ Pure functions of explicit inputs: no I/O, no clocks, no sockets, no globals. En
 `make_plan(fleet, policy) -> Plan` (`Plan.to_json()` is the `kafila plan --json` contract).
 
 Decisions the issue leaves open, taken here:
-- Tiers are triggered by nulls. `bandwidth_gbps` and `overhead_us` must be present on every
-  device (a missing key is malformed input); `null` means "the probe could not measure it".
-  full: every device has both; throughput: otherwise, if every device has `tflops`;
-  memory: otherwise. In the memory tier nothing is priced: `stage_ms` values and
+- Tiers are triggered by missing measurements: a device's `bandwidth_gbps`, `overhead_us` or
+  `tflops` that is absent or null was not measured (a present value must be valid, so zero or
+  negative bandwidth is an input error). full: every device has bandwidth and overhead;
+  throughput: otherwise, if every device has `tflops`; memory: otherwise. In the memory tier nothing is priced: `stage_ms` values and
   `bottleneck_ms` are null.
 - The ring is a cycle ordered with the anchor fixed first; head placement only rotates it, so
   `ring` lists the members from the head, the edges run ring[i] → ring[i+1] and close back to

@@ -5,11 +5,11 @@ issue and `shared/fleets/*.json`) into a `Fleet`, or raises `PlanInputError` wit
 
 Units follow the contract: GB means 10**9 bytes, bandwidth is GB/s, overhead µs, RTT ms.
 
-Measurement fields and what a missing measurement looks like:
-- `bandwidth_gbps` and `overhead_us` must be present on every device; `null` means the
-  device's probe could not measure it (this is what moves a session down an admission tier,
-  see `planner.admission`). A missing key is a malformed fleet.
-- `tflops`, `rtt_ms` and `nat` are optional; absent and `null` both mean "not measured".
+Required: `context`, `concurrency`, `anchor`, the model's five fields, and each device's
+`name` and `memory_gb`. A measurement (`bandwidth_gbps`, `overhead_us`, `tflops`, `rtt_ms`,
+`nat`) that is absent or `null` means the device could not measure it: that is what moves a
+session down an admission tier (see `planner.admission`), so it is not an input error. A
+measurement that is present must be valid (bandwidth and TFLOP/s > 0, overhead and RTT >= 0).
 Unknown keys (`site`, `source`, ...) are ignored.
 """
 
@@ -172,11 +172,11 @@ def _devices(data: Mapping[str, Any]) -> tuple[Device, ...]:
             Device(
                 name=name,
                 memory_gb=_number(entry, "memory_gb", where, positive=True),
-                bandwidth_gbps=_measured(entry, "bandwidth_gbps", where, required=True),
-                overhead_us=_measured(entry, "overhead_us", where, required=True, zero_ok=True),
-                rtt_ms=_measured(entry, "rtt_ms", where, required=False, zero_ok=True),
+                bandwidth_gbps=_measured(entry, "bandwidth_gbps", where),
+                overhead_us=_measured(entry, "overhead_us", where, zero_ok=True),
+                rtt_ms=_measured(entry, "rtt_ms", where, zero_ok=True),
                 nat=_nat(entry, where),
-                tflops=_measured(entry, "tflops", where, required=False),
+                tflops=_measured(entry, "tflops", where),
             )
         )
     return tuple(devices)
@@ -233,15 +233,9 @@ def _number(raw: Mapping[str, Any], key: str, where: str, positive: bool) -> flo
     return float(value)
 
 
-def _measured(
-    raw: Mapping[str, Any], key: str, where: str, required: bool, zero_ok: bool = False
-) -> float | None:
-    if key not in raw:
-        if required:
-            raise PlanInputError(f'{where} is missing "{key}" (use null if it was not measured)')
-        return None
-    value = raw[key]
-    if value is None:
+def _measured(raw: Mapping[str, Any], key: str, where: str, zero_ok: bool = False) -> float | None:
+    value = raw.get(key)
+    if value is None:  # absent or null: not measured
         return None
     if not _is_number(value) or value < 0 or (not zero_ok and value == 0):
         bound = ">= 0" if zero_ok else "> 0"

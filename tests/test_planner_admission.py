@@ -114,3 +114,12 @@ def test_throughput_tier_respects_memory() -> None:
     plan = make_plan(parse_fleet(data))
     assert plan.tier is Tier.THROUGHPUT and plan.feasible
     assert plan.blocks == (7, 3)  # a is fastest but holds only 7 beside the head
+
+
+def test_absent_measurements_lower_the_tier_like_nulls() -> None:
+    # as a session host builds the fleet: keys left out where a probe failed
+    data = fleet(device("a", 30, 100.0, tflops=2.0), device("b", 10, 100.0, tflops=1.0))
+    del data["devices"][1]["bandwidth_gbps"]
+    assert make_plan(parse_fleet(data)).tier is Tier.THROUGHPUT
+    del data["devices"][1]["tflops"]
+    assert make_plan(parse_fleet(data)).tier is Tier.MEMORY

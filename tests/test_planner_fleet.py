@@ -53,7 +53,6 @@ def test_good_fleet_parses() -> None:
         (edited(["devices", 0, "memory_gb"], delete=True), '"memory_gb"'),
         (edited(["devices", 1, "bandwidth_gbps"], 0), '"bandwidth_gbps"'),
         (edited(["devices", 1, "bandwidth_gbps"], -1.0), '"bandwidth_gbps"'),
-        (edited(["devices", 1, "bandwidth_gbps"], delete=True), '"bandwidth_gbps"'),
         (edited(["devices", 1, "bandwidth_gbps"], "fast"), '"bandwidth_gbps"'),
         (edited(["devices", 1, "overhead_us"], -1.0), '"overhead_us"'),
         (edited(["devices", 1, "nat"], "cone"), '"nat"'),
@@ -78,9 +77,11 @@ def test_more_devices_than_blocks_says_so() -> None:
         parse_fleet(data)
 
 
-def test_null_measurements_are_allowed() -> None:
+def test_absent_or_null_measurements_mean_not_measured() -> None:
     parsed = parse_fleet(edited(["devices", 1, "bandwidth_gbps"], None))
     assert parsed.devices[1].bandwidth_gbps is None
+    parsed = parse_fleet(edited(["devices", 1, "overhead_us"], delete=True))
+    assert parsed.devices[1].overhead_us is None
 
 
 def test_models_table_needs_a_choice_when_it_has_several() -> None:
