@@ -1,7 +1,8 @@
 """Weights for one member: only its own tensors' byte ranges, verified, resumable.
 
 Theory of operation. The host sends each member a `Manifest`: the model file's digest and size,
-the header region [0, header_len) (metadata and tokenizer, sent zlib-compressed), and for every
+the header region [0, header_len) (metadata and tokenizer, sent bz2-compressed: it is
+mostly the tokenizer's text), and for every
 tensor of the member's shard its byte range and SHA-256. The member keeps a *sparse local copy*
 of the model file: same size, the header and its own tensors at their original offsets, holes
 elsewhere. A backend opens it like the real file and reads only its own tensors, so no shard-local
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-import zlib
+import bz2
 from collections import deque
 from dataclasses import dataclass
 
@@ -170,9 +171,8 @@ class Fetcher:
         self.wire_bytes += len(data)
         if frame.compressed:
             try:
-                d = zlib.decompressobj()
-                data = d.decompress(data, c.length)
-            except zlib.error as exc:
+                data = bz2.BZ2Decompressor().decompress(data, c.length)
+            except (OSError, ValueError, EOFError) as exc:
                 raise WeightError(f"corrupt compressed chunk: {exc}") from None
         if len(data) != c.length:
             raise WeightError(f"weight chunk at {c.offset} has {len(data)} bytes, expected {c.length}")
@@ -190,7 +190,7 @@ def serve_chunk(path: str, file_bytes: int, get: WeightGet, cache: dict | None =
     with open(path, "rb") as f:
         f.seek(get.offset)
         data = f.read(get.length)
-    out = WeightData(get.offset, get.length, get.compress, zlib.compress(data, 6) if get.compress else data)
+    out = WeightData(get.offset, get.length, get.compress, bz2.compress(data, 9) if get.compress else data)
     if cache is not None and get.compress:
         cache[key] = out  # the header: every member asks for the same bytes
     return out

@@ -1,0 +1,46 @@
+"""`kafila host --model M …`: open a session, plan it when the members are in, serve."""
+
+from __future__ import annotations
+
+import argparse
+
+from kafila.commands.join import add_common, check_backend, common_config
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "host", help="open a session for a model and serve it with the members who join",
+        description="Register a session (an embedded rendezvous unless --rendezvous is given), "
+        "print its code, wait for --expect members (or Enter), plan, send each member its "
+        "weights, and serve until SIGINT/SIGTERM.",
+    )
+    p.add_argument("--model", default="smollm2-135m", help="GGUF path or alias (default smollm2-135m)")
+    p.add_argument("--expect", type=int, default=0, metavar="N",
+                   help="session size, the host included; plan as soon as N are in")
+    p.add_argument("--context", type=int, default=2048, help="positions per request, prompt and answer (default 2048)")
+    p.add_argument("--concurrency", type=int, default=4, help="requests served at once (default 4)")
+    p.add_argument("--policy", choices=("kafila", "uniform", "memory"), default="kafila",
+                   help="how blocks are divided (default kafila: the planner)")
+    p.add_argument("--code-file", metavar="F", help="also write the code to F (for scripts)")
+    p.add_argument("--listen", default="0.0.0.0:7473", metavar="HOST:PORT",
+                   help="where the embedded rendezvous listens when no --rendezvous is given")
+    add_common(p)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from kafila.commands.rendezvous import parse_host_port
+    from kafila.errors import BadInput
+    from kafila.models import resolve_model
+    from kafila.session.host import HostParticipant
+
+    if args.expect < 0:
+        raise BadInput("--expect N: N is the session size, the host included (1 or more)")
+    check_backend(args.backend)
+    cfg = common_config(args, host=True)
+    cfg = replace(cfg, model_path=resolve_model(args.model), expect=args.expect, context=args.context,
+                  concurrency=args.concurrency, policy=args.policy, code_file=args.code_file,
+                  embedded_listen=parse_host_port(args.listen))  # fmt: skip
+    return HostParticipant(cfg).run()

@@ -1,0 +1,80 @@
+"""`kafila join CODE`: join a session, fetch this member's weights, hold a stage, serve prompts."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import socket
+
+
+def default_name() -> str:
+    name = re.sub(r"[^A-Za-z0-9._@+-]", "-", socket.gethostname())[:64].strip("-.")
+    return name or "member"
+
+
+def add_common(p: argparse.ArgumentParser) -> None:
+    from kafila.session.member import DEFAULT_CACHE_DIR
+
+    p.add_argument("--rendezvous", metavar="HOST:PORT", help="the rendezvous (default for join: 127.0.0.1:7473)")
+    p.add_argument("--name", default=None, help="this member's name in the session (default: the host name)")
+    p.add_argument("--backend", default="openvino", help="shard runtime: openvino (default), mlx, reference")
+    p.add_argument("--api", default="127.0.0.1:8740", metavar="HOST:PORT",
+                   help="OpenAI-compatible API address (default 127.0.0.1:8740; 'off' for none)")
+    p.add_argument("--bind", default="0.0.0.0", metavar="IP", help="local address of the member's UDP socket")
+    p.add_argument("--latency-ms", type=float, default=0.0, metavar="L",
+                   help="delay every datagram this member sends by L ms (WAN emulation)")
+    p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help=f"where fetched weights live (default {DEFAULT_CACHE_DIR})")
+    p.add_argument("--json-events", action="store_true", help="one JSON line per lifecycle event on stdout")
+
+
+def common_config(args: argparse.Namespace, host: bool):
+    from kafila.api import parse_hostport
+    from kafila.commands.rendezvous import parse_host_port
+    from kafila.errors import BadInput
+    from kafila.session.member import SessionConfig
+
+    if args.latency_ms < 0 or args.latency_ms > 10_000:
+        raise BadInput("--latency-ms L: choose 0..10000")
+    rendezvous = parse_host_port(args.rendezvous) if args.rendezvous else (None if host else ("127.0.0.1", 7473))
+    if rendezvous is not None and rendezvous[0] in ("0.0.0.0", ""):
+        rendezvous = ("127.0.0.1", rendezvous[1])
+    api = None if args.api.lower() in ("off", "none", "") else parse_hostport(args.api)
+    return SessionConfig(name=args.name or default_name(), rendezvous=rendezvous, backend=args.backend,
+                         api=api, bind_host=args.bind, send_delay_ms=args.latency_ms,
+                         cache_dir=os.path.abspath(args.cache_dir), json_events=args.json_events)  # fmt: skip
+
+
+def check_backend(name: str) -> None:
+    import backends
+    from kafila.errors import BadInput
+
+    st = backends.status(name)
+    if not st.available:
+        raise BadInput(st.reason)
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "join", help="join a session with its code and serve a part of the model",
+        description="Join the session behind CODE: measure this device, receive the plan, fetch "
+        "only this member's tensors from the host (or use --model when it is the same file), "
+        "build the shard, join the ring, and serve prompts on --api until SIGINT/SIGTERM.",
+    )
+    p.add_argument("code", metavar="CODE", help="the session code the host printed, e.g. 7-amber-falcon-orbit")
+    p.add_argument("--model", default=None, metavar="PATH",
+                   help="a local copy of the model: used instead of a transfer when its SHA-256 matches")
+    add_common(p)
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    from kafila.session.member import Participant
+
+    check_backend(args.backend)
+    cfg = replace(common_config(args, host=False), local_model=args.model)
+    p = Participant(cfg)
+    p.code = args.code
+    return p.run()

@@ -1,0 +1,304 @@
+"""The host's part of a session: registration, the members table, the plan, serving weights."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from rich.live import Live
+from rich.table import Table
+
+from kafila.errors import BadInput, Refused
+from kafila.session.member import STATUS_EVERY_S, READY_TIMEOUT_S, Participant, stdin_is_terminal
+
+log = logging.getLogger(__name__)
+
+
+def member_row(name: str, info, state: str) -> dict:
+    d = info.descriptor or {}
+    return {"name": name, "nat": info.nat, "rtt_ms": round(info.rtt_ms, 2),
+            "bandwidth_gbps": d.get("bandwidth_gbps"), "memory_gb": d.get("memory_gb"),
+            "overhead_us": d.get("overhead_us"), "backend": d.get("backend"), "state": state}  # fmt: skip
+
+
+def members_table(rows: list[dict], title: str) -> Table:
+    t = Table(title=title)
+    for col in ("name", "NAT", "RTT ms", "bandwidth GB/s", "memory GB", "state"):
+        t.add_column(col)
+    for r in rows:
+        bw = r["bandwidth_gbps"]
+        mem = r["memory_gb"]
+        t.add_row(r["name"], r["nat"], f"{r['rtt_ms']:.1f}", "?" if bw is None else f"{bw:.1f}",
+                  "?" if mem is None else f"{mem:.1f}", r["state"])  # fmt: skip
+    return t
+
+
+def plan_table(plan: dict, first_blocks: dict[str, tuple[int, int]]) -> Table:
+    t = Table(title=f"plan ({plan['policy']}, tier {plan['tier']}): head {plan['head']}")
+    for col in ("ring", "blocks", "range", "predicted stage ms", "edge to next"):
+        t.add_column(col)
+    edges = {e["from"]: e for e in plan["edges"]}
+    for name in plan["ring"]:
+        ms = (plan.get("stage_ms") or {}).get(name)
+        e = edges.get(name)
+        a, b = first_blocks[name]
+        t.add_row(name + (" (head)" if name == plan["head"] else ""), str(plan["blocks"][name]),
+                  f"[{a}, {b})", "?" if ms is None else f"{ms:.2f}",
+                  "" if e is None else f"{e['kind']} → {e['to']}")  # fmt: skip
+    return t
+
+
+def predicted_tok_s(plan: dict) -> float | None:
+    stages = plan.get("stage_ms") or {}
+    if not stages or any(v is None for v in stages.values()):
+        return None
+    total = sum(stages.values()) + sum(e.get("ms") or 0.0 for e in plan["edges"])
+    return 1000.0 / total if total > 0 else None
+
+
+class HostParticipant(Participant):
+    is_host = True
+
+    def __init__(self, cfg, console=None) -> None:
+        super().__init__(cfg, console)
+        self.rendezvous_service = None
+        self.digests = None
+        self._weight_cache: dict = {}
+        self._ready: set[str] = set()
+        self.host_name = cfg.name
+
+    async def close_extra(self) -> None:
+        if self.rendezvous_service is not None:
+            with contextlib.suppress(Exception):
+                await self.rendezvous_service.close()
+            self.rendezvous_service = None
+
+    async def _lifecycle(self) -> int:
+        from kafila.models import open_model
+        from kafila.net import Member, MemberJoined, MemberLeft, Message
+        from kafila.session.weights import DigestCache
+
+        cfg = self.cfg
+        index = await asyncio.to_thread(open_model, cfg.model_path)
+        if cfg.context < 2 or cfg.context > index.hparams.context_length:
+            raise BadInput(f"--context {cfg.context}: choose 2..{index.hparams.context_length} for {index.name}")
+        if cfg.concurrency < 1 or cfg.concurrency > 64:
+            raise BadInput(f"--concurrency {cfg.concurrency}: choose 1..64")
+        self.say(f"{cfg.name}: measuring this device and indexing {index.name}…")
+        desc_task = asyncio.create_task(asyncio.to_thread(self.descriptor))
+        self.digests = await asyncio.to_thread(DigestCache, index)
+        desc = await desc_task
+        rv = cfg.rendezvous
+        if rv is None:
+            from kafila.net import Rendezvous
+
+            self.rendezvous_service = await Rendezvous.start(*cfg.embedded_listen)
+            rv = self.rendezvous_service.address
+            shown = rv if rv[0] not in ("0.0.0.0", "::") else (_lan_ip(), rv[1])
+            self.say(f"{cfg.name}: embedded rendezvous on {rv[0]}:{rv[1]}")
+        else:
+            shown = rv
+        self.net = await Member.host(rv, cfg.name, desc, bind_host=cfg.bind_host,
+                                     send_delay_ms=cfg.send_delay_ms)  # fmt: skip
+        code = self.net.code
+        print(code, flush=True)
+        if cfg.code_file:
+            with open(cfg.code_file, "w") as f:
+                f.write(code + "\n")
+        self.say(f"session code: [bold]{code}[/bold]\non the other machines run:\n"
+                 f"  kafila join {code} --rendezvous {shown[0]}:{shown[1]}")  # fmt: skip
+        self.event("code", code=code, rendezvous=f"{rv[0]}:{rv[1]}")
+        self.spawn(self._accept_loop(), "accept")
+
+        # --- wait for the members --------------------------------------------------------------
+        self.state.phase = "waiting"
+        interactive = stdin_is_terminal() and self.console.is_terminal
+        enter = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        if stdin_is_terminal():
+            import sys
+
+            loop.add_reader(sys.stdin.fileno(), lambda: (sys.stdin.readline(), enter.set()))
+        rows = lambda: [member_row(n, i, "joined") for n, i in self.net.roster().items()]  # noqa: E731
+        expect = cfg.expect
+        title = (f"waiting for {expect} members (press Enter to plan now)" if expect and stdin_is_terminal()
+                 else f"waiting for {expect} members" if expect else "press Enter to plan")  # fmt: skip
+        live = Live(members_table(rows(), title), console=self.console, auto_refresh=False) if interactive else None
+        try:
+            if live:
+                live.start()
+            while not (expect and len(self.net.roster()) >= expect) and not enter.is_set():
+                if not expect and not stdin_is_terminal():
+                    break  # a script without --expect: plan with whoever is here
+                get = asyncio.create_task(self.net.recv())
+                waiter = asyncio.create_task(enter.wait())
+                done, _ = await asyncio.wait({get, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter.cancel()
+                if get not in done:
+                    get.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await get
+                    continue
+                ev = get.result()
+                if isinstance(ev, MemberJoined):
+                    r = member_row(ev.info.name, ev.info, "joined")
+                    if not live:
+                        self.say(f"member {r['name']} joined: NAT {r['nat']}, RTT {r['rtt_ms']} ms, "
+                                 f"{r['bandwidth_gbps']} GB/s, {r['memory_gb']} GB")  # fmt: skip
+                    self.event("joined", **r)
+                elif isinstance(ev, MemberLeft):
+                    self.say(f"member {ev.name} left ({ev.reason})")
+                    self.event("left", name=ev.name, reason=ev.reason)
+                if live:
+                    live.update(members_table(rows(), title), refresh=True)
+        finally:
+            if live:
+                live.stop()
+            if stdin_is_terminal():
+                import sys
+
+                loop.remove_reader(sys.stdin.fileno())
+        self.state.members = {r["name"]: r for r in rows()}
+
+        # --- plan ----------------------------------------------------------------------------------
+        plan = self._plan(index)
+        ranges, first = {}, 0
+        for n in plan["ring"]:
+            ranges[n] = (first, first + plan["blocks"][n])
+            first += plan["blocks"][n]
+        self.console.print(plan_table(plan, ranges))
+        tps = predicted_tok_s(plan)
+        if tps:
+            self.say(f"predicted: bottleneck {plan['bottleneck_ms']:.2f} ms, {tps:.1f} tok/s single-stream")
+        self.event("plan", plan=plan)
+        if not plan["feasible"]:
+            short = ", ".join(f"{r['device']} (short by {r['short_bytes'] / 1e6:.1f} MB)" for r in plan["refused"])
+            reason = f"the model does not fit: {short} cannot hold its share"
+            for n in self.net.roster():
+                if n != cfg.name:
+                    with contextlib.suppress(Exception):
+                        await self.net.send(n, {"t": "refused", "reason": reason})
+            raise Refused(reason)
+        session = {"context": cfg.context, "concurrency": cfg.concurrency, "precision": cfg.precision,
+                   "model": index.name, "sha256": index.sha256}  # fmt: skip
+        for n in plan["ring"]:
+            if n == cfg.name:
+                continue
+            a, b = ranges[n]
+            manifest = self.digests.manifest(a, b, n == plan["head"])
+            await self.net.send(n, {"t": "plan", "plan": plan, "session": session, "manifest": manifest.to_json()})
+
+        # --- distribute, build, ring -----------------------------------------------------------------
+        own = self.spawn(self._prepare({"plan": plan, "session": session}, None), "prepare")
+        others = {n for n in plan["ring"] if n != cfg.name}
+        loop_deadline = loop.time() + READY_TIMEOUT_S
+        while not (others <= self._ready and own.done()):
+            get = asyncio.create_task(self.net.recv())
+            done, _ = await asyncio.wait({get, own}, timeout=max(0.0, loop_deadline - loop.time()),
+                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            if own in done and own.exception() is not None:
+                get.cancel()
+                await self._refuse_all(f"the host failed to build its stage: {own.exception()}")
+                raise own.exception()
+            if get not in done:
+                get.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await get
+                if loop.time() >= loop_deadline:
+                    await self._refuse_all("the session took too long to form")
+                    raise Refused(f"members {sorted(others - self._ready)} were not ready in time")
+                continue
+            ev = get.result()
+            if isinstance(ev, MemberLeft) and ev.name in others:
+                await self._refuse_all(f"member {ev.name} left while the session was forming")
+                raise Refused(f"member {ev.name} left while the session was forming ({ev.reason})")
+            if isinstance(ev, Message) and isinstance(ev.body, dict):
+                if ev.body.get("t") == "ready":
+                    self._ready.add(ev.sender)
+                    self.say(f"member {ev.sender} is ready")
+                elif ev.body.get("t") == "failed":
+                    await self._refuse_all(f"member {ev.sender} failed: {ev.body.get('reason')}")
+                    raise Refused(f"member {ev.sender} could not prepare its stage: {ev.body.get('reason')}")
+        own.result()
+        for n in others:
+            await self.net.send(n, {"t": "serving"})
+        await self._start_serving()
+        self.spawn(self._broadcast_status(), "status")
+
+        # --- serve -------------------------------------------------------------------------------------
+        while True:
+            ev = await self.net.recv()
+            if isinstance(ev, MemberLeft):
+                self.state.members.pop(ev.name, None)
+                if ev.name in plan["ring"]:
+                    self._degrade(f"member {ev.name} left the session ({ev.reason})")
+                    for n in self.net.roster():
+                        if n != cfg.name:
+                            with contextlib.suppress(Exception):
+                                await self.net.send(n, {"t": "gone", "member": ev.name, "reason": ev.reason})
+            elif isinstance(ev, Message) and isinstance(ev.body, dict) and ev.body.get("t") == "edge":
+                if isinstance(ev.body.get("stats"), dict):
+                    self.state.edges[ev.sender] = ev.body["stats"]
+
+    async def _refuse_all(self, reason: str) -> None:
+        for n in self.net.roster():
+            if n != self.cfg.name:
+                with contextlib.suppress(Exception):
+                    await self.net.send(n, {"t": "refused", "reason": reason})
+
+    def _plan(self, index) -> dict:
+        from planner import PlanInputError, plan_fleet
+
+        devices = []
+        for name, info in self.net.roster().items():
+            d = info.descriptor or {}
+            dev = {"name": name, "memory_gb": d.get("memory_gb") or 1.0, "nat": info.nat,
+                   "rtt_ms": float(info.rtt_ms)}  # fmt: skip
+            for k in ("bandwidth_gbps", "overhead_us", "tflops"):
+                if d.get(k) is not None:
+                    dev[k] = d[k]
+            devices.append(dev)
+        fleet = {"context": self.cfg.context, "concurrency": self.cfg.concurrency,
+                 "anchor": self.cfg.name, "model": index.planner_model(), "devices": devices}  # fmt: skip
+        try:
+            return plan_fleet(fleet, None, self.cfg.policy).to_json()
+        except PlanInputError as exc:
+            raise Refused(f"cannot plan this session: {exc}") from None
+
+    async def serve_weights(self, edge, reader, writer) -> None:
+        from kafila.session.transfer import serve_weights
+
+        try:
+            sent = await serve_weights(reader, writer, self.cfg.model_path, self.digests.index.file_bytes,
+                                       self._weight_cache)  # fmt: skip
+            log.info("served %d weight bytes to %s", sent, edge.peer)
+        except Exception as exc:
+            log.warning("weight transfer to %s ended: %s", edge.peer, exc)
+        finally:
+            with contextlib.suppress(Exception):
+                await edge.close()
+
+    async def _broadcast_status(self) -> None:
+        while True:
+            await asyncio.sleep(STATUS_EVERY_S)
+            edges = dict(self.state.edges)
+            own = getattr(self, "succ_edge", None)
+            if own is not None:
+                from kafila.session.member import edge_stats
+
+                edges[self.cfg.name] = edge_stats(own)
+                self.state.edges[self.cfg.name] = edges[self.cfg.name]
+            for n in list(self.net.roster()):
+                if n != self.cfg.name:
+                    with contextlib.suppress(Exception):
+                        await self.net.send(n, {"t": "status", "edges": edges, "members": self.state.members})
+
+
+def _lan_ip() -> str:
+    import socket
+
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # no packet is sent: only the route is looked up
+        return s.getsockname()[0]
+    return "127.0.0.1"

@@ -1,0 +1,492 @@
+"""A participant's lifecycle, host or member: join, plan, weights, shard, ring, serve, leave.
+
+Theory of operation (signaling messages ride the net layer's authenticated host↔member channel;
+members only ever talk to the host there):
+
+    member → host : the descriptor (probe results, backend) in the join itself
+    host → member : {"t": "plan", plan, session, manifest}   or {"t": "refused", reason}
+    member        : weights (edge to the host, weights.py) → shard → ring edge to the successor,
+                    ring stream from the predecessor
+    member → host : {"t": "ready"}   or {"t": "failed", reason}
+    host → all    : {"t": "serving"} once every member is ready
+    serving       : member → host {"t": "edge", stats} every STATUS_EVERY_S;
+                    host → all {"t": "status", edges, members} every STATUS_EVERY_S;
+                    host → all {"t": "gone", member, reason} when one leaves: the ring is degraded
+
+`Participant.run()` owns every task it starts; SIGINT/SIGTERM cancel the lifecycle and it leaves
+the session cleanly (API closed, ring closed, edges and signaling closed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+
+from rich.console import Console
+
+from kafila.errors import BadInput, KafilaError, Refused
+from kafila.session.engine import RingEngine
+from kafila.session.frames import Hello, Limits, encode
+from kafila.session.ring import RingNode
+from kafila.session.streams import StreamClosed, read_frame
+from kafila.session.weights import Manifest, WeightError, local_copy_path
+
+log = logging.getLogger(__name__)
+STATUS_EVERY_S = 2.0
+READY_TIMEOUT_S = 900.0  # weights over a slow link and a shard build
+RING_EDGE_TIMEOUT_S = 60.0
+DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "kafila", "models")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    name: str
+    rendezvous: tuple[str, int] | None  # None: the host starts an embedded one
+    backend: str = "openvino"
+    precision: str = "serving"
+    api: tuple[str, int] | None = ("127.0.0.1", 8740)  # None: no HTTP API
+    bind_host: str = "0.0.0.0"
+    send_delay_ms: float = 0.0
+    cache_dir: str = DEFAULT_CACHE_DIR
+    local_model: str | None = None  # a member's own copy of the model (used when the digest matches)
+    # the host's
+    model_path: str | None = None
+    expect: int = 0  # session size, host included (0: plan on Enter)
+    context: int = 2048
+    concurrency: int = 4
+    policy: str = "kafila"
+    code_file: str | None = None
+    embedded_listen: tuple[str, int] = ("0.0.0.0", 7473)
+    json_events: bool = False  # print one JSON line per lifecycle event on stdout (scripts)
+
+
+@dataclass
+class Role:
+    """This participant's place in the plan."""
+
+    ring: list[str]
+    head: str
+    first: int
+    last: int
+    blocks: dict[str, int]
+
+    def successor(self, me: str) -> str:
+        return self.ring[(self.ring.index(me) + 1) % len(self.ring)]
+
+    def predecessor(self, me: str) -> str:
+        return self.ring[(self.ring.index(me) - 1) % len(self.ring)]
+
+
+def role_of(plan: dict, me: str) -> Role:
+    ring = list(plan["ring"])
+    if me not in ring:
+        raise Refused(f"the plan leaves this member ({me}) out")
+    blocks = {k: int(v) for k, v in plan["blocks"].items()}
+    first = sum(blocks[n] for n in ring[: ring.index(me)])
+    return Role(ring, plan["head"], first, first + blocks[me], blocks)
+
+
+@dataclass
+class State:
+    phase: str = "joining"  # joining | waiting | planned | fetching | building | ring | serving | degraded
+    plan: dict | None = None
+    session: dict = field(default_factory=dict)
+    weights: dict = field(default_factory=dict)
+    edges: dict = field(default_factory=dict)  # successor name → edge stats (all, at the host)
+    members: dict = field(default_factory=dict)  # name → {nat, rtt_ms, ...}
+    degraded: str | None = None
+    started: float = field(default_factory=time.monotonic)
+
+
+class Participant:
+    """One process in a session. The host subclass adds planning and weight serving."""
+
+    is_host = False
+
+    def __init__(self, cfg: SessionConfig, console: Console | None = None) -> None:
+        self.cfg = cfg
+        self.console = console or Console(stderr=True)
+        self.net = None  # kafila.net.Member
+        self.state = State()
+        self.node: RingNode | None = None
+        self.engine: RingEngine | None = None
+        self.api = None
+        self.shard = None
+        self.index = None
+        self.tokenizer = None
+        self.model_path: str | None = None
+        self.role: Role | None = None
+        self._tasks: set[asyncio.Task] = set()
+        self._pred_stream: asyncio.Future | None = None
+        self._ring_edges: list = []
+        self._serving = asyncio.Event()
+
+    # --- helpers ---------------------------------------------------------------------------------
+
+    def say(self, text: str) -> None:
+        self.console.print(text, highlight=False)
+
+    def event(self, kind: str, **fields) -> None:
+        if self.cfg.json_events:
+            import json
+
+            print(json.dumps({"event": kind, **fields}), flush=True)
+
+    def spawn(self, coro, name: str) -> asyncio.Task:
+        task = asyncio.create_task(coro, name=name)
+        self._tasks.add(task)
+        task.add_done_callback(self._task_done)
+        return task
+
+    def _task_done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.warning("task %s failed: %r", task.get_name(), task.exception())
+
+    def descriptor(self) -> dict:
+        from kafila.probe import probe_device
+
+        p = probe_device(quick=True)
+        return {"backend": self.cfg.backend, "memory_gb": round(p.memory_gb, 3),
+                "bandwidth_gbps": p.bandwidth_gbps, "overhead_us": p.overhead_us,
+                "tflops": p.tflops}  # fmt: skip
+
+    # --- running ---------------------------------------------------------------------------------
+
+    def run(self) -> int:
+        return asyncio.run(self._main())
+
+    async def _main(self) -> int:
+        loop = asyncio.get_running_loop()
+        stop = asyncio.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        life = asyncio.create_task(self._lifecycle(), name="lifecycle")
+        stopper = asyncio.create_task(stop.wait(), name="stop")
+        try:
+            done, _ = await asyncio.wait({life, stopper}, return_when=asyncio.FIRST_COMPLETED)
+            if life in done:
+                return life.result() or 0
+            self.say(f"{self.cfg.name}: leaving the session")
+            life.cancel()
+            with contextlib.suppress(asyncio.CancelledError, KafilaError):
+                await life
+            return 0
+        finally:
+            stopper.cancel()
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+            await self.shutdown()
+
+    async def shutdown(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        for task in list(self._tasks):
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        if self.api is not None:
+            with contextlib.suppress(Exception):
+                await self.api.close()
+            self.api = None
+        if self.node is not None:
+            with contextlib.suppress(Exception):
+                await self.node.close()
+            self.node = None
+        for edge in self._ring_edges:
+            with contextlib.suppress(Exception):
+                await edge.close()
+        if self.net is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self.net.close(), 3.0)
+            self.net = None
+        await self.close_extra()
+
+    async def close_extra(self) -> None:
+        """The host's embedded rendezvous."""
+
+    async def _lifecycle(self) -> int:
+        from kafila.net import Member, MemberLeft, Message
+
+        cfg = self.cfg
+        self.say(f"{cfg.name}: measuring this device…")
+        desc = await asyncio.to_thread(self.descriptor)
+        assert cfg.rendezvous is not None
+        self.net = await Member.join(self.code, cfg.rendezvous, cfg.name, desc,
+                                     bind_host=cfg.bind_host, send_delay_ms=cfg.send_delay_ms)  # fmt: skip
+        host = next((n for n, i in self.net.roster().items() if i.peer_id == 0), "host")
+        self.say(f"{cfg.name}: joined the session of {host} (NAT {self.net.nat.nat}, "
+                 f"rendezvous RTT {self.net.nat.rtt_ms:.1f} ms); waiting for the plan")  # fmt: skip
+        self.event("joined", host=host, nat=self.net.nat.nat)
+        self.state.phase = "waiting"
+        self.spawn(self._accept_loop(), "accept")
+        while True:
+            ev = await self.net.recv()
+            if isinstance(ev, MemberLeft) and ev.name == host:
+                raise Refused(f"the host {host} left the session before planning ({ev.reason})")
+            if isinstance(ev, Message) and isinstance(ev.body, dict):
+                if ev.body.get("t") == "refused":
+                    raise Refused(f"the host refused the session: {ev.body.get('reason')}")
+                if ev.body.get("t") == "plan":
+                    break
+        msg = ev.body
+        self.host_name = host
+        try:
+            await self._prepare(msg, fetch_from=host)
+        except (WeightError, StreamClosed, KafilaError, OSError, ConnectionError) as exc:
+            with contextlib.suppress(Exception):
+                await self.net.send(host, {"t": "failed", "reason": str(exc)[:300]})
+            raise
+        await self.net.send(host, {"t": "ready"})
+        while True:  # until the host says every stage is ready
+            ev = await self.net.recv()
+            if isinstance(ev, MemberLeft):
+                raise Refused(f"the host {host} left the session before it was ready ({ev.reason})")
+            if isinstance(ev, Message) and isinstance(ev.body, dict):
+                t = ev.body.get("t")
+                if t == "serving":
+                    break
+                if t in ("refused", "gone"):
+                    raise Refused(f"the session could not form: {ev.body.get('reason') or ev.body.get('member')}")
+        await self._start_serving()
+        self.spawn(self._report_edges(), "report-edges")
+        while True:
+            ev = await self.net.recv()
+            if isinstance(ev, MemberLeft):
+                self._degrade(f"the host {host} left the session ({ev.reason})")
+            elif isinstance(ev, Message) and isinstance(ev.body, dict):
+                self._on_host_message(ev.body)
+
+    def _on_host_message(self, body: dict) -> None:
+        t = body.get("t")
+        if t == "gone":
+            self._degrade(f"member {body.get('member')} left the session ({body.get('reason')})")
+        elif t == "status":
+            if isinstance(body.get("edges"), dict):
+                self.state.edges.update(body["edges"])
+            if isinstance(body.get("members"), dict):
+                self.state.members = body["members"]
+
+    def _degrade(self, reason: str) -> None:
+        if self.state.degraded is None:
+            self.state.degraded = reason
+            self.state.phase = "degraded"
+            self.say(f"[red]{self.cfg.name}: session degraded: {reason}[/red]")
+            self.event("degraded", reason=reason)
+        if self.node is not None:
+            self.node.degrade(reason)
+
+    # --- plan → weights → shard → ring ----------------------------------------------------------
+
+    async def _prepare(self, msg: dict, fetch_from: str | None) -> None:
+        from backends import ShardSpec, load_shard
+        from kafila.models import load_tokenizer, open_model
+
+        cfg = self.cfg
+        plan, session = msg["plan"], msg["session"]
+        self.state.plan, self.state.session = plan, session
+        self.role = role = role_of(plan, cfg.name)
+        self.state.phase = "fetching"
+        if fetch_from is None:
+            self.model_path = cfg.model_path
+            self.state.weights = {"received_bytes": 0, "tensor_bytes": 0, "source": "own file"}
+        else:
+            manifest = Manifest.from_json(msg["manifest"])
+            self.model_path, self.state.weights = await self._fetch(manifest, fetch_from)
+        self.state.phase = "building"
+        is_head = role.head == cfg.name
+        self.say(f"{cfg.name}: building blocks [{role.first}, {role.last})"
+                 f"{' + head' if is_head else ''} on {cfg.backend}")  # fmt: skip
+        self.index = await asyncio.to_thread(open_model, self.model_path)
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.index)
+        spec = ShardSpec(self.model_path, role.first, role.last, embed=is_head, head=is_head)
+        self.shard = await asyncio.to_thread(load_shard, cfg.backend, spec, session["precision"])
+        self.state.phase = "ring"
+        await self._form_ring()
+
+    async def _fetch(self, manifest: Manifest, host: str) -> tuple[str, dict]:
+        from rich.progress import (
+            BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn,
+        )  # fmt: skip
+
+        from kafila.session.transfer import check_local_file, fetch_weights
+
+        cfg = self.cfg
+        if cfg.local_model and await asyncio.to_thread(check_local_file, cfg.local_model, manifest):
+            self.say(f"{cfg.name}: using the local copy {cfg.local_model} (same SHA-256)")
+            return cfg.local_model, {"received_bytes": 0, "tensor_bytes": manifest.tensor_bytes,
+                                     "source": "local file"}  # fmt: skip
+        path = local_copy_path(cfg.cache_dir, manifest)
+        edge = await self.net.connect(host)
+        try:
+            reader, writer = await edge.open_stream()
+            with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
+                          TransferSpeedColumn(), TimeRemainingColumn(), console=self.console,
+                          disable=not self.console.is_terminal) as bar:  # fmt: skip
+                task = bar.add_task(f"{cfg.name}: weights", total=manifest.tensor_bytes)
+
+                def progress(done: int, total: int) -> None:
+                    bar.update(task, completed=done, total=total)
+
+                stats = await fetch_weights(reader, writer, cfg.name, manifest, path, progress)
+        finally:
+            await edge.close()
+        mb = stats["received_bytes"] / 1e6
+        secs = max(stats["seconds"], 1e-6)
+        self.say(f"{cfg.name}: weights ready: {stats['fetched_tensors']} of {len(manifest.tensors)} "
+                 f"tensors fetched, {mb:.1f} MB in {secs:.1f} s ({mb / secs:.1f} MB/s), SHA-256 verified")  # fmt: skip
+        self.event("weights", **stats)
+        return path, {**stats, "source": "host"}
+
+    async def _accept_loop(self) -> None:
+        while True:
+            edge = await self.net.accept()
+            self.spawn(self._on_edge(edge), f"edge-{edge.peer}")
+
+    async def _on_edge(self, edge) -> None:
+        try:
+            reader, writer = await edge.accept_stream()
+            hello = await read_frame(reader, None)
+        except Exception as exc:
+            log.warning("edge from %s: %s", edge.peer, exc)
+            await edge.close()
+            return
+        if not isinstance(hello, Hello):
+            await edge.close()
+            return
+        if hello.purpose == "ring":
+            if self._pred_stream is None:
+                self._pred_stream = asyncio.get_running_loop().create_future()
+            if not self._pred_stream.done():
+                self._ring_edges.append(edge)
+                self._pred_stream.set_result((edge, reader, writer))
+                return
+            await edge.close()
+        else:
+            await self.serve_weights(edge, reader, writer)
+
+    async def serve_weights(self, edge, reader, writer) -> None:
+        await edge.close()  # only the host serves weights
+
+    async def _form_ring(self) -> None:
+        role, me = self.role, self.cfg.name
+        assert role is not None
+        limits = Limits(hidden=self.index.hparams.hidden, context=int(self.state.session["context"]),
+                        slots=int(self.state.session["concurrency"]),
+                        vocab=self.index.hparams.vocab)  # fmt: skip
+        self.node = RingNode(me, role.head, role.ring, self.shard, limits,
+                             eos_ids=frozenset(self.tokenizer.eos_ids))  # fmt: skip
+        if len(role.ring) == 1:
+            self.node.start()
+            return
+        if self._pred_stream is None:
+            self._pred_stream = asyncio.get_running_loop().create_future()
+        succ = role.successor(me)
+        edge = await asyncio.wait_for(self.net.connect(succ), RING_EDGE_TIMEOUT_S)
+        self._ring_edges.append(edge)
+        self.succ_edge = edge
+        _, writer = await edge.open_stream()
+        writer.write(encode(Hello(me, "ring")))
+        await writer.drain()
+        try:
+            _, reader, _ = await asyncio.wait_for(self._pred_stream, RING_EDGE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            raise Refused(f"member {role.predecessor(me)} never opened its ring edge to {me}") from None
+        self.node.start(reader, writer)
+
+    async def _start_serving(self) -> None:
+        cfg = self.cfg
+        self.engine = RingEngine(self.state.session.get("model") or self.index.name, int(self.state.session["context"]), self.tokenizer, self.status)
+        self.engine.node = self.node
+        if self.state.degraded:
+            self.node.degrade(self.state.degraded)
+        self.state.phase = "serving" if not self.state.degraded else "degraded"
+        if cfg.api is not None:
+            from kafila.api import start_api
+
+            self.api = await start_api(self.engine, cfg.api[0], cfg.api[1])
+            self.say(f"{cfg.name}: serving; API at {self.api.url}/v1 (status: {self.api.url}/status)")
+            self.event("serving", api=self.api.url, name=cfg.name)
+        else:
+            self.say(f"{cfg.name}: serving")
+            self.event("serving", api=None, name=cfg.name)
+
+    async def _report_edges(self) -> None:
+        while True:
+            edge = getattr(self, "succ_edge", None)
+            if edge is not None and self.net is not None:
+                with contextlib.suppress(Exception):
+                    await self.net.send(self.host_name, {"t": "edge", "stats": edge_stats(edge)})
+            await asyncio.sleep(STATUS_EVERY_S)
+
+    # --- status ----------------------------------------------------------------------------------
+
+    def status(self) -> dict:
+        s = self.state
+        node = self.node
+        m = node.measured if node is not None else None
+        own_edge = getattr(self, "succ_edge", None)
+        edges = dict(s.edges)
+        if own_edge is not None:
+            edges[self.cfg.name] = edge_stats(own_edge)
+        ring = list(s.plan["ring"]) if s.plan else []
+        return {
+            "session": {"name": self.cfg.name, "host": self.is_host or getattr(self, "host_name", None),
+                        "state": "degraded" if (node and node.degraded) or s.degraded else s.phase,
+                        "degraded": (node.degraded if node else None) or s.degraded,
+                        "model": s.session.get("model"),
+                        "backend": self.cfg.backend,
+                        "context": s.session.get("context"), "concurrency": s.session.get("concurrency"),
+                        "uptime_s": round(time.monotonic() - s.started, 1)},
+            "members": s.members,
+            "plan": s.plan,
+            "stages": {n: {"blocks": (s.plan or {}).get("blocks", {}).get(n),
+                           "predicted_ms": ((s.plan or {}).get("stage_ms") or {}).get(n),
+                           "compute_ms": None if m is None else _r(m.stage_ms.get(n))}
+                       for n in ring},
+            "edges": [{"from": a, "to": _succ(ring, a), **e} for a, e in edges.items() if a in ring],
+            "network_ms": None if m is None else _r(m.network_ms),
+            "step_ms": None if m is None else _r(m.step_ms),
+            "tok_s": None if m is None else _r(m.tok_s),
+            "weights": s.weights,
+            "requests": None if node is None or node.scheduler is None else {
+                "active": node.scheduler.active, "queued": node.scheduler.queued,
+                "free_slots": node.scheduler.free_slots},
+        }  # fmt: skip
+
+    @property
+    def code(self) -> str:
+        return self._code
+
+    @code.setter
+    def code(self, value: str) -> None:
+        self._code = value
+
+
+def _r(v):
+    return None if v is None else round(v, 3)
+
+
+def _succ(ring: list[str], name: str) -> str | None:
+    return ring[(ring.index(name) + 1) % len(ring)] if name in ring else None
+
+
+def edge_stats(edge) -> dict:
+    s = edge.stats()
+    return {k: s.get(k) for k in ("peer", "kind", "predicted", "rtt_ms", "bytes_sent", "bytes_received",
+                                  "time_to_data_s", "time_to_direct_s")}  # fmt: skip
+
+
+def stdin_is_terminal() -> bool:
+    try:
+        return sys.stdin.isatty()
+    except (ValueError, OSError):
+        return False
+
+
+__all__ = ["BadInput", "Participant", "SessionConfig", "role_of"]
