@@ -48,7 +48,7 @@ class SlotCache:
 
     @property
     def capacity(self) -> int:
-        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
 
     def reserve(self, n: int) -> None:
         """Make room for n more positions, growing by whole steps (no O(n²) concatenation)."""
@@ -63,7 +63,9 @@ class SlotCache:
                 # a distinct array per buffer: block() writes into it in place
                 pad = mx.zeros(pad_shape, self.dtype)
                 old = buffers[i]
-                buffers[i] = pad if old is None else mx.concatenate([old[:, :, : self.length], pad], axis=2)
+                buffers[i] = (
+                    pad if old is None else mx.concatenate([old[:, :, : self.length], pad], axis=2)
+                )
 
     def arrays(self) -> list[mx.array]:
         return [a for a in self.keys + self.values if a is not None]
@@ -103,7 +105,9 @@ def rope(x: mx.array, positions: int | mx.array, dims: Dims) -> mx.array:
     kernel), else an int32 [n] array of arbitrary positions.
     """
     if isinstance(positions, int):
-        return mx.fast.rope(x, dims.head_dim, traditional=True, base=dims.rope_base, scale=1.0, offset=positions)
+        return mx.fast.rope(
+            x, dims.head_dim, traditional=True, base=dims.rope_base, scale=1.0, offset=positions
+        )
     half = dims.head_dim // 2
     inv_freq = dims.rope_base ** (-mx.arange(half, dtype=mx.float32) * 2 / dims.head_dim)  # [D/2]
     theta = positions.astype(mx.float32)[:, None] * inv_freq[None, :]  # [n, D/2]

@@ -18,6 +18,8 @@ import numpy as np
 from backends.base import ShardSpec
 from backends.mlx.model import Dims, SlotCache, attention_mask, block
 from backends.mlx.weights import load_shard_weights, weight_bytes
+from kafila.errors import BadInput
+from kafila.models import ModelIndex, open_model
 
 
 @dataclass(frozen=True)
@@ -32,18 +34,23 @@ class SlotState:
 
 
 class MLXShard:
-    def __init__(self, spec: ShardSpec, precision: str = "serving"):
-        from kafila.errors import BadInput
-        from kafila.models import open_model
-
-        index = open_model(spec.model_path)
+    def __init__(
+        self, spec: ShardSpec, precision: str = "serving", index: ModelIndex | None = None
+    ):
+        index = index if index is not None else open_model(spec.model_path)
         hp = index.hparams
-        if not 0 <= spec.first < spec.last <= hp.n_blocks:
-            raise BadInput(f"block range [{spec.first}, {spec.last}) is outside the model's {hp.n_blocks} blocks")
+        if not 0 <= spec.first <= spec.last <= hp.n_blocks:
+            raise BadInput(
+                f"block range [{spec.first}, {spec.last}) is outside the model's {hp.n_blocks} blocks"
+            )
+        if spec.first == spec.last and not (spec.embed or spec.head):
+            raise BadInput(f"shard [{spec.first}, {spec.last}) holds no blocks")
         self.spec = spec
         self.precision = precision
         self.hparams = hp
-        self.dims = Dims(hp.hidden, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.rope_base, hp.rms_eps)
+        self.dims = Dims(
+            hp.hidden, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.rope_base, hp.rms_eps
+        )
         self.weights = load_shard_weights(
             index.path, spec.first, spec.last, spec.embed, spec.head, f32=precision == "f32"
         )
@@ -76,8 +83,13 @@ class MLXShard:
         return SlotState(length, keys, values, self.spec.first, self.spec.last)
 
     def restore(self, slot: int, state: SlotState) -> None:
-        if not isinstance(state, SlotState) or (state.first, state.last) != (self.spec.first, self.spec.last):
-            raise ValueError("restore takes a state captured from an MLX shard of the same block range")
+        if not isinstance(state, SlotState) or (state.first, state.last) != (
+            self.spec.first,
+            self.spec.last,
+        ):
+            raise ValueError(
+                "restore takes a state captured from an MLX shard of the same block range"
+            )
         self._cache(slot).load(state.length, state.keys, state.values)
 
     def _cache(self, slot: int) -> SlotCache:
@@ -88,20 +100,30 @@ class MLXShard:
 
     # --- compute ---------------------------------------------------------------------------
 
-    def forward(self, slot: int, x: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    def forward(
+        self, slot: int, x: np.ndarray, positions: np.ndarray, mask: np.ndarray
+    ) -> np.ndarray:
         cache = self._cache(slot)
         n = len(x)
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         mask = np.asarray(mask).reshape(-1)
         if n == 0 or positions.shape != (n,):
-            raise ValueError(f"forward needs n ≥ 1 inputs and n positions (got {n} and {positions.shape[0]})")
+            raise ValueError(
+                f"forward needs n ≥ 1 inputs and n positions (got {n} and {positions.shape[0]})"
+            )
         if mask.shape != (cache.length + n,):
-            raise ValueError(f"mask covers {mask.shape[0]} positions; slot {slot} needs cache_len + n = {cache.length + n}")
+            raise ValueError(
+                f"mask covers {mask.shape[0]} positions; slot {slot} needs cache_len + n = {cache.length + n}"
+            )
 
         if self.spec.embed:
-            h = self.weights.embedding.rows(mx.array(np.asarray(x, dtype=np.int32).reshape(n)))  # [n, hidden]
+            h = self.weights.embedding.rows(
+                mx.array(np.asarray(x, dtype=np.int32).reshape(n))
+            )  # [n, hidden]
         else:
-            h = mx.array(np.asarray(x, dtype=np.float32).reshape(n, self.dims.hidden))  # [n, hidden]
+            h = mx.array(
+                np.asarray(x, dtype=np.float32).reshape(n, self.dims.hidden)
+            )  # [n, hidden]
         h = h.astype(mx.float32)[None]  # [1, n, hidden]
 
         first = int(positions[0])
@@ -119,13 +141,16 @@ class MLXShard:
     def _logits(self, hidden: np.ndarray) -> mx.array:
         if not self.spec.head:
             raise ValueError("logits needs the head shard (spec.head)")
-        h = mx.array(np.asarray(hidden, dtype=np.float32).reshape(-1, self.dims.hidden))  # [n, hidden]
+        h = mx.array(
+            np.asarray(hidden, dtype=np.float32).reshape(-1, self.dims.hidden)
+        )  # [n, hidden]
         h = mx.fast.rms_norm(h, self.weights.output_norm, self.dims.rms_eps)
         return self.weights.lm_head(h).astype(mx.float32)  # [n, vocab]
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return np.array(self._logits(hidden), dtype=np.float32)  # [n, vocab]
 
-    def greedy(self, hidden: np.ndarray) -> np.ndarray:
-        """Top-1 token of each row, computed in the graph: int64 [n] (only n ids come back)."""
-        return np.array(mx.argmax(self._logits(hidden), axis=-1), dtype=np.int64)
+    def greedy(self, hidden: np.ndarray) -> int:
+        """The top-1 token after the last row of hidden [n, hidden] (argmax in the graph: one id
+        comes back, not V floats)."""
+        return int(mx.argmax(self._logits(np.asarray(hidden)[-1:]), axis=-1).item())

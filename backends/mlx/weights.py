@@ -73,7 +73,9 @@ class ShardWeights:
     lm_head: Linear | None  # output.weight, or token_embd when tied (head shard)
 
 
-def load_shard_weights(path: str, first: int, last: int, embed: bool, head: bool, f32: bool) -> ShardWeights:
+def load_shard_weights(
+    path: str, first: int, last: int, embed: bool, head: bool, f32: bool
+) -> ShardWeights:
     """The tensors of blocks [first, last), plus embedding / final norm / lm_head when asked.
 
     f32: scales and biases converted to float32 (exact), so everything computes in f32.

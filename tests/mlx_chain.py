@@ -1,0 +1,92 @@
+"""Helpers for the MLX tests: availability, the default model, prompts, a greedy chain of shards.
+
+A chain here is a list of shards in ring order; the head (spec.head) embeds the tokens and turns
+the last shard's hidden states back into the next token. Hidden states cross between shards,
+and between backends, as float32 numpy arrays.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from backends import ShardSpec, load_shard, status
+
+MLX = status("mlx")
+OPENVINO = status("openvino")
+needs_mlx = pytest.mark.skipif(not MLX.available, reason=MLX.reason)
+needs_openvino = pytest.mark.skipif(not OPENVINO.available, reason=OPENVINO.reason)
+
+PROMPTS = (
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three uses of copper.",
+    "Once upon a time, in a small village,",
+    "What is 17 times 23?",
+    "Explain photosynthesis to a child.",
+    "Translate 'good morning' into Spanish.",
+)  # fmt: skip
+
+
+def model_path() -> str:
+    from kafila.errors import BadInput
+    from kafila.models import resolve_model
+
+    try:
+        return resolve_model("smollm2-135m")
+    except BadInput as exc:
+        pytest.skip(str(exc))
+
+
+def prompt_ids(index) -> list[list[int]]:
+    from kafila.models import load_tokenizer
+
+    tok = load_tokenizer(index)
+    return [tok.encode(tok.render_chat([{"role": "user", "content": p}])) for p in PROMPTS]
+
+
+def even_cuts(n_blocks: int, stages: int) -> list[tuple[int, int]]:
+    edges = [round(i * n_blocks / stages) for i in range(stages + 1)]
+    return list(itertools.pairwise(edges))
+
+
+def build_chain(index, backends: list[str], precision: str) -> list:
+    """One shard per backend name over even block ranges; the first holds embedding and head."""
+    cuts = even_cuts(index.hparams.n_blocks, len(backends))
+    return [
+        load_shard(
+            name, ShardSpec(index.path, a, b, embed=i == 0, head=i == 0), precision, index=index
+        )
+        for i, (name, (a, b)) in enumerate(zip(backends, cuts))
+    ]
+
+
+def greedy_tokens(chain: list, prompt: list[int], n_new: int) -> list[int]:
+    """n_new greedy tokens (EOS ignored): prefill the prompt, then one token per step."""
+    head = chain[0]
+    slots = [s.open_slot() for s in chain]
+    try:
+        x = np.asarray(prompt, dtype=np.int64)
+        cache_len, out = 0, []
+        for _ in range(n_new):
+            n = len(x)
+            positions = np.arange(cache_len, cache_len + n, dtype=np.int64)
+            mask = np.ones(cache_len + n, dtype=np.int64)
+            h = x
+            for shard, slot in zip(chain, slots):
+                h = shard.forward(slot, h, positions, mask)
+            token = int(head.greedy(h))
+            out.append(token)
+            cache_len += n
+            x = np.array([token], dtype=np.int64)
+        return out
+    finally:
+        for shard, slot in zip(chain, slots):
+            shard.close_slot(slot)
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
