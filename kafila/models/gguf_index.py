@@ -85,6 +85,20 @@ class ModelIndex:
             out.extend(self.block_tensors(b))
         return out
 
+    def check_range(self, first: int, last: int) -> None:
+        """BadInput unless [first, last) is a non-empty block range of this model."""
+        n = self.hparams.n_blocks
+        if not 0 <= first < last <= n:
+            raise BadInput(f"block range [{first}, {last}) is not a non-empty part of the model's {n} blocks")
+
+    def split_blocks(self, stages: int) -> list[tuple[int, int]]:
+        """`stages` contiguous, near-equal block ranges covering the model in order."""
+        n = self.hparams.n_blocks
+        if not 1 <= stages <= n:
+            raise BadInput(f"cannot cut {n} blocks into {stages} stages (choose 1..{n})")
+        bounds = [round(i * n / stages) for i in range(stages + 1)]
+        return list(zip(bounds[:-1], bounds[1:]))
+
     @cached_property
     def block_bytes(self) -> int:
         """β_block: bytes of the largest block (blocks of these models are all alike)."""

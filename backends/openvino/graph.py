@@ -1,0 +1,205 @@
+"""A stage's OpenVINO graph, built from GGUF tensors with the opset API (no torch, no export).
+
+Stage graph (blocks [first, last), optionally the token embedding in front):
+
+    input_ids i64 [B, L] (embed) | hidden_states f32 [B, L, H]
+    attention_mask i64 [B, S]   physical positions past + new (S = past + L), 0 = masked out
+    position_ids i64 [B, L]     logical positions of the new tokens (RoPE)
+    beam_idx i32 [B]            KV reorder; always [0] (the pattern the plugins' KV fusion needs)
+    → hidden_states f32 [B, L, H] after block last − 1
+
+Head graph: hidden f32 [N, H] → final RMSNorm → lm_head → logits f32 [N, V], plus
+token i64 [1], the greedy top-1 of the last row (so a decode step reads one id, not V floats).
+
+Each block is Llama's: RMSNorm → q/k/v (+ Qwen2 biases) → RoPE (rotate_half on un-permuted
+q/k rows) → KV per layer as ReadValue → Gather(beam_idx, 0) → Concat(axis 2) → Assign →
+GQA broadcast → ScaledDotProductAttention(mask) → o_proj → residual → RMSNorm → SwiGLU → residual.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+import openvino.opset6 as ops6
+
+from backends.openvino.weights import F32, WeightBank
+from kafila.models import ModelIndex
+
+I64 = ov.Type.i64
+
+
+def _i64(*values: int) -> ov.Node:
+    return ops.constant(np.array(values, dtype=np.int64))
+
+
+def rms_norm(x: ov.Output, weight: ov.Node, eps: float) -> ov.Output:
+    """x · 1/sqrt(mean(x²) + eps) · weight (the pattern the plugins fuse into RMS)."""
+    var = ops.reduce_mean(ops.power(x, ops.constant(np.float32(2.0))), _i64(-1), keep_dims=True)
+    inv = ops.divide(ops.constant(np.float32(1.0)), ops.sqrt(ops.add(var, ops.constant(np.float32(eps)))))
+    return ops.multiply(ops.multiply(x, inv), weight).output(0)
+
+
+def rope_tables(position_ids: ov.Output, head_dim: int, base: float) -> tuple[ov.Output, ov.Output]:
+    """cos, sin [B, 1, L, D] for rotate_half RoPE at the given logical positions."""
+    inv_freq = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    inv_freq = ops.constant(inv_freq.astype(np.float32).reshape(1, 1, -1))  # [1, 1, D/2]
+    pos = ops.unsqueeze(ops.convert(position_ids, F32), _i64(2))  # [B, L, 1]
+    freqs = ops.multiply(pos, inv_freq)  # [B, L, D/2]
+    emb = ops.concat([freqs, freqs], axis=-1)  # [B, L, D]
+    emb = ops.unsqueeze(emb, _i64(1))  # [B, 1, L, D]
+    return ops.cos(emb).output(0), ops.sin(emb).output(0)
+
+
+def apply_rope(x: ov.Output, cos: ov.Output, sin: ov.Output, head_dim: int) -> ov.Output:
+    """x [B, h, L, D] · cos + rotate_half(x) · sin, rotate_half(x) = cat(−x[..., D/2:], x[..., :D/2])
+    (written as HF's export writes it, the shape the plugins' RoPE fusion matches)."""
+    half, axis, step = _i64(head_dim // 2), _i64(-1), _i64(1)
+    x2 = ops.slice(x, half, _i64(np.iinfo(np.int64).max), step, axis)  # [B, h, L, D/2]
+    x1 = ops.slice(x, _i64(0), half, step, axis)  # [B, h, L, D/2]
+    rotated = ops.concat([ops.multiply(x2, ops.constant(np.float32(-1.0))), x1], axis=-1)
+    return ops.add(ops.multiply(x, cos), ops.multiply(rotated, sin)).output(0)
+
+
+def causal_mask(attention_mask: ov.Output, new_len: ov.Output) -> ov.Output:
+    """bool [B, 1, L, S]: new token i sees physical position j iff j ≤ S − L + i and mask[j] ≠ 0."""
+    total = ops.gather(ops.shape_of(attention_mask, I64), _i64(1), _i64(0))  # [1] S
+    zero, one = _i64(0), _i64(1)
+    start, step = ops.constant(np.int64(0)), ops.constant(np.int64(1))
+    j = ops.range(start, ops.squeeze(total, zero), step, I64)  # [S]
+    i = ops.range(start, ops.squeeze(new_len, zero), step, I64)  # [L]
+    last_visible = ops.add(i, ops.subtract(total, new_len))  # [L]: S − L + i
+    causal = ops.less_equal(ops.unsqueeze(j, zero), ops.unsqueeze(last_visible, one))  # [L, S]
+    visible = ops.not_equal(attention_mask, ops.constant(np.int64(0)))  # [B, S]
+    visible = ops.unsqueeze(visible, _i64(1, 2))  # [B, 1, 1, S]
+    return ops.logical_and(ops.unsqueeze(causal, zero), visible).output(0)  # [B, 1, L, S]
+
+
+class StageBuilder:
+    """Builds the stage graph for blocks [first, last) of one GGUF model."""
+
+    def __init__(self, index: ModelIndex, weights: WeightBank) -> None:
+        self.index = index
+        self.h = index.hparams
+        self.w = weights
+
+    def embedding(self, input_ids: ov.Output) -> ov.Output:
+        """token ids [B, L] → [B, L, H], gathering rows of the compressed table."""
+        name = "token_embd.weight"
+        t = self.index.tensors[name]
+        if t.qtype in ("F32", "F16"):
+            table = ops.constant(self.index.dequantize(name, np.float32))
+            return ops.gather(table, input_ids, _i64(0)).output(0)
+        b = self.w.blocks(name)
+        q, scale = self.w.compressed(b)  # [V, nb, 32], [V, nb, 1]
+        rows = ops.convert(ops.gather(q, input_ids, _i64(0)), F32)  # [B, L, nb, 32]
+        rows = ops.multiply(rows, ops.convert(ops.gather(scale, input_ids, _i64(0)), F32))
+        if b.qtype == "Q4_1":  # + m′ = m + 8d per block
+            m8 = (b.offset.astype(np.float32) + 8 * b.scale.astype(np.float32))[..., None]  # [V, nb, 1]
+            rows = ops.add(rows, ops.gather(ops.constant(m8), input_ids, _i64(0)))
+        return ops.reshape(rows, _i64(0, 0, self.h.hidden), special_zero=True).output(0)  # [B, L, H]
+
+    def block(self, b: int, x: ov.Output, cos: ov.Output, sin: ov.Output, mask: ov.Output,
+              beam_idx: ov.Output, sinks: list) -> ov.Output:
+        h = self.h
+        D, nh, nkv = h.head_dim, h.n_heads, h.n_kv_heads
+        p = f"blk.{b}."
+
+        # attention
+        y = rms_norm(x, self.w.vector(p + "attn_norm.weight"), h.rms_eps)  # [B, L, H]
+        q, k, v = self.w.project(y, [(p + "attn_q.weight", nh), (p + "attn_k.weight", nkv),
+                                     (p + "attn_v.weight", 0)])  # [B, L, nh·D], [B, L, nkv·D] ×2
+        if h.qkv_bias:
+            q = ops.add(q, self.w.vector(p + "attn_q.bias", nh))
+            k = ops.add(k, self.w.vector(p + "attn_k.bias", nkv))
+            v = ops.add(v, self.w.vector(p + "attn_v.bias"))
+        q = ops.transpose(ops.reshape(q, _i64(0, 0, nh, D), True), _i64(0, 2, 1, 3))  # [B, nh, L, D]
+        k = ops.transpose(ops.reshape(k, _i64(0, 0, nkv, D), True), _i64(0, 2, 1, 3))  # [B, nkv, L, D]
+        v = ops.transpose(ops.reshape(v, _i64(0, 0, nkv, D), True), _i64(0, 2, 1, 3))  # [B, nkv, L, D]
+        q = apply_rope(q, cos, sin, D)
+        k = apply_rope(k, cos, sin, D)
+
+        k_all = self._kv_cache(f"past_key_values.{b}.key", k, beam_idx, sinks)  # [B, nkv, S, D]
+        v_all = self._kv_cache(f"past_key_values.{b}.value", v, beam_idx, sinks)  # [B, nkv, S, D]
+        if nh != nkv:
+            k_all, v_all = self._repeat_kv(k_all), self._repeat_kv(v_all)  # [B, nh, S, D]
+        attn = ops.scaled_dot_product_attention(q, k_all, v_all, mask, ops.constant(np.float32(1.0 / np.sqrt(D))))
+        attn = ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, nh * D), True)  # [B, L, nh·D]
+        (o,) = self.w.project(attn.output(0), [(p + "attn_output.weight", 0)])  # [B, L, H]
+        x = ops.add(x, o).output(0)
+
+        # feed-forward (SwiGLU)
+        y = rms_norm(x, self.w.vector(p + "ffn_norm.weight"), h.rms_eps)
+        gate, up = self.w.project(y, [(p + "ffn_gate.weight", 0), (p + "ffn_up.weight", 0)])  # [B, L, F] ×2
+        (down,) = self.w.project(ops.multiply(ops.swish(gate), up).output(0), [(p + "ffn_down.weight", 0)])
+        return ops.add(x, down).output(0)  # [B, L, H]
+
+    def _kv_cache(self, name: str, new: ov.Output, beam_idx: ov.Output, sinks: list) -> ov.Output:
+        """ReadValue → Gather(beam_idx, 0) → Concat(axis 2) → Assign: past + new [B, nkv, S, D]."""
+        h = self.h
+        shape = ov.PartialShape([-1, h.n_kv_heads, -1, h.head_dim])
+        info = ov.op.util.VariableInfo()
+        info.variable_id, info.data_type, info.data_shape = name, F32, shape
+        var = ov.op.util.Variable(info)
+        batch = ops.gather(ops.shape_of(new, I64), _i64(0), _i64(0))  # [1]
+        init = ops.broadcast(ops.constant(np.float32(0.0)),
+                             ops.concat([batch, _i64(h.n_kv_heads, 0, h.head_dim)], axis=0))  # [B, nkv, 0, D]
+        past = ops6.read_value(init, var)
+        past = ops.gather(past, beam_idx, _i64(0))
+        both = ops.concat([past, new], axis=2)
+        sinks.append(ops6.assign(both, var))
+        return both.output(0)
+
+    def _repeat_kv(self, kv: ov.Output) -> ov.Output:
+        """[B, nkv, S, D] → [B, nh, S, D], each KV head shared by nh/nkv query heads."""
+        h = self.h
+        groups = h.n_heads // h.n_kv_heads
+        shape = ops.shape_of(kv, I64)  # [4]
+        b = ops.gather(shape, _i64(0), _i64(0))  # [1] B
+        s = ops.gather(shape, _i64(2), _i64(0))  # [1] S
+        x = ops.unsqueeze(kv, _i64(2))  # [B, nkv, 1, S, D]
+        target = ops.concat([b, _i64(h.n_kv_heads, groups), s, _i64(h.head_dim)], axis=0)
+        x = ops.broadcast(x, target, broadcast_spec="BIDIRECTIONAL")  # [B, nkv, g, S, D]
+        return ops.reshape(x, ops.concat([b, _i64(h.n_heads), s, _i64(h.head_dim)], axis=0), False).output(0)
+
+    def stage(self, first: int, last: int, embed: bool) -> ov.Model:
+        """The model of blocks [first, last) (with the embedding when `embed`)."""
+        if embed:
+            x_in = ops.parameter([-1, -1], I64, name="input_ids")
+            x = self.embedding(x_in.output(0))  # [B, L, H]
+        else:
+            x_in = ops.parameter([-1, -1, self.h.hidden], F32, name="hidden_states")
+            x = x_in.output(0)  # [B, L, H]
+        attention_mask = ops.parameter([-1, -1], I64, name="attention_mask")
+        position_ids = ops.parameter([-1, -1], I64, name="position_ids")
+        beam_idx = ops.parameter([-1], ov.Type.i32, name="beam_idx")
+        for param, name in ((x_in, "input_ids" if embed else "hidden_states"), (attention_mask, "attention_mask"),
+                            (position_ids, "position_ids"), (beam_idx, "beam_idx")):
+            param.output(0).set_names({name})
+
+        new_len = ops.gather(ops.shape_of(position_ids, I64), _i64(1), _i64(0))  # [1] L
+        mask = causal_mask(attention_mask.output(0), new_len)  # [B, 1, L, S]
+        cos, sin = rope_tables(position_ids.output(0), self.h.head_dim, self.h.rope_base)
+        sinks: list = []
+        for b in range(first, last):
+            x = self.block(b, x, cos, sin, mask, beam_idx.output(0), sinks)
+        out = ops.result(x, name="hidden_out")
+        out.output(0).set_names({"hidden_out"})  # not "hidden_states": that names the input
+        params = [x_in, attention_mask, position_ids, beam_idx]
+        return ov.Model([out], sinks, params, f"kafila_stage_{first}_{last}")
+
+    def head(self) -> ov.Model:
+        """Final norm + lm_head: hidden [N, H] → logits [N, V] and the last row's top-1 token [1]."""
+        hidden = ops.parameter([-1, self.h.hidden], F32, name="hidden")
+        hidden.output(0).set_names({"hidden"})
+        y = rms_norm(hidden.output(0), self.w.vector("output_norm.weight"), self.h.rms_eps)
+        name = "token_embd.weight" if self.h.tied_embeddings else "output.weight"
+        (logits,) = self.w.project(y, [(name, 0)])  # [N, V]
+        last = ops.gather(logits, _i64(-1), _i64(0))  # [1, V]
+        topk = ops.topk(last, ops.constant(np.int64(1)), axis=-1, mode="max", sort="none", index_element_type=I64)
+        token = ops.reshape(topk.output(1), _i64(1), False)  # [1]
+        r_logits = ops.result(logits, name="logits")
+        r_logits.output(0).set_names({"logits"})
+        r_token = ops.result(token, name="token")
+        r_token.output(0).set_names({"token"})
+        return ov.Model([r_logits, r_token], [hidden], "kafila_head")

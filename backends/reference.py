@@ -1,0 +1,163 @@
+"""The numerical yardstick: an exact float64 numpy forward of a block range (not a serving path).
+
+Weights are dequantized exactly (every GGML quant value is exact in float64). It deliberately
+keeps GGUF's own layout — q/k rows permuted for interleaved ("normal") RoPE, as llama.cpp runs
+them — so the OpenVINO graph, which un-permutes rows and uses rotate_half, is checked against an
+independent formulation. KV per slot, attention over physical positions honouring the mask,
+RoPE at the given logical positions: the same contract as backends.base.Shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from backends.base import ShardSpec
+from kafila.models import ModelIndex, open_model
+
+F64 = np.float64
+
+
+def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope_interleaved(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
+    """x [n, heads, D]: rotate each pair (x[2i], x[2i+1]) by positions·base^(−2i/D)."""
+    d = x.shape[-1]
+    theta = positions[:, None].astype(F64) * base ** (-np.arange(0, d, 2, dtype=F64) / d)  # [n, D/2]
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]  # [n, 1, D/2]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    out = np.empty_like(x)
+    out[..., 0::2] = even * cos - odd * sin
+    out[..., 1::2] = even * sin + odd * cos
+    return out
+
+
+def silu(x: np.ndarray) -> np.ndarray:
+    return x / (1.0 + np.exp(-x))
+
+
+@dataclass
+class _Slot:
+    k: list[np.ndarray] = field(default_factory=list)  # per block [S, nkv, D]
+    v: list[np.ndarray] = field(default_factory=list)
+
+
+class ReferenceShard:
+    """Float64 forward of blocks [first, last) (see backends.base.Shard)."""
+
+    def __init__(self, spec: ShardSpec, precision: str = "f32", index: ModelIndex | None = None) -> None:
+        self.spec = spec
+        self.precision = precision  # always float64; accepted for the common signature
+        self.index = index if index is not None else open_model(spec.model_path)
+        self.index.check_range(spec.first, spec.last)
+        self.h = self.index.hparams
+        self._blocks = [self._load_block(b) for b in range(spec.first, spec.last)]
+        self._embed = self.index.blocks_of("token_embd.weight") if spec.embed and self._quantized("token_embd.weight") else None
+        self._lm_head: np.ndarray | None = None
+        self._slots: dict[int, _Slot] = {}
+
+    def _quantized(self, name: str) -> bool:
+        return self.index.tensors[name].qtype not in ("F32", "F16")
+
+    def _load_block(self, b: int) -> dict[str, np.ndarray]:
+        p = f"blk.{b}."
+        names = [n[len(p):] for n in self.index.tensors if n.startswith(p)]
+        return {n: self.index.dequantize(p + n, F64) for n in names}
+
+    # --- slots -------------------------------------------------------------------------
+
+    def open_slot(self) -> int:
+        slot = next(i for i in range(len(self._slots) + 1) if i not in self._slots)
+        n = len(self._blocks)
+        h = self.h
+        empty = np.zeros((0, h.n_kv_heads, h.head_dim), F64)
+        self._slots[slot] = _Slot([empty] * n, [empty] * n)
+        return slot
+
+    def close_slot(self, slot: int) -> None:
+        del self._slots[slot]
+
+    def capture(self, slot: int) -> Any:
+        s = self._slots[slot]
+        return _Slot(list(s.k), list(s.v))  # arrays are never mutated in place
+
+    def restore(self, slot: int, state: Any) -> None:
+        self._slots[slot] = _Slot(list(state.k), list(state.v))
+
+    # --- compute -----------------------------------------------------------------------
+
+    def embed(self, ids: np.ndarray) -> np.ndarray:
+        """token ids [n] → [n, H] float64."""
+        if self._embed is None:
+            return self.index.dequantize("token_embd.weight", F64)[ids]
+        e = self._embed
+        rows = e.q[ids].astype(F64)
+        if e.qtype == "Q4_0":
+            rows = rows - 8.0
+        rows = rows * e.scale[ids].astype(F64)[..., None]
+        if e.offset is not None:
+            rows = rows + e.offset[ids].astype(F64)[..., None]
+        return rows.reshape(len(ids), -1)
+
+    def forward_exact(self, slot: int, x: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        """forward in float64 throughout; returns float64 [n, H]."""
+        state = self._slots[slot]
+        x = self.embed(np.asarray(x, np.int64)) if self.spec.embed else np.asarray(x, F64)
+        n = x.shape[0]
+        positions = np.asarray(positions, np.int64)
+        mask = np.asarray(mask, np.int64)
+        total = state.k[0].shape[0] + n if self._blocks else len(mask)
+        if len(mask) != total:
+            raise ValueError(f"mask covers {len(mask)} positions, the cache holds {total} after this feed")
+        # new token i sees physical j iff j ≤ total − n + i and mask[j] ≠ 0
+        visible = (np.arange(total)[None, :] <= (total - n + np.arange(n))[:, None]) & (mask[None, :] != 0)
+        for i, w in enumerate(self._blocks):
+            x, state.k[i], state.v[i] = self._block(w, x, positions, visible, state.k[i], state.v[i])
+        return x
+
+    def _block(self, w, x, positions, visible, k_past, v_past):
+        h = self.h
+        D, nh, nkv = h.head_dim, h.n_heads, h.n_kv_heads
+        n = x.shape[0]
+        y = rms_norm(x, w["attn_norm.weight"], h.rms_eps)
+        q = y @ w["attn_q.weight"].T + w.get("attn_q.bias", 0.0)
+        k = y @ w["attn_k.weight"].T + w.get("attn_k.bias", 0.0)
+        v = y @ w["attn_v.weight"].T + w.get("attn_v.bias", 0.0)
+        q = rope_interleaved(q.reshape(n, nh, D), positions, h.rope_base)  # [n, nh, D]
+        k = rope_interleaved(k.reshape(n, nkv, D), positions, h.rope_base)  # [n, nkv, D]
+        k_all = np.concatenate([k_past, k])  # [S, nkv, D]
+        v_all = np.concatenate([v_past, v.reshape(n, nkv, D)])
+        group = nh // nkv
+        kh = np.repeat(k_all, group, axis=1).transpose(1, 0, 2)  # [nh, S, D]
+        vh = np.repeat(v_all, group, axis=1).transpose(1, 0, 2)
+        scores = np.einsum("nhd,hsd->hns", q, kh) / np.sqrt(D)  # [nh, n, S]
+        scores = np.where(visible[None], scores, -np.inf)
+        scores = np.exp(scores - scores.max(axis=-1, keepdims=True))
+        probs = scores / scores.sum(axis=-1, keepdims=True)
+        attn = np.einsum("hns,hsd->nhd", probs, vh).reshape(n, nh * D)
+        x = x + attn @ w["attn_output.weight"].T
+        y = rms_norm(x, w["ffn_norm.weight"], h.rms_eps)
+        x = x + (silu(y @ w["ffn_gate.weight"].T) * (y @ w["ffn_up.weight"].T)) @ w["ffn_down.weight"].T
+        return x, k_all, v_all
+
+    def forward(self, slot: int, x: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        return self.forward_exact(slot, x, positions, mask).astype(np.float32)
+
+    def logits_exact(self, hidden: np.ndarray) -> np.ndarray:
+        if not self.spec.head:
+            raise ValueError(f"shard [{self.spec.first}, {self.spec.last}) holds no head")
+        if self._lm_head is None:
+            name = "token_embd.weight" if self.h.tied_embeddings else "output.weight"
+            self._lm_head = self.index.dequantize(name, F64)
+        y = rms_norm(np.asarray(hidden, F64), self.index.dequantize("output_norm.weight", F64), self.h.rms_eps)
+        return y @ self._lm_head.T
+
+    def logits(self, hidden: np.ndarray) -> np.ndarray:
+        return self.logits_exact(hidden).astype(np.float32)
+
+    def greedy(self, hidden: np.ndarray) -> int:
+        return int(np.argmax(self.logits_exact(np.asarray(hidden)[-1:])[0]))
