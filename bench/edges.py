@@ -6,7 +6,7 @@ second (responder), one edge at a time so timings are not skewed by the other ed
 64 KiB stream is sent each way to prove it carries data. Each round uses fresh members (fresh
 NAT state); the table shows medians over rounds.
 
-    sudo .venv/bin/python -m bench.edges [--rounds 3] [--direct-wait-s 6] [--json]
+    sudo .venv/bin/python -m bench.edges [--rounds 3] [--direct-wait-s 6] [--send-delay-ms 0] [--json]
 
 Targets (issue 5): time until an edge carries data <= 0.5 s (over the relay) and until it is
 direct <= 1.0 s (median) where direct is possible. Needs root, ip and nft (see natlab_tests).
@@ -30,12 +30,14 @@ TIME_TO_DATA_TARGET_S = 0.5
 TIME_TO_DIRECT_TARGET_S = 1.0
 
 
-def one_round(lab: Lab, rendezvous: str, direct_wait_s: float, round_no: int) -> list[dict]:
+def one_round(
+    lab: Lab, rendezvous: str, direct_wait_s: float, round_no: int, send_delay_ms: float = 0.0
+) -> list[dict]:
     initiators = {k: lab.add_member(k) for k in KINDS}
     responders = {k: lab.add_member(k) for k in KINDS}
     nodes = [*initiators.values(), *responders.values()]
     names = [f"i{round_no}-{k}" for k in KINDS] + [f"r{round_no}-{k}" for k in KINDS]
-    members = session.start_session(lab, rendezvous, nodes, names)
+    members = session.start_session(lab, rendezvous, nodes, names, send_delay_ms=send_delay_ms)
     by_name = {m.name: m for m in members}
     rows = []
     try:
@@ -136,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
         default=6.0,
         help="how long to wait for an edge to turn direct before calling it relayed",
     )
+    parser.add_argument(
+        "--send-delay-ms",
+        type=float,
+        default=0.0,
+        help="delay every datagram a member sends by this much (a WAN: each "
+        "member is this far from everyone; tc netem is not available)",
+    )
     parser.add_argument("--json", action="store_true", help="print rows and summary as JSON")
     args = parser.parse_args(argv)
     if (reason := unavailable_reason()) is not None:
@@ -146,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
     with Lab() as lab:
         rendezvous = session.start_rendezvous(lab).address
         for round_no in range(args.rounds):
-            rows += one_round(lab, rendezvous, args.direct_wait_s, round_no)
+            rows += one_round(lab, rendezvous, args.direct_wait_s, round_no, args.send_delay_ms)
     summary = summarize(rows)
     if args.json:
         print(json.dumps({"rows": rows, "summary": summary}, indent=1))

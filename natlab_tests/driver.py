@@ -11,6 +11,7 @@ the lab itself without Kafila:
            probe to its observed source, exchange a few data packets once a pong comes back
   listen   keep a mapping alive towards the echo and count packets from anyone else
   spray    send one datagram to every port of a range at a target address
+  capture  sniff an interface and count frames holding any of a set of byte strings
 
 The Kafila commands (member, netcheck) are in kafila_driver.py.
 """
@@ -237,6 +238,32 @@ def cmd_spray(args: argparse.Namespace) -> None:
     emit(sent=sent)
 
 
+def cmd_capture(args: argparse.Namespace) -> None:
+    """Sniff every frame on an interface (AF_PACKET) until stdin closes or --seconds pass; report
+    frames, bytes, and how many contain any of the hex needles given on stdin."""
+    sniff = socket.socket(socket.AF_PACKET, socket.SOCK_RAW, socket.htons(0x0003))
+    sniff.bind((args.interface, 0))
+    sniff.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 24)
+    emit(ready=True)
+    needles = [bytes.fromhex(h) for h in read_stdin_json()["needles"]]
+    frames = total = hits = udp_frames = udp_hits = 0
+    end = time.monotonic() + args.seconds
+    while (left := end - time.monotonic()) > 0:
+        readable, _, _ = select.select([sniff, sys.stdin], [], [], left)
+        if sys.stdin in readable and not sys.stdin.readline():
+            break
+        if sniff in readable:
+            frame = sniff.recv(65535)
+            frames += 1
+            total += len(frame)
+            udp = len(frame) > 23 and frame[12:14] == b"\x08\x00" and frame[23] == 17
+            udp_frames += udp
+            if any(n in frame for n in needles):
+                hits += 1
+                udp_hits += udp  # (an ICMP error quoting a datagram is a hit, not a UDP one)
+    emit(frames=frames, bytes=total, udp_frames=udp_frames, needle_hits=hits, udp_hits=udp_hits)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
@@ -258,8 +285,12 @@ def main() -> None:
     p.add_argument("--ports", required=True)
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--source-port", type=int, default=0)
+    p = sub.add_parser("capture")
+    p.add_argument("--interface", required=True)
+    p.add_argument("--seconds", type=float, default=60.0)
     args = parser.parse_args()
     {
+        "capture": cmd_capture,
         "stun": cmd_stun,
         "classify": cmd_classify,
         "punch": cmd_punch,

@@ -61,6 +61,16 @@ class LabRendezvous:
     stun_port2: int
 
 
+def payload_windows(n_bytes: int, seed: int, count: int = 24, width: int = 32) -> list[bytes]:
+    """`count` byte strings of `width` taken at spread offsets of what `send` writes."""
+    data = b""
+    rng = random.Random(seed)
+    while len(data) < n_bytes:
+        data += rng.randbytes(min(TRANSFER_CHUNK_BYTES, n_bytes - len(data)))
+    step = max(1, (n_bytes - width) // count)
+    return [data[i : i + width] for i in range(0, n_bytes - width, step)][:count]
+
+
 def start_rendezvous(
     lab: Lab, port: int = RENDEZVOUS_PORT, alternate: bool = True
 ) -> LabRendezvous:
@@ -181,13 +191,18 @@ _seeds = itertools.count(1)
 
 
 def exchange(
-    pairs: Sequence[tuple[LabMember, LabMember]], n_bytes: int, timeout_s: float = 120.0
+    pairs: Sequence[tuple[LabMember, LabMember]],
+    n_bytes: int,
+    timeout_s: float = 120.0,
+    seeds: Sequence[int] | None = None,
 ) -> list[dict]:
-    """n_bytes each way over each pair's edge at once; checks length and digest of every stream."""
+    """n_bytes each way over each pair's edge at once; checks length and digest of every stream.
+    Stream k uses seeds[k] when given (a->b then b->a for each pair), else a fresh seed."""
     jobs = []
+    given = iter(seeds or ())
     for a, b in pairs:
         for src, dst in ((a, b), (b, a)):
-            seed = next(_seeds)
+            seed = next(given, None) or next(_seeds) + 1000
             recv_id = dst.proc.submit("recv", peer=src.name, op_timeout_s=timeout_s)
             send_id = src.proc.submit(
                 "send", peer=dst.name, bytes=n_bytes, seed=seed, op_timeout_s=timeout_s

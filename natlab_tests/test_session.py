@@ -196,3 +196,41 @@ def test_rendezvous_survives_abuse_while_a_session_forms_and_relays(lab, rendezv
         [sys.executable, session.KAFILA_DRIVER, "probe-raw", "--rendezvous", rendezvous.address],
     )
     assert check.read_json(60)["nat"] == "ordinary"
+
+
+def test_relay_forwards_ciphertext_only(lab, rendezvous):
+    """Sniff the rendezvous's bridge while two restrictive members relay 1 MB each way: no 32-byte
+    window of the payload crosses it in the clear (a plaintext datagram with the same windows,
+    sent across the same bridge first, shows the sniffer would see it)."""
+    nodes = [lab.add_member(nat.RESTRICTIVE), lab.add_member(nat.RESTRICTIVE)]
+    members = session.start_session(lab, rendezvous.address, nodes, ["ct-a", "ct-b"])
+    pair = [(members[0], members[1])]
+    n_bytes = 1000 * 1000
+    seeds = [424242, 434343]
+    needles = [w for seed in seeds for w in session.payload_windows(n_bytes, seed)]
+    try:
+        session.open_edges(pair)
+        sniffer = lab.driver(lab.inet_ns, "capture", "--interface", "br0", "--seconds", "120")
+        sniffer.read_json(30)
+        sniffer.send_json({"needles": [n.hex() for n in needles]})
+        lab.run(
+            nodes[0],
+            [
+                sys.executable,
+                "-c",
+                (
+                    "import socket,sys; s=socket.socket(socket.AF_INET,socket.SOCK_DGRAM);"
+                    f"s.sendto(bytes.fromhex('{needles[0].hex()}'), ('{lab.rendezvous_ip}', 9))"
+                ),
+            ],
+        )
+        moved = session.exchange(pair, n_bytes, seeds=seeds)
+        [(ea, eb)] = session.wait_direct(pair, 0.1)
+        sniffer.popen.stdin.close()
+        seen = sniffer.read_json(30)
+    finally:
+        session.quit_all(members)
+    assert all(t["intact"] for t in moved), moved
+    assert ea["kind"] == eb["kind"] == "relay"
+    assert seen["bytes"] > 2 * n_bytes, seen  # the relayed ciphertext did cross the bridge
+    assert seen["udp_hits"] == 1, seen  # only the plaintext control datagram
