@@ -12,7 +12,7 @@ Decoding happens in three steps, each validated before the next allocates anythi
 2. `parse_header` decodes the header, checks every field against `Limits` (what the plan and the
    model allow: hidden size, context, slots) and that the declared payload length is exactly what
    the header's dtype and shape imply;
-3. `build_frame` wraps the payload (a zero-copy numpy view) into a frozen frame.
+3. `build_frame` wraps the payload (a numpy array over it) into a frozen frame.
 
 Anything else raises FrameError, which the I/O layer turns into closing that edge with the reason.
 No I/O here: `FrameDecoder.feed(bytes) -> [frames]` drives the same steps for tests and any
@@ -360,7 +360,8 @@ def build_frame(h: dict, payload: bytes) -> Frame:
     """The frame of a validated header and its payload (arrays are read-only views)."""
     kind = h["k"]
     if kind == "act":
-        x = np.frombuffer(payload, dtype="<f4").reshape(h["shape"])
+        # a writable copy of 4·hidden·n bytes: runtimes may share (and need to own) the buffer
+        x = np.frombuffer(bytearray(payload), dtype="<f4").reshape(h["shape"])
         trace = tuple((a, b) for a, b in h.get("trace", []))
         return Activation(h["rid"], h["slot"], h["cache"], h["pos0"], tuple(h["zeros"]), x, trace)
     if kind == "req":

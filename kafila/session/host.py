@@ -240,6 +240,12 @@ class HostParticipant(Participant):
             elif isinstance(ev, Message) and isinstance(ev.body, dict) and ev.body.get("t") == "edge":
                 if isinstance(ev.body.get("stats"), dict):
                     self.state.edges[ev.sender] = ev.body["stats"]
+            elif isinstance(ev, Message) and isinstance(ev.body, dict) and ev.body.get("t") == "degraded":
+                reason = str(ev.body.get("reason"))[:500]
+                first = self.state.degraded is None
+                self._degrade(reason)  # (tells everyone through _ring_broke when first)
+                if first and self.node is None:
+                    await self.broadcast({"t": "degraded", "reason": reason})
 
     async def _refuse_all(self, reason: str) -> None:
         for n in self.net.roster():

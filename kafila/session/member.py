@@ -266,11 +266,36 @@ class Participant:
         t = body.get("t")
         if t == "gone":
             self._degrade(f"member {body.get('member')} left the session ({body.get('reason')})")
+        elif t == "degraded":
+            self._degrade(str(body.get("reason"))[:500])
         elif t == "status":
             if isinstance(body.get("edges"), dict):
                 self.state.edges.update(body["edges"])
             if isinstance(body.get("members"), dict):
                 self.state.members = body["members"]
+
+    def _ring_broke(self, reason: str) -> None:
+        """This member's ring noticed a break itself (a stage failed, an edge closed, a bad
+        frame): the host tells everyone, so requests waiting anywhere fail now."""
+        if self.state.degraded is None:
+            self.state.degraded = reason
+            self.state.phase = "degraded"
+            self.say(f"[red]{self.cfg.name}: session degraded: {reason}[/red]")
+            self.event("degraded", reason=reason)
+        self.spawn(self._tell_host_degraded(reason), "tell-degraded")
+
+    async def _tell_host_degraded(self, reason: str) -> None:
+        if self.net is not None and not self.is_host:
+            with contextlib.suppress(Exception):
+                await self.net.send(self.host_name, {"t": "degraded", "reason": reason[:500]})
+        elif self.is_host:
+            await self.broadcast({"t": "degraded", "reason": reason[:500]})
+
+    async def broadcast(self, body: dict) -> None:
+        for n in list(self.net.roster()) if self.net is not None else []:
+            if n != self.cfg.name:
+                with contextlib.suppress(Exception):
+                    await self.net.send(n, body)
 
     def _degrade(self, reason: str) -> None:
         if self.state.degraded is None:
@@ -380,7 +405,8 @@ class Participant:
                         slots=int(self.state.session["concurrency"]),
                         vocab=self.index.hparams.vocab)  # fmt: skip
         self.node = RingNode(me, role.head, role.ring, self.shard, limits,
-                             eos_ids=frozenset(self.tokenizer.eos_ids))  # fmt: skip
+                             eos_ids=frozenset(self.tokenizer.eos_ids),
+                             on_degraded=self._ring_broke)  # fmt: skip
         if len(role.ring) == 1:
             self.node.start()
             return

@@ -260,7 +260,8 @@ class RingNode:
             return h, int((time.perf_counter() - t0) * 1e6)
 
         hidden, us = await self._compute(run)
-        self._measure(self.name, us)
+        if act.n == 1:  # decode steps only: a prefill's cost grows with the prompt
+            self._measure(self.name, us)
         await self._send(Activation(act.rid, act.slot, act.cache_len, act.pos0, act.zeros, hidden,
                                     act.trace + ((self.name, us),)))  # fmt: skip
 
@@ -328,7 +329,8 @@ class RingNode:
         for step in self.scheduler.steps():
             self._step_started[step.rid] = time.perf_counter()
             hidden, us = await self._compute(self._head_forward, step)
-            self._measure(self.name, us)
+            if len(step.tokens) == 1:
+                self._measure(self.name, us)
             act = Activation(step.rid, step.slot, step.cache_len, step.pos0, step.zeros, hidden,
                              ((self.name, us),))  # fmt: skip
             if self.out is None:  # a ring of one: the activation is back at once

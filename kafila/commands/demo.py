@@ -1,0 +1,111 @@
+"""`kafila demo`: a whole session on this machine — host, members, a prompt, the plan, tok/s."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+DEFAULT_PROMPT = "Name three uses of a pooled home computer cluster."
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser(
+        "demo", help="run a whole session on this machine and answer one prompt",
+        description="Start a host (with its embedded rendezvous) and N-1 members as separate "
+        "processes on 127.0.0.1, form the session, answer the prompt through the ring, print the "
+        "plan and the measured speed, and stop everything.",
+    )
+    p.add_argument("--members", type=int, default=3, metavar="N", help="session size, host included (default 3)")
+    p.add_argument("--model", default="smollm2-135m", help="GGUF path or alias (default smollm2-135m)")
+    p.add_argument("--backend", default="openvino", help="shard runtime of every member (default openvino)")
+    p.add_argument("--policy", choices=("kafila", "uniform", "memory"), default="kafila")
+    p.add_argument("--throttle", action="append", default=[], metavar="NAME=FRACTION",
+                   help="run member NAME under a CPU quota (FRACTION of this machine), e.g. m2=0.25")
+    p.add_argument("--latency-ms", type=float, default=0.0, metavar="L",
+                   help="every member delays each datagram it sends by L ms (a WAN)")
+    p.add_argument("--prompt", default=DEFAULT_PROMPT)
+    p.add_argument("--max-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--ask", default=None, metavar="NAME", help="the member the prompt is typed at (default: the last)")
+    p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "kafila", "demo"),
+                   help="members' weight caches (NAME/ below it; a rerun fetches only what changed)")
+    p.add_argument("--json", action="store_true", help='print {"text","tokens","tok_s","ttft_ms","plan"}')
+    p.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import signal
+
+    from rich.console import Console
+
+    from kafila.commands.join import check_backend
+    from kafila.errors import BadInput
+    from kafila.models import resolve_model
+    from kafila.session.host import plan_table, predicted_tok_s
+    from kafila.session.launch import LocalSession, get_json, stream_chat
+    from kafila.throttle import parse_throttle
+
+    if not 1 <= args.members <= 9:
+        raise BadInput("--members N: choose 1..9")
+    if args.max_tokens < 1:
+        raise BadInput("--max-tokens N: N must be at least 1")
+    if not args.prompt.strip():
+        raise BadInput("--prompt is empty")
+    if not 0 <= args.latency_ms <= 10_000:
+        raise BadInput("--latency-ms L: choose 0..10000")
+    check_backend(args.backend)
+    resolve_model(args.model)  # a missing model fails here, before any process starts
+    throttle = dict(parse_throttle(t) for t in args.throttle)
+    console = Console(stderr=True)
+    session = LocalSession(members=args.members, model=args.model, backend=args.backend,
+                           policy=args.policy, latency_ms=args.latency_ms, throttle=throttle,
+                           cache_root=args.cache_dir, debug=args.debug)  # fmt: skip
+    ask = args.ask or session.names[-1]
+    if ask not in session.names:
+        raise BadInput(f"--ask {ask}: the members are {', '.join(session.names)}")
+
+    def interrupted(signum, frame):
+        raise KeyboardInterrupt
+
+    old = signal.signal(signal.SIGTERM, interrupted)
+    try:
+        console.print(f"demo: starting {args.members} processes on 127.0.0.1 "
+                      f"({', '.join(session.names)}; {session.names[0]} hosts)…")  # fmt: skip
+        session.start()
+        plan = session.plan or get_json(session.api(session.names[0]), "/status").get("plan")
+        if not args.json:
+            ranges, first = {}, 0
+            for n in plan["ring"]:
+                ranges[n] = (first, first + plan["blocks"][n])
+                first += plan["blocks"][n]
+            console.print(plan_table(plan, ranges))
+            console.print(f"demo: asking {ask}: {args.prompt}")
+        answer = stream_chat(session.api(ask), args.prompt, args.max_tokens)
+        status = get_json(session.api(session.names[0]), "/status")
+    finally:
+        codes = session.stop()
+        signal.signal(signal.SIGTERM, old)
+    result = {"text": answer["text"], "tokens": answer["tokens"], "tok_s": _r(answer["tok_s"]),
+              "ttft_ms": _r(answer["ttft_ms"]), "plan": plan}  # fmt: skip
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print(answer["text"])
+        predicted = predicted_tok_s(plan)
+        stages = ", ".join(f"{n} {v['compute_ms']} ms" for n, v in status["stages"].items() if v.get("compute_ms") is not None)
+        edges = ", ".join(f"{e['from']}→{e['to']} {e.get('kind')}" for e in status.get("edges", []))
+        console.print(f"demo: {answer['tokens']} tokens, {result['tok_s']} tok/s measured"
+                      f"{f' (planner predicted {predicted:.1f})' if predicted else ''}, "
+                      f"time to first token {result['ttft_ms']} ms")  # fmt: skip
+        if stages:
+            console.print(f"demo: stage compute {stages}; ring network {status.get('network_ms')} ms per step")
+        if edges:
+            console.print(f"demo: edges {edges}")
+    bad = {n: c for n, c in codes.items() if c not in (0, -2, 130)}
+    if bad:
+        console.print(f"demo: processes ended with {bad}")
+    return 0
+
+
+def _r(v):
+    return None if v is None else round(v, 2)

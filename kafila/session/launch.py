@@ -1,0 +1,289 @@
+"""Start a whole session on this machine: a host (with its embedded rendezvous) and N−1 members,
+each a separate `kafila` process on 127.0.0.1. Used by `kafila demo`, the session tests and
+bench/session.py. Every process it starts is stopped by `stop()` (SIGINT, then SIGKILL), also
+when starting fails; CPU-quota cgroups are removed after their process exits.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from kafila.errors import KafilaError, Refused
+from kafila.throttle import CpuQuota
+
+STOP_GRACE_S = 10.0
+
+
+def free_port(kind: int = socket.SOCK_STREAM) -> int:
+    with socket.socket(socket.AF_INET, kind) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_ports(n: int) -> list[int]:
+    """n ports free for both TCP and UDP right now (the rendezvous uses both, plus port+1 UDP)."""
+    out: list[int] = []
+    while len(out) < n:
+        p = free_port()
+        try:
+            for kind in (socket.SOCK_DGRAM,):
+                with socket.socket(socket.AF_INET, kind) as s:
+                    s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        if p not in out:
+            out.append(p)
+    return out
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    events: queue.Queue = field(default_factory=queue.Queue)
+    log_path: str = ""
+    quota: CpuQuota | None = None
+    api: str | None = None
+
+    def stderr_tail(self, n: int = 15) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return "".join(f.readlines()[-n:])
+        except OSError:
+            return ""
+
+
+def _pump(proc: Proc) -> None:
+    for line in proc.popen.stdout:  # type: ignore[union-attr]
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                proc.events.put(json.loads(line))
+            except ValueError:
+                pass
+        elif line:
+            proc.events.put({"event": "line", "text": line})
+    proc.events.put({"event": "exit"})
+
+
+@dataclass
+class LocalSession:
+    members: int = 3
+    model: str = "smollm2-135m"
+    backend: str = "openvino"
+    policy: str = "kafila"
+    context: int = 2048
+    concurrency: int = 4
+    latency_ms: float = 0.0
+    throttle: dict[str, float] = field(default_factory=dict)
+    cache_root: str = ""  # per-member weight caches live in cache_root/<name>
+    log_dir: str = ""
+    names: list[str] = field(default_factory=list)
+    procs: list[Proc] = field(default_factory=list)
+    code: str | None = None
+    plan: dict | None = None
+    rendezvous_port: int = 0
+    debug: bool = False
+
+    def __post_init__(self) -> None:
+        if not self.names:
+            self.names = [f"m{i + 1}" for i in range(self.members)]
+        unknown = set(self.throttle) - set(self.names)
+        if unknown:
+            from kafila.errors import BadInput
+
+            raise BadInput(f"--throttle names {sorted(unknown)} but the members are {', '.join(self.names)}")
+
+    def _spawn(self, name: str, args: list[str], api_port: int) -> Proc:
+        cmd = [sys.executable, "-m", "kafila"] + (["--debug"] if self.debug else []) + args + [
+            "--name", name, "--bind", "127.0.0.1", "--api", f"127.0.0.1:{api_port}", "--json-events",
+            "--backend", self.backend, "--cache-dir", os.path.join(self.cache_root, name),
+        ]  # fmt: skip
+        if self.latency_ms:
+            cmd += ["--latency-ms", str(self.latency_ms)]
+        quota = CpuQuota.create(name, self.throttle[name]) if name in self.throttle else None
+        log_path = os.path.join(self.log_dir, f"{name}.log")
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        with open(log_path, "w") as err:
+            popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
+                                     text=True, env=env, start_new_session=True,
+                                     preexec_fn=quota.preexec() if quota else None)  # fmt: skip
+        proc = Proc(name, popen, log_path=log_path, quota=quota)
+        threading.Thread(target=_pump, args=(proc,), daemon=True).start()
+        self.procs.append(proc)
+        return proc
+
+    def _wait(self, proc: Proc, kind: str, deadline: float) -> dict:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise Refused(f"{proc.name} did not reach '{kind}' in time; its log ends:\n{proc.stderr_tail()}")
+            try:
+                ev = proc.events.get(timeout=min(left, 0.5))
+            except queue.Empty:
+                continue
+            if ev.get("event") == "plan":
+                self.plan = ev.get("plan")
+            if ev.get("event") == kind:
+                return ev
+            if ev.get("event") == "exit":
+                code = proc.popen.wait()
+                raise Refused(f"{proc.name} exited with {code} before '{kind}'; its log ends:\n{proc.stderr_tail()}")
+
+    def start(self, timeout_s: float = 300.0) -> LocalSession:
+        """Start everything and wait until every member serves; stop all on any failure."""
+        import tempfile
+
+        if not self.log_dir:
+            self.log_dir = tempfile.mkdtemp(prefix="kafila-session-logs-")
+        if not self.cache_root:
+            self.cache_root = tempfile.mkdtemp(prefix="kafila-session-cache-")
+        deadline = time.monotonic() + timeout_s
+        try:
+            ports = free_ports(len(self.names) + 1)
+            self.rendezvous_port = ports[0]
+            host = self._spawn(self.names[0], [
+                "host", "--model", self.model, "--expect", str(len(self.names)),
+                "--listen", f"127.0.0.1:{self.rendezvous_port}", "--policy", self.policy,
+                "--context", str(self.context), "--concurrency", str(self.concurrency),
+            ], ports[1])  # fmt: skip
+            self.code = self._wait(host, "code", deadline)["code"]
+            for name, port in zip(self.names[1:], ports[2:]):
+                self._spawn(name, ["join", self.code, "--rendezvous", f"127.0.0.1:{self.rendezvous_port}"], port)
+            for proc in self.procs:
+                proc.api = self._wait(proc, "serving", deadline)["api"]
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def api(self, name: str) -> str:
+        return next(p.api for p in self.procs if p.name == name)
+
+    def proc(self, name: str) -> Proc:
+        return next(p for p in self.procs if p.name == name)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one member (a machine that vanished)."""
+        p = self.proc(name)
+        with_suppress(lambda: os.killpg(p.popen.pid, signal.SIGKILL))
+        p.popen.wait()
+
+    def stop(self) -> dict[str, int]:
+        """SIGINT everyone (members first), wait, SIGKILL stragglers; returns exit codes."""
+        for p in reversed(self.procs):
+            if p.popen.poll() is None:
+                with_suppress(lambda: os.killpg(p.popen.pid, signal.SIGINT))
+        deadline = time.monotonic() + STOP_GRACE_S
+        codes = {}
+        for p in self.procs:
+            try:
+                codes[p.name] = p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                with_suppress(lambda: os.killpg(p.popen.pid, signal.SIGKILL))
+                codes[p.name] = p.popen.wait()
+            if p.quota is not None:
+                p.quota.remove()
+        return codes
+
+    def __enter__(self) -> LocalSession:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def with_suppress(fn) -> None:
+    try:
+        fn()
+    except (ProcessLookupError, PermissionError, OSError):
+        pass
+
+
+__all__ = ["KafilaError", "LocalSession", "free_port", "free_ports"]
+
+
+def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0, raw: bool = False) -> dict:
+    """One streamed chat completion (or a raw completion) from `api`, timed at the client.
+
+    Returns {"text", "tokens", "ttft_ms", "tok_s", "finish_reason"}; raises Refused with the
+    server's error message on an HTTP error."""
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(api)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
+    model = json.loads(_get(conn, "/v1/models"))["data"][0]["id"]
+    if raw:
+        path, body = "/v1/completions", {"prompt": prompt}
+    else:
+        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
+    body.update(model=model, max_tokens=max_tokens, temperature=0, stream=True,
+                stream_options={"include_usage": True})
+    start = time.perf_counter()
+    conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
+    resp = conn.getresponse()
+    if resp.status != 200:
+        data = resp.read().decode(errors="replace")
+        try:
+            message = json.loads(data)["error"]["message"]
+        except (ValueError, KeyError, TypeError):
+            message = data[:300]
+        raise Refused(f"the session answered HTTP {resp.status}: {message}")
+    text, first, last, tokens, finish = [], None, None, None, None
+    for line in resp:
+        line = line.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            raise Refused(f"the session failed mid-answer: {chunk['error'].get('message')}")
+        if chunk.get("usage"):
+            tokens = chunk["usage"].get("completion_tokens")
+        for choice in chunk.get("choices") or []:
+            piece = (choice.get("delta") or {}).get("content") if not raw else choice.get("text")
+            if piece:
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                text.append(piece)
+            finish = choice.get("finish_reason") or finish
+    conn.close()
+    ttft = None if first is None else (first - start) * 1000
+    tok_s = None
+    if tokens and tokens > 1 and first is not None and last > first:
+        tok_s = (tokens - 1) / (last - first)
+    return {"text": "".join(text), "tokens": tokens, "ttft_ms": ttft, "tok_s": tok_s, "finish_reason": finish}
+
+
+def _get(conn, path: str) -> bytes:
+    conn.request("GET", path)
+    resp = conn.getresponse()
+    data = resp.read()
+    if resp.status != 200:
+        raise Refused(f"GET {path} answered HTTP {resp.status}")
+    return data
+
+
+def get_json(api: str, path: str, timeout_s: float = 10.0) -> dict:
+    import http.client
+    from urllib.parse import urlsplit
+
+    u = urlsplit(api)
+    conn = http.client.HTTPConnection(u.hostname, u.port, timeout=timeout_s)
+    try:
+        return json.loads(_get(conn, path))
+    finally:
+        conn.close()
