@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The main job on the default model (see README.md).
+# The main job on the default model (see README.md): a 3-member session on this machine.
 set -euo pipefail
 cd "$(dirname "$0")"
 ./scripts/bootstrap.sh
-exec .venv/bin/kafila run --model smollm2-135m --stages 3 "${@:-Name three uses of a pooled home computer cluster.}"
+exec .venv/bin/kafila demo "$@"
