@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
+
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
+from kafila.errors import BadInput
 
 DEFAULT_MAX_SLOTS = 4  # requests generating at once (each holds a KV state on every stage)
 DEFAULT_MAX_QUEUED = 64  # requests waiting for a slot
@@ -57,6 +61,41 @@ class LocalEngine:
         self.queued = 0  # requests waiting for one
         self.served = 0  # requests finished (any way)
         self.last_stats: GenerationStats | None = None
+
+    @classmethod
+    def open(
+        cls,
+        model: str,
+        stages: int = 1,
+        backend: str = "openvino",
+        context: int | None = None,
+        precision: str = "serving",
+        **options,
+    ) -> LocalEngine:
+        """Load `model` (an alias or a GGUF path) as a chain of `stages` shards (slow: compiles)."""
+        from kafila.local import LocalChain
+        from kafila.models import ALIASES, load_tokenizer, open_model, resolve_model
+
+        path = resolve_model(model)
+        index = open_model(path)
+        tokenizer = load_tokenizer(index)
+        limit = index.hparams.context_length
+        if context is not None and context > limit:
+            raise BadInput(
+                f"--context {context} is more than the model's context of {limit} tokens"
+            )
+        chain = LocalChain.build(path, stages, backend, precision, index=index)
+        name = model if model in ALIASES else os.path.splitext(os.path.basename(path))[0]
+        return cls.over_chain(chain, tokenizer, name, context or limit, **options)
+
+    @classmethod
+    def over_chain(
+        cls, chain, tokenizer, model_name: str, context_length: int, **options
+    ) -> LocalEngine:
+        """An engine over an already built kafila.local.LocalChain."""
+        describe = {"stages": chain.stages}
+        return cls(chain_source(chain, tokenizer.eos_ids), tokenizer, model_name, context_length,
+                   describe=describe, **options)  # fmt: skip
 
     # --- Engine protocol ------------------------------------------------------------------
 
@@ -163,6 +202,52 @@ class LocalEngine:
     def close(self) -> None:
         self._closed = True
         self._worker.shutdown(wait=True)
+
+
+def chain_source(chain, eos_ids: frozenset[int]) -> StepSource:
+    """Requests → token iterators on a LocalChain: its own greedy generator when temperature is
+    0 (token-identical to `kafila run`), else sampling from its logits (seeded when asked)."""
+
+    def source(request: GenerationRequest) -> Iterator[int]:
+        stop = eos_ids if request.stop_at_eos else ()
+        if request.temperature <= 0:
+            return chain.generate(request.prompt_ids, request.max_new_tokens, stop=stop)
+        return _sampled(chain, request, stop)
+
+    return source
+
+
+def _sampled(chain, request: GenerationRequest, stop) -> Iterator[int]:
+    rng = np.random.default_rng(request.seed)
+    cursor = chain.open()
+    try:
+        hidden = chain.feed(cursor, request.prompt_ids)
+        for i in range(request.max_new_tokens):
+            logits = chain.logits(hidden[-1:])[0]
+            token = sample_token(logits, request.temperature, request.top_p, rng)
+            yield token
+            if token in stop or i + 1 == request.max_new_tokens:
+                return
+            hidden = chain.feed(cursor, (token,))
+    finally:
+        chain.close(cursor)
+
+
+def sample_token(
+    logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator
+) -> int:
+    """One token from softmax(logits / temperature), restricted to the top_p nucleus."""
+    z = logits.astype(np.float64) / temperature
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    order = np.argsort(-p, kind="stable")
+    if top_p < 1.0:
+        keep = (
+            int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
+        )  # the smallest set reaching top_p
+        order = order[:keep]
+    q = p[order] / p[order].sum()
+    return int(order[rng.choice(len(order), p=q)])
 
 
 def _steps(source: StepSource, request: GenerationRequest) -> Iterator[int]:

@@ -90,10 +90,9 @@ class ScriptedEngine:
 
 
 @pytest.fixture(scope="session")
-def tokenizer():
-    from kafila.models import load_tokenizer, open_model, resolve_model
-
-    return load_tokenizer(open_model(resolve_model("smollm2-135m")))
+def tokenizer(default_tokenizer):
+    """SmolLM2's tokenizer (tests/conftest.py skips when the default model is not installed)."""
+    return default_tokenizer
 
 
 class LoopThread:

@@ -7,6 +7,7 @@ arguments; the rest of the code takes dataclasses.
 
 COMMANDS = (
     "run",
+    "serve",
     "models",
     "bench",
     "probe",
