@@ -142,3 +142,18 @@ def test_bad_requests_and_failures_are_engine_errors():
     asyncio.run(main())
     engine.close()
     assert not engine.ready
+
+
+def test_sample_token():
+    import numpy as np
+
+    from kafila.local_engine import sample_token
+
+    logits = np.array([0.0, 3.0, 2.9, -5.0])
+    rng = np.random.default_rng(0)
+    assert sample_token(logits, 1e-4, 1.0, rng) == 1  # near-zero temperature: the argmax
+    assert sample_token(logits, 1.0, 1e-9, rng) == 1  # a tiny nucleus: the argmax
+    draws = [sample_token(logits, 1.0, 0.9, rng) for _ in range(300)]
+    assert set(draws) <= {1, 2} and draws.count(2) > 50  # the nucleus holds the top two
+    again = [sample_token(logits, 1.0, 1.0, np.random.default_rng(7)) for _ in range(5)]
+    assert again == [sample_token(logits, 1.0, 1.0, np.random.default_rng(7)) for _ in range(5)]

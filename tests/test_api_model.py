@@ -87,6 +87,14 @@ def test_openai_client_gets_the_chains_greedy_tokens(served, tokenizer):  # noqa
     r = client.completions.create(model="smollm2-135m", prompt=RAW, max_tokens=6)
     assert r.choices[0].text == tokenizer.decode(refs["raw"])
 
+    def sampled():  # temperature > 0 samples from the chain's logits; a seed makes it repeatable
+        r = client.completions.create(
+            model="smollm2-135m", prompt=RAW, max_tokens=4, temperature=1.5, seed=11
+        )
+        return r.choices[0].text
+
+    assert sampled() == sampled()
+
 
 def test_concurrent_requests_each_get_their_solo_tokens(served, tokenizer):  # noqa: F811
     engine, _server, client, refs = served
