@@ -64,8 +64,11 @@ def build_chain(index, backends: list[str], precision: str) -> list:
     ]
 
 
-def greedy_tokens(chain: list, prompt: list[int], n_new: int) -> list[int]:
-    """n_new greedy tokens (EOS ignored): prefill the prompt, then one token per step."""
+def greedy_tokens(
+    chain: list, prompt: list[int], n_new: int, hidden: list | None = None
+) -> list[int]:
+    """n_new greedy tokens (EOS ignored): prefill the prompt, then one token per step.
+    `hidden`, when given, collects the last stage's output of every step."""
     head = chain[0]
     slots = [s.open_slot() for s in chain]
     try:
@@ -78,6 +81,8 @@ def greedy_tokens(chain: list, prompt: list[int], n_new: int) -> list[int]:
             h = x
             for shard, slot in zip(chain, slots):
                 h = shard.forward(slot, h, positions, mask)
+            if hidden is not None:
+                hidden.append(h)
             token = int(head.greedy(h))
             out.append(token)
             cache_len += n

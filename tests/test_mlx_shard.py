@@ -161,11 +161,27 @@ def test_cache_growth_and_arbitrary_positions(index):
     np.testing.assert_allclose(np.array(fused), np.array(general), atol=1e-4)
 
 
+@pytest.fixture(scope="module")
+def chains(index):
+    return {k: build_chain(index, ["mlx"] * k, "serving") for k in (1, 2, 3)}
+
+
+@needs_mlx
+def test_split_hidden_states_are_bitwise_the_unsplit(chains, prompts):
+    """Every stage computes its blocks exactly as the whole model does: hidden states crossing
+    as float32 lose nothing, so 2- and 3-stage chains are bitwise the 1-stage chain."""
+    want_h: list = []
+    want = greedy_tokens(chains[1], prompts[0], 6, want_h)
+    for k in (2, 3):
+        got_h: list = []
+        assert greedy_tokens(chains[k], prompts[0], 6, got_h) == want
+        assert all(np.array_equal(a, b) for a, b in zip(got_h, want_h)), f"{k} stages"
+
+
 @needs_mlx
 @pytest.mark.slow
-def test_split_chains_give_the_unsplit_tokens(index, prompts):
+def test_split_chains_give_the_unsplit_tokens(chains, prompts):
     """2- and 3-stage MLX chains give the 1-stage chain's greedy tokens, 8 prompts × 64 tokens."""
-    chains = {k: build_chain(index, ["mlx"] * k, "serving") for k in (1, 2, 3)}
     for i, p in enumerate(prompts):
         want = greedy_tokens(chains[1], p, 64)
         for k in (2, 3):
