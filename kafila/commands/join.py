@@ -71,8 +71,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from kafila.net.code import parse_code
     from kafila.session.member import Participant
 
+    parse_code(args.code)  # a malformed code fails before anything is measured
     check_backend(args.backend)
     cfg = replace(common_config(args, host=False), local_model=args.model)
     p = Participant(cfg)

@@ -1,0 +1,133 @@
+"""Sessions that cannot form: wrong code, unreachable rendezvous, host gone before planning,
+bad arguments. Real processes on 127.0.0.1; none of them builds a shard."""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kafila.session.launch import free_ports
+
+pytestmark = [pytest.mark.session, pytest.mark.timeout(180)]
+KAFILA = [sys.executable, "-m", "kafila"]
+
+
+class Procs:
+    def __init__(self):
+        self.items = []
+
+    def start(self, *args, **kw):
+        p = subprocess.Popen([*KAFILA, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, text=True, start_new_session=True, **kw)
+        self.items.append(p)
+        return p
+
+    def kill_all(self):
+        for p in self.items:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+
+
+@pytest.fixture
+def procs():
+    ps = Procs()
+    yield ps
+    ps.kill_all()
+
+
+def wait_line(proc, timeout=60):
+    """The first stdout line (the host prints its code first)."""
+    import selectors
+
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout):
+        raise AssertionError("no output in time")
+    return proc.stdout.readline().strip()
+
+
+def start_host(procs, expect=3):
+    rv, api = free_ports(2)
+    host = procs.start("host", "--expect", str(expect), "--name", "m1", "--listen", f"127.0.0.1:{rv}",
+                       "--bind", "127.0.0.1", "--api", f"127.0.0.1:{api}")
+    code = wait_line(host)
+    assert code.count("-") == 3, code
+    return host, code, rv
+
+
+def finish(proc, timeout=30):
+    out, err = proc.communicate(timeout=timeout)
+    return proc.returncode, err
+
+
+def test_wrong_code_and_unreachable_rendezvous_fail_fast(procs):
+    host, code, rv = start_host(procs)
+    from kafila.net.code import make_code
+
+    nameplate = int(code.split("-")[0])
+    wrong = make_code(nameplate)
+    while wrong == code:
+        wrong = make_code(nameplate)
+    t = time.monotonic()
+    bad = procs.start("join", wrong, "--rendezvous", f"127.0.0.1:{rv}",
+                      "--name", "m2", "--bind", "127.0.0.1", "--api", "off")
+    rc, err = finish(bad)
+    assert rc == 3, err
+    assert "code" in err.lower() and "Traceback" not in err, err
+    assert time.monotonic() - t < 30
+    (closed,) = free_ports(1)
+    t = time.monotonic()
+    nowhere = procs.start("join", code, "--rendezvous", f"127.0.0.1:{closed}", "--name", "m3",
+                          "--bind", "127.0.0.1", "--api", "off")
+    rc, err = finish(nowhere)
+    assert rc == 3 and "cannot reach the rendezvous" in err, err
+    assert "Traceback" not in err
+    assert time.monotonic() - t < 30
+    host.send_signal(signal.SIGINT)
+    assert finish(host)[0] == 0
+
+
+def test_host_gone_before_planning_ends_the_member_with_a_clear_error(procs):
+    host, code, rv = start_host(procs)
+    member = procs.start("join", code, "--rendezvous", f"127.0.0.1:{rv}", "--name", "m2",
+                         "--bind", "127.0.0.1", "--api", "off", "--json-events")
+    assert '"joined"' in wait_line(member)
+    os.killpg(host.pid, signal.SIGKILL)  # the host's machine vanished (its rendezvous with it)
+    host.wait()
+    t = time.monotonic()
+    rc, err = finish(member)
+    assert rc == 3, err
+    assert "host" in err and "Traceback" not in err, err
+    assert time.monotonic() - t < 15
+
+
+def test_member_ctrl_c_while_waiting_leaves_cleanly(procs):
+    host, code, rv = start_host(procs)
+    member = procs.start("join", code, "--rendezvous", f"127.0.0.1:{rv}", "--name", "m2",
+                         "--bind", "127.0.0.1", "--api", "off", "--json-events")
+    assert '"joined"' in wait_line(member)
+    member.send_signal(signal.SIGINT)
+    assert finish(member)[0] == 0
+    host.send_signal(signal.SIGINT)
+    rc, err = finish(host)
+    assert rc == 0, err
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["host", "--model", "/nonexistent.gguf"], "not found"),
+    (["host", "--expect", "-1"], "--expect"),
+    (["join", "not-a-code", "--api", "off"], "code"),
+    (["demo", "--members", "0"], "--members"),
+    (["demo", "--throttle", "m2"], "--throttle"),
+    (["demo", "--throttle", "m7=0.5"], "m7"),
+    (["host", "--latency-ms", "-3"], "--latency-ms"),
+])
+def test_bad_arguments_exit_2_with_one_line(procs, args, needle):
+    p = procs.start(*args)
+    rc, err = finish(p)
+    assert rc == 2, err
+    assert needle in err and "Traceback" not in err, err
