@@ -40,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
 
     from kafila.commands.join import check_backend
     from kafila.errors import BadInput
-    from kafila.models import resolve_model
+    from kafila.models import open_model, resolve_model
     from kafila.session.host import plan_table, predicted_tok_s
     from kafila.session.launch import LocalSession, get_json, stream_chat
     from kafila.throttle import parse_throttle
@@ -54,7 +54,7 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.latency_ms <= 10_000:
         raise BadInput("--latency-ms L: choose 0..10000")
     check_backend(args.backend)
-    resolve_model(args.model)  # a missing model fails here, before any process starts
+    open_model(resolve_model(args.model))  # a missing or bad model fails here, before any process starts
     throttle = dict(parse_throttle(t) for t in args.throttle)
     console = Console(stderr=True)
     session = LocalSession(members=args.members, model=args.model, backend=args.backend,
