@@ -1,0 +1,122 @@
+"""Session benchmark, everything measured side by side in one run on this machine.
+
+    .venv/bin/python -m bench.session [--max-tokens 64] [--runs 3] [--skip-latency] [--skip-hetero]
+
+1. Speed: a 3-member loopback session (separate processes, QUIC edges) vs LocalChain with 3
+   stages in one process (what `kafila run --stages 3` runs), same prompt, same greedy tokens;
+   decode tok/s (first to last token) and time to first token, medians of --runs after a warm-up.
+2. WAN: the same session with every member delaying its datagrams by 20 ms (--latency-ms 20).
+3. Heterogeneity: m2 under a 25% CPU quota; the planner's division vs --policy uniform, in the
+   same run: m2's blocks and tok/s of each, and their ratio (Kafila's LAN figure: 1.56×).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
+
+
+def local_chain(model: str, stages: int, prompt_ids: list[int], max_tokens: int, runs: int, eos) -> dict:
+    from kafila.local import LocalChain
+
+    chain = LocalChain.build(model, stages)
+    rates, ttfts, n = [], [], 0
+    for i in range(runs + 1):
+        start = time.perf_counter()
+        first = last = None
+        n = 0
+        for t in chain.generate(prompt_ids, max_tokens, stop=eos):
+            if t in eos:
+                break
+            now = time.perf_counter()
+            first = first or now
+            last = now
+            n += 1
+        if i == 0:
+            continue  # warm-up
+        ttfts.append((first - start) * 1000)
+        rates.append((n - 1) / (last - first))
+    return {"tok_s": statistics.median(rates), "ttft_ms": statistics.median(ttfts), "tokens": n}
+
+
+def session_runs(runs: int, max_tokens: int, ask: str = "m3", **kw) -> dict:
+    from kafila.session.launch import LocalSession, get_json, stream_chat
+
+    s = LocalSession(members=3, log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
+                     cache_root=tempfile.mkdtemp(prefix="kafila-bench-cache-"), **kw)
+    t0 = time.monotonic()
+    s.start(timeout_s=600)
+    formed_s = time.monotonic() - t0
+    try:
+        results = [stream_chat(s.api(ask), PROMPT, max_tokens) for _ in range(runs + 1)][1:]
+        status = get_json(s.api("m1"), "/status")
+    finally:
+        s.stop()
+    return {
+        "tok_s": statistics.median(r["tok_s"] for r in results),
+        "ttft_ms": statistics.median(r["ttft_ms"] for r in results),
+        "tokens": results[-1]["tokens"],
+        "text": results[-1]["text"],
+        "plan": status["plan"],
+        "stage_compute_ms": {n: v["compute_ms"] for n, v in status["stages"].items()},
+        "network_ms": status["network_ms"],
+        "edges": [(e["from"], e["to"], e.get("kind")) for e in status["edges"]],
+        "formed_s": round(formed_s, 1),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--skip-latency", action="store_true")
+    p.add_argument("--skip-hetero", action="store_true")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+
+    from kafila.api import chat_prompt_ids
+    from kafila.models import load_tokenizer, open_model, resolve_model
+
+    path = resolve_model(args.model)
+    tok = load_tokenizer(open_model(path))
+    ids = chat_prompt_ids(tok, [{"role": "user", "content": PROMPT}])
+    out: dict = {}
+
+    def show(label: str, r: dict) -> None:
+        print(f"{label:<44} {r['tok_s']:7.1f} tok/s   TTFT {r['ttft_ms']:7.1f} ms   {r.get('tokens')} tokens",
+              file=sys.stderr, flush=True)
+
+    out["local_3"] = local_chain(path, 3, ids, args.max_tokens, args.runs, tok.eos_ids)
+    show("LocalChain, 3 stages, one process", out["local_3"])
+    out["local_1"] = local_chain(path, 1, ids, args.max_tokens, args.runs, tok.eos_ids)
+    show("LocalChain, 1 stage, one process", out["local_1"])
+    out["session"] = session_runs(args.runs, args.max_tokens, model=args.model)
+    show("session, 3 processes, loopback", out["session"])
+    out["ratio_session_vs_local_3"] = out["session"]["tok_s"] / out["local_3"]["tok_s"]
+    print(f"  ratio session / local 3-stage: {out['ratio_session_vs_local_3']:.2f}×  "
+          f"(stage compute {out['session']['stage_compute_ms']}, ring network {out['session']['network_ms']} ms/step)",
+          file=sys.stderr)
+    if not args.skip_latency:
+        out["session_20ms"] = session_runs(args.runs, args.max_tokens, model=args.model, latency_ms=20)
+        show("session, 3 processes, --latency-ms 20", out["session_20ms"])
+    if not args.skip_hetero:
+        for policy in ("kafila", "uniform"):
+            r = session_runs(args.runs, args.max_tokens, model=args.model, policy=policy, throttle={"m2": 0.25})
+            out[f"hetero_{policy}"] = r
+            show(f"m2 at 25% CPU, policy {policy} (m2: {r['plan']['blocks']['m2']} blocks)", r)
+        out["hetero_ratio"] = out["hetero_kafila"]["tok_s"] / out["hetero_uniform"]["tok_s"]
+        print(f"  planner / uniform with m2 throttled: {out['hetero_ratio']:.2f}×", file=sys.stderr)
+    if args.json:
+        print(json.dumps(out, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
