@@ -37,8 +37,9 @@ def test_activation_roundtrip(chunk):
 
 
 def test_other_frames_roundtrip():
-    req = F.Request("m2:1", "m2", "m1", 5, True, np.array([1, 2, 3], dtype=np.int32))
+    req = F.Request("m2:1", "m2", "m1", 5, True, np.array([1, 2, 3], dtype=np.int32), 0.7, 0.9, 42)
     r = roundtrip(req)
+    assert (r.temperature, r.top_p, r.seed) == (0.7, 0.9, 42)
     assert r.prompt.tolist() == [1, 2, 3] and (r.rid, r.origin, r.dst, r.max_new) == ("m2:1", "m2", "m1", 5)
     for f in (
         F.Tokens("m2:1", "m2", (4, 5), True, "error", "member m3 left", 503, (("tok_s", 41.5),)),
@@ -76,7 +77,8 @@ ACT = {"k": "act", "rid": "r", "slot": 0, "cache": 0, "pos0": 0, "zeros": [], "d
         ({**ACT, "slot": True}, b"\0" * 32, "slot"),
         ({**ACT, "trace": [["m1", "x"]]}, b"\0" * 32, "trace"),
         ({"k": "tok", "rid": "r", "dst": "m", "ids": [100], "done": False, "finish": "", "error": "", "status": 0}, b"", "vocabulary"),
-        ({"k": "req", "rid": "r", "origin": "a", "dst": "b", "max_new": 1, "eos": True, "dtype": "i32", "shape": [33]}, b"\0" * 132, "prompt"),
+        ({"k": "req", "rid": "r", "origin": "a", "dst": "b", "max_new": 1, "eos": True, "dtype": "i32", "shape": [33], "temp": 0.0, "top_p": 1.0, "seed": -1}, b"\0" * 132, "prompt"),
+        ({"k": "req", "rid": "r", "origin": "a", "dst": "b", "max_new": 1, "eos": True, "dtype": "i32", "shape": [1], "temp": -1.0, "top_p": 1.0, "seed": -1}, b"\0" * 4, "temp"),
         ({"k": "nope"}, b"", "unknown frame kind"),
         ({"k": "hello", "name": "m", "purpose": "x"}, b"", "purpose"),
         ({"k": "wget", "off": 0, "len": F.WEIGHT_CHUNK_BYTES + 1, "z": False}, b"", "len"),

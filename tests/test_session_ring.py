@@ -197,3 +197,22 @@ def test_cancel_frees_the_slot_and_errors_come_back_to_the_origin():
             await n.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_sampling_is_seeded_and_travels_with_the_request():
+    async def main():
+        nodes, _ = ring(3)
+        outs = []
+        for e in (engine(nodes[0]), engine(nodes[2]), engine(nodes[2])):
+            st = GenerationStats()
+            req = GenerationRequest((3, 4, 5), 10, stop_at_eos=False, temperature=1.5, seed=7)
+            outs.append([t async for t in e.generate(req, st)])
+        assert outs[0] == outs[1] == outs[2]  # the same seed at the head, wherever it was asked
+        st = GenerationStats()
+        other = [t async for t in engine(nodes[1]).generate(
+            GenerationRequest((3, 4, 5), 10, stop_at_eos=False, temperature=1.5, seed=8), st)]
+        assert other != outs[0]
+        for n in nodes:
+            await n.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))

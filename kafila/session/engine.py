@@ -15,8 +15,8 @@ from kafila.session.scheduler import SchedulerError
 class RingEngine:
     """Prompts typed at this member go to the head; its tokens come back as they are produced.
 
-    Greedy only: the ring reproduces `kafila run` token for token; a temperature is ignored
-    (the head samples greedily) and said so in the status."""
+    Temperature 0 is greedy and reproduces `kafila run` token for token; otherwise the head
+    samples from its logits (top_p nucleus, seeded when asked), as LocalEngine does."""
 
     def __init__(self, model_name: str, context_length: int, tokenizer, status: Callable[[], dict]) -> None:
         self.model_name = model_name
@@ -46,7 +46,9 @@ class RingEngine:
                 f"{self.context_length} (prompt and answer together)", 400)  # fmt: skip
         start = time.perf_counter()
         try:
-            rid, waiter = await node.submit(list(request.prompt_ids), request.max_new_tokens, request.stop_at_eos)
+            rid, waiter = await node.submit(
+                list(request.prompt_ids), request.max_new_tokens, request.stop_at_eos,
+                request.temperature, getattr(request, "top_p", 1.0), request.seed)
         except SchedulerError as exc:
             raise EngineError(str(exc), exc.status) from None
         first = None

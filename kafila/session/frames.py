@@ -38,6 +38,7 @@ MAX_NAME_CHARS = 64
 MAX_TOKENS_PER_FRAME = 256
 MAX_ERROR_CHARS = 500
 MAX_TRACE_ENTRIES = 64
+MAX_TEMPERATURE = 100.0
 WEIGHT_CHUNK_BYTES = 4 << 20
 FINISH_REASONS = ("", "stop", "length", "error")
 PURPOSES = ("ring", "weights")
@@ -120,6 +121,9 @@ class Request:
     max_new: int
     stop_at_eos: bool
     prompt: np.ndarray  # int32 [n]
+    temperature: float = 0.0  # 0: greedy (the ring reproduces `kafila run` exactly)
+    top_p: float = 1.0
+    seed: int = -1  # -1: none
 
 
 @dataclass(frozen=True)
@@ -191,7 +195,8 @@ def encode(frame: Frame) -> bytes:
         return _pack(
             {"k": "req", "rid": frame.rid, "origin": frame.origin, "dst": frame.dst,
              "max_new": frame.max_new, "eos": frame.stop_at_eos, "dtype": "i32",
-             "shape": list(p.shape)},
+             "shape": list(p.shape), "temp": float(frame.temperature), "top_p": float(frame.top_p),
+             "seed": int(frame.seed)},
             p.data.cast("B"),
         )  # fmt: skip
     if isinstance(frame, Tokens):
@@ -241,6 +246,13 @@ def _int(h: dict, key: str, lo: int, hi: int) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
         raise FrameError(f"field {key!r} must be an integer in {lo}..{hi}, got {v!r}")
     return v
+
+
+def _float(h: dict, key: str, lo: float, hi: float) -> float:
+    v = h.get(key)
+    if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
+        raise FrameError(f"field {key!r} must be a number in {lo}..{hi}, got {v!r}")
+    return float(v)
 
 
 def _bool(h: dict, key: str) -> bool:
@@ -326,6 +338,9 @@ def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
         _str(h, "dst")
         _int(h, "max_new", 1, limits.context)
         _bool(h, "eos")
+        _float(h, "temp", 0.0, MAX_TEMPERATURE)
+        _float(h, "top_p", 0.0, 1.0)
+        _int(h, "seed", -1, (1 << 63) - 1)
         (n,) = _shape(h, "i32", 1)
         if not 1 <= n <= limits.context:
             raise FrameError(f"prompt of {n} tokens is outside 1..{limits.context}")
@@ -366,7 +381,8 @@ def build_frame(h: dict, payload: bytes) -> Frame:
         return Activation(h["rid"], h["slot"], h["cache"], h["pos0"], tuple(h["zeros"]), x, trace)
     if kind == "req":
         p = np.frombuffer(payload, dtype="<i4")
-        return Request(h["rid"], h["origin"], h["dst"], h["max_new"], h["eos"], p)
+        return Request(h["rid"], h["origin"], h["dst"], h["max_new"], h["eos"], p,
+                       float(h["temp"]), float(h["top_p"]), h["seed"])
     if kind == "tok":
         stats = tuple((a, b) for a, b in h.get("stats", []))
         return Tokens(h["rid"], h["dst"], tuple(h["ids"]), h["done"], h["finish"], h["error"], h["status"], stats)

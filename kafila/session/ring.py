@@ -73,6 +73,13 @@ def greedy(shard, hidden: np.ndarray) -> int:
     return int(np.argmax(shard.logits(hidden[-1:])[-1]))
 
 
+def sample(shard, hidden: np.ndarray, temperature: float, top_p: float, rng) -> int:
+    """A token from softmax(logits / temperature) within the top_p nucleus (as LocalEngine)."""
+    from kafila.local_engine import sample_token
+
+    return int(sample_token(shard.logits(hidden[-1:])[-1], temperature, top_p, rng))
+
+
 @dataclass
 class Waiter:
     """What the member that asked keeps for one of its requests."""
@@ -128,6 +135,7 @@ class RingNode:
         self._first_token: dict[str, float] = {}
         self._tasks: list[asyncio.Task] = []
         self._counter = 0
+        self._sampling: dict[str, tuple] = {}  # head: rid → (temperature, top_p, rng) when not greedy
 
     # --- wiring ------------------------------------------------------------------------------
 
@@ -175,7 +183,9 @@ class RingNode:
 
     # --- prompt entry (any member) -------------------------------------------------------------
 
-    async def submit(self, prompt: list[int], max_new: int, stop_at_eos: bool = True) -> tuple[str, Waiter]:
+    async def submit(self, prompt: list[int], max_new: int, stop_at_eos: bool = True,
+                     temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+                     ) -> tuple[str, Waiter]:  # fmt: skip
         if self.degraded:
             raise SchedulerError(f"the session is degraded: {self.degraded}", 503)
         self._check_ids(prompt)
@@ -188,11 +198,17 @@ class RingNode:
             except SchedulerError:
                 del self.waiters[rid]
                 raise
+            self._set_sampling(rid, temperature, top_p, -1 if seed is None else seed)
             self._events.put_nowait(("pump",))
         else:
             await self._send(Request(rid, self.name, self.head, max_new, stop_at_eos,
-                                     np.asarray(prompt, dtype=np.int32)))  # fmt: skip
+                                     np.asarray(prompt, dtype=np.int32), float(temperature),
+                                     float(top_p), -1 if seed is None else int(seed)))  # fmt: skip
         return rid, waiter
+
+    def _set_sampling(self, rid: str, temperature: float, top_p: float, seed: int) -> None:
+        if temperature > 0:
+            self._sampling[rid] = (temperature, top_p, np.random.default_rng(None if seed < 0 else seed))
 
     def _check_ids(self, prompt) -> None:
         if prompt and not 0 <= min(prompt) <= max(prompt) < self.limits.vocab:
@@ -305,13 +321,18 @@ class RingNode:
                             raise SchedulerError(f"the session is degraded: {self.degraded}", 503)
                         self._check_ids(req.prompt.tolist())
                         sched.submit(req.rid, req.origin, req.prompt.tolist(), req.max_new, req.stop_at_eos)
+                        self._set_sampling(req.rid, req.temperature, req.top_p, req.seed)
                     except SchedulerError as exc:
                         await self._to_origin(Tokens(req.rid, req.origin, (), True, "error", str(exc)[:500], exc.status))
                 elif kind == "cancel":
                     await self._emit(sched.cancel(ev[1]))
                 elif kind == "back":
                     act: Activation = ev[1]
-                    token = await self._compute(greedy, self.shard, act.hidden)
+                    sampling = self._sampling.get(act.rid)
+                    if sampling is None:
+                        token = await self._compute(greedy, self.shard, act.hidden)
+                    else:
+                        token = await self._compute(sample, self.shard, act.hidden, *sampling)
                     self._account(act)
                     await self._emit(sched.complete(act.rid, token))
                 await self._pump()
@@ -368,6 +389,7 @@ class RingNode:
                 await self._to_origin(Tokens(ev.rid, ev.origin, (ev.token,)))
             elif isinstance(ev, Finished):
                 self._step_started.pop(ev.rid, None)
+                self._sampling.pop(ev.rid, None)
                 if ev.finish == "cancelled":
                     continue
                 finish = ev.finish
