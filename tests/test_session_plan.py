@@ -1,0 +1,32 @@
+"""Pure pieces of the lifecycle: a member's role from the plan, the host's tables."""
+
+import pytest
+
+from kafila.errors import Refused
+from kafila.session.host import members_table, plan_table, predicted_tok_s
+from kafila.session.member import role_of
+
+PLAN = {"feasible": True, "tier": "full", "policy": "kafila", "head": "m1", "ring": ["m1", "m3", "m2"],
+        "blocks": {"m1": 8, "m3": 12, "m2": 10}, "stage_ms": {"m1": 4.0, "m3": 4.0, "m2": 4.0},
+        "bottleneck_ms": 4.0, "edges": [{"from": "m1", "to": "m3", "kind": "direct", "ms": 1.0},
+                                         {"from": "m3", "to": "m2", "kind": "relay", "ms": 2.0},
+                                         {"from": "m2", "to": "m1", "kind": "direct", "ms": 1.0}],
+        "refused": []}
+
+
+def test_roles_follow_the_ring_order_from_the_head():
+    r1, r3, r2 = (role_of(PLAN, n) for n in ("m1", "m3", "m2"))
+    assert (r1.first, r1.last, r3.first, r3.last, r2.first, r2.last) == (0, 8, 8, 20, 20, 30)
+    assert r1.successor("m1") == "m3" and r1.predecessor("m1") == "m2"
+    assert r2.successor("m2") == "m1"
+    with pytest.raises(Refused, match="leaves this member"):
+        role_of(PLAN, "m9")
+
+
+def test_tables_and_prediction():
+    assert predicted_tok_s(PLAN) == pytest.approx(1000 / 16)
+    assert predicted_tok_s({**PLAN, "stage_ms": {"m1": None, "m2": None, "m3": None}}) is None
+    t = plan_table(PLAN, {"m1": (0, 8), "m3": (8, 20), "m2": (20, 30)})
+    assert t.row_count == 3
+    rows = [{"name": "m1", "nat": "ordinary", "rtt_ms": 3.0, "bandwidth_gbps": None, "memory_gb": 8.0, "state": "joined"}]
+    assert members_table(rows, "t").row_count == 1
