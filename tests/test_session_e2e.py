@@ -4,7 +4,6 @@ One session for the whole module (forming it costs tens of seconds); the member-
 runs last because it breaks the session."""
 
 import json
-import os
 import threading
 import time
 import urllib.error

@@ -105,7 +105,7 @@ def ring(n):
 
 
 def engine(node):
-    e = RingEngine("fake", LIM.context, None, lambda: {})
+    e = RingEngine("fake", LIM.context, None, dict)
     e.node = node
     return e
 

@@ -83,8 +83,12 @@ def run(args: argparse.Namespace) -> int:
         answer = stream_chat(session.api(ask), args.prompt, args.max_tokens)
         status = get_json(session.api(session.names[0]), "/status")
     finally:
-        codes = session.stop()
-        signal.signal(signal.SIGTERM, old)
+        old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not strand them
+        try:
+            codes = session.stop()
+        finally:
+            signal.signal(signal.SIGINT, old_int)
+            signal.signal(signal.SIGTERM, old)
     result = {"text": answer["text"], "tokens": answer["tokens"], "tok_s": _r(answer["tok_s"]),
               "ttft_ms": _r(answer["ttft_ms"]), "plan": plan}  # fmt: skip
     if args.json:

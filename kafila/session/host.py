@@ -10,7 +10,7 @@ from rich.live import Live
 from rich.table import Table
 
 from kafila.errors import BadInput, Refused
-from kafila.session.member import STATUS_EVERY_S, READY_TIMEOUT_S, Participant, stdin_is_terminal
+from kafila.session.member import READY_TIMEOUT_S, STATUS_EVERY_S, Participant, stdin_is_terminal
 
 log = logging.getLogger(__name__)
 
@@ -120,7 +120,7 @@ class HostParticipant(Participant):
             import sys
 
             loop.add_reader(sys.stdin.fileno(), lambda: (sys.stdin.readline(), enter.set()))
-        rows = lambda: [member_row(n, i, "joined") for n, i in self.net.roster().items()]  # noqa: E731
+        rows = lambda: [member_row(n, i, "joined") for n, i in self.net.roster().items()]
         expect = cfg.expect
         title = (f"waiting for {expect} members (press Enter to plan now)" if expect and stdin_is_terminal()
                  else f"waiting for {expect} members" if expect else "press Enter to plan")  # fmt: skip

@@ -113,10 +113,16 @@ class LocalSession:
         quota = CpuQuota.create(name, self.throttle[name]) if name in self.throttle else None
         log_path = os.path.join(self.log_dir, f"{name}.log")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
+        join_quota = quota.preexec() if quota else None
+
+        def preexec() -> None:
+            _die_with_parent()
+            if join_quota is not None:
+                join_quota()
+
         with open(log_path, "w") as err:
             popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL,
-                                     text=True, env=env, start_new_session=True,
-                                     preexec_fn=quota.preexec() if quota else None)  # fmt: skip
+                                     text=True, env=env, start_new_session=True, preexec_fn=preexec)  # fmt: skip
         proc = Proc(name, popen, log_path=log_path, quota=quota)
         threading.Thread(target=_pump, args=(proc,), daemon=True).start()
         self.procs.append(proc)
@@ -175,21 +181,21 @@ class LocalSession:
     def kill(self, name: str) -> None:
         """SIGKILL one member (a machine that vanished)."""
         p = self.proc(name)
-        with_suppress(lambda: os.killpg(p.popen.pid, signal.SIGKILL))
+        with_suppress(os.killpg, p.popen.pid, signal.SIGKILL)
         p.popen.wait()
 
     def stop(self) -> dict[str, int]:
         """SIGINT everyone (members first), wait, SIGKILL stragglers; returns exit codes."""
         for p in reversed(self.procs):
             if p.popen.poll() is None:
-                with_suppress(lambda: os.killpg(p.popen.pid, signal.SIGINT))
+                with_suppress(os.killpg, p.popen.pid, signal.SIGINT)
         deadline = time.monotonic() + STOP_GRACE_S
         codes = {}
         for p in self.procs:
             try:
                 codes[p.name] = p.popen.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                with_suppress(lambda: os.killpg(p.popen.pid, signal.SIGKILL))
+                with_suppress(os.killpg, p.popen.pid, signal.SIGKILL)
                 codes[p.name] = p.popen.wait()
             if p.quota is not None:
                 p.quota.remove()
@@ -202,9 +208,20 @@ class LocalSession:
         self.stop()
 
 
-def with_suppress(fn) -> None:
+def _die_with_parent() -> None:
+    """Linux: the child gets SIGTERM (and leaves its session cleanly) if the launcher dies."""
     try:
-        fn()
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def with_suppress(fn, *args) -> None:
+    try:
+        fn(*args)
     except (ProcessLookupError, PermissionError, OSError):
         pass
 

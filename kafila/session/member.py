@@ -336,7 +336,11 @@ class Participant:
 
     async def _fetch(self, manifest: Manifest, host: str) -> tuple[str, dict]:
         from rich.progress import (
-            BarColumn, DownloadColumn, Progress, TimeRemainingColumn, TransferSpeedColumn,
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
         )  # fmt: skip
 
         from kafila.session.transfer import check_local_file, fetch_weights
@@ -421,7 +425,7 @@ class Participant:
         await writer.drain()
         try:
             _, reader, _ = await asyncio.wait_for(self._pred_stream, RING_EDGE_TIMEOUT_S)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise Refused(f"member {role.predecessor(me)} never opened its ring edge to {me}") from None
         self.node.start(reader, writer)
 

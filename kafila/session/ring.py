@@ -34,7 +34,14 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kafila.session.frames import (
-    Activation, Cancel, Frame, FrameError, Free, Limits, Request, Tokens,
+    Activation,
+    Cancel,
+    Frame,
+    FrameError,
+    Free,
+    Limits,
+    Request,
+    Tokens,
 )  # fmt: skip
 from kafila.session.scheduler import Finished, Scheduler, SchedulerError, SlotFreed, Step, TokenOut
 from kafila.session.streams import FrameWriter, StreamClosed, read_frame

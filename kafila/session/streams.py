@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import asyncio
 
-from kafila.session.frames import PREFIX, Frame, FrameError, Limits, build_frame, encode, parse_header, parse_prefix
+from kafila.session.frames import (
+    PREFIX,
+    Frame,
+    FrameError,
+    Limits,
+    build_frame,
+    encode,
+    parse_header,
+    parse_prefix,
+)
 
 
 class StreamClosed(Exception):

@@ -11,7 +11,14 @@ from collections.abc import Callable
 from kafila.session.frames import FrameError, Hello, WeightData, WeightGet
 from kafila.session.streams import FrameWriter, StreamClosed, read_frame
 from kafila.session.weights import (
-    Fetcher, Manifest, WeightError, plan_fetch, serve_chunk, sha256_range, sparse_copy, write_at,
+    Fetcher,
+    Manifest,
+    WeightError,
+    plan_fetch,
+    serve_chunk,
+    sha256_range,
+    sparse_copy,
+    write_at,
 )  # fmt: skip
 
 log = logging.getLogger(__name__)

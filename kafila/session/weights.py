@@ -17,9 +17,9 @@ layer over an edge stream.
 
 from __future__ import annotations
 
+import bz2
 import hashlib
 import os
-import bz2
 from collections import deque
 from dataclasses import dataclass
 
