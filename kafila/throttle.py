@@ -1,9 +1,11 @@
 """`--throttle NAME=FRACTION`: run one process under a cgroup (v1) CPU quota, a slower device.
 
-FRACTION is the share of this machine's CPU time the process may use (0.25 on a 2-core machine:
-half a core's worth of time per period). The cgroup is created under /sys/fs/cgroup/cpu with a
-unique name, the child joins it before it execs (so even its first probe runs slowed), and the
-cgroup is removed when the throttled process has exited.
+FRACTION is the share of one CPU's time the process may use (0.25: a quarter of a core, as
+bench/probe_throttle.py). The period is short (10 ms) so that the slowdown is smooth: with the
+usual 100 ms period a 25 ms measurement or a 5 ms stage can run at full speed inside one
+period's quota, and a device would look fast to the probe and then stall. The cgroup is created
+under /sys/fs/cgroup/cpu with a unique name, the child joins it before it execs (so even its
+first probe runs slowed), and the cgroup is removed when the throttled process has exited.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 from kafila.errors import BadInput, Refused
 
 CGROUP_CPU_ROOT = "/sys/fs/cgroup/cpu"
-CFS_PERIOD_US = 100_000
+CFS_PERIOD_US = 10_000
 MIN_FRACTION = 0.01
 
 
@@ -44,7 +46,7 @@ class CpuQuota:
         path = os.path.join(root, f"kafila-{label}-{os.getpid()}-{uuid.uuid4().hex[:8]}")
         try:
             os.mkdir(path)
-            quota_us = max(1000, int(fraction * CFS_PERIOD_US * (os.cpu_count() or 1)))
+            quota_us = max(1000, int(fraction * CFS_PERIOD_US))  # the kernel's minimum is 1 ms
             with open(os.path.join(path, "cpu.cfs_period_us"), "w") as f:
                 f.write(str(CFS_PERIOD_US))
             with open(os.path.join(path, "cpu.cfs_quota_us"), "w") as f:

@@ -21,7 +21,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="openvino", help="shard runtime of every member (default openvino)")
     p.add_argument("--policy", choices=("kafila", "uniform", "memory"), default="kafila")
     p.add_argument("--throttle", action="append", default=[], metavar="NAME=FRACTION",
-                   help="run member NAME under a CPU quota (FRACTION of this machine), e.g. m2=0.25")
+                   help="run member NAME under a CPU quota (FRACTION of one CPU), e.g. m2=0.25")
     p.add_argument("--latency-ms", type=float, default=0.0, metavar="L",
                    help="every member delays each datagram it sends by L ms (a WAN)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
