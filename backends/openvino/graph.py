@@ -91,7 +91,7 @@ class StageBuilder:
             table = ops.constant(self.index.dequantize(name, np.float32))
             return ops.gather(table, input_ids, _i64(0)).output(0)
         b = self.w.blocks(name)
-        q, scale = self.w.compressed(b)  # [V, nb, 32], [V, nb, 1]
+        q, scale = self.w.compressed(b, name)  # [V, nb, 32], [V, nb, 1], shared with a tied lm_head
         rows = ops.convert(ops.gather(q, input_ids, _i64(0)), F32)  # [B, L, nb, 32]
         rows = ops.multiply(rows, ops.convert(ops.gather(scale, input_ids, _i64(0)), F32))
         if b.qtype == "Q4_1":  # + m′ = m + 8d per block

@@ -115,3 +115,7 @@ class OpenVINOShard:
     def runtime_model(self) -> ov.Model:
         """The compiled stage as the plugin runs it (for fusion checks)."""
         return self.compiled.get_runtime_model()
+
+    def head_runtime_model(self) -> ov.Model:
+        """The compiled head (final norm + lm_head + top-1) as the plugin runs it."""
+        return self._head_request().get_compiled_model().get_runtime_model()

@@ -53,6 +53,7 @@ class WeightBank:
     def __init__(self, index: ModelIndex) -> None:
         self.index = index
         self.keep: list[np.ndarray] = []  # numpy buffers the constants point into
+        self._compressed: dict[str, tuple[ov.Node, ov.Node]] = {}  # one buffer per tensor, shared by models
 
     def _const(self, array: np.ndarray, element_type: ov.Type | None = None, shape=None) -> ov.Node:
         array = np.ascontiguousarray(array)
@@ -78,7 +79,9 @@ class WeightBank:
         as one concatenated projection; returns one output [..., out_i] per part."""
         infos = [self.index.tensors[name] for name, _ in parts]
         qtypes = {t.qtype for t in infos}
-        if len(qtypes) == 1 and qtypes <= {"Q8_0", "Q4_0", "Q4_1"}:
+        if len(parts) == 1 and qtypes <= {"Q8_0", "Q4_0"} and not parts[0][1]:  # e.g. a tied lm_head
+            y = self.quantized_linear(x, self.blocks(parts[0][0]), name=parts[0][0])
+        elif len(qtypes) == 1 and qtypes <= {"Q8_0", "Q4_0", "Q4_1"}:
             bl = [self.blocks(name, heads) for name, heads in parts]
             y = self.quantized_linear(x, QuantBlocks(
                 bl[0].qtype,
@@ -97,10 +100,10 @@ class WeightBank:
         sizes = np.array([t.shape[0] for t in infos], np.int64)
         return list(ops.variadic_split(y, ops.constant(np.int64(-1)), ops.constant(sizes)).outputs())
 
-    def quantized_linear(self, x: ov.Output, b: QuantBlocks) -> ov.Output:
+    def quantized_linear(self, x: ov.Output, b: QuantBlocks, name: str | None = None) -> ov.Output:
         """x [..., in] @ w[out, in]ᵀ for GGML blocks b, exactly (see the module docstring)."""
         rows, nb, _ = b.q.shape
-        q_node, scale_node = self.compressed(b)
+        q_node, scale_node = self.compressed(b, name)
         w = ops.multiply(ops.convert(q_node, F32), ops.convert(scale_node, F32))  # [out, nb, 32]
         w = ops.reshape(w, ops.constant(np.array([rows, nb * QK], np.int64)), False)  # [out, in]
         y = linear(x, w.output(0))  # [..., out]
@@ -112,8 +115,13 @@ class WeightBank:
         sums = ops.reduce_sum(groups, ops.constant(np.int64(-1)), False)  # [..., nb]
         return ops.add(y, linear(sums.output(0), self._const(m8).output(0))).output(0)
 
-    def compressed(self, b: QuantBlocks) -> tuple[ov.Node, ov.Node]:
-        """(q constant i8|i4 [rows, nb, 32], scale f16 [rows, nb, 1]) with w = scale·q (+ m′ for Q4_1)."""
+    def compressed(self, b: QuantBlocks, name: str | None = None) -> tuple[ov.Node, ov.Node]:
+        """(q constant i8|i4 [rows, nb, 32], scale f16 [rows, nb, 1]) with w = scale·q (+ m′ for Q4_1).
+        With `name`, the constants are made once and shared (the tied embedding and lm_head)."""
+        if name is not None:
+            if name not in self._compressed:
+                self._compressed[name] = self.compressed(b)
+            return self._compressed[name]
         rows, nb, _ = b.q.shape
         if b.qtype == "Q8_0":
             q_node = self._const(b.q.astype(np.int8))  # i8 [rows, nb, 32]

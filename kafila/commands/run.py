@@ -1,0 +1,77 @@
+"""`kafila run`: one process, S shards of a model chained in order, greedy decode, streamed."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+
+from kafila.errors import BadInput
+
+DEFAULT_MAX_TOKENS = 128
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser("run", help="run a model as S chained shards in this process",
+                              description="Cut the model into S contiguous block ranges, chain them in this "
+                                          "process and decode greedily, streaming tokens as they come.")
+    p.add_argument("--model", default="smollm2-135m", help="alias (see `kafila models`) or GGUF path")
+    p.add_argument("--stages", type=int, default=1, help="number of shards (default 1)")
+    p.add_argument("--backend", default="openvino",
+                   help="openvino|reference|mlx, or one per stage as B1,B2,... (default openvino)")
+    p.add_argument("--precision", default="serving", choices=("serving", "f32"),
+                   help="serving: the backend's fast defaults; f32: f32 compute and KV")
+    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="new tokens at most (default 128)")
+    p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
+    p.add_argument("--json", action="store_true",
+                   help='print one line {"text", "tokens", "tok_s", "stages"} instead of streaming')
+    p.add_argument("prompt", metavar="PROMPT")
+    p.set_defaults(handler=run)
+
+
+def run(args) -> int:
+    from kafila.local import LocalChain, parse_backends
+    from kafila.models import StreamDecoder, load_tokenizer, open_model, resolve_model
+
+    if not args.prompt.strip():
+        raise BadInput("the prompt is empty: give some text to continue")
+    if args.max_tokens < 1:
+        raise BadInput(f"--max-tokens must be at least 1 (got {args.max_tokens})")
+    if args.stages < 1:
+        raise BadInput(f"--stages must be at least 1 (got {args.stages})")
+    parse_backends(args.backend, args.stages)  # reject a bad list before loading anything
+    index = open_model(resolve_model(args.model))
+    index.split_blocks(args.stages)  # --stages larger than the block count → BadInput
+    tokenizer = load_tokenizer(index)
+    text = args.prompt if args.raw else tokenizer.render_chat([{"role": "user", "content": args.prompt}])
+    ids = tokenizer.encode(text)
+    if not ids:
+        raise BadInput("the prompt encodes to no tokens")
+    if len(ids) + args.max_tokens > index.hparams.context_length:
+        raise BadInput(f"prompt ({len(ids)} tokens) + --max-tokens exceeds the model's context of "
+                       f"{index.hparams.context_length}")
+
+    chain = LocalChain.build(index.path, args.stages, args.backend, args.precision, index=index)
+    decoder = StreamDecoder(tokenizer)
+    tokens: list[int] = []
+    first_at = None
+    for token in chain.generate(ids, args.max_tokens, stop=tokenizer.eos_ids):
+        if first_at is None:
+            first_at = time.perf_counter()
+        if token in tokenizer.eos_ids:
+            break
+        tokens.append(token)
+        piece = decoder.push(token)
+        if piece and not args.json:
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+    elapsed = time.perf_counter() - first_at if first_at is not None else 0.0
+    tok_s = (len(tokens) - 1) / elapsed if len(tokens) > 1 and elapsed > 0 else 0.0  # decode rate
+    if args.json:
+        print(json.dumps({"text": tokenizer.decode(tokens), "tokens": len(tokens),
+                          "tok_s": round(tok_s, 2), "stages": chain.stages}))
+    else:
+        sys.stdout.write("\n")
+        sys.stdout.flush()
+        print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s, {args.stages} stage(s): {args.backend}]", file=sys.stderr)
+    return 0

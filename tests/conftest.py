@@ -1,0 +1,72 @@
+"""Shared fixtures: the default model (skipped with the reason when it is not installed), its index,
+and tiny synthetic GGUF models built at test time (tests/synthetic_gguf.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.synthetic_gguf import write_llama_gguf
+
+
+@pytest.fixture(scope="session")
+def default_model_path() -> str:
+    from kafila.errors import BadInput
+    from kafila.models import resolve_model
+
+    try:
+        return resolve_model("smollm2-135m")
+    except BadInput as exc:
+        pytest.skip(f"default model not installed: {exc}")
+
+
+@pytest.fixture(scope="session")
+def default_index(default_model_path):
+    from kafila.models import open_model
+
+    return open_model(default_model_path)
+
+
+@pytest.fixture(scope="session")
+def default_tokenizer(default_index):
+    from kafila.models import load_tokenizer
+
+    return load_tokenizer(default_index)
+
+
+@pytest.fixture(scope="session")
+def synthetic_model(tmp_path_factory) -> str:
+    """A random 4-block Llama GGUF (hidden 64, Q4_1 matrices, Q8_0 embedding, tied lm_head)."""
+    return write_llama_gguf(tmp_path_factory.mktemp("gguf") / "tiny-llama.gguf")
+
+
+@pytest.fixture(scope="session")
+def synthetic_index(synthetic_model):
+    from kafila.models import open_model
+
+    return open_model(synthetic_model)
+
+
+@pytest.fixture(scope="session")
+def chain_factory(default_index):
+    """chain_factory(backend, stages, precision="serving") → a LocalChain on the default model,
+    compiled once per test session. Skips with the backend's reason when it is unavailable."""
+    import importlib.util
+
+    from backends import status
+    from kafila.local import LocalChain
+
+    built: dict = {}
+
+    def make(backend: str, stages: int, precision: str = "serving"):
+        for name in backend.split(","):
+            if name == "mlx" and importlib.util.find_spec("backends.mlx.shard") is None:
+                pytest.skip("backends.mlx not built yet")
+            st = status(name)
+            if not st.available:
+                pytest.skip(st.reason)
+        key = (backend, stages, precision)
+        if key not in built:
+            built[key] = LocalChain.build(default_index.path, stages, backend, precision, index=default_index)
+        return built[key]
+
+    return make

@@ -1,0 +1,126 @@
+"""Tiny GGUF files built at test time with the gguf package's GGUFWriter (never committed).
+
+`write_llama_gguf` writes a small random Llama (default: 4 blocks, hidden 64, 4 heads, 2 KV heads,
+Q4_1 matrices, Q8_0 embedding, byte-level tokenizer and a ChatML template) that loads in
+milliseconds; the broken variants exercise every refusal path of kafila.models.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+from gguf import quants
+
+CHATML = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def _byte_level_vocab() -> tuple[list[str], list[int], list[str]]:
+    from tokenizers import pre_tokenizers
+
+    tokens = sorted(pre_tokenizers.ByteLevel.alphabet())  # 256 single-byte tokens
+    merges = ["a b", "ab c"]
+    tokens += ["ab", "abc", "<|im_start|>", "<|im_end|>"]
+    types = [1] * (len(tokens) - 2) + [3, 3]
+    return tokens, types, merges
+
+
+def write_llama_gguf(
+    path: str | os.PathLike,
+    *,
+    blocks: int = 4,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    ffn: int = 128,
+    qtype: str = "Q4_1",
+    embed_qtype: str = "Q8_0",
+    arch: str = "llama",
+    qkv_bias: bool = False,
+    tied: bool = True,
+    seed: int = 0,
+    odd_tensor: tuple[str, str] | None = None,
+) -> str:
+    """A random Llama-shaped GGUF; `odd_tensor=(name, qtype)` stores one tensor in another type."""
+    rng = np.random.default_rng(seed)
+    tokens, types, merges = _byte_level_vocab()
+    vocab = len(tokens)
+    head_dim = hidden // heads
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(blocks)
+    w.add_context_length(512)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("smollm")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    w.add_eos_token_id(tokens.index("<|im_end|>"))
+    w.add_bos_token_id(tokens.index("<|im_start|>"))
+    w.add_add_bos_token(False)
+    w.add_chat_template(CHATML)
+
+    def add(name: str, shape: tuple[int, ...], kind: str, scale: float = 0.05) -> None:
+        if odd_tensor and odd_tensor[0] == name:
+            kind = odd_tensor[1]
+        data = (rng.standard_normal(shape) * scale).astype(np.float32)
+        if len(shape) == 1:
+            data = (1.0 + data).astype(np.float32)  # norms near 1
+        if kind == "F32":
+            w.add_tensor(name, data)
+        elif kind == "F16":
+            w.add_tensor(name, data.astype(np.float16))
+        else:
+            t = getattr(gguf.GGMLQuantizationType, kind)
+            w.add_tensor(name, quants.quantize(data, t), raw_dtype=t)
+
+    add("token_embd.weight", (vocab, hidden), embed_qtype, 0.5)
+    add("output_norm.weight", (hidden,), "F32")
+    if not tied:
+        add("output.weight", (vocab, hidden), qtype)
+    kv = kv_heads * head_dim
+    for b in range(blocks):
+        p = f"blk.{b}."
+        add(p + "attn_norm.weight", (hidden,), "F32")
+        add(p + "attn_q.weight", (hidden, hidden), qtype, 0.15)
+        add(p + "attn_k.weight", (kv, hidden), qtype, 0.15)
+        add(p + "attn_v.weight", (kv, hidden), qtype)
+        if qkv_bias:
+            add(p + "attn_q.bias", (hidden,), "F32")
+            add(p + "attn_k.bias", (kv,), "F32")
+            add(p + "attn_v.bias", (kv,), "F32")
+        add(p + "attn_output.weight", (hidden, hidden), qtype)
+        add(p + "ffn_norm.weight", (hidden,), "F32")
+        add(p + "ffn_gate.weight", (ffn, hidden), qtype)
+        add(p + "ffn_up.weight", (ffn, hidden), qtype)
+        add(p + "ffn_down.weight", (hidden, ffn), qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def write_not_gguf(path: str | os.PathLike) -> str:
+    with open(path, "wb") as f:
+        f.write(b"PK\x03\x04 this is a zip file, not a model" * 10)
+    return str(path)
+
+
+def write_truncated(path: str | os.PathLike, keep_fraction: float = 0.5) -> str:
+    """A valid tiny GGUF cut short (its tensor data ends past the end of the file)."""
+    write_llama_gguf(path)
+    size = os.path.getsize(path)
+    with open(path, "r+b") as f:
+        f.truncate(int(size * keep_fraction))
+    return str(path)

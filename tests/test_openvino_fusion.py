@@ -1,0 +1,48 @@
+"""The compiled OpenVINO shards run as intended: 4-bit FullyConnected layers, stateful SDPA fed
+by the KV memory (the ReadValue → Gather(beam_idx) → Concat → Assign chain fused away), no
+per-layer KV Concat left, an 8-bit lm_head. Read from compiled.get_runtime_model()."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+
+def layer_type(node) -> str:
+    return node.get_rt_info()["layerType"].astype(str)
+
+
+def precision(node) -> str:
+    return node.get_rt_info()["runtimePrecision"].astype(str)
+
+
+@pytest.fixture(scope="module")
+def chain(chain_factory):
+    return chain_factory("openvino", 3)
+
+
+def test_stage_runtime_models_are_fused(chain):
+    for shard in chain.shards:
+        blocks = shard.spec.last - shard.spec.first
+        ops = list(shard.runtime_model().get_ordered_ops())
+        kinds = Counter(layer_type(o) for o in ops)
+        fc4 = [o for o in ops if layer_type(o) == "FullyConnected" and precision(o) in ("i4", "u4")]
+        assert len(fc4) == 4 * blocks, kinds  # qkv, o, gate+up, down per block, weights still 4-bit
+        sdpa = [o for o in ops if layer_type(o) == "ScaledDotProductAttention"]
+        assert len(sdpa) == blocks
+        for node in sdpa:  # stateful: past K/V come straight from memory, new K/V go back to it
+            feeders = Counter(layer_type(v.get_node()) for v in node.input_values())
+            consumers = Counter(layer_type(t.get_node()) for out in node.outputs() for t in out.get_target_inputs())
+            assert feeders["MemoryInput"] == 2 and consumers["MemoryOutput"] == 2, (feeders, consumers)
+        kv_concats = [o for o in ops if layer_type(o) == "Concatenation" and o.get_output_partial_shape(0).rank.get_length() == 4]
+        assert not kv_concats, [o.get_friendly_name() for o in kv_concats]
+        assert kinds["RoPE"] == 2 * blocks  # rotate_half RoPE fused for q and k
+
+
+def test_head_keeps_8bit_lm_head(chain):
+    ops = list(chain.head.head_runtime_model().get_ordered_ops())
+    fcs = [(precision(o)) for o in ops if layer_type(o) == "FullyConnected"]
+    assert fcs == ["i8"], fcs
