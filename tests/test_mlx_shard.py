@@ -178,11 +178,5 @@ def test_split_hidden_states_are_bitwise_the_unsplit(chains, prompts):
         assert all(np.array_equal(a, b) for a, b in zip(got_h, want_h)), f"{k} stages"
 
 
-@needs_mlx
-@pytest.mark.slow
-def test_split_chains_give_the_unsplit_tokens(chains, prompts):
-    """2- and 3-stage MLX chains give the 1-stage chain's greedy tokens, 8 prompts × 64 tokens."""
-    for i, p in enumerate(prompts):
-        want = greedy_tokens(chains[1], p, 64)
-        for k in (2, 3):
-            assert greedy_tokens(chains[k], p, 64) == want, f"prompt {i}, {k} stages"
+# The full split check (2- and 3-stage chains give the 1-stage chain's greedy tokens, 8 prompts ×
+# 64 tokens) runs for MLX in tests/test_shards_common.py::test_split_equals_unsplit[mlx].
