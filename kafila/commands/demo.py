@@ -80,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
                 first += plan["blocks"][n]
             console.print(plan_table(plan, ranges))
             console.print(f"demo: asking {ask}: {args.prompt}")
+        stream_chat(session.api(ask), "Hi", 2)  # warm-up: a fresh stage's first inference is slow
         answer = stream_chat(session.api(ask), args.prompt, args.max_tokens)
         status = get_json(session.api(session.names[0]), "/status")
     finally:
