@@ -9,15 +9,22 @@ punch has usually succeeded, so the retransmission goes over the direct path, wh
 Member._on_quic routes only by registered connection ids: the client's original (random)
 destination connection id is never registered, so every retransmitted Initial is dropped too and
 the edge never forms. Here the race is forced by delaying the responder's EdgeAllocated.
+(Fixed in 2485423.)
+
+OpenVINO telemetry stopping an offline member: see the second test.
 """
 
 from __future__ import annotations
 
 import asyncio
+import sys
+import time
 
 import pytest
 
-pytestmark = [pytest.mark.session, pytest.mark.timeout(60)]
+from natlab_tests import nat, session
+
+pytestmark = [pytest.mark.session, pytest.mark.timeout(120)]
 
 ALLOCATION_DELAY_S = 0.3
 
@@ -51,3 +58,54 @@ def test_edge_forms_when_its_allocation_reaches_the_responder_late():
     kind, time_to_data_s = asyncio.run(_late_allocation_edge())
     assert kind in ("direct", "relay")
     assert time_to_data_s is not None and time_to_data_s < ALLOCATION_DELAY_S + 1.0
+
+
+OFFLINE_GRACE_S = 12.0  # OpenVINO's telemetry child is SIGTERMed after 3 s without internet
+
+
+@pytest.mark.natlab
+@pytest.mark.model
+@pytest.mark.xfail(
+    strict=False,
+    reason="open bug: OpenVINO telemetry's SIGTERMed child stops an offline member (4 of 5 runs)",
+)
+def test_member_without_internet_is_not_stopped_by_openvino_telemetry(lab, tmp_path):
+    """`import openvino` (done by the device probe in a worker thread) makes openvino.tools.ovc
+    send a telemetry event from a forked multiprocessing.Process, and terminate() it (SIGTERM)
+    after 3 s when the internet is unreachable (DNS times out: the lab, an air-gapped LAN). The
+    forked child inherits the asyncio loop's signal wakeup fd, so the SIGTERM the child receives
+    is reported to the parent's loop, whose SIGTERM handler makes the member print
+    "leaving the session" and quit. Found in the lab: `kafila host` quit before printing its code
+    in 3 of 4 runs. Fix in the member app: opt out of OpenVINO telemetry (the package honours
+    CI=true / its consent file), or import openvino in the main thread before the loop installs
+    signal handlers, so that no child is forked with the loop's wakeup fd."""
+    rendezvous = session.start_rendezvous(lab, port=3600)
+    node = lab.add_member(nat.ORDINARY_APDF)
+    host = lab.spawn(
+        node,
+        [
+            sys.executable,
+            "-m",
+            "kafila",
+            "host",
+            "--expect",
+            "2",
+            "--name",
+            "offline",
+            "--rendezvous",
+            rendezvous.address,
+            "--api",
+            "off",
+            "--json-events",
+            "--cache-dir",
+            str(tmp_path),
+        ],
+        env={"CI": ""},  # telemetry on, as on a user's machine
+    )
+    deadline = time.monotonic() + 60 + OFFLINE_GRACE_S
+    while time.monotonic() < deadline and host.popen.poll() is None:
+        time.sleep(0.5)
+    left = "leaving the session" in host.stderr()
+    assert host.popen.poll() is None and not left, (
+        f"the host stopped by itself (exit {host.popen.returncode}): {host.stderr()[-800:]}"
+    )
