@@ -55,7 +55,8 @@ def session_runs(runs: int, max_tokens: int, ask: str = "m3", **kw) -> dict:
     formed_s = time.monotonic() - t0
     try:
         results = [stream_chat(s.api(ask), PROMPT, max_tokens) for _ in range(runs + 1)][1:]
-        status = get_json(s.api("m1"), "/status")
+        head = get_json(s.api("m1"), "/status")["plan"]["head"]
+        status = get_json(s.api(head), "/status")  # the head measures every stage
     finally:
         s.stop()
     return {

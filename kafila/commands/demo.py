@@ -82,7 +82,7 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"demo: asking {ask}: {args.prompt}")
         stream_chat(session.api(ask), "Hi", 2)  # warm-up: a fresh stage's first inference is slow
         answer = stream_chat(session.api(ask), args.prompt, args.max_tokens)
-        status = get_json(session.api(session.names[0]), "/status")
+        status = get_json(session.api(plan["head"]), "/status")  # the head measures every stage
     finally:
         old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not strand them
         try:
