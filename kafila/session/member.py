@@ -40,7 +40,7 @@ from kafila.session.weights import Manifest, WeightError, local_copy_path
 log = logging.getLogger(__name__)
 STATUS_EVERY_S = 2.0
 READY_TIMEOUT_S = 900.0  # weights over a slow link and a shard build
-RING_EDGE_TIMEOUT_S = 60.0
+RING_EDGE_TIMEOUT_S = 60.0  # to open the edge to the successor (it accepts even while building)
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "kafila", "models")
 
 
@@ -424,7 +424,8 @@ class Participant:
         writer.write(encode(Hello(me, "ring")))
         await writer.drain()
         try:
-            _, reader, _ = await asyncio.wait_for(self._pred_stream, RING_EDGE_TIMEOUT_S)
+            # the predecessor opens its edge once its own weights and shard are ready
+            _, reader, _ = await asyncio.wait_for(self._pred_stream, READY_TIMEOUT_S)
         except TimeoutError:
             raise Refused(f"member {role.predecessor(me)} never opened its ring edge to {me}") from None
         self.node.start(reader, writer)
