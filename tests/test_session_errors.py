@@ -131,3 +131,27 @@ def test_bad_arguments_exit_2_with_one_line(procs, args, needle):
     rc, err = finish(p)
     assert rc == 2, err
     assert needle in err and "Traceback" not in err, err
+
+
+def test_member_gone_while_forming_ends_the_session_on_every_side(procs):
+    import json
+
+    rv, api = free_ports(2)
+    host = procs.start("host", "--expect", "3", "--name", "m1", "--listen", f"127.0.0.1:{rv}",
+                       "--bind", "127.0.0.1", "--api", f"127.0.0.1:{api}", "--json-events")
+    code = wait_line(host)
+    common = ["--rendezvous", f"127.0.0.1:{rv}", "--bind", "127.0.0.1", "--api", "off"]
+    m2 = procs.start("join", code, "--name", "m2", *common)
+    m3 = procs.start("join", code, "--name", "m3", *common)
+    while True:  # the host's events until it has planned
+        event = json.loads(wait_line(host, 90))
+        if event["event"] == "plan":
+            break
+    os.killpg(m3.pid, signal.SIGKILL)
+    m3.wait()
+    t = time.monotonic()
+    rc, err = finish(host, 60)
+    assert rc == 3 and "m3" in err and "Traceback" not in err, err
+    rc, err = finish(m2, 60)
+    assert rc == 3 and ("m3" in err or "host" in err) and "Traceback" not in err, err
+    assert time.monotonic() - t < 30

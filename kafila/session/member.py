@@ -34,8 +34,8 @@ from kafila.errors import BadInput, KafilaError, Refused
 from kafila.session.engine import RingEngine
 from kafila.session.frames import Hello, Limits, encode
 from kafila.session.ring import RingNode
-from kafila.session.streams import StreamClosed, read_frame
-from kafila.session.weights import Manifest, WeightError, local_copy_path
+from kafila.session.streams import read_frame
+from kafila.session.weights import Manifest, local_copy_path
 
 log = logging.getLogger(__name__)
 STATUS_EVERY_S = 2.0
@@ -236,23 +236,43 @@ class Participant:
                     break
         msg = ev.body
         self.host_name = host
+        # weights, shard and ring edges, while listening to the host: a session that cannot
+        # form (a member gone, the host gone) ends this member at once, not after a timeout
+        prep = asyncio.create_task(self._prepare(msg, fetch_from=host), name="prepare")
+        ready_sent = False
         try:
-            await self._prepare(msg, fetch_from=host)
-        except (WeightError, StreamClosed, KafilaError, OSError, ConnectionError) as exc:
-            with contextlib.suppress(Exception):
-                await self.net.send(host, {"t": "failed", "reason": str(exc)[:300]})
-            raise
-        await self.net.send(host, {"t": "ready"})
-        while True:  # until the host says every stage is ready
-            ev = await self.net.recv()
-            if isinstance(ev, MemberLeft):
-                raise Refused(f"the host {host} left the session before it was ready ({ev.reason})")
-            if isinstance(ev, Message) and isinstance(ev.body, dict):
-                t = ev.body.get("t")
-                if t == "serving":
-                    break
-                if t in ("refused", "gone"):
-                    raise Refused(f"the session could not form: {ev.body.get('reason') or ev.body.get('member')}")
+            while True:
+                if prep.done() and not ready_sent:
+                    exc = prep.exception()
+                    if exc is not None:
+                        with contextlib.suppress(Exception):
+                            await self.net.send(host, {"t": "failed", "reason": str(exc)[:300]})
+                        raise exc
+                    await self.net.send(host, {"t": "ready"})
+                    ready_sent = True
+                get = asyncio.create_task(self.net.recv())
+                waits = {get} if ready_sent else {get, prep}
+                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+                if get not in done:
+                    get.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await get
+                    continue
+                ev = get.result()
+                if isinstance(ev, MemberLeft):
+                    raise Refused(f"the host {host} left the session before it was ready ({ev.reason})")
+                if isinstance(ev, Message) and isinstance(ev.body, dict):
+                    t = ev.body.get("t")
+                    if t == "serving" and ready_sent:
+                        break
+                    if t in ("refused", "gone", "degraded"):
+                        why = ev.body.get("reason") or f"member {ev.body.get('member')} left"
+                        raise Refused(f"the session could not form: {why}")
+        finally:
+            if not prep.done():
+                prep.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await prep
         await self._start_serving()
         self.spawn(self._report_edges(), "report-edges")
         while True:
