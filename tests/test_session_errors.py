@@ -120,6 +120,7 @@ def test_member_ctrl_c_while_waiting_leaves_cleanly(procs):
 @pytest.mark.parametrize("args,needle", [
     (["host", "--model", "/nonexistent.gguf"], "not found"),
     (["host", "--expect", "-1"], "--expect"),
+    (["host"], "--expect"),
     (["join", "not-a-code", "--api", "off"], "code"),
     (["demo", "--members", "0"], "--members"),
     (["demo", "--throttle", "m2"], "--throttle"),

@@ -129,8 +129,6 @@ class HostParticipant(Participant):
             if live:
                 live.start()
             while not (expect and len(self.net.roster()) >= expect) and not enter.is_set():
-                if not expect and not stdin_is_terminal():
-                    break  # a script without --expect: plan with whoever is here
                 get = asyncio.create_task(self.net.recv())
                 waiter = asyncio.create_task(enter.wait())
                 done, _ = await asyncio.wait({get, waiter}, return_when=asyncio.FIRST_COMPLETED)
