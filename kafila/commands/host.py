@@ -33,18 +33,19 @@ def run(args: argparse.Namespace) -> int:
 
     from kafila.commands.rendezvous import parse_host_port
     from kafila.errors import BadInput
-    from kafila.models import resolve_model
+    from kafila.models import open_model, resolve_model
     from kafila.session.host import HostParticipant
     from kafila.session.member import stdin_is_terminal
 
     if args.expect < 0:
         raise BadInput("--expect N: N is the session size, the host included (1 or more)")
-    if args.expect == 0 and not stdin_is_terminal():
-        raise BadInput("give --expect N (the session size, host included): standard input is not "
-                       "a terminal, so nobody can press Enter to start planning")
     check_backend(args.backend)
     cfg = common_config(args, host=True)
     cfg = replace(cfg, model_path=resolve_model(args.model), expect=args.expect, context=args.context,
                   concurrency=args.concurrency, policy=args.policy, code_file=args.code_file,
                   embedded_listen=parse_host_port(args.listen))  # fmt: skip
+    open_model(cfg.model_path)  # a missing or bad model: one line, exit 2, before anything starts
+    if args.expect == 0 and not stdin_is_terminal():
+        raise BadInput("give --expect N (the session size, host included): standard input is not "
+                       "a terminal, so nobody can press Enter to start planning")
     return HostParticipant(cfg).run()
