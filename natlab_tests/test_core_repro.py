@@ -60,7 +60,7 @@ def test_edge_forms_when_its_allocation_reaches_the_responder_late():
     assert time_to_data_s is not None and time_to_data_s < ALLOCATION_DELAY_S + 1.0
 
 
-OFFLINE_GRACE_S = 12.0  # OpenVINO's telemetry child is SIGTERMed after 3 s without internet
+OFFLINE_WATCH_S = 25.0  # start + `import openvino` in the probe + the telemetry's 3 s timeout
 
 
 @pytest.mark.natlab
@@ -102,7 +102,7 @@ def test_member_without_internet_is_not_stopped_by_openvino_telemetry(lab, tmp_p
         ],
         env={"CI": ""},  # telemetry on, as on a user's machine
     )
-    deadline = time.monotonic() + 60 + OFFLINE_GRACE_S
+    deadline = time.monotonic() + OFFLINE_WATCH_S
     while time.monotonic() < deadline and host.popen.poll() is None:
         time.sleep(0.5)
     left = "leaving the session" in host.stderr()
