@@ -9,7 +9,6 @@ import time
 import urllib.error
 import urllib.request
 
-import numpy as np
 import pytest
 
 from kafila.models import resolve_model
@@ -55,31 +54,18 @@ def session(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def local():
-    """`kafila run --stages 1` semantics in this process: one shard, greedy, stop at EOS."""
-    from backends import ShardSpec, load_shard
+    """What `kafila run --stages 1` answers: the same LocalChain, template and EOS handling."""
     from kafila.api import chat_prompt_ids
+    from kafila.local import LocalChain
     from kafila.models import load_tokenizer, open_model
 
     index = open_model(MODEL)
     tok = load_tokenizer(index)
-    shard = load_shard("openvino", ShardSpec(MODEL, 0, index.hparams.n_blocks, True, True), "serving")
+    chain = LocalChain.build(MODEL, 1, "openvino", index=index)
 
     def run(prompt, max_new=MAX_NEW):
         ids = chat_prompt_ids(tok, [{"role": "user", "content": prompt}])
-        slot = shard.open_slot()
-        out, x, pos = [], np.array(ids, dtype=np.int64), 0
-        try:
-            for _ in range(max_new):
-                n = len(x)
-                h = shard.forward(slot, x, np.arange(pos, pos + n), np.ones(pos + n, dtype=np.int64))
-                pos += n
-                t = shard.greedy(h)
-                if t in tok.eos_ids:
-                    break
-                out.append(t)
-                x = np.array([t], dtype=np.int64)
-        finally:
-            shard.close_slot(slot)
+        out = [t for t in chain.generate(ids, max_new, stop=tok.eos_ids) if t not in tok.eos_ids]
         # the API holds back an incomplete UTF-8 character at the end of a stream
         return tok.decode(out).rstrip("\ufffd"), len(out)
 
@@ -114,6 +100,18 @@ def test_eight_prompts_at_every_member_match_one_stage(session, local):
     for i, prompt in enumerate(PROMPTS):
         asked = session.names[i % 3]
         assert chat(session.api(asked), prompt) == local(prompt), f"prompt {i} at {asked}"
+
+
+def test_the_local_reference_is_what_kafila_run_prints(local):
+    import subprocess
+    import sys
+
+    r = subprocess.run([sys.executable, "-m", "kafila", "run", "--model", MODEL, "--stages", "1",
+                        "--max-tokens", str(MAX_NEW), "--json", PROMPTS[0]],
+                       capture_output=True, text=True, timeout=120, check=False)
+    assert r.returncode == 0, r.stderr[-1000:]
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    assert (out["text"].rstrip("\ufffd"), out["tokens"]) == local(PROMPTS[0])
 
 
 def test_each_member_receives_only_its_own_tensors(session):
