@@ -114,6 +114,23 @@ def test_the_local_reference_is_what_kafila_run_prints(local):
     assert (out["text"].rstrip("\ufffd"), out["tokens"]) == local(PROMPTS[0])
 
 
+def test_status_at_every_member_shows_stages_and_edges(session):
+    deadline = time.monotonic() + 10  # the host relays the head's measurements every 2 s
+    for name in session.names:
+        while True:
+            st = status(session.api(name))
+            stages, edges = st["stages"], st["edges"]
+            if all(v["compute_ms"] for v in stages.values()) and len(edges) == 3:
+                break
+            assert time.monotonic() < deadline, (name, stages, edges)
+            time.sleep(0.5)
+        assert st["session"]["state"] == "serving"
+        assert {e["kind"] for e in edges} <= {"direct", "relay"}
+        assert {(e["from"], e["to"]) for e in edges} == {
+            (a, b) for a, b in zip(st["plan"]["ring"], st["plan"]["ring"][1:] + st["plan"]["ring"][:1])}
+        assert st["network_ms"] is not None
+
+
 def test_each_member_receives_only_its_own_tensors(session):
     for name in session.names[1:]:
         w = status(session.api(name))["weights"]

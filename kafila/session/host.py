@@ -238,6 +238,11 @@ class HostParticipant(Participant):
             elif isinstance(ev, Message) and isinstance(ev.body, dict) and ev.body.get("t") == "edge":
                 if isinstance(ev.body.get("stats"), dict):
                     self.state.edges[ev.sender] = ev.body["stats"]
+                measured = ev.body.get("measured")
+                if isinstance(measured, list) and self.node is not None and not self.node.is_head:
+                    with contextlib.suppress(TypeError, ValueError):
+                        self.node.measured.update_from(
+                            (str(k), float(v)) for k, v in measured[:64] if k != "tok_s")
             elif isinstance(ev, Message) and isinstance(ev.body, dict) and ev.body.get("t") == "degraded":
                 reason = str(ev.body.get("reason"))[:500]
                 first = self.state.degraded is None
@@ -293,10 +298,12 @@ class HostParticipant(Participant):
 
                 edges[self.cfg.name] = edge_stats(own)
                 self.state.edges[self.cfg.name] = edges[self.cfg.name]
+            measured = self.node.measured.as_pairs() if self.node is not None else ()
             for n in list(self.net.roster()):
                 if n != self.cfg.name:
                     with contextlib.suppress(Exception):
-                        await self.net.send(n, {"t": "status", "edges": edges, "members": self.state.members})
+                        await self.net.send(n, {"t": "status", "edges": edges, "members": self.state.members,
+                                                "measured": [list(p) for p in measured]})
 
 
 def _lan_ip() -> str:

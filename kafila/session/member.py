@@ -289,6 +289,11 @@ class Participant:
         elif t == "degraded":
             self._degrade(str(body.get("reason"))[:500])
         elif t == "status":
+            measured = body.get("measured")
+            if isinstance(measured, list) and self.node is not None and not self.node.is_head:
+                with contextlib.suppress(TypeError, ValueError):
+                    self.node.measured.update_from(
+                        (str(k), float(v)) for k, v in measured[:64] if k != "tok_s")
             if isinstance(body.get("edges"), dict):
                 self.state.edges.update(body["edges"])
             if isinstance(body.get("members"), dict):
@@ -471,8 +476,11 @@ class Participant:
         while True:
             edge = getattr(self, "succ_edge", None)
             if edge is not None and self.net is not None:
+                body = {"t": "edge", "stats": edge_stats(edge)}
+                if self.node is not None and self.node.is_head:  # the head times every stage
+                    body["measured"] = [list(p) for p in self.node.measured.as_pairs()]
                 with contextlib.suppress(Exception):
-                    await self.net.send(self.host_name, {"t": "edge", "stats": edge_stats(edge)})
+                    await self.net.send(self.host_name, body)
             await asyncio.sleep(STATUS_EVERY_S)
 
     # --- status ----------------------------------------------------------------------------------
