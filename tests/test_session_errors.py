@@ -156,3 +156,18 @@ def test_member_gone_while_forming_ends_the_session_on_every_side(procs):
     rc, err = finish(m2, 60)
     assert rc == 3 and ("m3" in err or "host" in err) and "Traceback" not in err, err
     assert time.monotonic() - t < 30
+
+
+def test_a_busy_api_port_fails_before_joining(procs):
+    import socket
+
+    from kafila.net.code import make_code
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        p = procs.start("join", make_code(1), "--rendezvous", "127.0.0.1:9", "--name", "m2",
+                        "--api", f"127.0.0.1:{port}")
+        rc, err = finish(p)
+    assert rc == 2 and "--api" in err and "Traceback" not in err, err

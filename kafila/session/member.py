@@ -167,6 +167,7 @@ class Participant:
         stop = asyncio.Event()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        await self._start_api()
         life = asyncio.create_task(self._lifecycle(), name="lifecycle")
         stopper = asyncio.create_task(stop.wait(), name="stop")
         try:
@@ -455,17 +456,25 @@ class Participant:
             raise Refused(f"member {role.predecessor(me)} never opened its ring edge to {me}") from None
         self.node.start(reader, writer)
 
+    async def _start_api(self) -> None:
+        """The API is up from the start (503 while forming), so a busy port fails at once."""
+        self.engine = RingEngine("", 0, None, self.status)
+        if self.cfg.api is not None:
+            from kafila.api import start_api
+
+            self.api = await start_api(self.engine, self.cfg.api[0], self.cfg.api[1])
+
     async def _start_serving(self) -> None:
         cfg = self.cfg
-        self.engine = RingEngine(self.state.session.get("model") or self.index.name, int(self.state.session["context"]), self.tokenizer, self.status)
-        self.engine.node = self.node
+        engine = self.engine
+        engine.model_name = self.state.session.get("model") or self.index.name
+        engine.context_length = int(self.state.session["context"])
+        engine._tokenizer = self.tokenizer
+        engine.node = self.node
         if self.state.degraded:
             self.node.degrade(self.state.degraded)
         self.state.phase = "serving" if not self.state.degraded else "degraded"
-        if cfg.api is not None:
-            from kafila.api import start_api
-
-            self.api = await start_api(self.engine, cfg.api[0], cfg.api[1])
+        if self.api is not None:
             self.say(f"{cfg.name}: serving; API at {self.api.url}/v1 (status: {self.api.url}/status)")
             self.event("serving", api=self.api.url, name=cfg.name)
         else:
