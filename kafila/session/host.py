@@ -81,6 +81,8 @@ class HostParticipant(Participant):
 
         cfg = self.cfg
         index = await asyncio.to_thread(open_model, cfg.model_path)
+        if self.engine is not None:
+            self.engine.model_name = index.name  # /v1/models answers while the session forms
         if cfg.context < 2 or cfg.context > index.hparams.context_length:
             raise BadInput(f"--context {cfg.context}: choose 2..{index.hparams.context_length} for {index.name}")
         if cfg.concurrency < 1 or cfg.concurrency > 64:
