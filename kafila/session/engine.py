@@ -10,6 +10,7 @@ from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.session.frames import Tokens
 from kafila.session.ring import RingNode
 from kafila.session.scheduler import SchedulerError
+from kafila.session.streams import StreamClosed
 
 
 class RingEngine:
@@ -51,6 +52,9 @@ class RingEngine:
                 request.temperature, getattr(request, "top_p", 1.0), request.seed)
         except SchedulerError as exc:
             raise EngineError(str(exc), exc.status) from None
+        except StreamClosed as exc:
+            node.degrade(f"the ring edge from {node.name} to the next member closed ({exc})")
+            raise EngineError(f"the session is degraded: {node.degraded}", 503) from None
         first = None
         done = False
         try:
