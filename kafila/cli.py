@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import sys
 import traceback
 
@@ -32,6 +33,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 
+# Commands that never touch a model runtime; the others load OpenVINO up front (see below).
+LIGHT_COMMANDS = frozenset({"plan", "rendezvous", "netcheck", "models", "chat"})
+
+
+def import_openvino_without_telemetry() -> None:
+    """Import OpenVINO with its usage telemetry declined, for this process only.
+
+    `import openvino` starts a telemetry sender that forks a process per event and SIGTERMs it
+    after 3 s when there is no internet (common on members). That child shares asyncio's signal
+    wakeup fd, so its SIGTERM reached our event loop and stopped `kafila host`/`join`. The sender
+    decides consent once, at import, and declines in CI (CI=true); the variable is restored at
+    once, so nothing else and no child process sees it. Reporting a private group's usage is not
+    ours to do anyway.
+    """
+    previous = os.environ.get("CI")
+    os.environ["CI"] = "true"
+    try:
+        importlib.import_module("openvino")
+    except ImportError:
+        pass  # the backend reports itself unavailable when it is asked for
+    finally:
+        if previous is None:
+            del os.environ["CI"]
+        else:
+            os.environ["CI"] = previous
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
@@ -40,6 +68,8 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.DEBUG if args.debug else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    if args.command not in LIGHT_COMMANDS:
+        import_openvino_without_telemetry()
     try:
         return int(args.handler(args) or 0)
     except KafilaError as exc:
