@@ -42,6 +42,17 @@ class GenerationStats:
     tok_s: float | None = None
     finish_reason: str = "length"  # "stop" | "length" | "error"
     extra: dict = field(default_factory=dict)
+    started_s: float = 0.0  # perf_counter() when the request was accepted
+    first_token_s: float | None = None
+
+    def count_token(self, now_s: float) -> None:
+        """Account one new token produced at `now_s` (time to first token, decode tok/s)."""
+        if self.first_token_s is None:
+            self.first_token_s = now_s
+            self.ttft_ms = (now_s - self.started_s) * 1e3
+        self.new_tokens += 1
+        if self.new_tokens > 1:
+            self.tok_s = (self.new_tokens - 1) / max(now_s - self.first_token_s, 1e-9)
 
 
 class Engine(Protocol):

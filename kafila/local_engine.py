@@ -115,7 +115,7 @@ class LocalEngine:
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_slots)
         loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
+        stats.started_s = time.perf_counter()
         stats.prompt_tokens = len(request.prompt_ids)
         self.queued += 1
         try:
@@ -128,7 +128,6 @@ class LocalEngine:
         self.active += 1
         try:
             eos = self._tokenizer.eos_ids
-            t_first = None
             while True:
                 token = await loop.run_in_executor(self._worker, _next, steps)
                 if token is _END:
@@ -137,13 +136,7 @@ class LocalEngine:
                 if request.stop_at_eos and token in eos:
                     stats.finish_reason = "stop"
                     break
-                now = time.perf_counter()
-                if t_first is None:
-                    t_first = now
-                    stats.ttft_ms = (now - t0) * 1e3
-                stats.new_tokens += 1
-                if stats.new_tokens > 1:
-                    stats.tok_s = (stats.new_tokens - 1) / max(now - t_first, 1e-9)
+                stats.count_token(time.perf_counter())
                 yield token
                 if stats.new_tokens >= request.max_new_tokens:
                     stats.finish_reason = "length"

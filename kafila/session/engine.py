@@ -45,7 +45,7 @@ class RingEngine:
             raise EngineError(
                 f"the prompt has {len(request.prompt_ids)} tokens; the session's context is "
                 f"{self.context_length} (prompt and answer together)", 400)  # fmt: skip
-        start = time.perf_counter()
+        stats.started_s = time.perf_counter()
         try:
             rid, waiter = await node.submit(
                 list(request.prompt_ids), request.max_new_tokens, request.stop_at_eos,
@@ -55,7 +55,6 @@ class RingEngine:
         except StreamClosed as exc:
             node.degrade(f"the ring edge from {node.name} to the next member closed ({exc})")
             raise EngineError(f"the session is degraded: {node.degraded}", 503) from None
-        first = None
         done = False
         try:
             while True:
@@ -67,13 +66,7 @@ class RingEngine:
                         raise EngineError(item.error or "the request failed", item.status or 503)
                     stats.finish_reason = item.finish or "length"
                     break
-                now = time.perf_counter()
-                if first is None:
-                    first = now
-                    stats.ttft_ms = (now - start) * 1000
-                stats.new_tokens += 1
-                if stats.new_tokens > 1:
-                    stats.tok_s = (stats.new_tokens - 1) / max(now - first, 1e-9)
+                stats.count_token(time.perf_counter())
                 yield item
         finally:
             if not done:
