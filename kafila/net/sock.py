@@ -2,13 +2,22 @@
 
 `send_delay_ms` delays every datagram this socket sends by that many milliseconds, in order
 (a user-space WAN emulation; tc netem is not available on the machines this runs on).
+
+Throughput: asyncio's datagram transport reads one datagram per event-loop iteration, so a
+QUIC burst cost one loop turn (and one aioquic transmit) per packet. This socket reads up to
+READ_BURST datagrams per readiness event and runs the `defer`red flushes (an edge's transmit)
+once after the whole burst: one ACK/send pass per burst instead of per datagram. Sends go
+straight to the kernel (a queue only when the socket buffer is full), with no timer in between
+unless `send_delay_ms` > 0.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import errno
 import logging
+import socket
 from collections.abc import Callable
 
 from rendezvous.frames import kind_of
@@ -17,35 +26,85 @@ log = logging.getLogger("kafila.net")
 
 Address = tuple[str, int]
 Handler = Callable[[bytes, Address], None]
+READ_BURST = 256  # datagrams read per readiness event before yielding to the loop
+RECV_MAX_BYTES = 65535
+SOCKET_BUFFER_BYTES = 4 << 20  # asked for; the kernel caps it at net.core.[rw]mem_max
+SEND_QUEUE_MAX = 4096  # datagrams waiting for a full send buffer; beyond that they drop (UDP)
 
 
-class MemberSocket(asyncio.DatagramProtocol):
+class MemberSocket:
     def __init__(self, send_delay_ms: float = 0.0) -> None:
         self.send_delay_s = max(0.0, float(send_delay_ms)) / 1000.0
-        self.transport: asyncio.DatagramTransport | None = None
         self.handlers: dict[str, Handler] = {}
+        self._sock: socket.socket | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._closed = False
         self._queue: collections.deque[tuple[float, bytes, Address]] = collections.deque()
         self._drain: asyncio.TimerHandle | None = None
+        self._blocked: collections.deque[tuple[bytes, Address]] = collections.deque()
+        self._deferred: dict[Callable[[], None], None] = {}  # ordered set
+        self._in_burst = False
+        self._flush_soon: asyncio.Handle | None = None
         self.sent_datagrams = 0
         self.dropped = 0
 
     @classmethod
     async def open(cls, bind_host: str = "0.0.0.0", bind_port: int = 0, *,
                    send_delay_ms: float = 0.0) -> MemberSocket:
+        self = cls(send_delay_ms)
         loop = asyncio.get_running_loop()
-        _, proto = await loop.create_datagram_endpoint(
-            lambda: cls(send_delay_ms), local_addr=(bind_host, bind_port)
-        )
-        return proto
+        infos = await loop.getaddrinfo(bind_host, bind_port, type=socket.SOCK_DGRAM)
+        family, _, _, _, sockaddr = infos[0]
+        sock = socket.socket(family, socket.SOCK_DGRAM)
+        try:
+            sock.setblocking(False)
+            for opt in (socket.SO_RCVBUF, socket.SO_SNDBUF):
+                try:
+                    sock.setsockopt(socket.SOL_SOCKET, opt, SOCKET_BUFFER_BYTES)
+                except OSError:
+                    pass
+            sock.bind(sockaddr)
+        except BaseException:
+            sock.close()
+            raise
+        self._sock, self._loop = sock, loop
+        loop.add_reader(sock.fileno(), self._read_ready)
+        return self
+
+    @property
+    def transport(self) -> MemberSocket | None:  # kept for callers that checked it
+        return None if self._closed else self
+
+    def is_closing(self) -> bool:
+        return self._closed
 
     @property
     def local_address(self) -> Address:
-        assert self.transport is not None
-        name = self.transport.get_extra_info("sockname")
+        assert self._sock is not None
+        name = self._sock.getsockname()
         return (name[0], name[1])
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+    # receiving
+    def _read_ready(self) -> None:
+        sock = self._sock
+        if sock is None:
+            return
+        self._in_burst = True
+        try:
+            for _ in range(READ_BURST):
+                try:
+                    data, addr = sock.recvfrom(RECV_MAX_BYTES)
+                except (BlockingIOError, InterruptedError):
+                    break
+                except OSError as exc:  # ICMP errors surface here: not fatal
+                    log.debug("member socket: %s", exc)
+                    continue
+                self.datagram_received(data, addr)
+                if self._closed:
+                    return
+        finally:
+            self._in_burst = False
+            self._run_deferred()
 
     def datagram_received(self, data: bytes, addr: tuple) -> None:
         kind = kind_of(data)
@@ -59,20 +118,63 @@ class MemberSocket(asyncio.DatagramProtocol):
             self.dropped += 1
             log.exception("handling a %s datagram from %s failed", kind, addr)
 
-    def error_received(self, exc: Exception) -> None:
-        log.debug("member socket: %s", exc)
+    def defer(self, flush: Callable[[], None]) -> None:
+        """Run `flush` once after the datagrams being read now (or soon, outside a burst)."""
+        self._deferred[flush] = None
+        if not self._in_burst and self._flush_soon is None and self._loop is not None:
+            self._flush_soon = self._loop.call_soon(self._run_deferred)
 
+    def _run_deferred(self) -> None:
+        self._flush_soon = None
+        while self._deferred:
+            flush = next(iter(self._deferred))
+            del self._deferred[flush]
+            try:
+                flush()
+            except Exception:
+                log.exception("flushing after a burst failed")
+
+    # sending
     def sendto(self, data: bytes, addr: Address) -> None:
-        if self.transport is None or self.transport.is_closing():
+        if self._closed or self._sock is None:
             return
         self.sent_datagrams += 1
         if self.send_delay_s <= 0:
-            self.transport.sendto(data, addr)
+            self._send_now(data, addr)
             return
         loop = asyncio.get_running_loop()
         self._queue.append((loop.time() + self.send_delay_s, data, addr))
         if self._drain is None:
             self._drain = loop.call_at(self._queue[0][0], self._release)
+
+    def _send_now(self, data: bytes, addr: Address) -> None:
+        if self._blocked:
+            if len(self._blocked) < SEND_QUEUE_MAX:
+                self._blocked.append((data, addr))
+            else:
+                self.dropped += 1
+            return
+        try:
+            self._sock.sendto(data, addr)  # type: ignore[union-attr]
+        except (BlockingIOError, InterruptedError):
+            self._blocked.append((data, addr))
+            self._loop.add_writer(self._sock.fileno(), self._write_ready)  # type: ignore[union-attr]
+        except OSError as exc:  # unreachable, too big, ...: a lost UDP datagram
+            if exc.errno not in (errno.EAGAIN,):
+                log.debug("member socket send to %s: %s", addr, exc)
+
+    def _write_ready(self) -> None:
+        while self._blocked and self._sock is not None:
+            data, addr = self._blocked[0]
+            try:
+                self._sock.sendto(data, addr)
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError as exc:
+                log.debug("member socket send to %s: %s", addr, exc)
+            self._blocked.popleft()
+        if self._sock is not None:
+            self._loop.remove_writer(self._sock.fileno())  # type: ignore[union-attr]
 
     def _release(self) -> None:
         self._drain = None
@@ -80,8 +182,8 @@ class MemberSocket(asyncio.DatagramProtocol):
         now = loop.time()
         while self._queue and self._queue[0][0] <= now:
             _, data, addr = self._queue.popleft()
-            if self.transport is not None and not self.transport.is_closing():
-                self.transport.sendto(data, addr)
+            if not self._closed:
+                self._send_now(data, addr)
         if self._queue:
             self._drain = loop.call_at(self._queue[0][0], self._release)
 
@@ -89,6 +191,17 @@ class MemberSocket(asyncio.DatagramProtocol):
         if self._drain is not None:
             self._drain.cancel()
             self._drain = None
+        if self._flush_soon is not None:
+            self._flush_soon.cancel()
+            self._flush_soon = None
         self._queue.clear()
-        if self.transport is not None:
-            self.transport.close()
+        self._blocked.clear()
+        self._deferred.clear()
+        if self._closed:
+            return
+        self._closed = True
+        if self._sock is not None:
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.remove_reader(self._sock.fileno())
+                self._loop.remove_writer(self._sock.fileno())
+            self._sock.close()
