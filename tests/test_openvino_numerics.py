@@ -68,3 +68,33 @@ def test_default_model_shards_match_reference(default_index, default_tokenizer):
     prompt = default_tokenizer.encode("The capital of France is")
     worst = compare_chain(default_index, default_index.split_blocks(3), prompt, [12366, 30])
     assert worst["hidden"] < REL_BOUND and worst["logits"] < REL_BOUND, worst
+
+
+@pytest.mark.parametrize("zero_scale", [False, True], ids=["zero-point", "d0-fallback"])
+def test_q4_1_linear_is_exact(zero_scale):
+    """Q4_1 runs as u4 with an f32 zero point −m/d; a tensor with a block d = 0, m ≠ 0 (no zero
+    point) falls back to i4 plus the blocksum correction. Both match w = d·q + m in float64."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from backends.openvino.shard import F32_CONFIG, core
+    from backends.openvino.weights import WeightBank
+    from kafila.models.quant import QuantBlocks
+
+    rng = np.random.default_rng(3)
+    rows, nb = 48, 4
+    q = rng.integers(0, 16, (rows, nb, 32), dtype=np.uint8)
+    d = (rng.uniform(0.5, 2.0, (rows, nb)) * 1e-2).astype(np.float16)
+    m = (-7.5 * d.astype(np.float32) + rng.normal(0, 2e-3, (rows, nb))).astype(np.float16)
+    if zero_scale:
+        d[3, 1], m[3, 1] = 0, np.float16(0.01)
+    b = QuantBlocks("Q4_1", q, d, m)
+    x_in = ops.parameter([-1, nb * 32], ov.Type.f32)
+    bank = WeightBank(None)  # holds the buffers the constants point into
+    y = bank.quantized_linear(x_in.output(0), b)
+    req = core().compile_model(ov.Model([ops.result(y)], [x_in]), "CPU", F32_CONFIG).create_infer_request()
+    x = rng.normal(0, 1, (3, nb * 32)).astype(np.float32)
+    ours = req.infer({0: x})[0]
+    del bank
+    ref = x.astype(np.float64) @ b.dequantize(np.float64).T
+    assert rel_err(ours, ref) < 1e-5
