@@ -46,3 +46,24 @@ def test_head_keeps_8bit_lm_head(chain):
     ops = list(chain.head.head_runtime_model().get_ordered_ops())
     fcs = [(precision(o)) for o in ops if layer_type(o) == "FullyConnected"]
     assert fcs == ["i8"], fcs
+
+
+def test_single_stage_folds_the_head(chain_factory, default_tokenizer):
+    """A shard holding the last block and the head computes the greedy token in its own graph
+    (the 8-bit lm_head is a FullyConnected of the stage): one inference per decode step, the same
+    token as the separate head graph."""
+    import numpy as np
+
+    one = chain_factory("openvino", 1)
+    shard = one.shards[0]
+    ops = list(shard.runtime_model().get_ordered_ops())
+    fcs = Counter(precision(o) for o in ops if layer_type(o) == "FullyConnected")
+    assert fcs["i8"] == 1 and fcs["i4"] + fcs["u4"] == 4 * shard.spec.last, fcs
+    cursor = one.open()
+    try:
+        hidden = one.feed(cursor, default_tokenizer.encode("The capital of France is"))
+        folded = shard.greedy(hidden)
+        assert folded == shard.greedy(hidden.copy())  # a copy is not the cached array: head graph
+        assert folded == int(np.argmax(shard.logits(hidden[-1:])[0]))
+    finally:
+        one.close(cursor)

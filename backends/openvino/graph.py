@@ -10,6 +10,8 @@ Stage graph (blocks [first, last), optionally the token embedding in front):
 
 Head graph: hidden f32 [N, H] → final RMSNorm → lm_head → logits f32 [N, V], plus
 token i64 [1], the greedy top-1 of the last row (so a decode step reads one id, not V floats).
+A shard holding both the last block and the head folds norm + lm_head + top-1 of the last row
+into its stage graph as a second output `token` (one inference per decode step).
 
 Each block is Llama's: RMSNorm → q/k/v (+ Qwen2 biases) → RoPE (rotate_half on un-permuted
 q/k rows) → KV per layer as ReadValue → Gather(beam_idx, 0) → Concat(axis 2) → Assign →
@@ -162,8 +164,10 @@ class StageBuilder:
         x = ops.broadcast(x, target, broadcast_spec="BIDIRECTIONAL")  # [B, nkv, g, S, D]
         return ops.reshape(x, ops.concat([b, _i64(h.n_heads), s, _i64(h.head_dim)], axis=0), False).output(0)
 
-    def stage(self, first: int, last: int, embed: bool) -> ov.Model:
-        """The model of blocks [first, last) (with the embedding when `embed`)."""
+    def stage(self, first: int, last: int, embed: bool, top1: bool = False) -> ov.Model:
+        """The model of blocks [first, last) (with the embedding when `embed`). With `top1` (the
+        shard also holds the head and the last block) a second output `token` i64 [1] is the
+        greedy top-1 after the last row: a decode step is then one inference."""
         if embed:
             x_in = ops.parameter([-1, -1], I64, name="input_ids")
             x = self.embedding(x_in.output(0))  # [B, L, H]
@@ -185,19 +189,35 @@ class StageBuilder:
             x = self.block(b, x, cos, sin, mask, beam_idx.output(0), sinks)
         out = ops.result(x, name="hidden_out")
         out.output(0).set_names({"hidden_out"})  # not "hidden_states": that names the input
+        results = [out]
+        if top1:
+            last_row = ops.reshape(ops.gather(x, _i64(-1), _i64(1)), _i64(-1, self.h.hidden), False)  # [B, H]
+            r_token = ops.result(self._top1(self._lm_head(last_row.output(0))), name="token")
+            r_token.output(0).set_names({"token"})
+            results.append(r_token)
         params = [x_in, attention_mask, position_ids, beam_idx]
-        return ov.Model([out], sinks, params, f"kafila_stage_{first}_{last}")
+        return ov.Model(results, sinks, params, f"kafila_stage_{first}_{last}")
+
+    def _lm_head(self, hidden: ov.Output) -> ov.Output:
+        """[N, H] → final RMSNorm → lm_head → logits [N, V]."""
+        y = rms_norm(hidden, self.w.vector("output_norm.weight"), self.h.rms_eps)
+        name = "token_embd.weight" if self.h.tied_embeddings else "output.weight"
+        (logits,) = self.w.project(y, [(name, 0)])
+        return logits
+
+    @staticmethod
+    def _top1(logits: ov.Output) -> ov.Output:
+        """The greedy token i64 [1] of the last row of logits [N, V]."""
+        last = ops.gather(logits, _i64(-1), _i64(0))  # [1, V]
+        topk = ops.topk(last, ops.constant(np.int64(1)), axis=-1, mode="max", sort="none", index_element_type=I64)
+        return ops.reshape(topk.output(1), _i64(1), False).output(0)  # [1]
 
     def head(self) -> ov.Model:
         """Final norm + lm_head: hidden [N, H] → logits [N, V] and the last row's top-1 token [1]."""
         hidden = ops.parameter([-1, self.h.hidden], F32, name="hidden")
         hidden.output(0).set_names({"hidden"})
-        y = rms_norm(hidden.output(0), self.w.vector("output_norm.weight"), self.h.rms_eps)
-        name = "token_embd.weight" if self.h.tied_embeddings else "output.weight"
-        (logits,) = self.w.project(y, [(name, 0)])  # [N, V]
-        last = ops.gather(logits, _i64(-1), _i64(0))  # [1, V]
-        topk = ops.topk(last, ops.constant(np.int64(1)), axis=-1, mode="max", sort="none", index_element_type=I64)
-        token = ops.reshape(topk.output(1), _i64(1), False)  # [1]
+        logits = self._lm_head(hidden.output(0))  # [N, V]
+        token = self._top1(logits)  # [1]
         r_logits = ops.result(logits, name="logits")
         r_logits.output(0).set_names({"logits"})
         r_token = ops.result(token, name="token")

@@ -1,7 +1,8 @@
 """OpenVINOShard: one compiled stage model, one InferRequest (one stateful KV) per slot.
 
 The head shard compiles a second small model (final norm + lm_head + top-1) used by `logits`
-and `greedy`. Inputs are wrapped as shared-memory tensors and outputs read in place, so a decode
+and `greedy`; when it also holds the last block, the greedy top-1 is a second output of the stage
+graph itself and the head model is compiled only if `logits` (or greedy on other states) is asked. Inputs are wrapped as shared-memory tensors and outputs read in place, so a decode
 step costs one `infer()` per shard plus a few microseconds of Python.
 """
 
@@ -48,10 +49,15 @@ class OpenVINOShard:
         cfg = dict(CONFIGS[precision]) if config is None else dict(config)
         bank = WeightBank(self.index)
         builder = StageBuilder(self.index, bank)
-        self.compiled = core().compile_model(builder.stage(spec.first, spec.last, spec.embed), device, cfg)
+        # A shard with the head and the last block computes the greedy token in its stage graph;
+        # its separate head graph (logits, or greedy on other hidden states) is compiled lazily.
+        self._fold = spec.head and spec.last == self.index.hparams.n_blocks
+        self.compiled = core().compile_model(builder.stage(spec.first, spec.last, spec.embed, self._fold), device, cfg)
         self._head = None
-        if spec.head:
-            self._head = core().compile_model(builder.head(), device, cfg).create_infer_request()
+        self._head_build = (builder, device, cfg) if spec.head else None
+        if spec.head and not self._fold:
+            self._head_request()
+        self._last: tuple[np.ndarray, int] | None = None  # (hidden returned by forward, its greedy token)
         # Constants point into these buffers; the compiled models may too. Keep them alive.
         self._buffers = bank.keep
         self._reqs: dict[int, ov.InferRequest] = {}
@@ -91,7 +97,10 @@ class OpenVINOShard:
         req.set_input_tensor(1, ov.Tensor(np.ascontiguousarray(mask, dtype=np.int64)[None], shared_memory=True))
         req.set_input_tensor(2, ov.Tensor(np.ascontiguousarray(positions, dtype=np.int64)[None], shared_memory=True))
         req.infer()
-        return req.get_output_tensor(0).data[0].copy()  # [n, H]
+        hidden = req.get_output_tensor(0).data[0].copy()  # [n, H]
+        if self._fold:
+            self._last = (hidden, int(req.get_output_tensor(1).data[0]))
+        return hidden
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         head = self._head_request()
@@ -100,7 +109,10 @@ class OpenVINOShard:
         return head.get_output_tensor(0).data.copy()  # [n, V]
 
     def greedy(self, hidden: np.ndarray) -> int:
-        """The top-1 token after the last row of hidden [n, H] (computed in the graph)."""
+        """The top-1 token after the last row of hidden [n, H] (computed in the graph). When
+        `hidden` is the array the last `forward` returned on a folded shard, no inference runs."""
+        if self._last is not None and hidden is self._last[0]:
+            return self._last[1]
         head = self._head_request()
         last = np.ascontiguousarray(hidden[-1:], dtype=np.float32)  # [1, H]
         head.set_input_tensor(0, ov.Tensor(last, shared_memory=True))
@@ -109,7 +121,10 @@ class OpenVINOShard:
 
     def _head_request(self) -> ov.InferRequest:
         if self._head is None:
-            raise ValueError(f"shard [{self.spec.first}, {self.spec.last}) holds no head")
+            if self._head_build is None:
+                raise ValueError(f"shard [{self.spec.first}, {self.spec.last}) holds no head")
+            builder, device, cfg = self._head_build
+            self._head = core().compile_model(builder.head(), device, cfg).create_infer_request()
         return self._head
 
     def runtime_model(self) -> ov.Model:
