@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.plan_fleets [--fleets DIR] [--tables]
 
-For the three fleets in shared/fleets and qwen3-8b/14b/32b, runs
+For the three fleets in fleets and qwen3-8b/14b/32b, runs
 `kafila plan --fleet F --model M --compare --json` (and, with --tables, the rich table each
 prints without --json), then prints one markdown table: each policy's bottleneck, imbalance,
 utilisation and predicted tok/s, and the planner's bottleneck reduction against uniform and
@@ -52,7 +52,7 @@ def metrics(plan: dict[str, Any]) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--fleets", type=Path, default=ROOT.parent / "shared" / "fleets")
+    parser.add_argument("--fleets", type=Path, default=ROOT / "fleets")
     parser.add_argument("--tables", action="store_true", help="also print each rich table")
     args = parser.parse_args()
 

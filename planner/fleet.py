@@ -1,7 +1,7 @@
 """The fleet: typed, frozen, validated descriptions of a session's model and members.
 
 `parse_fleet(data, model=None)` turns the fleet contract (a JSON object, see the planner
-issue and `shared/fleets/*.json`) into a `Fleet`, or raises `PlanInputError` with one line.
+issue and `fleets/*.json`) into a `Fleet`, or raises `PlanInputError` with one line.
 
 Units follow the contract: GB means 10**9 bytes, bandwidth is GB/s, overhead µs, RTT ms.
 

@@ -13,7 +13,7 @@ import pytest
 from tests.test_planner_support import device, fleet
 
 ROOT = Path(__file__).resolve().parents[1]
-FLEETS = ROOT.parent / "shared" / "fleets"
+FLEETS = ROOT / "fleets"
 
 
 def kafila_plan(*args: str) -> subprocess.CompletedProcess[str]:

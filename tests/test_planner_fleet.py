@@ -12,7 +12,7 @@ import pytest
 from planner import Nat, PlanInputError, parse_fleet
 from tests.test_planner_support import device, fleet
 
-FLEETS = Path(__file__).resolve().parents[2] / "shared" / "fleets"
+FLEETS = Path(__file__).resolve().parents[1] / "fleets"
 GOOD = fleet(device("a", 10, 100.0, rtt_ms=5.0, nat="ordinary"), device("b", 10, 100.0))
 
 

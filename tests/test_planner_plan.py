@@ -10,7 +10,7 @@ import pytest
 from planner import Plan, Policy, compare, make_plan, parse_fleet
 from tests.test_planner_support import device, fleet
 
-FLEETS = Path(__file__).resolve().parents[2] / "shared" / "fleets"
+FLEETS = Path(__file__).resolve().parents[1] / "fleets"
 CONTRACT_KEYS = [
     "feasible",
     "tier",
