@@ -67,3 +67,28 @@ def test_single_stage_folds_the_head(chain_factory, default_tokenizer):
         assert folded == int(np.argmax(shard.logits(hidden[-1:])[0]))
     finally:
         one.close(cursor)
+
+
+def test_released_weight_pages_change_nothing(chain_factory, default_tokenizer):
+    """The constants live in a spill file whose pages are dropped from the resident set after
+    the first forwards; dropping them again at any time changes no output (pages come back)."""
+    import numpy as np
+
+    one = chain_factory("openvino", 1)
+    shard = one.shards[0]
+    assert shard._bank.spill is not None and shard._bank.spill.nbytes > 0.5 * sum(
+        t.n_bytes for t in shard.index.tensors.values())
+    ids = default_tokenizer.encode("The capital of France is")
+    runs = []
+    for release in (False, True):
+        cursor = one.open()
+        try:
+            hidden = one.feed(cursor, ids)
+            if release:
+                shard.release_weight_pages()
+            logits = shard.logits(hidden[-1:])
+            hidden = one.feed(cursor, [int(np.argmax(logits[0]))])
+            runs.append((logits, hidden))
+        finally:
+            one.close(cursor)
+    assert np.array_equal(runs[0][0], runs[1][0]) and np.array_equal(runs[0][1], runs[1][1])

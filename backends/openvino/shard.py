@@ -2,12 +2,16 @@
 
 The head shard compiles a second small model (final norm + lm_head + top-1) used by `logits`
 and `greedy`; when it also holds the last block, the greedy top-1 is a second output of the stage
-graph itself and the head model is compiled only if `logits` (or greedy on other states) is asked. Inputs are wrapped as shared-memory tensors and outputs read in place, so a decode
+graph itself and the head model is compiled only if `logits` (or greedy on other states) is asked. Weight constants live in an unlinked spill file (WeightBank(spill=True)); once the plugin has
+repacked them, their pages are dropped from the resident set (`release_weight_pages`), so a
+shard's memory is about the plugin's own copy of the weights, not twice the model.
+Inputs are wrapped as shared-memory tensors and outputs read in place, so a decode
 step costs one `infer()` per shard plus a few microseconds of Python.
 """
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from typing import Any
 
@@ -31,6 +35,19 @@ F32_CONFIG = {
 CONFIGS = {"serving": SERVING_CONFIG, "f32": F32_CONFIG}
 
 
+# The CPU plugin prepares (repacks) weights at the first inferences of each shape kind
+# (prefill, decode); after this many forwards the original constants' pages are released.
+RELEASE_AFTER = 3
+
+
+def _trim_heap() -> None:
+    """Give freed heap memory (build-time temporaries) back to the system (glibc only)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 @functools.lru_cache(maxsize=1)
 def core() -> ov.Core:
     """The process's one OpenVINO Core (created on first use, never at import)."""
@@ -47,7 +64,7 @@ class OpenVINOShard:
         self.index = index if index is not None else open_model(spec.model_path)
         self.index.check_range(spec.first, spec.last)
         cfg = dict(CONFIGS[precision]) if config is None else dict(config)
-        bank = WeightBank(self.index)
+        bank = WeightBank(self.index, spill=True)
         builder = StageBuilder(self.index, bank)
         # A shard with the head and the last block computes the greedy token in its stage graph;
         # its separate head graph (logits, or greedy on other hidden states) is compiled lazily.
@@ -58,8 +75,12 @@ class OpenVINOShard:
         if spec.head and not self._fold:
             self._head_request()
         self._last: tuple[np.ndarray, int] | None = None  # (hidden returned by forward, its greedy token)
-        # Constants point into these buffers; the compiled models may too. Keep them alive.
-        self._buffers = bank.keep
+        # Constants point into these buffers; the compiled models may too. Keep them alive. They
+        # live in a spill file whose pages are dropped from the resident set once the plugin has
+        # repacked the weights (after the first forwards, RELEASE_AFTER), see WeightBank.spill.
+        self._bank = bank
+        self._forwards = 0
+        _trim_heap()
         self._reqs: dict[int, ov.InferRequest] = {}
         self._spare: list[ov.InferRequest] = []
         self._beam = ov.Tensor(np.zeros(1, dtype=np.int32))
@@ -97,10 +118,18 @@ class OpenVINOShard:
         req.set_input_tensor(1, ov.Tensor(np.ascontiguousarray(mask, dtype=np.int64)[None], shared_memory=True))
         req.set_input_tensor(2, ov.Tensor(np.ascontiguousarray(positions, dtype=np.int64)[None], shared_memory=True))
         req.infer()
+        if self._forwards < RELEASE_AFTER:
+            self._forwards += 1
+            self.release_weight_pages()
         hidden = req.get_output_tensor(0).data[0].copy()  # [n, H]
         if self._fold:
             self._last = (hidden, int(req.get_output_tensor(1).data[0]))
         return hidden
+
+    def release_weight_pages(self) -> None:
+        """Drop the constants' file pages from the resident set (they come back if read)."""
+        self._bank.release_pages()
+        _trim_heap()
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         head = self._head_request()

@@ -21,6 +21,10 @@ Constants wrap numpy buffers without copying (4-bit: element 2i in the low nibbl
 
 from __future__ import annotations
 
+import mmap
+import os
+import tempfile
+
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
@@ -48,16 +52,63 @@ def unpermute_rows(a: np.ndarray, n_heads: int) -> np.ndarray:
     )
 
 
+class SpillFile:
+    """Constant buffers in an unlinked temporary file, mapped back (MAP_SHARED; never written).
+
+    The CPU plugin repacks most weights into its own layout at the first inferences and then
+    leaves the originals alone, but the compiled model keeps pointing at them. Anonymous numpy
+    buffers would stay resident (≈ the GGUF size again); file-backed pages can be dropped from
+    the process with `release()` (MADV_DONTNEED) and come back from the page cache or the file,
+    unchanged, if the plugin ever reads them again — unlike freeing them, which is unsafe.
+    """
+
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self._file = tempfile.TemporaryFile(prefix="kafila-ov-weights-")
+        self._size = 0
+        self.maps: list[np.memmap] = []
+
+    def put(self, array: np.ndarray) -> np.ndarray:
+        """A file-backed copy of array (same dtype and shape)."""
+        array = np.ascontiguousarray(array)
+        offset = -(-self._size // self.ALIGN) * self.ALIGN
+        os.pwrite(self._file.fileno(), array.tobytes(), offset)  # (memoryview(array) fails on f16)
+        self._size = offset + array.nbytes
+        if array.nbytes == 0:
+            return array
+        view = np.memmap(self._file, dtype=array.dtype, mode="r+", offset=offset, shape=array.shape)
+        self.maps.append(view)
+        return view
+
+    def release(self) -> None:
+        """Drop every mapped page from this process's resident set (contents unchanged)."""
+        for m in self.maps:
+            m._mmap.madvise(mmap.MADV_DONTNEED)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(m.nbytes for m in self.maps)
+
+
 class WeightBank:
     """Builds constants and decompression subgraphs for one model's tensors."""
 
-    def __init__(self, index: ModelIndex) -> None:
+    def __init__(self, index: ModelIndex, spill: bool = False) -> None:
         self.index = index
         self.keep: list[np.ndarray] = []  # numpy buffers the constants point into
+        self.spill = SpillFile() if spill else None  # or a file holding them (see SpillFile)
         self._compressed: dict[str, tuple[ov.Node, ov.Node]] = {}  # one buffer per tensor, shared by models
+
+    def release_pages(self) -> None:
+        """With a spill file: drop the constants' pages from the resident set (safe at any time)."""
+        if self.spill is not None:
+            self.spill.release()
 
     def _const(self, array: np.ndarray, element_type: ov.Type | None = None, shape=None) -> ov.Node:
         array = np.ascontiguousarray(array)
+        if self.spill is not None and array.nbytes >= 4096:
+            array = self.spill.put(array)
         self.keep.append(array)
         if element_type is None:
             return ov.op.Constant(ov.Tensor(array, shared_memory=True))
