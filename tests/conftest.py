@@ -33,6 +33,25 @@ def default_tokenizer(default_index):
     return load_tokenizer(default_index)
 
 
+PROMPTS = (
+    "The capital of France is",
+    "Write a haiku about the sea.",
+    "def fibonacci(n):",
+    "List three uses of copper.",
+    "Once upon a time, in a small village,",
+    "What is 17 times 23?",
+    "Explain photosynthesis to a child.",
+    "Translate 'good morning' into Spanish.",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(default_tokenizer) -> list[list[int]]:
+    """The 8 test prompts, chat-templated and tokenized as `kafila run` does."""
+    tok = default_tokenizer
+    return [tok.encode(tok.render_chat([{"role": "user", "content": p}])) for p in PROMPTS]
+
+
 @pytest.fixture(scope="session")
 def synthetic_model(tmp_path_factory) -> str:
     """A random 4-block Llama GGUF (hidden 64, Q4_1 matrices, Q8_0 embedding, tied lm_head)."""

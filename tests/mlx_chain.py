@@ -19,33 +19,10 @@ OPENVINO = status("openvino")
 needs_mlx = pytest.mark.skipif(not MLX.available, reason=MLX.reason)
 needs_openvino = pytest.mark.skipif(not OPENVINO.available, reason=OPENVINO.reason)
 
-PROMPTS = (
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):",
-    "List three uses of copper.",
-    "Once upon a time, in a small village,",
-    "What is 17 times 23?",
-    "Explain photosynthesis to a child.",
-    "Translate 'good morning' into Spanish.",
-)  # fmt: skip
 
 
-def model_path() -> str:
-    from kafila.errors import BadInput
-    from kafila.models import resolve_model
-
-    try:
-        return resolve_model("smollm2-135m")
-    except BadInput as exc:
-        pytest.skip(str(exc))
 
 
-def prompt_ids(index) -> list[list[int]]:
-    from kafila.models import load_tokenizer
-
-    tok = load_tokenizer(index)
-    return [tok.encode(tok.render_chat([{"role": "user", "content": p}])) for p in PROMPTS]
 
 
 def even_cuts(n_blocks: int, stages: int) -> list[tuple[int, int]]:

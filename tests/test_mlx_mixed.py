@@ -14,10 +14,8 @@ from tests.mlx_chain import (
     build_chain,
     first_divergence,
     greedy_tokens,
-    model_path,
     needs_mlx,
     needs_openvino,
-    prompt_ids,
 )
 
 pytestmark = [pytest.mark.model, needs_mlx, needs_openvino]
@@ -26,15 +24,13 @@ MIN_IDENTICAL = 7
 
 
 @pytest.fixture(scope="module")
-def index():
-    from kafila.models import open_model
-
-    return open_model(model_path())
+def index(default_index):
+    return default_index
 
 
 @pytest.fixture(scope="module")
-def prompts(index):
-    return prompt_ids(index)
+def prompts(prompt_ids):
+    return prompt_ids
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from backends import ShardSpec, load_shard, status
-from tests.mlx_chain import build_chain, greedy_tokens, model_path, needs_mlx, prompt_ids
+from tests.mlx_chain import build_chain, greedy_tokens, needs_mlx
 
 pytestmark = pytest.mark.model
 
@@ -25,15 +25,13 @@ def test_unavailable_mlx_reports_the_install_hint(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def index():
-    from kafila.models import open_model
-
-    return open_model(model_path())
+def index(default_index):
+    return default_index
 
 
 @pytest.fixture(scope="module")
-def prompts(index):
-    return prompt_ids(index)
+def prompts(prompt_ids):
+    return prompt_ids
 
 
 @pytest.fixture(scope="module")

@@ -11,23 +11,7 @@ pytestmark = pytest.mark.model
 
 BACKENDS_UNDER_TEST = ["openvino", "mlx"]
 
-PROMPTS = (
-    "The capital of France is",
-    "Write a haiku about the sea.",
-    "def fibonacci(n):",
-    "List three uses of copper.",
-    "Once upon a time, in a small village,",
-    "What is 17 times 23?",
-    "Explain photosynthesis to a child.",
-    "Translate 'good morning' into Spanish.",
-)  # fmt: skip
 SPLIT_TOKENS = 64
-
-
-@pytest.fixture(scope="module")
-def prompt_ids(default_tokenizer):
-    tok = default_tokenizer
-    return [tok.encode(tok.render_chat([{"role": "user", "content": p}])) for p in PROMPTS]
 
 
 @pytest.mark.timeout(1500)  # MLX's CPU 4-bit matmul is scalar: ~1500 steps take minutes here
