@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import ipaddress
 import logging
 import os
 import random
@@ -52,6 +53,13 @@ ALPN = "kafila-edge-1"
 EDGE_MAX_DATA_BYTES = 256 * 1024 * 1024  # connection flow-control window
 EDGE_MAX_STREAM_DATA_BYTES = 64 * 1024 * 1024  # per stream
 EDGE_MAX_DATAGRAM_BYTES = 1350  # + 9 bytes of relay header stays under common MTUs
+# A direct route to a loopback address (peer on this machine) crosses no link (lo's MTU is
+# 65536): packets there may be larger, and Python's cost is per packet. aioquic 1.7.2 loses the
+# connection with packets of 2 KiB and more (tried: 1452/1500/1600 work, 2048 and 16384 fail),
+# so 1452 (what a 1500-byte Ethernet LAN takes). Every other path keeps EDGE_MAX_DATAGRAM_BYTES:
+# there is no path-MTU probing yet, and a LAN address may sit behind a VPN-style link with a
+# smaller MTU (a too-large packet there is silently lost, on every retransmission).
+LOOPBACK_MAX_DATAGRAM_BYTES = 1452
 EDGE_IDLE_TIMEOUT_S = 60.0
 EDGE_CONNECT_TIMEOUT_S = 10.0
 QUIC_PING_S = 15.0  # keeps QUIC's idle timer (and the NAT) alive on a quiet edge
@@ -142,10 +150,30 @@ class _RouteTransport:
         return default
 
 
+def _is_loopback(addr: Address | None) -> bool:
+    if addr is None:
+        return False
+    try:
+        return ipaddress.ip_address(addr[0]).is_loopback
+    except ValueError:
+        return False
+
+
 class _EdgeProtocol(QuicConnectionProtocol):
     def __init__(self, quic: QuicConnection, edge: Edge) -> None:
         super().__init__(quic, stream_handler=edge._incoming_stream)
         self.edge = edge
+
+    def transmit(self) -> None:
+        # the packet size follows the route taken now (aioquic re-frames retransmitted data,
+        # so a size change mid-connection is safe); the peer advertises no max_udp_payload_size
+        # (aioquic: 65527) and reads up to 64 KiB per datagram
+        size = self.edge._datagram_size()
+        quic = self._quic
+        if quic._max_datagram_size != size and quic._handshake_complete:
+            quic._max_datagram_size = size
+            quic._loss._pacer._max_datagram_size = size
+        super().transmit()
 
     def quic_event_received(self, event: events.QuicEvent) -> None:
         self.edge._quic_event(event)
@@ -341,6 +369,11 @@ class Edge:
     def _add_cid(self, cid: bytes) -> None:
         self._cids.add(cid)
         self._register_cid(cid, self)
+
+    def _datagram_size(self) -> int:
+        if self.puncher.state == DIRECT and _is_loopback(self.puncher.direct):
+            return LOOPBACK_MAX_DATAGRAM_BYTES
+        return EDGE_MAX_DATAGRAM_BYTES
 
     def _send_quic(self, data: bytes) -> None:
         self.bytes_sent += len(data)
