@@ -7,7 +7,7 @@ Every quantized projection becomes the decompression subgraph the CPU plugin's
         → Reshape [out, in] → MatMul(x, ·ᵀ)
 
 Q4_0 (w = d·(q − 8)) is exactly i4 q − 8 with scale d. Q4_1 (w = d·q + m) is u4 q with an f32
-zero point z = −m/d per block, w = (q − z)·d: the same CompressedWeightsBlock pattern with a
+zero point z = −m/d and an f32 scale d per block, w = (q − z)·d: the same CompressedWeightsBlock pattern with a
 Subtract, which the CPU plugin runs in its int4 FullyConnected kernel (exact to f32 rounding;
 openvino_genai's u4 zero point round(−m/d) is lossy). A block with d = 0 and m ≠ 0 has no zero
 point; a tensor holding one falls back to d·(q − 8) as i4 plus the exact correction
@@ -170,14 +170,16 @@ class WeightBank:
         return ops.add(y, linear(sums.output(0), self._const(m8).output(0))).output(0)
 
     def _zero_point_weight(self, b: QuantBlocks) -> ov.Output:
-        """Q4_1 as u4 q, f32 zero point −m/d and f16 scale d: (q − z)·d → [out, in]."""
+        """Q4_1 as u4 q, f32 zero point −m/d and f32 scale d: (q − z)·d → [out, in]."""
         rows, nb, _ = b.q.shape
         d = b.scale.astype(np.float32)
         with np.errstate(divide="ignore", invalid="ignore"):
             z = np.where(d != 0, -b.offset.astype(np.float32) / d, 0).astype(np.float32)[..., None]  # [out, nb, 1]
         q = self._const(pack_u4(b.q), ov.Type.u4, (rows, nb, QK))
         w = ops.subtract(ops.convert(q, F32), self._const(z))
-        w = ops.multiply(w, ops.convert(self._const(b.scale.astype(np.float16)[..., None]), F32))  # [out, nb, 32]
+        # f32 scale (exact: d is f16): an f16 scale behind a Convert gets folded into an extra f32
+        # copy of every scale inside the compiled model.
+        w = ops.multiply(w, self._const(b.scale.astype(np.float32)[..., None]))  # [out, nb, 32]
         return ops.reshape(w, ops.constant(np.array([rows, nb * QK], np.int64)), False).output(0)
 
     def compressed(self, b: QuantBlocks, name: str | None = None) -> tuple[ov.Node, ov.Node]:
