@@ -60,6 +60,8 @@ class SpillFile:
     buffers would stay resident (≈ the GGUF size again); file-backed pages can be dropped from
     the process with `release()` (MADV_DONTNEED) and come back from the page cache or the file,
     unchanged, if the plugin ever reads them again — unlike freeing them, which is unsafe.
+    The file goes in tempfile.gettempdir() ($TMPDIR): on a tmpfs the dropped pages still hold RAM
+    (as shared memory, outside the process's RSS); point $TMPDIR at a disk for the real saving.
     """
 
     ALIGN = 64
