@@ -154,7 +154,7 @@ def memory_child(model: str, stages: int, new_tokens: int) -> dict:
 
 def memory(model: str, stages: tuple[int, ...], new_tokens: int) -> list[dict]:
     out = []
-    for k in stages:  # (the peer's own figure is in docs/BENCHMARKS-local.md: its child process hangs here)
+    for k in stages:  # (the peer's own figure is in docs/BENCHMARKS.md, OpenVINO section: its child process hangs here)
         proc = subprocess.run([sys.executable, "-m", "bench.local", "--memory-child", str(k), "--model", model,
                                "--tokens", str(new_tokens)], capture_output=True, text=True, check=True)
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
