@@ -25,24 +25,14 @@ def test_unavailable_mlx_reports_the_install_hint(monkeypatch):
 
 
 @pytest.fixture(scope="module")
-def index(default_index):
-    return default_index
-
-
-@pytest.fixture(scope="module")
-def prompts(prompt_ids):
-    return prompt_ids
-
-
-@pytest.fixture(scope="module")
-def head4(index):
+def head4(default_index):
     """Blocks [0, 4) with embedding and head, f32: the small shard most tests drive."""
-    return shard(index, 0, 4, embed=True, head=True)
+    return shard(default_index, 0, 4, embed=True, head=True)
 
 
-def shard(index, first, last, embed=False, head=False, precision="f32"):
-    spec = ShardSpec(index.path, first, last, embed, head)
-    return load_shard("mlx", spec, precision=precision, index=index)
+def shard(default_index, first, last, embed=False, head=False, precision="f32"):
+    spec = ShardSpec(default_index.path, first, last, embed, head)
+    return load_shard("mlx", spec, precision=precision, index=default_index)
 
 
 def feed(s, slot, x, cache_len, mask=None):
@@ -52,41 +42,41 @@ def feed(s, slot, x, cache_len, mask=None):
 
 
 @needs_mlx
-def test_weights_stay_quantized_and_only_the_shards_blocks_load(index):
-    s = shard(index, 3, 5, embed=True, head=True, precision="serving")
+def test_weights_stay_quantized_and_only_the_shards_blocks_load(default_index):
+    s = shard(default_index, 3, 5, embed=True, head=True, precision="serving")
     w = s.weights
     assert len(w.blocks) == 2
     for lin in (w.blocks[0].q, w.blocks[0].down, w.blocks[1].gate):
         assert str(lin.weight.dtype) == "mlx.core.uint32" and lin.bits == 4
         assert lin.scales.shape[1] * 32 == lin.weight.shape[1] * 32 // 4  # one scale per 32
     assert w.embedding.bits == 8 and w.lm_head.bits == 8  # Q8_0 embedding, tied lm_head
-    gguf_bytes = sum(t.n_bytes for t in index.shard_tensors(3, 5, head=True))
+    gguf_bytes = sum(t.n_bytes for t in default_index.shard_tensors(3, 5, head=True))
     assert s.weight_bytes < 1.1 * gguf_bytes  # quantized in memory: about the GGUF's own bytes
 
 
 @needs_mlx
-def test_mlx_dequantization_is_exact_for_q4_1_and_q8_0(index, head4):
+def test_mlx_dequantization_is_exact_for_q4_1_and_q8_0(default_index, head4):
     import mlx.core as mx
 
     q = head4.weights.blocks[0].q
     got = mx.dequantize(q.weight, q.scales, q.biases, group_size=32, bits=q.bits)
-    assert np.array_equal(np.array(got).astype(np.float64), index.dequantize("blk.0.attn_q.weight"))
+    assert np.array_equal(np.array(got).astype(np.float64), default_index.dequantize("blk.0.attn_q.weight"))
     rows = np.arange(0, 49152, 97)  # a spread of embedding rows (the whole table is 226 MB in f64)
     got = np.array(head4.weights.embedding.rows(mx.array(rows))).astype(np.float64)
-    assert np.array_equal(got, index.dequantize("token_embd.weight")[rows])
+    assert np.array_equal(got, default_index.dequantize("token_embd.weight")[rows])
 
 
 @needs_mlx
-def test_hidden_states_and_logits_match_the_float64_reference(index, prompts):
+def test_hidden_states_and_logits_match_the_float64_reference(default_index, prompt_ids):
     pytest.importorskip("backends.reference", reason="backends.reference (float64) is not built")
-    ids = np.asarray(prompts[0], dtype=np.int64)
+    ids = np.asarray(prompt_ids[0], dtype=np.int64)
     n = len(ids)
     pos, mask = np.arange(n), np.ones(n, dtype=np.int64)
     x = ids
     for first, last, embed in ((0, 3, True), (27, 30, False)):
-        spec = ShardSpec(index.path, first, last, embed, head=True)
+        spec = ShardSpec(default_index.path, first, last, embed, head=True)
         ref = load_shard("reference", spec)
-        mine = load_shard("mlx", spec, precision="f32", index=index)
+        mine = load_shard("mlx", spec, precision="f32", index=default_index)
         want = ref.forward(ref.open_slot(), x, pos, mask)
         got = mine.forward(mine.open_slot(), x, pos, mask)
         err, scale = np.abs(got - want).max(), np.abs(want).max()
@@ -98,9 +88,9 @@ def test_hidden_states_and_logits_match_the_float64_reference(index, prompts):
 
 
 @needs_mlx
-def test_masked_out_positions_are_as_never_fed(head4, prompts):
+def test_masked_out_positions_are_as_never_fed(head4, prompt_ids):
     s = head4
-    prompt = np.asarray(prompts[1], dtype=np.int64)
+    prompt = np.asarray(prompt_ids[1], dtype=np.int64)
     n, nxt = len(prompt), np.array([42], dtype=np.int64)
 
     clean = s.open_slot()
@@ -120,10 +110,10 @@ def test_masked_out_positions_are_as_never_fed(head4, prompts):
 
 
 @needs_mlx
-def test_capture_restore_and_independent_slots(head4, prompts):
+def test_capture_restore_and_independent_slots(head4, prompt_ids):
     s = head4
     a, b = s.open_slot(), s.open_slot()
-    pa, pb = (np.asarray(p, dtype=np.int64) for p in prompts[2:4])
+    pa, pb = (np.asarray(p, dtype=np.int64) for p in prompt_ids[2:4])
     feed(s, a, pa, 0)
     state = s.capture(a)
     first = [feed(s, a, [t], len(pa) + i) for i, t in enumerate((5, 6, 7))]
@@ -141,12 +131,12 @@ def test_capture_restore_and_independent_slots(head4, prompts):
 
 
 @needs_mlx
-def test_cache_growth_and_arbitrary_positions(index):
+def test_cache_growth_and_arbitrary_positions(default_index):
     import mlx.core as mx
 
     from backends.mlx.model import Dims, rope
 
-    s = shard(index, 0, 1, embed=True)
+    s = shard(default_index, 0, 1, embed=True)
     ids = (np.arange(300, dtype=np.int64) * 37) % 49152
     whole = feed(s, s.open_slot(), ids, 0)
     slot = s.open_slot()  # the same 300 positions in chunks that cross the 256-step growth
@@ -160,21 +150,21 @@ def test_cache_growth_and_arbitrary_positions(index):
 
 
 @pytest.fixture(scope="module")
-def chains(index):
-    return {k: build_chain(index, ["mlx"] * k, "serving") for k in (1, 2, 3)}
+def chains(default_index):
+    return {k: build_chain(default_index, ["mlx"] * k, "serving") for k in (1, 2, 3)}
 
 
 @needs_mlx
-def test_split_hidden_states_are_bitwise_the_unsplit(chains, prompts):
+def test_split_hidden_states_are_bitwise_the_unsplit(chains, prompt_ids):
     """Every stage computes its blocks exactly as the whole model does: hidden states crossing
     as float32 lose nothing, so 2- and 3-stage chains are bitwise the 1-stage chain."""
     want_h: list = []
-    want = greedy_tokens(chains[1], prompts[0], 6, want_h)
+    want = greedy_tokens(chains[1], prompt_ids[0], 6, want_h)
     for k in (2, 3):
         got_h: list = []
-        assert greedy_tokens(chains[k], prompts[0], 6, got_h) == want
+        assert greedy_tokens(chains[k], prompt_ids[0], 6, got_h) == want
         assert all(np.array_equal(a, b) for a, b in zip(got_h, want_h)), f"{k} stages"
 
 
-# The full split check (2- and 3-stage chains give the 1-stage chain's greedy tokens, 8 prompts ×
+# The full split check (2- and 3-stage chains give the 1-stage chain's greedy tokens, 8 prompt_ids ×
 # 64 tokens) runs for MLX in tests/test_shards_common.py::test_split_equals_unsplit[mlx].
