@@ -131,16 +131,11 @@ class HostParticipant(Participant):
             if live:
                 live.start()
             while not (expect and len(self.net.roster()) >= expect) and not enter.is_set():
-                get = asyncio.create_task(self.net.recv())
-                waiter = asyncio.create_task(enter.wait())
-                done, _ = await asyncio.wait({get, waiter}, return_when=asyncio.FIRST_COMPLETED)
+                waiter = asyncio.ensure_future(enter.wait())
+                ev = await self.recv_unless(waiter)
                 waiter.cancel()
-                if get not in done:
-                    get.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await get
+                if ev is None:
                     continue
-                ev = get.result()
                 if isinstance(ev, MemberJoined):
                     r = member_row(ev.info.name, ev.info, "joined")
                     if not live:

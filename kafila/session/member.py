@@ -129,6 +129,17 @@ class Participant:
 
     # --- helpers ---------------------------------------------------------------------------------
 
+    async def recv_unless(self, *others: asyncio.Future):
+        """The next session event, or None when one of `others` finishes first."""
+        get = asyncio.ensure_future(self.net.recv())
+        await asyncio.wait({get, *others}, return_when=asyncio.FIRST_COMPLETED)
+        if not get.done():
+            get.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await get
+        # an event that arrived while the recv was being cancelled is still returned, not lost
+        return get.result() if get.done() and not get.cancelled() else None
+
     def say(self, text: str) -> None:
         self.console.print(text, highlight=False)
 
@@ -251,15 +262,9 @@ class Participant:
                         raise exc
                     await self.net.send(host, {"t": "ready"})
                     ready_sent = True
-                get = asyncio.create_task(self.net.recv())
-                waits = {get} if ready_sent else {get, prep}
-                done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
-                if get not in done:
-                    get.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await get
+                ev = await (self.recv_unless() if ready_sent else self.recv_unless(prep))
+                if ev is None:
                     continue
-                ev = get.result()
                 if isinstance(ev, MemberLeft):
                     raise Refused(f"the host {host} left the session before it was ready ({ev.reason})")
                 if isinstance(ev, Message) and isinstance(ev.body, dict):
