@@ -12,6 +12,7 @@ from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.session.engine import RingEngine
 from kafila.session.frames import Limits
 from kafila.session.ring import RingNode
+from tests.fake_link import Pipe
 
 H, V = 8, 50
 LIM = Limits(hidden=H, context=64, slots=2, vocab=V)
@@ -50,21 +51,6 @@ class FakeShard:
         return h @ self.out
 
 
-class Pipe:
-    def __init__(self):
-        self.reader = asyncio.StreamReader()
-
-    def write(self, data):
-        if self.reader.at_eof():
-            raise ConnectionResetError("closed")
-        self.reader.feed_data(data)
-
-    async def drain(self):
-        await asyncio.sleep(0)
-
-    def close(self):
-        if not self.reader.at_eof():
-            self.reader.feed_eof()
 
 
 def shards(n):

@@ -10,6 +10,7 @@ from kafila.models import open_model, resolve_model
 from kafila.session import weights as W
 from kafila.session.streams import StreamClosed
 from kafila.session.transfer import check_local_file, fetch_weights, serve_weights
+from tests.fake_link import Pipe
 
 try:
     MODEL = resolve_model("smollm2-135m")
@@ -18,27 +19,6 @@ except Exception:  # the default model is not installed
 pytestmark = pytest.mark.skipif(MODEL is None, reason="the default model is not installed")
 
 
-class Pipe:
-    """One direction of an in-memory stream: a StreamReader fed by a writer-like object."""
-
-    def __init__(self, fail_after=None):
-        self.reader = asyncio.StreamReader()
-        self.fail_after = fail_after
-        self.writes = 0
-
-    def write(self, data):
-        self.writes += 1
-        if self.fail_after is not None and self.writes > self.fail_after:
-            self.reader.feed_eof()  # the edge dropped
-            raise ConnectionResetError("edge lost")
-        self.reader.feed_data(data)
-
-    async def drain(self):
-        await asyncio.sleep(0)
-
-    def close(self):
-        if not self.reader.at_eof():
-            self.reader.feed_eof()
 
 
 async def transfer(manifest, path, fail_after=None):
