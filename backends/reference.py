@@ -1,10 +1,14 @@
 """The numerical yardstick: an exact float64 numpy forward of a block range (not a serving path).
 
-Weights are dequantized exactly (every GGML quant value is exact in float64). It deliberately
-keeps GGUF's own layout — q/k rows permuted for interleaved ("normal") RoPE, as llama.cpp runs
-them — so the OpenVINO graph, which un-permutes rows and uses rotate_half, is checked against an
-independent formulation. KV per slot, attention over physical positions honouring the mask,
-RoPE at the given logical positions: the same contract as backends.base.Shard.
+Weights are dequantized exactly (every GGML quant value is exact in float64). The block is written
+as llama.cpp's graphs for llama / qwen2 / qwen3 compute it (src/models/*.cpp, ggml's rope op), in
+GGUF's own layout: llama's q/k rows stay permuted and rotate in pairs (2i, 2i+1) ("normal" RoPE),
+qwen's rotate halves (i, i + D/2) ("neox"). The OpenVINO graph, which un-permutes llama's rows and
+uses rotate_half for both, is thereby checked against an independent formulation; this one is
+checked against llama.cpp itself (tests/test_llamacpp_arch.py). RoPE angle of pair i at position
+p: θ_i = p·scale·base^(−2i/D) / factor_i (linear scaling, llama3 rope_freqs factors).
+KV per slot, attention over physical positions honouring the mask, RoPE at the given logical
+positions: the same contract as backends.base.Shard.
 """
 
 from __future__ import annotations
@@ -24,16 +28,31 @@ def rms_norm(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return x / np.sqrt(np.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
 
-def rope_interleaved(x: np.ndarray, positions: np.ndarray, base: float) -> np.ndarray:
-    """x [n, heads, D]: rotate each pair (x[2i], x[2i+1]) by positions·base^(−2i/D)."""
-    d = x.shape[-1]
-    theta = positions[:, None].astype(F64) * base ** (-np.arange(0, d, 2, dtype=F64) / d)  # [n, D/2]
+def rope_angles(positions: np.ndarray, d: int, base: float, scale: float = 1.0,
+                factors: np.ndarray | None = None) -> np.ndarray:
+    """θ [n, D/2]: θ[p, i] = positions[p]·scale·base^(−2i/D) / factors[i] (ggml's rope cache)."""
+    inv_freq = base ** (-np.arange(0, d, 2, dtype=F64) / d)  # [D/2]
+    if factors is not None:
+        inv_freq = inv_freq / factors
+    return positions[:, None].astype(F64) * scale * inv_freq[None, :]
+
+
+def rope_interleaved(x: np.ndarray, theta: np.ndarray) -> np.ndarray:
+    """x [n, heads, D]: rotate each pair (x[2i], x[2i+1]) by θ [n, D/2] ("normal" RoPE)."""
     cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]  # [n, 1, D/2]
     even, odd = x[..., 0::2], x[..., 1::2]
     out = np.empty_like(x)
     out[..., 0::2] = even * cos - odd * sin
     out[..., 1::2] = even * sin + odd * cos
     return out
+
+
+def rope_neox(x: np.ndarray, theta: np.ndarray) -> np.ndarray:
+    """x [n, heads, D]: rotate each pair (x[i], x[i + D/2]) by θ [n, D/2] ("neox" RoPE)."""
+    half = x.shape[-1] // 2
+    cos, sin = np.cos(theta)[:, None, :], np.sin(theta)[:, None, :]  # [n, 1, D/2]
+    first, second = x[..., :half], x[..., half:]
+    return np.concatenate([first * cos - second * sin, first * sin + second * cos], axis=-1)
 
 
 def silu(x: np.ndarray) -> np.ndarray:
@@ -56,6 +75,8 @@ class ReferenceShard:
         self.index.check_range(spec.first, spec.last)
         self.h = self.index.hparams
         self._blocks = [self._load_block(b) for b in range(spec.first, spec.last)]
+        self._rope = rope_neox if self.h.rope_neox else rope_interleaved
+        self._rope_factors = self.index.dequantize("rope_freqs.weight", F64) if self.h.rope_freq_factors else None
         self._embed = self.index.blocks_of("token_embd.weight") if spec.embed and self._quantized("token_embd.weight") else None
         self._lm_head: np.ndarray | None = None
         self._slots: dict[int, _Slot] = {}
@@ -115,11 +136,12 @@ class ReferenceShard:
             raise ValueError(f"mask covers {len(mask)} positions, the cache holds {total} after this feed")
         # new token i sees physical j iff j ≤ total − n + i and mask[j] ≠ 0
         visible = (np.arange(total)[None, :] <= (total - n + np.arange(n))[:, None]) & (mask[None, :] != 0)
+        theta = rope_angles(positions, self.h.head_dim, self.h.rope_base, self.h.rope_scale, self._rope_factors)
         for i, w in enumerate(self._blocks):
-            x, state.k[i], state.v[i] = self._block(w, x, positions, visible, state.k[i], state.v[i])
+            x, state.k[i], state.v[i] = self._block(w, x, theta, visible, state.k[i], state.v[i])
         return x
 
-    def _block(self, w, x, positions, visible, k_past, v_past):
+    def _block(self, w, x, theta, visible, k_past, v_past):
         h = self.h
         D, nh, nkv = h.head_dim, h.n_heads, h.n_kv_heads
         n = x.shape[0]
@@ -127,8 +149,11 @@ class ReferenceShard:
         q = y @ w["attn_q.weight"].T + w.get("attn_q.bias", 0.0)
         k = y @ w["attn_k.weight"].T + w.get("attn_k.bias", 0.0)
         v = y @ w["attn_v.weight"].T + w.get("attn_v.bias", 0.0)
-        q = rope_interleaved(q.reshape(n, nh, D), positions, h.rope_base)  # [n, nh, D]
-        k = rope_interleaved(k.reshape(n, nkv, D), positions, h.rope_base)  # [n, nkv, D]
+        q, k = q.reshape(n, nh, D), k.reshape(n, nkv, D)  # [n, nh, D], [n, nkv, D]
+        if h.qk_norm:  # qwen3: RMSNorm over each head's D values
+            q = rms_norm(q, w["attn_q_norm.weight"], h.rms_eps)
+            k = rms_norm(k, w["attn_k_norm.weight"], h.rms_eps)
+        q, k = self._rope(q, theta), self._rope(k, theta)
         k_all = np.concatenate([k_past, k])  # [S, nkv, D]
         v_all = np.concatenate([v_past, v.reshape(n, nkv, D)])
         group = nh // nkv

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from backends import ShardSpec
-from backends.reference import ReferenceShard, rope_interleaved
+from backends.reference import ReferenceShard, rope_angles, rope_interleaved, rope_neox
 from kafila.local import LocalChain
 
 PROMPT = [5, 60, 200, 7, 258, 33, 91]
@@ -69,8 +69,16 @@ def test_capture_restore(whole):
 def test_rope_interleaved_rotates_pairs():
     x = np.zeros((1, 1, 4))
     x[0, 0, 0] = 1.0  # the pair (x0, x1) = (1, 0) at position 1, θ = 1 rad
-    out = rope_interleaved(x, np.array([1]), 10000.0)
+    out = rope_interleaved(x, rope_angles(np.array([1]), 4, 10000.0))
     np.testing.assert_allclose(out[0, 0], [np.cos(1), np.sin(1), 0, 0], atol=1e-15)
+
+
+def test_rope_neox_rotates_halves_with_factors_and_scale():
+    x = np.zeros((1, 1, 4))
+    x[0, 0, 1] = 1.0  # the pair (x1, x3) = (1, 0), i = 1: θ = p·scale·base^(−1/2) / factor_1
+    theta = rope_angles(np.array([8]), 4, 100.0, scale=0.5, factors=np.array([1.0, 0.2]))
+    out = rope_neox(x, theta)
+    np.testing.assert_allclose(out[0, 0], [0, np.cos(2), 0, np.sin(2)], atol=1e-15)
 
 
 def test_local_chain_on_reference(synthetic_model, synthetic_index):

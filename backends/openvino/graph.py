@@ -13,9 +13,12 @@ token i64 [1], the greedy top-1 of the last row (so a decode step reads one id, 
 A shard holding both the last block and the head folds norm + lm_head + top-1 of the last row
 into its stage graph as a second output `token` (one inference per decode step).
 
-Each block is Llama's: RMSNorm → q/k/v (+ Qwen2 biases) → RoPE (rotate_half on un-permuted
-q/k rows) → KV per layer as ReadValue → Gather(beam_idx, 0) → Concat(axis 2) → Assign →
+Each block is Llama's: RMSNorm → q/k/v (+ Qwen2 biases) → (Qwen3: RMSNorm per q/k head) → RoPE
+(rotate_half) → KV per layer as ReadValue → Gather(beam_idx, 0) → Concat(axis 2) → Assign →
 GQA broadcast → ScaledDotProductAttention(mask) → o_proj → residual → RMSNorm → SwiGLU → residual.
+RoPE is rotate_half throughout: llama's q/k rows (permuted in GGUF for pairwise "normal" RoPE)
+are un-permuted into HF order first; qwen2/qwen3 rows are already in that order ("neox" RoPE).
+The angle tables fold in llama3's rope_freqs factors and linear scaling: θ_i = p·scale·base^(−2i/D)/f_i.
 """
 
 from __future__ import annotations
@@ -42,9 +45,13 @@ def rms_norm(x: ov.Output, weight: ov.Node, eps: float) -> ov.Output:
     return ops.multiply(ops.multiply(x, inv), weight).output(0)
 
 
-def rope_tables(position_ids: ov.Output, head_dim: int, base: float) -> tuple[ov.Output, ov.Output]:
-    """cos, sin [B, 1, L, D] for rotate_half RoPE at the given logical positions."""
-    inv_freq = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+def rope_tables(position_ids: ov.Output, head_dim: int, base: float, scale: float = 1.0,
+                factors: np.ndarray | None = None) -> tuple[ov.Output, ov.Output]:
+    """cos, sin [B, 1, L, D] for rotate_half RoPE at the given logical positions; frequency i is
+    scale·base^(−2i/D) / factors[i] (linear scaling, llama3 rope_freqs)."""
+    inv_freq = scale / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))  # [D/2]
+    if factors is not None:
+        inv_freq = inv_freq / np.asarray(factors, np.float64)
     inv_freq = ops.constant(inv_freq.astype(np.float32).reshape(1, 1, -1))  # [1, 1, D/2]
     pos = ops.unsqueeze(ops.convert(position_ids, F32), _i64(2))  # [B, L, 1]
     freqs = ops.multiply(pos, inv_freq)  # [B, L, D/2]
@@ -106,17 +113,24 @@ class StageBuilder:
         h = self.h
         D, nh, nkv = h.head_dim, h.n_heads, h.n_kv_heads
         p = f"blk.{b}."
+        # llama: un-permute q/k rows (and whatever lies along them) into HF order; qwen: as stored
+        qh, kh, dh = (0, 0, 0) if h.rope_neox else (nh, nkv, 1)
 
         # attention
         y = rms_norm(x, self.w.vector(p + "attn_norm.weight"), h.rms_eps)  # [B, L, H]
-        q, k, v = self.w.project(y, [(p + "attn_q.weight", nh), (p + "attn_k.weight", nkv),
+        q, k, v = self.w.project(y, [(p + "attn_q.weight", qh), (p + "attn_k.weight", kh),
                                      (p + "attn_v.weight", 0)])  # [B, L, nh·D], [B, L, nkv·D] ×2
         if h.qkv_bias:
-            q = ops.add(q, self.w.vector(p + "attn_q.bias", nh))
-            k = ops.add(k, self.w.vector(p + "attn_k.bias", nkv))
+            q = ops.add(q, self.w.vector(p + "attn_q.bias", qh))
+            k = ops.add(k, self.w.vector(p + "attn_k.bias", kh))
             v = ops.add(v, self.w.vector(p + "attn_v.bias"))
-        q = ops.transpose(ops.reshape(q, _i64(0, 0, nh, D), True), _i64(0, 2, 1, 3))  # [B, nh, L, D]
-        k = ops.transpose(ops.reshape(k, _i64(0, 0, nkv, D), True), _i64(0, 2, 1, 3))  # [B, nkv, L, D]
+        q = ops.reshape(q, _i64(0, 0, nh, D), True)  # [B, L, nh, D]
+        k = ops.reshape(k, _i64(0, 0, nkv, D), True)  # [B, L, nkv, D]
+        if h.qk_norm:  # qwen3: RMSNorm over each head's D values
+            q = rms_norm(q, self.w.vector(p + "attn_q_norm.weight", dh), h.rms_eps)
+            k = rms_norm(k, self.w.vector(p + "attn_k_norm.weight", dh), h.rms_eps)
+        q = ops.transpose(q, _i64(0, 2, 1, 3))  # [B, nh, L, D]
+        k = ops.transpose(k, _i64(0, 2, 1, 3))  # [B, nkv, L, D]
         v = ops.transpose(ops.reshape(v, _i64(0, 0, nkv, D), True), _i64(0, 2, 1, 3))  # [B, nkv, L, D]
         q = apply_rope(q, cos, sin, D)
         k = apply_rope(k, cos, sin, D)
@@ -183,7 +197,9 @@ class StageBuilder:
 
         new_len = ops.gather(ops.shape_of(position_ids, I64), _i64(1), _i64(0))  # [1] L
         mask = causal_mask(attention_mask.output(0), new_len)  # [B, 1, L, S]
-        cos, sin = rope_tables(position_ids.output(0), self.h.head_dim, self.h.rope_base)
+        h = self.h
+        factors = self.index.dequantize("rope_freqs.weight", np.float64) if h.rope_freq_factors else None
+        cos, sin = rope_tables(position_ids.output(0), h.head_dim, h.rope_base, h.rope_scale, factors)
         sinks: list = []
         for b in range(first, last):
             x = self.block(b, x, cos, sin, mask, beam_idx.output(0), sinks)

@@ -17,10 +17,10 @@ from functools import cached_property
 import numpy as np
 
 from kafila.errors import BadInput
-from kafila.models.quant import QK, QuantBlocks, split_blocks
+from kafila.models.quant import BLOCK_WEIGHTS, QuantBlocks, bf16_to_f32, split_blocks
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
-SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q4_0", "Q4_1")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
 GGUF_MAGIC = b"GGUF"
 BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 HEAD_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
@@ -28,7 +28,12 @@ BLOCK_TENSOR_NAMES = (
     "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
     "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
 )  # fmt: skip
-OPTIONAL_BLOCK_TENSORS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")  # Qwen2
+OPTIONAL_BLOCK_TENSORS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")  # Qwen2 (llama.cpp allows them on llama too)
+QK_NORM_TENSORS = ("attn_q_norm.weight", "attn_k_norm.weight")  # Qwen3: per-head RMSNorm of q and k
+ROPE_FREQS_TENSOR = "rope_freqs.weight"  # llama3 per-dimension frequency factors (llama only)
+# RoPE as llama.cpp applies it per architecture (llama_model_rope_type): llama rotates pairs
+# (2i, 2i+1) of GGUF's permuted q/k rows ("normal"); qwen2/qwen3 rotate halves (i, i + D/2), "neox".
+NEOX_ROPE_ARCHITECTURES = ("qwen2", "qwen3")
 HASH_CHUNK_BYTES = 8 << 20
 
 
@@ -60,6 +65,10 @@ class Hyperparams:
     rms_eps: float
     tied_embeddings: bool  # no output.weight: lm_head is the embedding
     qkv_bias: bool
+    rope_neox: bool = False  # rotate halves (i, i + D/2) of un-permuted rows, else pairs (2i, 2i+1)
+    rope_freq_factors: bool = False  # rope_freqs.weight [D/2]: θ_i = pos·base^(−2i/D) / factor_i
+    rope_scale: float = 1.0  # linear RoPE scaling: positions × rope_scale (= 1 / scaling.factor)
+    qk_norm: bool = False  # RMSNorm of each q and k head (weights [D]) after projection, before RoPE
 
 
 @dataclass(frozen=True)
@@ -81,6 +90,8 @@ class ModelIndex:
     def shard_tensors(self, first: int, last: int, head: bool) -> list[TensorInfo]:
         """Every tensor a shard of blocks [first, last) needs (plus the head's when `head`)."""
         out = self.head_tensors() if head else []
+        if first < last and ROPE_FREQS_TENSOR in self.tensors:  # every block's RoPE reads it
+            out.append(self.tensors[ROPE_FREQS_TENSOR])
         for b in range(first, last):
             out.extend(self.block_tensors(b))
         return out
@@ -148,6 +159,8 @@ class ModelIndex:
         t = self.tensors[name]
         if t.qtype in ("F32", "F16"):
             return self.raw(name).view(np.float32 if t.qtype == "F32" else np.float16).astype(dtype).reshape(t.shape)
+        if t.qtype == "BF16":
+            return bf16_to_f32(self.raw(name)).astype(dtype).reshape(t.shape)
         return self.blocks_of(name).dequantize(dtype)
 
 
@@ -200,20 +213,22 @@ def open_model(path: str) -> ModelIndex:
         offset = int(t.data_offset)
         if offset + int(t.n_bytes) > file_bytes:
             raise BadInput(f"GGUF {path} is truncated: tensor {t.name} ends past the end of the file")
-        if qtype in ("Q8_0", "Q4_0", "Q4_1") and shape[-1] % QK:
-            raise BadInput(f"tensor {t.name}: row length {shape[-1]} is not a multiple of {QK}")
+        if qtype in BLOCK_WEIGHTS and shape[-1] % BLOCK_WEIGHTS[qtype]:
+            raise BadInput(f"tensor {t.name}: row length {shape[-1]} is not a multiple of {qtype}'s "
+                           f"block of {BLOCK_WEIGHTS[qtype]} weights")
         tensors[t.name] = TensorInfo(t.name, qtype, shape, offset, int(t.n_bytes))
 
     n_heads = int(hp("attention.head_count"))
     hidden = int(hp("embedding_length"))
     n_blocks = int(hp("block_count"))
+    head_dim = _head_dim(path, arch, hp, hidden, n_heads)
     hparams = Hyperparams(
         arch=arch,
         n_blocks=n_blocks,
         hidden=hidden,
         n_heads=n_heads,
         n_kv_heads=int(hp("attention.head_count_kv", n_heads)),
-        head_dim=int(hp("rope.dimension_count", hidden // n_heads)),
+        head_dim=head_dim,
         ffn=int(hp("feed_forward_length")),
         vocab=int(tensors["token_embd.weight"].shape[0]) if "token_embd.weight" in tensors else 0,
         context_length=int(hp("context_length")),
@@ -221,8 +236,13 @@ def open_model(path: str) -> ModelIndex:
         rms_eps=float(hp("attention.layer_norm_rms_epsilon")),
         tied_embeddings="output.weight" not in tensors,
         qkv_bias="blk.0.attn_q.bias" in tensors,
+        rope_neox=arch in NEOX_ROPE_ARCHITECTURES,
+        rope_freq_factors=ROPE_FREQS_TENSOR in tensors,
+        rope_scale=_rope_scale(path, arch, hp),
+        qk_norm=arch == "qwen3",
     )
     _check_complete(path, tensors, hparams)
+    _check_arch(path, arch, hp, tensors, hparams)
     metadata = {k: _field(reader, k) for k in reader.fields if not k.startswith("GGUF.")}
     name = os.path.basename(path).removesuffix(".gguf")
     return ModelIndex(path=os.path.abspath(path), name=name, file_bytes=file_bytes,
@@ -240,3 +260,70 @@ def _check_complete(path: str, tensors: dict[str, TensorInfo], h: Hyperparams) -
         raise BadInput(f"GGUF {path} has tensor {extra[0]} beyond block_count {h.n_blocks}")
     if h.n_heads * h.head_dim != tensors["blk.0.attn_q.weight"].shape[0]:
         raise BadInput(f"GGUF {path}: head_count × head_dim does not match attn_q's rows")
+
+
+def _head_dim(path: str, arch: str, hp, hidden: int, n_heads: int) -> int:
+    """Head size as llama.cpp reads it: attention.key_length (default hidden / heads); the value
+    length and the rotated dimensions must equal it (llama.cpp asserts both for these models)."""
+    head_dim = int(hp("attention.key_length", hidden // n_heads))
+    value_dim = int(hp("attention.value_length", head_dim))
+    rope_dim = int(hp("rope.dimension_count", head_dim))
+    if value_dim != head_dim:
+        raise BadInput(f"GGUF {path}: {arch}.attention.value_length {value_dim} ≠ key_length {head_dim}; "
+                       "Kafila serves equal key and value head sizes")
+    if rope_dim != head_dim:
+        raise BadInput(f"GGUF {path}: {arch}.rope.dimension_count {rope_dim} ≠ head size {head_dim} "
+                       "(partial RoPE); Kafila rotates whole heads")
+    return head_dim
+
+
+def _rope_scale(path: str, arch: str, hp) -> float:
+    """The position scale llama.cpp applies (freq_scale): 1/factor for linear scaling (its default
+    type when a factor is given), 1 for none; other scaling types are refused, never ignored."""
+    kind = str(hp("rope.scaling.type", "linear"))
+    if kind not in ("linear", "none"):
+        raise BadInput(f"GGUF {path}: {arch}.rope.scaling.type {kind!r} is not served "
+                       "(Kafila implements linear RoPE scaling and none)")
+    attn_factor = float(hp("rope.scaling.attn_factor", 1.0))
+    if attn_factor != 1.0:
+        raise BadInput(f"GGUF {path}: {arch}.rope.scaling.attn_factor {attn_factor} is not served (only 1)")
+    factor = float(hp("rope.scaling.factor", 0.0)) or float(hp("rope.scale_linear", 0.0))
+    if kind == "none" or factor == 0.0:
+        return 1.0
+    if factor < 0:
+        raise BadInput(f"GGUF {path}: {arch}.rope.scaling.factor {factor} is not positive")
+    return 1.0 / factor
+
+
+def _check_arch(path: str, arch: str, hp, tensors: dict[str, TensorInfo], h: Hyperparams) -> None:
+    """Refuse what llama.cpp would compute for this architecture but Kafila does not: experts,
+    extra biases, fused or unknown tensors; check the shapes of the optional tensors it serves."""
+    experts = int(hp("expert_count", 0))
+    if experts:
+        raise BadInput(f"GGUF {path}: {arch} with {experts} experts (MoE) is not served; "
+                       f"Kafila serves dense {', '.join(SUPPORTED_ARCHITECTURES)}")
+    allowed = set(BLOCK_TENSOR_NAMES) | set(OPTIONAL_BLOCK_TENSORS)
+    if h.qk_norm:
+        allowed |= set(QK_NORM_TENSORS)
+    for name in tensors:
+        m = BLOCK_TENSOR.match(name)
+        known = m.group(2) in allowed if m else name in HEAD_TENSORS or (name == ROPE_FREQS_TENSOR and arch == "llama")
+        if not known:
+            raise BadInput(f"GGUF {path}: tensor {name} is not part of the {arch} model Kafila serves")
+    D, q_rows, kv_rows = h.head_dim, h.n_heads * h.head_dim, h.n_kv_heads * h.head_dim
+    expect = {"attn_k.weight": kv_rows, "attn_v.weight": kv_rows, "attn_q.bias": q_rows,
+              "attn_k.bias": kv_rows, "attn_v.bias": kv_rows}  # fmt: skip
+    if h.qk_norm:
+        expect |= {n: D for n in QK_NORM_TENSORS}
+    for b in range(h.n_blocks):
+        if h.qk_norm:
+            missing = [n for n in QK_NORM_TENSORS if f"blk.{b}.{n}" not in tensors]
+            if missing:
+                raise BadInput(f"GGUF {path} lacks tensor blk.{b}.{missing[0]} ({arch} normalizes q and k)")
+        for n, rows in expect.items():
+            t = tensors.get(f"blk.{b}.{n}")
+            if t is not None and t.shape[0] != rows:
+                raise BadInput(f"GGUF {path}: tensor {t.name} has {t.shape[0]} rows, expected {rows}")
+    t = tensors.get(ROPE_FREQS_TENSOR)
+    if t is not None and (t.shape != (D // 2,) or t.qtype != "F32"):
+        raise BadInput(f"GGUF {path}: {ROPE_FREQS_TENSOR} is {t.qtype} {t.shape}, expected F32 ({D // 2},)")
