@@ -82,7 +82,7 @@ class ReferenceShard:
         self._slots: dict[int, _Slot] = {}
 
     def _quantized(self, name: str) -> bool:
-        return self.index.tensors[name].qtype not in ("F32", "F16")
+        return self.index.tensors[name].qtype not in ("F32", "F16", "BF16")
 
     def _load_block(self, b: int) -> dict[str, np.ndarray]:
         p = f"blk.{b}."
@@ -115,14 +115,7 @@ class ReferenceShard:
         """token ids [n] → [n, H] float64."""
         if self._embed is None:
             return self.index.dequantize("token_embd.weight", F64)[ids]
-        e = self._embed
-        rows = e.q[ids].astype(F64)
-        if e.qtype == "Q4_0":
-            rows = rows - 8.0
-        rows = rows * e.scale[ids].astype(F64)[..., None]
-        if e.offset is not None:
-            rows = rows + e.offset[ids].astype(F64)[..., None]
-        return rows.reshape(len(ids), -1)
+        return self._embed.rows(ids, F64)
 
     def forward_exact(self, slot: int, x: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
         """forward in float64 throughout; returns float64 [n, H]."""

@@ -13,6 +13,8 @@ import gguf
 import numpy as np
 from gguf import quants
 
+from tests.kquant_encode import quantize_k
+
 CHATML = (
     "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
@@ -44,8 +46,14 @@ def write_llama_gguf(
     tied: bool = True,
     seed: int = 0,
     odd_tensor: tuple[str, str] | None = None,
+    tensor_types: dict[str, str] | None = None,
 ) -> str:
-    """A random Llama-shaped GGUF; `odd_tensor=(name, qtype)` stores one tensor in another type."""
+    """A random Llama-shaped GGUF; `odd_tensor=(name, qtype)` stores one tensor in another type.
+
+    `qtype` may also be a K-quant (Q4_K/Q5_K/Q6_K: hidden and ffn multiples of 256) or BF16;
+    `tensor_types` maps a tensor name, or a block tensor's name without `blk.N.` (every block),
+    to its own type, as in llama.cpp's mixes (e.g. {"attn_v.weight": "Q6_K"}).
+    """
     rng = np.random.default_rng(seed)
     tokens, types, merges = _byte_level_vocab()
     vocab = len(tokens)
@@ -73,6 +81,8 @@ def write_llama_gguf(
     def add(name: str, shape: tuple[int, ...], kind: str, scale: float = 0.05) -> None:
         if odd_tensor and odd_tensor[0] == name:
             kind = odd_tensor[1]
+        short = name.split(".", 2)[2] if name.startswith("blk.") else name
+        kind = (tensor_types or {}).get(name, (tensor_types or {}).get(short, kind))
         data = (rng.standard_normal(shape) * scale).astype(np.float32)
         if len(shape) == 1:
             data = (1.0 + data).astype(np.float32)  # norms near 1
@@ -80,6 +90,9 @@ def write_llama_gguf(
             w.add_tensor(name, data)
         elif kind == "F16":
             w.add_tensor(name, data.astype(np.float16))
+        elif kind in ("Q4_K", "Q5_K", "Q6_K"):  # the gguf package cannot quantize these
+            t = getattr(gguf.GGMLQuantizationType, kind)
+            w.add_tensor(name, quantize_k(data, kind), raw_dtype=t)
         else:
             t = getattr(gguf.GGMLQuantizationType, kind)
             w.add_tensor(name, quants.quantize(data, t), raw_dtype=t)

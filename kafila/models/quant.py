@@ -1,10 +1,25 @@
 """Exact GGML block formats for the quant types Kafila serves.
 
-Every block covers 32 consecutive weights of one row. Nibble order (Q4_*): element j of a block is
-the low nibble of byte j, element j+16 the high nibble of byte j.
-  Q8_0: f16 d, 32 x i8 q             w = d·q
-  Q4_0: f16 d, 16 bytes of nibbles   w = d·(q − 8)
-  Q4_1: f16 d, f16 m, 16 bytes       w = d·q + m
+Every type is split into the same shape: per row, `groups` groups of `group` consecutive weights,
+each group an affine form of small integer codes, w = scale·q (+ offset):
+
+  Q8_0  (34 B / 32):  f16 d, 32 × i8 q                     group 32  w = d·q
+  Q4_0  (18 B / 32):  f16 d, 16 bytes of nibbles            group 32  w = d·(q − 8)
+  Q4_1  (20 B / 32):  f16 d, f16 m, 16 bytes                group 32  w = d·q + m
+  Q4_K  (144 B / 256): f16 d, f16 dmin, 12 bytes of 6-bit scales sc / mins m, 128 bytes of nibbles
+                                                            group 32  w = (d·sc)·q − (dmin·m), q 0..15
+  Q5_K  (176 B / 256): as Q4_K + 32 bytes of 5th bits (qh)  group 32  likewise, q 0..31
+  Q6_K  (210 B / 256): 128 bytes low nibbles (ql), 64 bytes high 2 bits (qh), 16 × i8 sc, f16 d
+                                                            group 16  w = (d·sc)·(q − 32), q 0..63
+
+For the K-quants, scale = d·sc and offset = −(dmin·m) are products of an f16 and a 6- or 8-bit
+integer, exact in f32, and scale·q is exact in f32 too, so f32 computes w with one rounding
+(the sum), exactly as ggml does; float64 computes it without any.
+
+Nibble order (Q4_0/Q4_1): element j of a block is the low nibble of byte j, element j+16 the high
+nibble. Q4_K/Q5_K: sub-block pair (2i, 2i+1) is the low / high nibbles of bytes 32i..32i+31;
+Q5_K's 5th bit of element l of sub-block j is bit j of qh[l]. Q6_K: in each 128-weight half,
+element 32k + l takes ql[l + 32·(k mod 2)]'s nibble k div 2 and bits 2k..2k+1 of qh[l].
 """
 
 from __future__ import annotations
@@ -13,30 +28,57 @@ from dataclasses import dataclass
 
 import numpy as np
 
-QK = 32  # weights per block, every supported quantized type
+QK = 32  # weights per block of the 32-weight types
+QK_K = 256  # weights per super-block of the K-quants
+FLOAT_TYPES = ("F32", "F16", "BF16")
+BLOCK_WEIGHTS = {"Q8_0": QK, "Q4_0": QK, "Q4_1": QK, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+CODE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 8}  # bits per stored code
 
 
 @dataclass(frozen=True)
 class QuantBlocks:
-    """A quantized tensor split into its parts, each shaped [rows, cols // 32, ...]."""
+    """A quantized tensor split into its parts, each shaped [rows, groups, ...].
+
+    w[r, g·group + i] = scale[r, g]·q'[r, g, i] (+ offset[r, g]), q' = q − 8 for Q4_0, else q.
+    """
 
     qtype: str
-    q: np.ndarray  # uint8 [rows, nb, 32] in 0..15 (Q4_*) or int8 [rows, nb, 32] (Q8_0)
-    scale: np.ndarray  # float16 [rows, nb]
-    offset: np.ndarray | None  # float16 [rows, nb]: Q4_1's min; None otherwise
+    q: np.ndarray  # codes [rows, groups, group]: uint8 (Q4_0/Q4_1/Q4_K 0..15, Q5_K 0..31) or
+    #                int8 (Q8_0; Q6_K stored as q − 32 in −32..31)
+    scale: np.ndarray  # [rows, groups]: float16 d (Q8_0, Q4_*) or float32 d·sc (K-quants, exact)
+    offset: np.ndarray | None  # [rows, groups]: Q4_1's f16 min m, Q4_K/Q5_K's f32 −dmin·m; else None
+
+    @property
+    def group(self) -> int:
+        """Weights per group sharing one scale (32; 16 for Q6_K)."""
+        return self.q.shape[-1]
+
+    @property
+    def bits(self) -> int:
+        """Bits of one stored code (Q6_K's codes are stored as i8 q − 32)."""
+        return CODE_BITS[self.qtype]
 
     def dequantize(self, dtype=np.float64) -> np.ndarray:
-        """The exact weights [rows, cols] (every f16 and integer is exact in f32/f64)."""
-        q = self.q.astype(dtype)
-        if self.qtype == "Q4_0":
-            q = q - 8.0
-        w = q * self.scale.astype(dtype)[..., None]
-        if self.offset is not None:
-            w = w + self.offset.astype(dtype)[..., None]
+        """The exact weights [rows, cols] (in f32: bit for bit what ggml computes)."""
+        w = self._values(self.q, self.scale, self.offset, dtype)
         return w.reshape(w.shape[0], -1)
 
+    def rows(self, ids: np.ndarray, dtype=np.float64) -> np.ndarray:
+        """Rows `ids` of the weights, dequantized (an embedding lookup): ids [n] → [n, cols]."""
+        ids = np.asarray(ids, np.int64)
+        offset = None if self.offset is None else self.offset[ids]
+        w = self._values(self.q[ids], self.scale[ids], offset, dtype)
+        return w.reshape(*ids.shape, -1)
 
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}
+    def _values(self, q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, dtype) -> np.ndarray:
+        q = q.astype(dtype)
+        if self.qtype == "Q4_0":
+            q = q - 8.0
+        w = q * scale.astype(dtype)[..., None]  # exact
+        if offset is not None:
+            w = w + offset.astype(dtype)[..., None]  # the one rounding (f32)
+        return w
 
 
 def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
@@ -44,10 +86,54 @@ def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
 
 
+def _f16(b: np.ndarray) -> np.ndarray:
+    """uint8 [..., 2] → float32 [...] (an f16 stored little-endian)."""
+    return np.ascontiguousarray(b).view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scales_mins(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 12 packed bytes of Q4_K/Q5_K → (sc, m) uint8 [..., 8], 6 bits each (get_scale_min_k4):
+    j < 4: sc = s[j] & 63, m = s[j+4] & 63; j ≥ 4: the low 4 bits from s[j+4], the top 2 from the
+    high bits of s[j−4] (sc) and s[j] (m)."""
+    lo, hi, mix = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo & 63, (mix & 0x0F) | ((lo >> 6) << 4)], axis=-1)
+    m = np.concatenate([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], axis=-1)
+    return sc, m
+
+
+def _split_k(qtype: str, blocks: np.ndarray) -> QuantBlocks:
+    """blocks uint8 [rows, nsb, bytes] of 256-weight super-blocks → QuantBlocks of groups 32 / 16."""
+    rows, nsb, _ = blocks.shape
+    if qtype == "Q6_K":
+        ql, qh = blocks[..., 0:128], blocks[..., 128:192]  # per super-block
+        sc = np.ascontiguousarray(blocks[..., 192:208]).view(np.int8).astype(np.float32)  # [rows, nsb, 16]
+        d = _f16(blocks[..., 208:210])  # [rows, nsb]
+        ql = ql.reshape(rows, nsb, 2, 2, 32)  # [.., half, k mod 2, l]
+        low = np.stack([ql & 0x0F, ql >> 4], axis=3)  # [.., half, k div 2, k mod 2, l]
+        low = low.reshape(rows, nsb, 2, 4, 32)  # [.., half, k, l]
+        high = qh.reshape(rows, nsb, 2, 1, 32) >> (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1)
+        q = (low | ((high & 3) << 4)).astype(np.int16) - 32  # [.., half, k, l] in −32..31
+        q = q.astype(np.int8).reshape(rows, nsb * 16, 16)
+        scale = (d[..., None] * sc).reshape(rows, nsb * 16)  # exact in f32
+        return QuantBlocks(qtype, q, scale, None)
+    d, dmin = _f16(blocks[..., 0:2]), _f16(blocks[..., 2:4])  # [rows, nsb]
+    sc, m = _k_scales_mins(blocks[..., 4:16])  # [rows, nsb, 8]
+    qs = blocks[..., -128:].reshape(rows, nsb, 4, 32)  # pair of sub-blocks per 32 bytes
+    q = np.stack([qs & 0x0F, qs >> 4], axis=3).reshape(rows, nsb, 8, 32)  # sub-block j = 2·pair + nibble
+    if qtype == "Q5_K":
+        qh = blocks[..., 16:48].reshape(rows, nsb, 1, 32)
+        q = q | (((qh >> np.arange(8, dtype=np.uint8).reshape(8, 1)) & 1) << 4)
+    scale = (d[..., None] * sc.astype(np.float32)).reshape(rows, nsb * 8)
+    offset = -(dmin[..., None] * m.astype(np.float32)).reshape(rows, nsb * 8)
+    return QuantBlocks(qtype, np.ascontiguousarray(q.reshape(rows, nsb * 8, 32)), scale, offset)
+
+
 def split_blocks(qtype: str, raw: np.ndarray, rows: int, cols: int) -> QuantBlocks:
     """Split the raw bytes of a [rows, cols] tensor of type `qtype` into its parts."""
-    nb = cols // QK
+    nb = cols // BLOCK_WEIGHTS[qtype]
     blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, nb, BLOCK_BYTES[qtype])
+    if qtype in ("Q4_K", "Q5_K", "Q6_K"):
+        return _split_k(qtype, blocks)
     scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     if qtype == "Q8_0":
         return QuantBlocks(qtype, blocks[..., 2:].copy().view(np.int8), scale, None)
@@ -55,3 +141,8 @@ def split_blocks(qtype: str, raw: np.ndarray, rows: int, cols: int) -> QuantBloc
         return QuantBlocks(qtype, unpack_nibbles(blocks[..., 2:]), scale, None)
     offset = blocks[..., 2:4].copy().view(np.float16)[..., 0]
     return QuantBlocks(qtype, unpack_nibbles(blocks[..., 4:]), scale, offset)
+
+
+def bf16_to_f32(raw: np.ndarray) -> np.ndarray:
+    """BF16 bytes → float32, exactly (a bf16 is the top half of an f32)."""
+    return (np.asarray(raw, np.uint8).view(np.uint16).astype(np.uint32) << 16).view(np.float32)
