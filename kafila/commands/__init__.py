@@ -9,6 +9,7 @@ COMMANDS = (
     "run",
     "serve",
     "models",
+    "inspect",
     "bench",
     "probe",
     "plan",
