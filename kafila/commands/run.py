@@ -24,7 +24,9 @@ def register(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="new tokens at most (default 128)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true",
-                   help='print one line {"text", "tokens", "tok_s", "stages"} instead of streaming')
+                   help='print one line {"text", "tokens", "tok_s", "stages", "ids", "prompt_ids"} instead of '
+                        'streaming: ids are the generated token ids (EOS not included), prompt_ids the prompt\'s '
+                        'ids as fed (chat-templated unless --raw)')
     p.add_argument("prompt", metavar="PROMPT")
     p.set_defaults(handler=run)
 
@@ -69,7 +71,8 @@ def run(args) -> int:
     tok_s = (len(tokens) - 1) / elapsed if len(tokens) > 1 and elapsed > 0 else 0.0  # decode rate
     if args.json:
         print(json.dumps({"text": tokenizer.decode(tokens), "tokens": len(tokens),
-                          "tok_s": round(tok_s, 2), "stages": chain.stages}))
+                          "tok_s": round(tok_s, 2), "stages": chain.stages,
+                          "ids": tokens, "prompt_ids": list(ids)}))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()
