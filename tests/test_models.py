@@ -100,8 +100,8 @@ def test_tokenizer_round_trip_and_chat(default_tokenizer):
     rendered = tok.render_chat([{"role": "user", "content": "Hi"}])
     assert rendered.endswith("<|im_start|>assistant\n")
     ids = tok.encode(rendered)
-    assert ids.count(tok.backend.token_to_id("<|im_start|>")) >= 2
-    assert tok.backend.token_to_id("<|im_end|>") in tok.eos_ids
+    assert ids.count(tok.token_to_id("<|im_start|>")) >= 2
+    assert tok.token_to_id("<|im_end|>") in tok.eos_ids
 
 
 def test_tokenizer_matches_openvino_genai(default_model_path, default_tokenizer):

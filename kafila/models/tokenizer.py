@@ -1,51 +1,162 @@
-"""Tokenizer and chat template from GGUF metadata, with the `tokenizers` library (no hub)."""
+"""Tokenizer and chat template from GGUF metadata, tokenizing as llama.cpp does (no hub).
+
+`tokenizer_from_metadata(md)` builds a `Tokenizer` from the `tokenizer.*` keys of a GGUF file:
+byte-level BPE (`tokenizer.ggml.model = "gpt2"`, with the pre-tokenizer `tokenizer.ggml.pre`
+names) or SentencePiece (`"llama"`); the algorithms are in `kafila.models.vocab`. Anything else
+is refused with BadInput rather than approximated. `load_tokenizer(index)` serves an opened
+model; `load_tokenizer_file(path)` reads only the metadata, so a vocabulary-only GGUF is enough.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import datetime
+import json
+import mmap
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
 
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kafila.errors import BadInput
-from kafila.models.gguf_index import ModelIndex
+from kafila.models import vocab as V
 
-TOKEN_TYPE_CONTROL = 3  # GGUF token_type for special tokens
-DIGIT_SPLIT_PRETOKENIZERS = ("smollm", "qwen2", "llama-bpe")  # pre-tokenizers that isolate digits
+SUPPORTED_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece
+DEFAULT_SPECIAL_IDS = {"llama": (1, 2), "gpt2": (11, 11)}  # llama.cpp's (bos, eos) when the keys are absent
 
 
 @dataclass
 class Tokenizer:
-    backend: object  # tokenizers.Tokenizer
-    eos_ids: frozenset[int]
+    """A GGUF vocabulary: encode/decode as llama.cpp does, chat template, end-of-generation ids."""
+
+    model: V.BpeModel | V.SpmModel
+    kind: str  # tokenizer.ggml.model: "gpt2" or "llama"
+    tokens: list[str] = field(repr=False)
+    types: list[int] = field(repr=False)  # GGUF token types, after llama.cpp's by-text overrides
+    specials: list[tuple[str, int, bool, bool]] = field(repr=False)  # (text, id, lstrip, rstrip), longest first
+    eos_ids: frozenset[int]  # end-of-generation: eos, eot, <|im_end|>, <|eot_id|>, … (llama.cpp's EOG set)
     bos_token: str
     eos_token: str
     chat_template: str | None
     add_bos: bool
     bos_id: int | None
+    add_eos: bool = False
+    eos_id: int | None = None
+    add_space_prefix: bool = False  # SentencePiece: "▁" before the text and after each special token
 
-    def encode(self, text: str) -> list[int]:
-        ids = self.backend.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if self.add_bos and self.bos_id is not None else []) + ids
+    def encode(self, text: str, *, add_special: bool = True, parse_special: bool = True) -> list[int]:
+        """Token ids of `text`: BOS/EOS as the model asks when `add_special`; special-token text
+        (`<|im_start|>`…) becomes its token when `parse_special` (user-defined tokens always do)."""
+        specials = self.specials
+        if not parse_special:
+            specials = [s for s in specials if self.types[s[1]] not in V.HIDDEN_TYPES]
+        ids: list[int] = []
+        if add_special and self.add_bos and self.bos_id is not None:
+            ids.append(self.bos_id)
+        prev_special = True  # SentencePiece prefixes the first fragment with a space
+        for part in V.partition_special(text, specials):
+            if isinstance(part, int):
+                ids.append(part)
+                prev_special = True
+                continue
+            if self.add_space_prefix and prev_special:
+                part = " " + part
+            ids.extend(self.model.encode(part))
+            prev_special = False
+        if add_special and self.add_eos and self.eos_id is not None:
+            ids.append(self.eos_id)
+        return ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.backend.decode(ids, skip_special_tokens=True)
+    def piece(self, token: int, special: bool = True) -> bytes:
+        """The bytes one token stands for (llama.cpp's token_to_piece); b"" for hidden special tokens."""
+        if not 0 <= token < len(self.tokens):
+            raise BadInput(f"token id {token} is outside the vocabulary (0..{len(self.tokens) - 1})")
+        text, kind = self.tokens[token], self.types[token]
+        if kind in V.HIDDEN_TYPES:
+            return text.encode() if special else b""
+        if kind == V.TYPE_USER_DEFINED:
+            return text.encode()
+        if kind == V.TYPE_BYTE:
+            return bytes([int(text[3:5], 16)])
+        if kind != V.TYPE_NORMAL:
+            return b""  # unused/undefined tokens render as nothing
+        if self.kind == "llama":
+            return text.replace(V.SPACE_ESCAPE, " ").encode()
+        out = bytearray()
+        for c in text:
+            b = V.CHAR_TO_BYTE.get(c)
+            if b is None:
+                out += f"[UNK_BYTE_0x{c.encode().hex()}{text}]".encode()
+            else:
+                out.append(b)
+        return bytes(out)
 
-    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat template applied to `messages` ([{"role", "content"}])."""
+    def decode_bytes(self, ids: list[int], *, special: bool = False) -> bytes:
+        """The bytes of `ids`; SentencePiece's added leading space is removed from the first token
+        after an optional BOS (as llama-cpp-python and Hugging Face do, so decode∘encode round-trips)."""
+        pieces = [self.piece(t, special) for t in ids]
+        if self.add_space_prefix and pieces:
+            first = 1 if ids[0] == self.bos_id and len(pieces) > 1 else 0
+            if pieces[first].startswith(b" "):
+                pieces[first] = pieces[first][1:]
+        return b"".join(pieces)
+
+    def decode(self, ids: list[int], *, special: bool = False) -> str:
+        """Text of `ids`; control tokens are left out unless `special`. No space clean-up (lossless)."""
+        return self.decode_bytes(ids, special=special).decode("utf-8", errors="replace")
+
+    def token_to_id(self, text: str) -> int | None:
+        return self.model.token_to_id.get(text)
+
+    def render_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra) -> str:
+        """The chat template applied to `messages` ([{"role", "content"}]); `extra` reaches the
+        template as variables (`tools`, `enable_thinking`, …). A leading BOS text is dropped when
+        encode adds BOS itself (llama.cpp does the same), so the prompt never starts with two."""
         if not self.chat_template:
             return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         try:
-            template = env.from_string(self.chat_template)
-            return template.render(
+            template = _chat_environment().from_string(self.chat_template)
+            text = template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token,
                 eos_token=self.eos_token,
+                **extra,
             )
         except jinja2.TemplateError as exc:
             raise BadInput(f"the model's chat template failed: {exc}") from None
+        if self.add_bos and self.bos_token and text.startswith(self.bos_token):
+            text = text[len(self.bos_token):]
+        return text
+
+
+class _TemplateError(jinja2.TemplateError):
+    pass
+
+
+def _raise_exception(message: str) -> None:
+    raise _TemplateError(message)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.datetime.now().strftime(fmt)
+
+
+def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False) -> str:
+    # Hugging Face's tojson: plain JSON (jinja2's own escapes <, >, & and ' for HTML).
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+
+
+def _chat_environment() -> ImmutableSandboxedEnvironment:
+    """The sandbox chat templates run in, with what Hugging Face's renderer provides."""
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=["jinja2.ext.loopcontrols"])  # fmt: skip
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
+    return env
 
 
 class StreamDecoder:
@@ -65,39 +176,224 @@ class StreamDecoder:
         return piece
 
 
-def load_tokenizer(index: ModelIndex) -> Tokenizer:
-    from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-    from tokenizers import Tokenizer as HFTokenizer
+# ---- building a Tokenizer from metadata ------------------------------------------------------
 
-    md = index.metadata
+
+def _supported_pre() -> str:
+    return ", ".join(sorted(V.PRETOKENIZERS))
+
+
+def tokenizer_from_metadata(md: Mapping[str, object], name: str = "the model") -> Tokenizer:
+    """A Tokenizer from GGUF metadata (`tokenizer.*` keys; `general.name` for phi-3's strip rule)."""
     kind = md.get("tokenizer.ggml.model")
-    if kind != "gpt2":
-        raise BadInput(f"tokenizer model {kind!r} is not supported (Kafila reads byte-level BPE, 'gpt2')")
-    tokens = list(md["tokenizer.ggml.tokens"])
-    types = list(md.get("tokenizer.ggml.token_type") or [1] * len(tokens))
-    merges = [tuple(m.split(" ", 1)) for m in md["tokenizer.ggml.merges"]]
-    vocab = {t: i for i, t in enumerate(tokens)}
-    hf = HFTokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)]
-    if md.get("tokenizer.ggml.pre") in DIGIT_SPLIT_PRETOKENIZERS:
-        pre.insert(0, pre_tokenizers.Split(Regex(r"\p{N}"), "isolated"))
-    hf.pre_tokenizer = pre_tokenizers.Sequence(pre)
-    hf.decoder = decoders.ByteLevel()
-    hf.add_special_tokens(
-        [AddedToken(t, special=True, normalized=False) for t, ty in zip(tokens, types) if ty == TOKEN_TYPE_CONTROL]
-    )
-    eos = md.get("tokenizer.ggml.eos_token_id")
-    bos = md.get("tokenizer.ggml.bos_token_id")
-    eos_ids = {int(eos)} if eos is not None else set()
-    im_end = vocab.get("<|im_end|>")  # chat models end turns with it even when eos differs
-    if im_end is not None:
-        eos_ids.add(im_end)
+    if kind is None:
+        raise BadInput(f"{name} has no tokenizer (no tokenizer.ggml.model key)")
+    if kind not in SUPPORTED_MODELS:
+        raise BadInput(f"{name}: tokenizer model {kind!r} is not supported "
+                       f"(Kafila reads 'gpt2' byte-level BPE and 'llama' SentencePiece)")  # fmt: skip
+    if "tokenizer.ggml.tokens" not in md:
+        raise BadInput(f"{name} lacks tokenizer.ggml.tokens")
+    tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(md["tokenizer.ggml.tokens"])]  # type: ignore[arg-type]
+    n = len(tokens)
+    types = [int(t) for t in md.get("tokenizer.ggml.token_type") or [V.TYPE_NORMAL] * n]  # type: ignore[union-attr]
+    if len(types) < n:
+        raise BadInput(f"{name}: tokenizer.ggml.token_type has {len(types)} entries for {n} tokens")
+    types = types[:n]
+    token_to_id = {t: i for i, t in enumerate(tokens)}
+
+    add_space_prefix = False
+    if kind == "gpt2":
+        pre_name = md.get("tokenizer.ggml.pre")
+        if pre_name is None:
+            raise BadInput(f"{name} has no pre-tokenizer (tokenizer.ggml.pre); llama.cpp would guess 'default' and "
+                           f"warn of degraded output; Kafila supports: {_supported_pre()}")  # fmt: skip
+        pre = V.PRETOKENIZERS.get(str(pre_name))
+        if pre is None:
+            raise BadInput(f"{name}: pre-tokenizer {pre_name!r} is not supported; Kafila supports: {_supported_pre()}")
+        if "tokenizer.ggml.merges" not in md:
+            raise BadInput(f"{name} lacks tokenizer.ggml.merges (needed by BPE)")
+        merges = list(md["tokenizer.ggml.merges"])  # type: ignore[call-overload]
+        model: V.BpeModel | V.SpmModel = V.BpeModel(token_to_id, merges, pre)
+        add_bos, add_eos = pre.add_bos, False
+    else:
+        scores = [float(s) for s in md.get("tokenizer.ggml.scores") or [0.0] * n]  # type: ignore[union-attr]
+        if len(scores) < n:
+            raise BadInput(f"{name}: tokenizer.ggml.scores has {len(scores)} entries for {n} tokens")
+        model = V.SpmModel(token_to_id, scores)
+        add_bos, add_eos, add_space_prefix = True, False, True
+    add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
+    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", add_bos))
+    add_eos = bool(md.get("tokenizer.ggml.add_eos_token", add_eos))
+
+    def special_id(key: str, default: int | None) -> int | None:
+        value = md.get(key)
+        if value is not None and 0 <= int(value) < n:  # type: ignore[call-overload]
+            return int(value)  # type: ignore[call-overload]
+        return default if default is not None and 0 <= default < n else None
+
+    bos_default, eos_default = DEFAULT_SPECIAL_IDS[str(kind)]
+    bos = special_id("tokenizer.ggml.bos_token_id", bos_default)
+    eos = special_id("tokenizer.ggml.eos_token_id", eos_default)
+    eos_ids = _mark_special(tokens, token_to_id, types, eos, special_id)
+    rstrip = _phi3_rstrip(md, tokens, token_to_id, types)
+    special_ids = sorted((i for i, ty in enumerate(types) if ty in V.SPECIAL_TYPES), key=lambda i: -len(tokens[i]))
+    specials = [(tokens[i], i, False, i in rstrip) for i in special_ids]
+    template = md.get("tokenizer.chat_template")
     return Tokenizer(
-        backend=hf,
+        model=model, kind=str(kind), tokens=tokens, types=types, specials=specials,
         eos_ids=frozenset(eos_ids),
-        bos_token=tokens[int(bos)] if bos is not None else "",
-        eos_token=tokens[int(eos)] if eos is not None else "",
-        chat_template=md.get("tokenizer.chat_template"),
-        add_bos=bool(md.get("tokenizer.ggml.add_bos_token", False)),
-        bos_id=int(bos) if bos is not None else None,
-    )
+        bos_token=tokens[bos] if bos is not None else "",
+        eos_token=tokens[eos] if eos is not None else "",
+        chat_template=str(template) if template else None,
+        add_bos=add_bos and bos is not None, bos_id=bos,
+        add_eos=add_eos and eos is not None, eos_id=eos,
+        add_space_prefix=add_space_prefix,
+    )  # fmt: skip
+
+
+def _mark_special(tokens, token_to_id, types, eos, special_id) -> set[int]:
+    """llama.cpp's by-text fix-ups of token types, and its end-of-generation (EOG) set.
+
+    Fill-in-the-middle and end-of-turn tokens become control tokens; EOG is eos, eot, eom, the FIM
+    pad/repo/separator tokens and the end-of-turn tokens by text (`<|eot_id|>`, `<|im_end|>`, …).
+    Mutates `types`.
+    """
+    eog: set[int] = set()
+    for key, ends, texts in V.FIM_TEXTS:
+        found = special_id(key, None)
+        if found is None:
+            found = next((token_to_id[t] for t in texts if t in token_to_id), None)
+            if found is not None:
+                types[found] = V.TYPE_CONTROL
+        if found is not None and ends:
+            eog.add(found)
+    for t, i in token_to_id.items():
+        if t in V.EOG_TEXTS:
+            eog.add(i)
+            types[i] = V.TYPE_CONTROL
+    for t in V.ALWAYS_RENDERED:
+        if t in token_to_id:
+            types[token_to_id[t]] = V.TYPE_USER_DEFINED
+    eot, eom = special_id("tokenizer.ggml.eot_token_id", None), special_id("tokenizer.ggml.eom_token_id", None)
+    for found in (eos, eot, eom):
+        if found is not None:
+            eog.add(found)
+    texts = {tokens[i]: i for i in eog}
+    if "<|end|>" in texts and (("<|return|>" in texts and "<|call|>" in texts)
+                               or ("<|calls|>" in texts and "<|flush|>" in texts)):  # fmt: skip
+        eog.discard(texts["<|end|>"])  # o200k_harmony / solar-open: <|end|> ends a message, not generation
+        types[texts["<|end|>"]] = V.TYPE_USER_DEFINED
+    if "</s>" in texts and ("<|tool_response>" in texts or "<|plamo:eos|>" in texts):
+        eog.discard(texts["</s>"])  # gemma4 and plamo have a normal </s>
+        types[texts["</s>"]] = V.TYPE_NORMAL
+    return eog
+
+
+def _phi3_rstrip(md, tokens, token_to_id, types) -> set[int]:
+    """Phi-3's special tokens swallow the whitespace after them (llama.cpp keys this on general.name)."""
+    model_name = str(md.get("general.name") or "").lower()
+    if "phi-3" not in model_name and "phi3" not in model_name:
+        return set()
+    ids = {i for i, ty in enumerate(types) if ty in V.SPECIAL_TYPES}
+    ids |= {token_to_id["</s>"]} if "</s>" in token_to_id else set()
+    return ids - {token_to_id[t] for t in ("<unk>", "<s>", "<|endoftext|>") if t in token_to_id}
+
+
+def load_tokenizer(index) -> Tokenizer:
+    """The tokenizer of an opened model (kafila.models.ModelIndex)."""
+    return tokenizer_from_metadata(index.metadata, name=index.path)
+
+
+def load_tokenizer_file(path: str) -> Tokenizer:
+    """The tokenizer of any GGUF file, reading only its metadata (a vocabulary-only GGUF is enough)."""
+    return tokenizer_from_metadata(read_tokenizer_metadata(path), name=path)
+
+
+# ---- reading the metadata of a GGUF file -------------------------------------------------------
+
+GGUF_MAGIC = b"GGUF"
+_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
+_STRING, _ARRAY = 8, 9
+
+
+def read_tokenizer_metadata(path: str, prefixes: tuple[str, ...] = ("tokenizer.", "general.")) -> dict[str, object]:
+    """The metadata keys of a GGUF file that start with `prefixes`, values as Python objects.
+
+    A small reader of the GGUF header (v2/v3) rather than gguf.GGUFReader, which builds an array
+    object per string and takes seconds on a 150k-token vocabulary; tensors are never read.
+    """
+    if not os.path.isfile(path):
+        raise BadInput(f"model file not found: {path} (give a GGUF path or an alias; see `kafila models`)")
+    with open(path, "rb") as f:
+        if f.read(4) != GGUF_MAGIC:
+            raise BadInput(f"not a GGUF file: {path}")
+        try:
+            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:
+            raise BadInput(f"not a GGUF file (empty): {path}") from None
+    try:
+        return _read_kv(buf, path, prefixes)
+    except (struct.error, IndexError, ValueError, UnicodeDecodeError, OverflowError) as exc:
+        raise BadInput(f"cannot read GGUF {path}: it is damaged or truncated ({type(exc).__name__}: {exc})") from None
+    finally:
+        buf.close()
+
+
+def _read_kv(buf, path: str, prefixes: tuple[str, ...]) -> dict[str, object]:
+    import numpy as np
+
+    version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
+    if version < 2:
+        raise BadInput(f"GGUF {path} is version {version}; Kafila reads versions 2 and 3")
+    at = 24
+    size = len(buf)
+
+    def string(at: int) -> tuple[str, int]:
+        (length,) = struct.unpack_from("<Q", buf, at)
+        end = at + 8 + length
+        if end > size:
+            raise ValueError("string past the end of the file")
+        return buf[at + 8:end].decode("utf-8", errors="replace"), end
+
+    def value(kind: int, at: int, keep: bool) -> tuple[object, int]:
+        if kind in _SCALARS:
+            fmt = _SCALARS[kind]
+            return (struct.unpack_from(fmt, buf, at)[0] if keep else None), at + struct.calcsize(fmt)
+        if kind == _STRING:
+            return string(at)
+        if kind != _ARRAY:
+            raise ValueError(f"unknown value type {kind}")
+        item, count = struct.unpack_from("<IQ", buf, at)
+        at += 12
+        if item in _SCALARS:
+            width = struct.calcsize(_SCALARS[item])
+            end = at + width * count
+            if end > size:
+                raise ValueError("array past the end of the file")
+            data = np.frombuffer(buf, dtype=np.dtype(_SCALARS[item]), count=count, offset=at).tolist() if keep else None
+            return data, end
+        if item == _STRING:
+            items = []
+            for _ in range(count):
+                (length,) = struct.unpack_from("<Q", buf, at)
+                if keep:
+                    items.append(buf[at + 8:at + 8 + length].decode("utf-8", errors="replace"))
+                at += 8 + length
+            if at > size:
+                raise ValueError("array past the end of the file")
+            return (items if keep else None), at
+        values = []
+        for _ in range(count):
+            v, at = value(item, at, keep)
+            values.append(v)
+        return (values if keep else None), at
+
+    out: dict[str, object] = {}
+    for _ in range(n_kv):
+        key, at = string(at)
+        (kind,) = struct.unpack_from("<I", buf, at)
+        keep = key.startswith(prefixes)
+        v, at = value(kind, at + 4, keep)
+        if keep:
+            out[key] = v
+    return out
