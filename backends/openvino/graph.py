@@ -93,20 +93,8 @@ class StageBuilder:
         self.w = weights
 
     def embedding(self, input_ids: ov.Output) -> ov.Output:
-        """token ids [B, L] → [B, L, H], gathering rows of the compressed table."""
-        name = "token_embd.weight"
-        t = self.index.tensors[name]
-        if t.qtype in ("F32", "F16"):
-            table = ops.constant(self.index.dequantize(name, np.float32))
-            return ops.gather(table, input_ids, _i64(0)).output(0)
-        b = self.w.blocks(name)
-        q, scale = self.w.compressed(b, name)  # [V, nb, 32], [V, nb, 1], shared with a tied lm_head
-        rows = ops.convert(ops.gather(q, input_ids, _i64(0)), F32)  # [B, L, nb, 32]
-        rows = ops.multiply(rows, ops.convert(ops.gather(scale, input_ids, _i64(0)), F32))
-        if b.qtype == "Q4_1":  # + m′ = m + 8d per block
-            m8 = (b.offset.astype(np.float32) + 8 * b.scale.astype(np.float32))[..., None]  # [V, nb, 1]
-            rows = ops.add(rows, ops.gather(ops.constant(m8), input_ids, _i64(0)))
-        return ops.reshape(rows, _i64(0, 0, self.h.hidden), special_zero=True).output(0)  # [B, L, H]
+        """token ids [B, L] → [B, L, H], gathering rows of the compressed table (any type)."""
+        return self.w.embedding("token_embd.weight", input_ids)
 
     def block(self, b: int, x: ov.Output, cos: ov.Output, sin: ov.Output, mask: ov.Output,
               beam_idx: ov.Output, sinks: list) -> ov.Output:

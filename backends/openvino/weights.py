@@ -1,20 +1,33 @@
-"""GGUF tensors as OpenVINO constants: 4-bit weights stay 4-bit, decompressed exactly in the graph.
+"""GGUF tensors as OpenVINO constants: quantized weights stay quantized, decompressed exactly in
+the graph.
 
-Every quantized projection becomes the decompression subgraph the CPU plugin's
-`CompressedWeightsBlock` matcher folds into a compressed FullyConnected:
+Every quantized matrix is kept as its GGUF codes, grouped [out, groups, group], and decompressed by
+the subgraph the CPU plugin's `CompressedWeightsBlock` matcher folds into a compressed
+FullyConnected (checked in tests/test_openvino_fusion.py and tests/test_kquants.py):
 
-    Constant i4|i8 [out, in/32, 32] → Convert(f32) → Multiply(Convert(scale f16 [out, in/32, 1]))
-        → Reshape [out, in] → MatMul(x, ·ᵀ)
+    Constant codes [out, groups, group] → Convert(f32) [→ Subtract(zero point f32 [out, groups, 1])]
+        → Multiply(scale [out, groups, 1]) → Reshape [out, in] → MatMul(x, ·ᵀ)
 
-Q4_0 (w = d·(q − 8)) is exactly i4 q − 8 with scale d. Q4_1 (w = d·q + m) is u4 q with an f32
-zero point z = −m/d and an f32 scale d per block, w = (q − z)·d: the same CompressedWeightsBlock pattern with a
-Subtract, which the CPU plugin runs in its int4 FullyConnected kernel (exact to f32 rounding;
-openvino_genai's u4 zero point round(−m/d) is lossy). A block with d = 0 and m ≠ 0 has no zero
-point; a tensor holding one falls back to d·(q − 8) as i4 plus the exact correction
-blocksum(x) @ (m + 8d)ᵀ, blocksum summing x over each group of 32 inputs (the previous scheme:
-one extra small FullyConnected per projection, ≈ 20 % slower decode on the default model).
+  type   codes                   group  scale                zero point        FullyConnected
+  Q8_0   i8 q                    32     f16 d (→ Convert)    —                 i8
+  Q4_0   i4 q − 8                32     f16 d (→ Convert)    —                 i4
+  Q4_1   u4 q                    32     f32 d                −m/d              u4
+  Q4_K   u4 q                    32     f32 d·sc             dmin·m/(d·sc)     u4
+  Q5_K   u8 q (0..31)            32     f32 d·sc             dmin·m/(d·sc)     u8
+  Q6_K   i8 q − 32               16     f32 d·sc             —                 i8
 
-Projections that read the same input (q/k/v; gate/up) are concatenated into one matrix.
+Scales are exact (f16 d, or f16 × a 6/8-bit integer in f32); the f32 zero point makes
+(q − z)·s equal d·q + m (Q4_1) or (d·sc)·q − dmin·m (K) to f32 rounding (openvino_genai's u4 zero
+point round(−m/d) is lossy). A group whose scale is 0 holds one value, its offset, for every
+weight: it is stored as codes 1, zero point 0 and scale = offset, exact again, so no type needs
+a fallback. f32 scales: an f16 scale behind a Convert gets folded into an extra f32 copy of
+every scale inside the compiled model. F32, F16 and BF16 matrices become f32 constants (F16 and
+BF16: 4 bytes per weight in memory against 2 in the file).
+
+Projections that read the same input (q/k/v; gate/up) are concatenated into one matrix where
+they share a type; in a mix (Q4_K_M files hold some attn_v/ffn_down in Q6_K) each run of equal
+types is its own compressed FullyConnected. The token embedding gathers rows of the compressed
+table (the same constants as a tied lm_head) and decompresses only those rows.
 Constants wrap numpy buffers without copying (4-bit: element 2i in the low nibble of byte i);
 `WeightBank.keep` holds those buffers for as long as the model or compiled model lives.
 """
@@ -24,15 +37,17 @@ from __future__ import annotations
 import mmap
 import os
 import tempfile
+from dataclasses import dataclass
 
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
 from kafila.models import ModelIndex
-from kafila.models.quant import QK, QuantBlocks
+from kafila.models.quant import FLOAT_TYPES, QuantBlocks
 
 F32 = ov.Type.f32
+ZERO_POINT_TYPES = ("Q4_1", "Q4_K", "Q5_K")  # w = (q − z)·s with an f32 zero point
 
 
 def pack_u4(q: np.ndarray) -> np.ndarray:
@@ -93,6 +108,17 @@ class SpillFile:
         return sum(m.nbytes for m in self.maps)
 
 
+@dataclass(frozen=True)
+class Packed:
+    """A quantized matrix's constants: w = (Convert(q) − zero)·Convert(scale), [rows, groups, group]."""
+
+    q: ov.Node  # codes [rows, groups, group]: i8 | i4 | u4 | u8
+    scale: ov.Node  # [rows, groups, 1] f32, or f16 (Q8_0, Q4_0)
+    zero: ov.Node | None  # [rows, groups, 1] f32 (Q4_1, Q4_K, Q5_K)
+    rows: int
+    cols: int
+
+
 class WeightBank:
     """Builds constants and decompression subgraphs for one model's tensors."""
 
@@ -100,7 +126,7 @@ class WeightBank:
         self.index = index
         self.keep: list[np.ndarray] = []  # numpy buffers the constants point into
         self.spill = SpillFile() if spill else None  # or a file holding them (see SpillFile)
-        self._compressed: dict[str, tuple[ov.Node, ov.Node]] = {}  # one buffer per tensor, shared by models
+        self._shared: dict[str, Packed | ov.Node] = {}  # one buffer per whole tensor, shared by models
 
     def release_pages(self) -> None:
         """With a spill file: drop the constants' pages from the resident set (safe at any time)."""
@@ -128,75 +154,112 @@ class WeightBank:
         un = lambda a: None if a is None else unpermute_rows(a, unpermute_heads)  # noqa: E731
         return QuantBlocks(b.qtype, un(b.q), un(b.scale), un(b.offset))
 
+    def _dense(self, name: str, unpermute_heads: int = 0) -> np.ndarray:
+        w = self.index.dequantize(name, np.float32)  # F32 / F16 / BF16, exact
+        return unpermute_rows(w, unpermute_heads) if unpermute_heads else w
+
+    def _whole(self, name: str) -> Packed | ov.Node:
+        """The tensor's constants as stored (no un-permuting), made once: a tied embedding and
+        lm_head, and the stage and head models, share one buffer."""
+        if name not in self._shared:
+            if self.index.tensors[name].qtype in FLOAT_TYPES:
+                self._shared[name] = self._const(self._dense(name))
+            else:
+                self._shared[name] = self.pack(self.blocks(name))
+        return self._shared[name]
+
     def project(self, x: ov.Output, parts: list[tuple[str, int]]) -> list[ov.Output]:
-        """x [..., in] through the matrices `parts` ((name, heads to un-permute or 0), same input)
-        as one concatenated projection; returns one output [..., out_i] per part."""
+        """x [..., in] through the matrices `parts` ((name, heads to un-permute or 0), same input);
+        returns one output [..., out_i] per part. Neighbours of one type share one FullyConnected."""
         infos = [self.index.tensors[name] for name, _ in parts]
-        qtypes = {t.qtype for t in infos}
-        if len(parts) == 1 and qtypes <= {"Q8_0", "Q4_0"} and not parts[0][1]:  # e.g. a tied lm_head
-            y = self.quantized_linear(x, self.blocks(parts[0][0]), name=parts[0][0])
-        elif len(qtypes) == 1 and qtypes <= {"Q8_0", "Q4_0", "Q4_1"}:
-            bl = [self.blocks(name, heads) for name, heads in parts]
-            y = self.quantized_linear(x, QuantBlocks(
-                bl[0].qtype,
-                np.concatenate([b.q for b in bl]),
-                np.concatenate([b.scale for b in bl]),
-                None if bl[0].offset is None else np.concatenate([b.offset for b in bl]),
-            ))
-        else:  # float (or mixed) matrices: one f32 constant
-            ws = []
-            for name, heads in parts:
-                w = self.index.dequantize(name, np.float32)
-                ws.append(unpermute_rows(w, heads) if heads else w)
-            y = linear(x, self._const(np.concatenate(ws)).output(0))
-        if len(parts) == 1:
-            return [y]
-        sizes = np.array([t.shape[0] for t in infos], np.int64)
-        return list(ops.variadic_split(y, ops.constant(np.int64(-1)), ops.constant(sizes)).outputs())
+        kinds = ["float" if t.qtype in FLOAT_TYPES else t.qtype for t in infos]
+        outs: list[ov.Output] = []
+        i = 0
+        while i < len(parts):
+            j = i + 1
+            while j < len(parts) and kinds[j] == kinds[i]:
+                j += 1
+            run = parts[i:j]  # parts[i:j] share a type: one matrix
+            if len(run) == 1 and not run[0][1]:
+                whole = self._whole(run[0][0])
+                y = linear(x, self.weight(whole) if isinstance(whole, Packed) else whole.output(0))
+            elif kinds[i] == "float":
+                y = linear(x, self._const(np.concatenate([self._dense(n, h) for n, h in run])).output(0))
+            else:
+                bl = [self.blocks(n, h) for n, h in run]
+                y = self.quantized_linear(x, QuantBlocks(
+                    bl[0].qtype,
+                    np.concatenate([b.q for b in bl]),
+                    np.concatenate([b.scale for b in bl]),
+                    None if bl[0].offset is None else np.concatenate([b.offset for b in bl]),
+                ))  # fmt: skip
+            if len(run) == 1:
+                outs.append(y)
+            else:
+                sizes = ops.constant(np.array([t.shape[0] for t in infos[i:j]], np.int64))
+                outs.extend(ops.variadic_split(y, ops.constant(np.int64(-1)), sizes).outputs())
+            i = j
+        return outs
 
-    def quantized_linear(self, x: ov.Output, b: QuantBlocks, name: str | None = None) -> ov.Output:
+    def quantized_linear(self, x: ov.Output, b: QuantBlocks) -> ov.Output:
         """x [..., in] @ w[out, in]ᵀ for GGML blocks b, exactly (see the module docstring)."""
-        rows, nb, _ = b.q.shape
-        if b.qtype == "Q4_1" and not np.any((b.scale == 0) & (b.offset != 0)):
-            return linear(x, self._zero_point_weight(b))
-        q_node, scale_node = self.compressed(b, name)
-        w = ops.multiply(ops.convert(q_node, F32), ops.convert(scale_node, F32))  # [out, nb, 32]
-        w = ops.reshape(w, ops.constant(np.array([rows, nb * QK], np.int64)), False)  # [out, in]
-        y = linear(x, w.output(0))  # [..., out]
-        if b.qtype != "Q4_1":
-            return y
-        m8 = b.offset.astype(np.float32) + 8 * b.scale.astype(np.float32)  # m′ [out, nb]
-        lead = [0] * (x.get_partial_shape().rank.get_length() - 1)  # keep the leading dims
-        groups = ops.reshape(x, ops.constant(np.array(lead + [nb, QK], np.int64)), True)  # [..., nb, 32]
-        sums = ops.reduce_sum(groups, ops.constant(np.int64(-1)), False)  # [..., nb]
-        return ops.add(y, linear(sums.output(0), self._const(m8).output(0))).output(0)
+        return linear(x, self.weight(self.pack(b)))
 
-    def _zero_point_weight(self, b: QuantBlocks) -> ov.Output:
-        """Q4_1 as u4 q, f32 zero point −m/d and f32 scale d: (q − z)·d → [out, in]."""
-        rows, nb, _ = b.q.shape
-        d = b.scale.astype(np.float32)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            z = np.where(d != 0, -b.offset.astype(np.float32) / d, 0).astype(np.float32)[..., None]  # [out, nb, 1]
-        q = self._const(pack_u4(b.q), ov.Type.u4, (rows, nb, QK))
-        w = ops.subtract(ops.convert(q, F32), self._const(z))
-        # f32 scale (exact: d is f16): an f16 scale behind a Convert gets folded into an extra f32
-        # copy of every scale inside the compiled model.
-        w = ops.multiply(w, self._const(b.scale.astype(np.float32)[..., None]))  # [out, nb, 32]
-        return ops.reshape(w, ops.constant(np.array([rows, nb * QK], np.int64)), False).output(0)
+    def weight(self, p: Packed) -> ov.Output:
+        """The decompression subgraph of a whole matrix → f32 [out, in]."""
+        w = self._decompress(p, lambda node: node)  # [out, groups, group]
+        return ops.reshape(w, ops.constant(np.array([p.rows, p.cols], np.int64)), False).output(0)
 
-    def compressed(self, b: QuantBlocks, name: str | None = None) -> tuple[ov.Node, ov.Node]:
-        """(q constant i8|i4 [rows, nb, 32], scale f16 [rows, nb, 1]) with w = scale·q (+ m′ for Q4_1).
-        With `name`, the constants are made once and shared (the tied embedding and lm_head)."""
-        if name is not None:
-            if name not in self._compressed:
-                self._compressed[name] = self.compressed(b)
-            return self._compressed[name]
-        rows, nb, _ = b.q.shape
-        if b.qtype == "Q8_0":
-            q_node = self._const(b.q.astype(np.int8))  # i8 [rows, nb, 32]
-        else:  # Q4_0, Q4_1: q − 8 as i4 (two's complement nibble = q xor 8)
-            q_node = self._const(pack_u4(b.q ^ np.uint8(8)), ov.Type.i4, (rows, nb, QK))
-        return q_node, self._const(b.scale.astype(np.float16)[..., None])
+    def embedding(self, name: str, input_ids: ov.Output) -> ov.Output:
+        """token ids [B, L] → rows of table `name` [B, L, H] in f32, gathered from the compressed
+        constants (those of a tied lm_head) and decompressed as the FullyConnected does."""
+        whole = self._whole(name)
+        axis = ops.constant(np.int64(0))
+        if not isinstance(whole, Packed):
+            return ops.gather(whole, input_ids, axis).output(0)  # [B, L, H]
+        rows = self._decompress(whole, lambda node: ops.gather(node, input_ids, axis))  # [B, L, groups, group]
+        return ops.reshape(rows, ops.constant(np.array([0, 0, whole.cols], np.int64)), True).output(0)
+
+    @staticmethod
+    def _decompress(p: Packed, pick) -> ov.Output:
+        """(Convert(q) − zero)·scale over the rows `pick` selects."""
+        w = ops.convert(pick(p.q), F32)
+        if p.zero is not None:
+            w = ops.subtract(w, pick(p.zero))
+        scale = pick(p.scale)
+        if scale.get_output_element_type(0) != F32:
+            scale = ops.convert(scale, F32)
+        return ops.multiply(w, scale).output(0)
+
+    def pack(self, b: QuantBlocks) -> Packed:
+        """The constants of GGML blocks b in their compressed form (see the module docstring)."""
+        rows, groups, group = b.q.shape
+        if b.qtype in ZERO_POINT_TYPES:
+            codes, scale, zero = _zero_point_form(b)
+            if b.qtype == "Q5_K":
+                q = self._const(codes)  # u8 [rows, groups, 32] in 0..31
+            else:
+                q = self._const(pack_u4(codes), ov.Type.u4, b.q.shape)  # u4 [rows, groups, 32]
+            return Packed(q, self._const(scale[..., None]), self._const(zero[..., None]), rows, groups * group)
+        if b.qtype == "Q4_0":  # q − 8 as i4 (two's complement nibble = q xor 8)
+            q = self._const(pack_u4(b.q ^ np.uint8(8)), ov.Type.i4, b.q.shape)
+        else:  # Q8_0, Q6_K (stored as q − 32): i8 [rows, groups, 32 | 16]
+            q = self._const(b.q.astype(np.int8))
+        scale_type = np.float32 if b.qtype == "Q6_K" else np.float16  # Q8_0/Q4_0: the file's f16 d
+        return Packed(q, self._const(b.scale.astype(scale_type)[..., None]), None, rows, groups * group)
+
+
+def _zero_point_form(b: QuantBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(codes uint8, scale f32, zero point f32) with (codes − zero)·scale = scale·q + offset.
+
+    z = −offset/scale; a group with scale 0 is the constant `offset`: codes 1, z 0, scale offset."""
+    s = b.scale.astype(np.float32)
+    o = b.offset.astype(np.float32)
+    flat = s == 0  # [rows, groups]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        zero = np.where(flat, np.float32(0), -o / s).astype(np.float32)
+    codes = np.where(flat[..., None], np.uint8(1), b.q).astype(np.uint8)
+    return codes, np.where(flat, o, s).astype(np.float32), zero
 
 
 def linear(x: ov.Output, weight: ov.Output) -> ov.Output:
