@@ -1,12 +1,26 @@
-"""A shard's weights for MLX, straight from the GGUF with `mlx.core.load`.
+"""A shard's weights for MLX, built from the GGUF's bytes through kafila.models.quant.
 
-`mx.load` returns Q4_0 / Q4_1 / Q8_0 tensors natively as MLX quantized arrays (group 32):
-a uint32 `weight` of packed codes, `scales` and `biases` (f16), with w = scale·q + bias. That is
-exact for every type Kafila serves: Q4_1 is d·q + m, Q4_0 is d·q − 8d, Q8_0 is d·q_u − 128d with
-q_u = q + 128. F32/F16 tensors arrive as plain arrays.
+Quantized matrices become MLX affine quantized arrays (w = scale·q + bias per group of 32: a
+uint32 `weight` of packed codes, `scales`, `biases`), exactly:
 
-`mx.load` reads the whole file (the GGUF reader is not lazy); only the shard's tensors are kept
-and the rest is released before this module returns.
+  type   codes            bits  scale      bias        note
+  Q4_0   q                4     d (f16)    −8d         as mx.load gives them
+  Q4_1   q                4     d (f16)    m
+  Q8_0   q + 128          8     d (f16)    −128d
+  Q4_K   q                4     d·sc (f32) −dmin·m     f32: d·sc and dmin·m are not f16 values
+  Q5_K   q (0..31)        5     d·sc (f32) −dmin·m
+  Q6_K   q (0..63)        6     d·sc (f32) −32·d·sc    groups of 16: see below
+
+Q6_K has one scale per 16 weights and MLX's smallest group is 32, so each group of 16 is padded
+with 16 zero columns (and the input with 16 zeros): 12 bits of codes + 4 bits of f32 scale/bias
+per weight = 2 bytes per weight in memory (dense f32 would be 4; the file holds 0.82; f16 is not
+exact). F32, F16 and BF16 matrices are dense f32 (F16/BF16: 4 bytes per weight against 2 in the
+file).
+
+`mx.load` is not used (mlx 0.32.4): it refuses any file holding a Q5_K tensor ("[load_gguf]
+gguf_tensor_to_f16 failed"), returns Q6_K and BF16 rounded to dense f16, and Q4_K as dense f16
+that is wrong (max error 0.38 on weights of ≈ 0.2 in tests/synthetic_gguf.py's files). Only the
+shard's tensors are read (memory-mapped through the model index), not the whole file.
 """
 
 from __future__ import annotations
@@ -14,30 +28,38 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
-GROUP_SIZE = 32  # every GGUF quant type Kafila serves has 32-weight blocks
+from kafila.models import ModelIndex, open_model
+from kafila.models.quant import FLOAT_TYPES, QuantBlocks
+
+GROUP_SIZE = 32  # MLX's group of every quantized matrix (Q6_K's 16 are padded to it)
+PAD_GROUP = 16  # Q6_K's group
 
 
 @dataclass(frozen=True)
 class Linear:
     """y = x·Wᵀ (+ bias): W either quantized (weight uint32 + scales + biases) or dense."""
 
-    weight: mx.array  # uint32 [out, in·bits/32] when quantized, float [out, in] when dense
-    scales: mx.array | None  # [out, in/32]
-    biases: mx.array | None  # [out, in/32]
+    weight: mx.array  # uint32 [out, in'·bits/32] when quantized, float [out, in] when dense
+    scales: mx.array | None  # [out, in'/32]
+    biases: mx.array | None  # [out, in'/32]
     bias: mx.array | None = None  # [out], Qwen2 q/k/v only
+    bits: int = 0  # bits per code; 0 when dense
+    padded: bool = False  # Q6_K: in' = 2·in, each 16 inputs followed by 16 zero columns
 
-    @property
-    def bits(self) -> int:
-        # codes per row (in·bits/32 words) over groups per row (in/32)
-        return self.weight.shape[1] // self.scales.shape[1] if self.scales is not None else 0
+    def _pad(self, x: mx.array) -> mx.array:
+        """[..., in] → [..., 2·in]: 16 zeros after every 16 inputs."""
+        groups = x.reshape(*x.shape[:-1], -1, PAD_GROUP)  # [..., in/16, 16]
+        groups = mx.concatenate([groups, mx.zeros_like(groups)], axis=-1)  # [..., in/16, 32]
+        return groups.reshape(*x.shape[:-1], -1)
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.scales is None:
             y = x @ self.weight.T
         else:
             y = mx.quantized_matmul(
-                x, self.weight, self.scales, self.biases,
+                self._pad(x) if self.padded else x, self.weight, self.scales, self.biases,
                 transpose=True, group_size=GROUP_SIZE, bits=self.bits,
             )  # fmt: skip
         return y if self.bias is None else y + self.bias
@@ -46,10 +68,43 @@ class Linear:
         """Rows `ids` of W, dequantized: the embedding lookup. ids [n] → [n, in]."""
         if self.scales is None:
             return self.weight[ids]
-        return mx.dequantize(
+        w = mx.dequantize(
             self.weight[ids], self.scales[ids], self.biases[ids],
             group_size=GROUP_SIZE, bits=self.bits,
         )  # fmt: skip
+        if self.padded:  # [n, 2·in] → [n, in]
+            w = w.reshape(w.shape[0], -1, GROUP_SIZE)[..., :PAD_GROUP].reshape(w.shape[0], -1)
+        return w
+
+
+def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
+    """uint8 codes [rows, n] → uint32 [rows, n·bits/32] as MLX packs them: code i in bits
+    [i·bits, (i+1)·bits) of the row's little-endian bit stream."""
+    rows = q.shape[0]
+    stream = np.unpackbits(q[..., None], axis=-1, count=bits, bitorder="little")  # [rows, n, bits]
+    packed = np.packbits(stream.reshape(rows, -1), axis=-1, bitorder="little")  # [rows, n·bits/8]
+    return np.ascontiguousarray(packed).view(np.uint32)
+
+
+def affine(b: QuantBlocks, f32: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, bool]:
+    """(codes uint8 [rows, in'], scales, biases [rows, in'/32], bits, padded) with
+    w = scale·code + bias exactly (see the module docstring)."""
+    s = b.scale
+    if b.qtype == "Q6_K":  # codes q − 32 → q; groups of 16 padded to 32
+        rows, groups, _ = b.q.shape
+        codes = np.zeros((rows, groups, GROUP_SIZE), np.uint8)
+        codes[..., :PAD_GROUP] = (b.q.astype(np.int16) + 32).astype(np.uint8)
+        s32 = s.astype(np.float32)
+        return codes.reshape(rows, -1), s32, -32 * s32, 6, True
+    if b.qtype == "Q8_0":
+        codes, bias = (b.q.astype(np.int16) + 128).astype(np.uint8), -128 * s
+    elif b.qtype == "Q4_0":
+        codes, bias = b.q, -8 * s
+    else:  # Q4_1, Q4_K, Q5_K: w = scale·q + offset
+        codes, bias = b.q, b.offset
+    if f32 or s.dtype == np.float32:
+        s, bias = s.astype(np.float32), bias.astype(np.float32)
+    return codes.reshape(codes.shape[0], -1), s, bias, b.bits, False
 
 
 @dataclass(frozen=True)
@@ -63,6 +118,8 @@ class BlockWeights:
     gate: Linear  # hidden → ffn
     up: Linear  # hidden → ffn
     down: Linear  # ffn → hidden
+    q_norm: mx.array | None = None  # [head_dim], Qwen3: RMSNorm of each q head before RoPE
+    k_norm: mx.array | None = None  # [head_dim], likewise for k
 
 
 @dataclass(frozen=True)
@@ -74,32 +131,33 @@ class ShardWeights:
 
 
 def load_shard_weights(
-    path: str, first: int, last: int, embed: bool, head: bool, f32: bool
+    path: str, first: int, last: int, embed: bool, head: bool, f32: bool,
+    index: ModelIndex | None = None,
 ) -> ShardWeights:
     """The tensors of blocks [first, last), plus embedding / final norm / lm_head when asked.
 
-    f32: scales and biases converted to float32 (exact), so everything computes in f32.
+    f32: the f16 scales and biases (Q4_0/Q4_1/Q8_0) converted to float32 (exact), so everything
+    computes in f32; K-quant scales are f32 either way.
     """
-    everything = mx.load(path)
-    wanted = [f"blk.{b}." for b in range(first, last)]
-    if embed or head:
-        wanted += ["token_embd.", "output_norm.", "output."]
-    tensors = {k: v for k, v in everything.items() if k.startswith(tuple(wanted))}
-    del everything  # release the other shards' tensors now
+    index = index if index is not None else open_model(path)
+    tensors = index.tensors
+    made: dict[str, Linear] = {}
 
     def vec(name: str) -> mx.array:
-        return tensors[name].astype(mx.float32)
+        return mx.array(index.dequantize(name, np.float32))
 
     def linear(name: str) -> Linear:
-        w = tensors[f"{name}.weight"]
-        bias = tensors.get(f"{name}.bias")
-        bias = None if bias is None else bias.astype(mx.float32)
-        if f"{name}.scales" not in tensors:  # F32 / F16: dense
-            return Linear(w.astype(mx.float32), None, None, bias)
-        scales, biases = tensors[f"{name}.scales"], tensors[f"{name}.biases"]
-        if f32:
-            scales, biases = scales.astype(mx.float32), biases.astype(mx.float32)
-        return Linear(w, scales, biases, bias)
+        if name in made:  # a tied embedding and lm_head share one array
+            return made[name]
+        bias = vec(f"{name}.bias") if f"{name}.bias" in tensors else None
+        w = f"{name}.weight"
+        if tensors[w].qtype in FLOAT_TYPES:  # dense
+            made[name] = Linear(vec(w), None, None, bias)
+        else:
+            codes, scales, biases, bits, padded = affine(index.blocks_of(w), f32)
+            made[name] = Linear(mx.array(pack_codes(codes, bits)), mx.array(scales), mx.array(biases),
+                                bias, bits, padded)
+        return made[name]
 
     blocks = tuple(
         BlockWeights(
@@ -112,19 +170,21 @@ def load_shard_weights(
             gate=linear(f"blk.{b}.ffn_gate"),
             up=linear(f"blk.{b}.ffn_up"),
             down=linear(f"blk.{b}.ffn_down"),
+            q_norm=vec(f"blk.{b}.attn_q_norm.weight") if f"blk.{b}.attn_q_norm.weight" in tensors else None,
+            k_norm=vec(f"blk.{b}.attn_k_norm.weight") if f"blk.{b}.attn_k_norm.weight" in tensors else None,
         )
         for b in range(first, last)
     )
     lm_head = None
     if head:
-        lm_head = linear("output") if "output.weight" in tensors else linear("token_embd")
+        lm_head = linear("output") if "output.weight" in tensors else linear("token_embd")  # shared when tied
     weights = ShardWeights(
         blocks=blocks,
         embedding=linear("token_embd") if embed else None,
         output_norm=vec("output_norm.weight") if head else None,
         lm_head=lm_head,
     )
-    mx.eval(_arrays(weights))  # materialize the casts; the file's copy is dropped with `tensors`
+    mx.eval(_arrays(weights))
     return weights
 
 
@@ -136,7 +196,7 @@ def _arrays(weights: ShardWeights) -> list[mx.array]:
             out.extend(a for a in (lin.weight, lin.scales, lin.biases, lin.bias) if a is not None)
 
     for b in weights.blocks:
-        out += [b.attn_norm, b.ffn_norm]
+        out += [a for a in (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm) if a is not None]
         for lin in (b.q, b.k, b.v, b.o, b.gate, b.up, b.down):
             add_linear(lin)
     add_linear(weights.embedding)
