@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 # Commands that never touch a model runtime; the others load OpenVINO up front (see below).
-LIGHT_COMMANDS = frozenset({"plan", "rendezvous", "netcheck", "models", "chat", "inspect"})
+LIGHT_COMMANDS = frozenset({"plan", "rendezvous", "netcheck", "models", "chat", "inspect", "tokenize"})
 
 
 def import_openvino_without_telemetry() -> None:

@@ -19,4 +19,5 @@ COMMANDS = (
     "join",
     "chat",
     "demo",
+    "tokenize",
 )
