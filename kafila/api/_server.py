@@ -346,8 +346,8 @@ class ApiServer:
 
 
 def _vocab_size(tokenizer) -> int | None:
-    get = getattr(getattr(tokenizer, "backend", None), "get_vocab_size", None)
-    return int(get(with_added_tokens=True)) if get is not None else None
+    size = getattr(tokenizer, "vocab_size", None)
+    return int(size) if size is not None else None
 
 
 def _is_loopback(host: str) -> bool:

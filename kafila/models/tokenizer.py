@@ -107,6 +107,10 @@ class Tokenizer:
         """Text of `ids`; control tokens are left out unless `special`. No space clean-up (lossless)."""
         return self.decode_bytes(ids, special=special).decode("utf-8", errors="replace")
 
+    @property
+    def vocab_size(self) -> int:
+        return len(self.tokens)
+
     def token_to_id(self, text: str) -> int | None:
         return self.model.token_to_id.get(text)
 
