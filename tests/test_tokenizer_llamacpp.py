@@ -281,3 +281,35 @@ def test_default_model_tokenizer_matches_llama_cpp(default_model_path, default_t
             assert tok.decode(tok.encode(text, parse_special=False)) == text
     finally:
         llm.close()
+
+
+FUZZ_PIECES = (
+    *"abcXYZ \t\n\r", "'s", "'S", "'ll", "'RE", "'x", "\v", "\f", "\x85", "\xa0", "\u3000", "\u2028", "  ",
+    "\n\n", " \n ", "123", "4567", "٣٤", "²", "Ⅻ", "½", "日本語", "한국어", "Привет", "e\u0301", "\u0300", "🦙",
+    "👩\u200d👩\u200d👧", "🇫🇷", "!!!", "?!", "$", "+=", "<", "|", "`", "~", "^", "\\", "\x00", "\x7f", "\u200b",
+    "\ufeff", "ـ", "ＡＢ", "！", "。", "ß", "İ", "ﬁ", "<s>", "</s>", "<unk>", "<|im_start|>", "<|im_end|>",
+    "<|endoftext|>", "<|eot_id|>", "<|begin_of_text|>", "[INST]", "▁", "<0x41>", "𝔘𝔫𝔦",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("name", ("llama-bpe", "qwen2", "llama-spm", "gpt-2", "qwen35", "phi-3", "deepseek-llm"))
+def test_random_mixtures_match_llama_cpp(vocab_dir, name):
+    """Random strings of awkward pieces (Unicode whitespace, digits of other scripts, combining
+    marks, emoji sequences, special-token text) give llama.cpp's ids with every flag combination."""
+    import random
+
+    llm = llama_cpp_vocab(str(llamacpp_files.vocab_file(name)))
+    tok = tokenizer(name)
+    rng = random.Random(20261201)
+    failures = []
+    try:
+        for _ in range(150):
+            text = "".join(rng.choice(FUZZ_PIECES) for _ in range(rng.randint(0, 12)))
+            for add_special in (False, True):
+                for parse_special in (False, True):
+                    want = list(llm.tokenize(text.encode(), add_bos=add_special, special=parse_special))
+                    if tok.encode(text, add_special=add_special, parse_special=parse_special) != want:
+                        failures.append((text, add_special, parse_special))
+    finally:
+        llm.close()
+    assert not failures

@@ -94,8 +94,13 @@ class Tokenizer:
         return bytes(out)
 
     def decode_bytes(self, ids: list[int], *, special: bool = False) -> bytes:
-        """The bytes of `ids`; SentencePiece's added leading space is removed from the first token
-        after an optional BOS (as llama-cpp-python and Hugging Face do, so decode∘encode round-trips)."""
+        """The bytes of `ids`, token pieces joined (llama.cpp's llama_detokenize, two choices apart).
+
+        SentencePiece's added leading space is removed from the first token even after a BOS (as
+        llama-cpp-python and Hugging Face do; llama.cpp keeps it there), so decode∘encode round-trips;
+        and the lossy "clean_spaces" pass llama.cpp applies to some BPE vocabularies (" ," → ",")
+        is not applied: the text is exactly what the tokens spell.
+        """
         pieces = [self.piece(t, special) for t in ids]
         if self.add_space_prefix and pieces:
             first = 1 if ids[0] == self.bos_id and len(pieces) > 1 else 0
@@ -104,7 +109,7 @@ class Tokenizer:
         return b"".join(pieces)
 
     def decode(self, ids: list[int], *, special: bool = False) -> str:
-        """Text of `ids`; control tokens are left out unless `special`. No space clean-up (lossless)."""
+        """Text of `ids` (see decode_bytes); control tokens are left out unless `special`."""
         return self.decode_bytes(ids, special=special).decode("utf-8", errors="replace")
 
     @property
