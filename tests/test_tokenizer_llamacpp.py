@@ -313,3 +313,38 @@ def test_random_mixtures_match_llama_cpp(vocab_dir, name):
     finally:
         llm.close()
     assert not failures
+
+
+def test_default_pretokenizer_matches_llama_cpp(vocab_dir, tmp_path):
+    """No vocabulary llama.cpp ships names pre-tokenizer "default"; GPT-NeoX's vocabulary (which
+    names none) is rewritten to name it, and both sides tokenize the vectors and random mixtures."""
+    import random
+
+    import gguf
+
+    from kafila.models.tokenizer import load_tokenizer_file, read_tokenizer_metadata
+
+    md = read_tokenizer_metadata(str(llamacpp_files.vocab_file("gpt-neox")), prefixes=("tokenizer.",))
+    path = str(tmp_path / "neox-default.gguf")
+    w = gguf.GGUFWriter(path, "gptneox")
+    w.add_string("tokenizer.ggml.model", md["tokenizer.ggml.model"])
+    w.add_string("tokenizer.ggml.pre", "default")
+    for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
+        w.add_array(key, md[key])
+    for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id"):
+        w.add_uint32(key, md[key])
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.close()
+
+    llm, tok = llama_cpp_vocab(path), load_tokenizer_file(path)
+    rng = random.Random(7)
+    texts = [t for t, _ in llamacpp_files.vocab_cases("qwen2")]
+    texts += ["".join(rng.choice(FUZZ_PIECES) for _ in range(rng.randint(0, 12))) for _ in range(150)]
+    try:
+        failures = [(text, special) for text in texts for special in (False, True)
+                    if tok.encode(text, add_special=False, parse_special=special)
+                    != list(llm.tokenize(text.encode(), add_bos=False, special=special))]  # fmt: skip
+    finally:
+        llm.close()
+    assert not failures
