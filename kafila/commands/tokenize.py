@@ -40,15 +40,20 @@ def _texts(args) -> list[str]:
         if args.text is not None:
             raise BadInput("--batch reads its strings from standard input: give no TEXT")
         try:
-            texts = json.load(sys.stdin)
-        except json.JSONDecodeError as exc:
+            texts = json.loads(sys.stdin.buffer.read())
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise BadInput(f"--batch wants a JSON array of strings on standard input: {exc}") from None
         if not isinstance(texts, list) or not all(isinstance(t, str) for t in texts):
             raise BadInput("--batch wants a JSON array of strings on standard input")
         return texts
     if args.text is None:
         raise BadInput("give the TEXT to tokenize (or - to read it from standard input, or --batch)")
-    return [sys.stdin.read() if args.text == "-" else args.text]
+    if args.text != "-":
+        return [args.text]
+    try:
+        return [sys.stdin.buffer.read().decode("utf-8")]
+    except UnicodeDecodeError as exc:
+        raise BadInput(f"standard input is not UTF-8 text: {exc}") from None
 
 
 def tokenize(args) -> int:
