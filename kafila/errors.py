@@ -26,3 +26,14 @@ class Refused(KafilaError):
     """A valid request that cannot be honoured: a plan that does not fit, a session that cannot form (exit 3)."""
 
     exit_code = EXIT_REFUSED
+
+
+def describe_error(exc: BaseException) -> str:
+    """One line for a person: our own errors' message, anything else's type and message.
+
+    A bare `str(exc)` is empty for TimeoutError() and many others, which left members reading
+    "failed: " with nothing after it."""
+    if isinstance(exc, KafilaError) and str(exc):
+        return str(exc)
+    text = str(exc)
+    return f"{type(exc).__name__}: {text}" if text else type(exc).__name__

@@ -20,6 +20,7 @@ from rendezvous.limits import MAX_DATAGRAM_BYTES
 from rendezvous.registry import Action, CloseConn, Registry, SendTo
 from rendezvous.relay import RelayTable
 from rendezvous.stun import ALTERNATE_IP, PRIMARY, SECOND_PORT, StunResponder
+from rendezvous.udp import AsyncioEndpoint, PktinfoEndpoint, open_endpoint
 
 log = logging.getLogger("kafila.rendezvous")
 
@@ -27,22 +28,7 @@ TICK_S = 0.25
 MAX_WRITE_BUFFER_BYTES = 4 * 1024 * 1024  # a member that reads slower than this is dropped
 TCP_READ_BYTES = 64 * 1024
 BIND_ATTEMPTS = 20
-
-
-class _UdpSocket(asyncio.DatagramProtocol):
-    def __init__(self, service: Rendezvous, index: int) -> None:
-        self.service = service
-        self.index = index
-        self.transport: asyncio.DatagramTransport | None = None
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
-
-    def datagram_received(self, data: bytes, addr: tuple) -> None:
-        self.service._datagram(data, (addr[0], addr[1]), self.index)
-
-    def error_received(self, exc: Exception) -> None:  # ICMP errors etc.: not fatal
-        log.debug("udp socket %d: %s", self.index, exc)
+LOCAL_ADDRESSES_MAX = 65536  # remembered "which of our addresses did this peer write to" entries
 
 
 class Rendezvous:
@@ -52,7 +38,8 @@ class Rendezvous:
         self.registry = registry
         self.stun = stun_responder
         self._server: asyncio.Server | None = None
-        self._udp: dict[int, _UdpSocket] = {}
+        self._udp: dict[int, AsyncioEndpoint | PktinfoEndpoint] = {}
+        self._local_of: dict[tuple[str, int], str] = {}  # peer address -> our address it wrote to
         self._writers: dict[int, asyncio.StreamWriter] = {}
         self._tasks: set[asyncio.Task] = set()
         self._conn_ids = itertools.count(1)
@@ -71,35 +58,26 @@ class Rendezvous:
         relay: RelayTable | None = None,
     ) -> Rendezvous:
         """Listen on host:port (TCP + UDP), a second UDP port, and alternate_ip if given."""
-        loop = asyncio.get_running_loop()
         self = cls(Registry(relay=relay), StunResponder(port2=0, alternate_ip=alternate_ip))
         last_error: OSError | None = None
         for _ in range(BIND_ATTEMPTS if port == 0 else 1):
             server = await asyncio.start_server(self._connection, host, port)
             bound = server.sockets[0].getsockname()[1]
             try:
-                _, proto = await loop.create_datagram_endpoint(
-                    lambda: _UdpSocket(self, PRIMARY), local_addr=(host, bound)
-                )
+                primary = await open_endpoint(host, bound, self._receiver(PRIMARY))
             except OSError as exc:  # UDP port taken: try another pair
                 last_error = exc
                 server.close()
                 await server.wait_closed()
                 continue
-            self._server, self._udp[PRIMARY] = server, proto
+            self._server, self._udp[PRIMARY] = server, primary
             break
         else:
             raise OSError(f"cannot bind the rendezvous on {host}:{port}: {last_error}")
-        _, second = await loop.create_datagram_endpoint(
-            lambda: _UdpSocket(self, SECOND_PORT), local_addr=(host, 0)
-        )
-        self._udp[SECOND_PORT] = second
-        self.stun_port2 = second.transport.get_extra_info("sockname")[1]
+        self._udp[SECOND_PORT] = await open_endpoint(host, 0, self._receiver(SECOND_PORT))
+        self.stun_port2 = self._udp[SECOND_PORT].port
         if alternate_ip is not None:
-            _, alt = await loop.create_datagram_endpoint(
-                lambda: _UdpSocket(self, ALTERNATE_IP), local_addr=(alternate_ip, 0)
-            )
-            self._udp[ALTERNATE_IP] = alt
+            self._udp[ALTERNATE_IP] = await open_endpoint(alternate_ip, 0, self._receiver(ALTERNATE_IP))
         self.stun.port2 = self.stun_port2
         self.registry.stun_port2 = self.stun_port2
         self.address = (host, bound)
@@ -121,9 +99,8 @@ class Rendezvous:
         for task in list(self._tasks):
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-        for proto in self._udp.values():
-            if proto.transport is not None:
-                proto.transport.close()
+        for endpoint in self._udp.values():
+            endpoint.close()
         if self._server is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._server.wait_closed(), 2.0)
@@ -196,10 +173,18 @@ class Rendezvous:
                 log.exception("rendezvous tick failed")
 
     # UDP: STUN and relay
-    def _datagram(self, data: bytes, src: tuple[str, int], index: int) -> None:
+    def _receiver(self, index: int):
+        return lambda data, src, local: self._datagram(data, src, index, local)
+
+    def _datagram(self, data: bytes, src: tuple[str, int], index: int, local: str | None = None) -> None:
         if len(data) > MAX_DATAGRAM_BYTES:
             self.udp_dropped += 1
             return
+        if local is not None and self._local_of.get(src) != local:
+            self._local_of.pop(src, None)
+            if len(self._local_of) >= LOCAL_ADDRESSES_MAX:
+                del self._local_of[next(iter(self._local_of))]  # the oldest entry
+            self._local_of[src] = local
         kind = frames.kind_of(data)
         if kind == frames.KIND_STUN:
             answer = self.stun.respond(data, src, index)
@@ -214,6 +199,7 @@ class Rendezvous:
             self.udp_dropped += 1
 
     def _sendto(self, index: int, data: bytes, addr: tuple[str, int]) -> None:
-        proto = self._udp.get(index)
-        if proto is not None and proto.transport is not None:
-            proto.transport.sendto(data, addr)
+        endpoint = self._udp.get(index)
+        if endpoint is not None:
+            # from the address this peer writes to (the alternate IP answers from itself)
+            endpoint.sendto(data, addr, self._local_of.get(addr) if index != ALTERNATE_IP else None)

@@ -13,14 +13,18 @@ def default_name() -> str:
     return name or "member"
 
 
+API_DEFAULT_PORTS = 20  # 8740..8759 when --api is not given
+
+
 def add_common(p: argparse.ArgumentParser) -> None:
     from kafila.session.member import DEFAULT_CACHE_DIR
 
     p.add_argument("--rendezvous", metavar="HOST:PORT", help="the rendezvous (default for join: 127.0.0.1:7473)")
     p.add_argument("--name", default=None, help="this member's name in the session (default: the host name)")
     p.add_argument("--backend", default="openvino", help="shard runtime: openvino (default), mlx, reference")
-    p.add_argument("--api", default="127.0.0.1:8740", metavar="HOST:PORT",
-                   help="OpenAI-compatible API address (default 127.0.0.1:8740; 'off' for none)")
+    p.add_argument("--api", default=None, metavar="HOST:PORT",
+                   help="OpenAI-compatible API address (default 127.0.0.1:8740, or the next free port "
+                   "up to 8759 when another member on this machine holds it; 'off' for none)")
     p.add_argument("--bind", default="0.0.0.0", metavar="IP", help="local address of the member's UDP socket")
     p.add_argument("--latency-ms", type=float, default=0.0, metavar="L",
                    help="delay every datagram this member sends by L ms (WAN emulation)")
@@ -39,9 +43,12 @@ def common_config(args: argparse.Namespace, host: bool):
     rendezvous = parse_host_port(args.rendezvous) if args.rendezvous else (None if host else ("127.0.0.1", 7473))
     if rendezvous is not None and rendezvous[0] in ("0.0.0.0", ""):
         rendezvous = ("127.0.0.1", rendezvous[1])
-    api = None if args.api.lower() in ("off", "none", "") else parse_hostport(args.api)
+    if args.api is None:  # the default: several members on one machine each find a port
+        api, api_tries = parse_hostport("127.0.0.1:8740"), API_DEFAULT_PORTS
+    else:
+        api, api_tries = None if args.api.lower() in ("off", "none", "") else parse_hostport(args.api), 1
     return SessionConfig(name=args.name or default_name(), rendezvous=rendezvous, backend=args.backend,
-                         api=api, bind_host=args.bind, send_delay_ms=args.latency_ms,
+                         api=api, api_tries=api_tries, bind_host=args.bind, send_delay_ms=args.latency_ms,
                          cache_dir=os.path.abspath(args.cache_dir), json_events=args.json_events)  # fmt: skip
 
 

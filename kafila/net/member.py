@@ -470,14 +470,21 @@ class Member:
             raise BadInput(f"no member named {peer!r} in this session")
         if info.peer_id == self.rid:
             raise BadInput("cannot open an edge to yourself")
-        await asyncio.wait_for(self._relay_bound.wait(), SIGNAL_TIMEOUT_S)
+        try:
+            await asyncio.wait_for(self._relay_bound.wait(), SIGNAL_TIMEOUT_S)
+        except TimeoutError:
+            ip, port = self._rendezvous
+            raise Refused(f"the relay at {ip}:{port} did not acknowledge this member's UDP binding "
+                          f"within {SIGNAL_TIMEOUT_S:g} s, so no edge to {peer} can form: check that "
+                          f"UDP {port} reaches it (a firewall?)") from None  # fmt: skip
         future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
         self._pending_edges.setdefault(info.peer_id, collections.deque()).append(future)
         self._signal.send(m.EdgeRequest(info.peer_id))
         try:
             edge_id = await asyncio.wait_for(future, EDGE_ALLOCATE_TIMEOUT_S)
         except TimeoutError:
-            raise Refused(f"the rendezvous did not allocate an edge to {peer}") from None
+            raise Refused(f"the rendezvous did not allocate an edge to {peer} within "
+                          f"{EDGE_ALLOCATE_TIMEOUT_S:g} s") from None
         edge = self._new_edge(edge_id, info, is_client=True)
         await edge.connect()
         return edge

@@ -22,6 +22,11 @@ async def resolve(host: str, port: int) -> Address:
     except OSError as exc:
         raise Refused(f"cannot resolve the rendezvous {host}: {exc}") from None
     ip = infos[0][4][0]
+    # A wildcard is where a server listens, not where anyone can send: datagrams to 0.0.0.0 are
+    # answered from a real address (127.0.0.1), which the member would then not recognise as
+    # the rendezvous. The host's own member reaches its embedded rendezvous over loopback.
+    if ip in ("0.0.0.0", "::"):
+        ip = "127.0.0.1" if ip == "0.0.0.0" else "::1"
     return (ip, port)
 
 

@@ -9,7 +9,7 @@ import logging
 from rich.live import Live
 from rich.table import Table
 
-from kafila.errors import BadInput, Refused
+from kafila.errors import BadInput, Refused, describe_error
 from kafila.session.member import READY_TIMEOUT_S, STATUS_EVERY_S, Participant, stdin_is_terminal
 
 log = logging.getLogger(__name__)
@@ -194,7 +194,7 @@ class HostParticipant(Participant):
                                          return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
             if own in done and own.exception() is not None:
                 get.cancel()
-                await self._refuse_all(f"the host failed to build its stage: {own.exception()}")
+                await self._refuse_all(f"the host failed to build its stage: {describe_error(own.exception())}")
                 raise own.exception()
             if get not in done:
                 get.cancel()

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 
 from rich.console import Console
 
-from kafila.errors import BadInput, KafilaError, Refused
+from kafila.errors import BadInput, KafilaError, Refused, describe_error
 from kafila.session.engine import RingEngine
 from kafila.session.frames import Hello, Limits, encode
 from kafila.session.ring import RingNode
@@ -51,6 +51,7 @@ class SessionConfig:
     backend: str = "openvino"
     precision: str = "serving"
     api: tuple[str, int] | None = ("127.0.0.1", 8740)  # None: no HTTP API
+    api_tries: int = 1  # >1: the next ports up are tried when api's port is taken (the default)
     bind_host: str = "0.0.0.0"
     send_delay_ms: float = 0.0
     cache_dir: str = DEFAULT_CACHE_DIR
@@ -141,7 +142,7 @@ class Participant:
         return get.result() if get.done() and not get.cancelled() else None
 
     def say(self, text: str) -> None:
-        self.console.print(text, highlight=False)
+        self.console.print(text, highlight=False, soft_wrap=True)  # commands and URLs stay whole to copy
 
     def event(self, kind: str, **fields) -> None:
         if self.cfg.json_events:
@@ -258,7 +259,7 @@ class Participant:
                     exc = prep.exception()
                     if exc is not None:
                         with contextlib.suppress(Exception):
-                            await self.net.send(host, {"t": "failed", "reason": str(exc)[:300]})
+                            await self.net.send(host, {"t": "failed", "reason": describe_error(exc)[:300]})
                         raise exc
                     await self.net.send(host, {"t": "ready"})
                     ready_sent = True
@@ -467,7 +468,14 @@ class Participant:
         if self.cfg.api is not None:
             from kafila.api import start_api
 
-            self.api = await start_api(self.engine, self.cfg.api[0], self.cfg.api[1])
+            host, port = self.cfg.api
+            for i in range(self.cfg.api_tries):
+                try:
+                    self.api = await start_api(self.engine, host, port + i)
+                    break
+                except BadInput:
+                    if i == self.cfg.api_tries - 1:
+                        raise
 
     async def _start_serving(self) -> None:
         cfg = self.cfg
