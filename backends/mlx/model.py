@@ -7,8 +7,11 @@ the mask exactly as the OpenVINO stage does, over the S = cache_len + n physical
 
     visible[i, j] = (j ≤ cache_len + i) AND (attention_mask[j] ≠ 0)        # [n, S]
 
-and rotates q/k with `mx.fast.rope` at the logical positions (interleaved, "traditional" RoPE:
-GGUF stores Llama's q/k rows permuted for it).
+and rotates q/k with `mx.fast.rope` at the logical positions, in the form llama.cpp uses for the
+architecture: llama rotates pairs (2i, 2i+1) ("traditional": GGUF stores its q/k rows permuted
+for it), qwen2/qwen3 rotate halves (i, i + D/2). Angle of pair i at position p:
+θ_i = p·scale·base^(−2i/D) / factor_i (linear scaling; llama3's rope_freqs factors, passed to
+`mx.fast.rope` as `freqs` = base^(2i/D)·factor_i). Qwen3 normalizes each q/k head before RoPE.
 
 Everything is lazy: a forward builds one graph over all blocks, evaluated once by the caller.
 """
@@ -33,6 +36,9 @@ class Dims:
     head_dim: int
     rope_base: float
     rms_eps: float
+    rope_traditional: bool = True  # pairs (2i, 2i+1) (llama); False: halves (i, i + D/2) (qwen)
+    rope_scale: float = 1.0  # positions × rope_scale (linear scaling)
+    rope_freqs: mx.array | None = None  # [D/2] base^(2i/D)·factor_i when the model has rope_freqs
 
 
 class SlotCache:
@@ -99,23 +105,31 @@ def attention_mask(mask: np.ndarray, cache_len: int, n: int) -> mx.array | str |
 
 
 def rope(x: mx.array, positions: int | mx.array, dims: Dims) -> mx.array:
-    """Interleaved RoPE on x [1, heads, n, D] at logical positions.
+    """RoPE on x [1, heads, n, D] at logical positions (see the module docstring).
 
     positions: the first position when the n positions are consecutive (the usual case, one fused
     kernel), else an int32 [n] array of arbitrary positions.
     """
     if isinstance(positions, int):
+        base = None if dims.rope_freqs is not None else dims.rope_base
         return mx.fast.rope(
-            x, dims.head_dim, traditional=True, base=dims.rope_base, scale=1.0, offset=positions
-        )
+            x, dims.head_dim, traditional=dims.rope_traditional, base=base,
+            scale=dims.rope_scale, offset=positions, freqs=dims.rope_freqs,
+        )  # fmt: skip
     half = dims.head_dim // 2
-    inv_freq = dims.rope_base ** (-mx.arange(half, dtype=mx.float32) * 2 / dims.head_dim)  # [D/2]
-    theta = positions.astype(mx.float32)[:, None] * inv_freq[None, :]  # [n, D/2]
+    if dims.rope_freqs is not None:
+        inv_freq = 1.0 / dims.rope_freqs  # [D/2]
+    else:
+        inv_freq = dims.rope_base ** (-mx.arange(half, dtype=mx.float32) * 2 / dims.head_dim)
+    theta = dims.rope_scale * positions.astype(mx.float32)[:, None] * inv_freq[None, :]  # [n, D/2]
     cos, sin = mx.cos(theta), mx.sin(theta)
-    pairs = x.reshape(*x.shape[:-1], half, 2)  # [1, heads, n, D/2, 2]: (even, odd) pairs
-    a, b = pairs[..., 0], pairs[..., 1]
-    rotated = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1)  # [1, heads, n, D/2, 2]
-    return rotated.reshape(x.shape).astype(x.dtype)
+    if dims.rope_traditional:
+        pairs = x.reshape(*x.shape[:-1], half, 2)  # [1, heads, n, D/2, 2]: (even, odd) pairs
+        a, b = pairs[..., 0], pairs[..., 1]
+        rotated = mx.stack([a * cos - b * sin, a * sin + b * cos], axis=-1)  # [1, heads, n, D/2, 2]
+        return rotated.reshape(x.shape).astype(x.dtype)
+    a, b = x[..., :half], x[..., half:]  # [1, heads, n, D/2] each
+    return mx.concatenate([a * cos - b * sin, a * sin + b * cos], axis=-1).astype(x.dtype)
 
 
 def block(
@@ -133,8 +147,13 @@ def block(
     start, end = cache.length, cache.length + n
 
     h = mx.fast.rms_norm(x, w.attn_norm, dims.rms_eps)  # [1, n, hidden]
-    q = w.q(h).reshape(1, n, H, D).transpose(0, 2, 1, 3)  # [1, H, n, D]
-    k = w.k(h).reshape(1, n, Hkv, D).transpose(0, 2, 1, 3)  # [1, Hkv, n, D]
+    q = w.q(h).reshape(1, n, H, D)  # [1, n, H, D]
+    k = w.k(h).reshape(1, n, Hkv, D)  # [1, n, Hkv, D]
+    if w.q_norm is not None:  # qwen3: RMSNorm over each head's D values
+        q = mx.fast.rms_norm(q, w.q_norm, dims.rms_eps)
+        k = mx.fast.rms_norm(k, w.k_norm, dims.rms_eps)
+    q = q.transpose(0, 2, 1, 3)  # [1, H, n, D]
+    k = k.transpose(0, 2, 1, 3)  # [1, Hkv, n, D]
     v = w.v(h).reshape(1, n, Hkv, D).transpose(0, 2, 1, 3)  # [1, Hkv, n, D]
     q = rope(q, positions, dims)
     k = rope(k, positions, dims)

@@ -48,9 +48,15 @@ class MLXShard:
         self.spec = spec
         self.precision = precision
         self.hparams = hp
+        freqs = None
+        if hp.rope_freq_factors:  # mx.fast.rope's freqs are periods: base^(2i/D)·factor_i
+            half = np.arange(0, hp.head_dim, 2, dtype=np.float64) / hp.head_dim
+            factors = index.dequantize("rope_freqs.weight", np.float64)
+            freqs = mx.array((hp.rope_base**half * factors).astype(np.float32))
         self.dims = Dims(
-            hp.hidden, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.rope_base, hp.rms_eps
-        )
+            hp.hidden, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.rope_base, hp.rms_eps,
+            rope_traditional=not hp.rope_neox, rope_scale=hp.rope_scale, rope_freqs=freqs,
+        )  # fmt: skip
         self.weights = load_shard_weights(
             index.path, spec.first, spec.last, spec.embed, spec.head, f32=precision == "f32"
         )

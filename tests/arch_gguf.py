@@ -1,0 +1,145 @@
+"""Small random-weight F32 GGUFs of each architecture Kafila serves, with real tokenizer metadata,
+written at test time (never committed) for the llama.cpp comparison (tests/test_llamacpp_arch.py).
+
+Kinds (all 2 blocks, hidden 64, 4 query heads, 2 KV heads, tied embeddings, RoPE base 10000):
+- "llama":        Llama's layout, q/k rows permuted by convert_hf_to_gguf for pairwise RoPE.
+- "llama3":       the same weights (same seed) plus `rope_freqs.weight`, the llama3 frequency
+                  factors computed as convert_hf_to_gguf does (factor 8, low 1, high 4) with a short
+                  original context (256) so that factors from 1 to 8 bite within a few hundred
+                  positions: with head size 16 they are 1, 1, 1, ≈4.8, 8, 8, 8, 8.
+- "llama-linear": the "llama" weights with rope.scaling.type linear, factor 4.
+- "qwen2":        q/k/v biases, rows as HF has them (NEOX RoPE).
+- "qwen3":        per-head q/k RMSNorm weights, no biases, explicit key/value length 32 (≠ 64/4).
+The llama kinds copy the tokenizer of llama.cpp's ggml-vocab-llama-bpe.gguf (Llama 3, 128256
+tokens), the qwen kinds ggml-vocab-qwen2.gguf's (151936 tokens): the embedding is 33–39 MB.
+
+Weights are scaled so that attention is far from uniform (RoPE matters) and the greedy ids vary.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import gguf
+import numpy as np
+
+from tests.llamacpp_files import vocab_file
+
+KINDS = ("llama", "llama3", "llama-linear", "qwen2", "qwen3")
+ROPE_BASE = 10000.0
+LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position": 256}
+
+
+def llama3_rope_factors(head_dim: int, base: float, factor: float, low_freq_factor: float,
+                        high_freq_factor: float, original_max_position: int) -> np.ndarray:
+    """rope_freqs.weight [D/2] exactly as convert_hf_to_gguf writes it for rope_type "llama3"."""
+    freqs = 1.0 / (base ** (np.arange(0, head_dim, 2, dtype=np.float32) / head_dim))
+    low_freq_wavelen = original_max_position / low_freq_factor
+    high_freq_wavelen = original_max_position / high_freq_factor
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < high_freq_wavelen:
+            out.append(1.0)
+        elif wavelen > low_freq_wavelen:
+            out.append(factor)
+        else:
+            smooth = (original_max_position / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return np.array(out, dtype=np.float32)
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer_fields(vocab_name: str) -> tuple[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None], ...]:
+    """Every tokenizer.* key of llama.cpp's vocab file as (key, value, type, array item type)."""
+    reader = gguf.GGUFReader(str(vocab_file(vocab_name)), "r")
+    out = []
+    for key, f in reader.fields.items():
+        if key.startswith("tokenizer."):
+            sub_type = f.types[-1] if f.types[0] == gguf.GGUFValueType.ARRAY else None
+            out.append((key, f.contents(), f.types[0], sub_type))
+    return tuple(out)
+
+
+def _copy_tokenizer(w: gguf.GGUFWriter, vocab_name: str) -> int:
+    """Copy llama.cpp's tokenizer metadata into w; returns the vocabulary size."""
+    n_vocab = 0
+    for key, value, vtype, sub_type in _tokenizer_fields(vocab_name):
+        w.add_key_value(key, value, vtype, sub_type)
+        if key == "tokenizer.ggml.tokens":
+            n_vocab = len(value)
+    return n_vocab
+
+
+def write_arch_gguf(path: str | os.PathLike, kind: str, *, blocks: int = 2, hidden: int = 64, heads: int = 4,
+                    kv_heads: int = 2, ffn: int = 128, seed: int = 0, arch: str | None = None,
+                    tiny_vocab: int = 0, extra_kv: dict | None = None,
+                    extra_tensors: dict[str, tuple[int, ...]] | None = None) -> str:
+    """A random F32 GGUF of `kind` (see the module docstring).
+
+    For the refusal tests: `arch` overrides general.architecture, `tiny_vocab` > 0 writes that many
+    embedding rows and no tokenizer (milliseconds instead of seconds), `extra_kv` adds
+    {key: (value, GGUFValueType)} and `extra_tensors` adds {name: shape} random F32 tensors.
+    """
+    if kind not in KINDS:
+        raise ValueError(f"unknown kind {kind!r}: choose from {KINDS}")
+    arch = arch or ("llama" if kind.startswith("llama") else kind)
+    head_dim = 32 if kind == "qwen3" else hidden // heads
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"kafila-test-{kind}")
+    w.add_block_count(blocks)
+    w.add_context_length(4096)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ffn)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    if kind == "qwen3":
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    w.add_rope_dimension_count(head_dim)
+    w.add_rope_freq_base(ROPE_BASE)
+    if kind == "llama-linear":
+        w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
+        w.add_rope_scaling_factor(4.0)
+    w.add_layer_norm_rms_eps(1e-5 if kind.startswith("llama") else 1e-6)
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    for key, (value, vtype) in (extra_kv or {}).items():
+        w.add_key_value(key, value, vtype)
+    vocab = tiny_vocab or _copy_tokenizer(w, "llama-bpe" if kind.startswith("llama") else "qwen2")
+
+    def add(name: str, shape: tuple[int, ...], scale: float, mean: float = 0.0) -> None:
+        w.add_tensor(name, (mean + rng.standard_normal(shape) * scale).astype(np.float32))
+
+    add("token_embd.weight", (vocab, hidden), 1.0)  # tied: also the lm_head
+    add("output_norm.weight", (hidden,), 0.1, 1.0)
+    if kind == "llama3":
+        w.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, ROPE_BASE, **LLAMA3_ROPE))
+    q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
+    for b in range(blocks):
+        p = f"blk.{b}."
+        add(p + "attn_norm.weight", (hidden,), 0.1, 1.0)
+        add(p + "attn_q.weight", (q_rows, hidden), 0.25)
+        add(p + "attn_k.weight", (kv_rows, hidden), 0.25)
+        add(p + "attn_v.weight", (kv_rows, hidden), 0.3)
+        if kind == "qwen2":
+            add(p + "attn_q.bias", (q_rows,), 0.5)
+            add(p + "attn_k.bias", (kv_rows,), 0.5)
+            add(p + "attn_v.bias", (kv_rows,), 0.5)
+        if kind == "qwen3":
+            add(p + "attn_q_norm.weight", (head_dim,), 0.5, 1.0)
+            add(p + "attn_k_norm.weight", (head_dim,), 0.5, 1.0)
+        add(p + "attn_output.weight", (hidden, q_rows), 0.3)
+        add(p + "ffn_norm.weight", (hidden,), 0.1, 1.0)
+        add(p + "ffn_gate.weight", (ffn, hidden), 0.2)
+        add(p + "ffn_up.weight", (ffn, hidden), 0.2)
+        add(p + "ffn_down.weight", (hidden, ffn), 0.2)
+    for name, shape in (extra_tensors or {}).items():
+        add(name, shape, 0.2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
