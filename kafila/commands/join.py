@@ -68,7 +68,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "only this member's tensors from the host (or use --model when it is the same file), "
         "build the shard, join the ring, and serve prompts on --api until SIGINT/SIGTERM.",
     )
-    p.add_argument("code", metavar="CODE", help="the session code the host printed, e.g. 7-amber-falcon-orbit")
+    p.add_argument("code", metavar="CODE", help="the session code the host printed, e.g. 7-crossover-clockwork-pandora")
     p.add_argument("--model", default=None, metavar="PATH",
                    help="a local copy of the model: used instead of a transfer when its SHA-256 matches")
     add_common(p)
