@@ -264,22 +264,43 @@ def test_rendezvous_survives_abuse_while_a_session_runs() -> None:
 
 
 def test_direct_edge_survives_a_rendezvous_restart() -> None:
+    """A direct edge carries data while the rendezvous is down and after a new one starts on the
+    same port, and never through the relay: the restarted rendezvous relays nothing."""
     async def main():
         rv = await Rendezvous.start(LOOP, 0)
+        port = rv.address[1]
         host = await Member.host(rv.address, "host", {}, bind_host=LOOP)
         a = await Member.join(host.code, rv.address, "a", {}, bind_host=LOOP)
+        restarted = None
         try:
             eh, ea = await _pair(host, a)
-            for _ in range(50):
+            for _ in range(100):
                 if eh.kind == ea.kind == "direct":
                     break
                 await asyncio.sleep(0.02)
+            assert eh.kind == ea.kind == "direct", (eh.kind, ea.kind)
             await rv.close()
             await asyncio.sleep(0.3)
-            await _exchange(eh, ea, 300_000)
+            await _exchange(eh, ea, 300_000)  # while no rendezvous runs
+            restarted = await Rendezvous.start(LOOP, port)
+            relayed: list[bytes] = []
+            original = restarted.registry.relay.receive
+
+            def spying(datagram, src, now):
+                out = original(datagram, src, now)
+                if out is not None:
+                    relayed.append(out[0])
+                return out
+
+            restarted.registry.relay.receive = spying
+            await asyncio.sleep(0.3)
+            await _exchange(eh, ea, 300_000)  # after the restart
+            assert eh.kind == ea.kind == "direct" and relayed == []
         finally:
             await a.close()
             await host.close()
+            if restarted is not None:
+                await restarted.close()
     run(main())
 
 
