@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
     from rich.console import Console
 
     from kafila.commands.join import check_backend
-    from kafila.errors import BadInput
+    from kafila.errors import BadInput, KafilaError
     from kafila.models import open_model, resolve_model
     from kafila.session.host import plan_table, predicted_tok_s
     from kafila.session.launch import LocalSession, get_json, stream_chat
@@ -106,10 +106,21 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"demo: stage compute {stages}; ring network {status.get('network_ms')} ms per step")
         if edges:
             console.print(f"demo: edges {edges}")
-    bad = {n: c for n, c in codes.items() if c not in (0, -2, 130)}
-    if bad:
-        console.print(f"demo: processes ended with {bad}")
+    failed = member_failures(codes, {n: session.proc(n).log_path for n in codes})
+    if failed:
+        raise KafilaError(failed)  # the answer above came, but the session did not end cleanly
     return 0
+
+
+# How a member stopped by our SIGINT ends: a clean exit, or killed by the signal itself.
+STOPPED_EXIT_CODES = (0, -2, 130)
+
+
+def member_failures(codes: dict[str, int], logs: dict[str, str]) -> str | None:
+    """One line naming each member that ended with an error, or None when all stopped cleanly."""
+    bad = [f"member {name} ended with exit code {code} (its log: {logs.get(name) or 'none'})"
+           for name, code in codes.items() if code not in STOPPED_EXIT_CODES]  # fmt: skip
+    return "; ".join(bad) or None
 
 
 def _r(v):
