@@ -74,7 +74,13 @@ class Rendezvous:
             break
         else:
             raise OSError(f"cannot bind the rendezvous on {host}:{port}: {last_error}")
-        self._udp[SECOND_PORT] = await open_endpoint(host, 0, self._receiver(SECOND_PORT))
+        # A fixed port's STUN twin is the next port (7473 -> 7474: one firewall rule to write);
+        # any free port when that one is taken or the primary was chosen by the system.
+        try:
+            second = await open_endpoint(host, bound + 1 if port else 0, self._receiver(SECOND_PORT))
+        except OSError:
+            second = await open_endpoint(host, 0, self._receiver(SECOND_PORT))
+        self._udp[SECOND_PORT] = second
         self.stun_port2 = self._udp[SECOND_PORT].port
         if alternate_ip is not None:
             self._udp[ALTERNATE_IP] = await open_endpoint(alternate_ip, 0, self._receiver(ALTERNATE_IP))

@@ -19,11 +19,19 @@ QUESTION = "What is the capital of France?"
 class Output:
     """Everything a stream printed so far, read by a thread (a pipe or a pty's master side)."""
 
-    def __init__(self, read) -> None:
-        self.text = ""
+    def __init__(self, read=None, snapshot=None) -> None:
+        """`read()` returns the next chunk (b"" at the end); or `snapshot()` returns the text so far
+        (a stream somebody else already reads, such as a natlab Proc's stderr tail)."""
+        self._text = ""
         self._read = read
+        self._snapshot = snapshot
         self._lock = threading.Lock()
-        threading.Thread(target=self._pump, daemon=True).start()
+        if read is not None:
+            threading.Thread(target=self._pump, daemon=True).start()
+
+    @property
+    def text(self) -> str:
+        return self._snapshot() if self._snapshot is not None else self._text
 
     def _pump(self) -> None:
         while True:
@@ -34,7 +42,7 @@ class Output:
             if not chunk:
                 return
             with self._lock:
-                self.text += chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk
+                self._text += chunk.decode("utf-8", "replace") if isinstance(chunk, bytes) else chunk
 
     def wait_for(self, pattern: str | re.Pattern, timeout_s: float, what: str, others=()) -> re.Match:
         """The first match of pattern; AssertionError with every output's tail after timeout_s."""
@@ -46,7 +54,7 @@ class Output:
             if found:
                 return found
             time.sleep(0.2)
-        tails = "\n".join(f"--- {name}:\n{_plain(o.text)[-1500:]}" for name, o in [("this", self), *others])
+        tails = "\n".join(f"--- output {i}:\n{_plain(o.text)[-1500:]}" for i, o in enumerate([self, *others]))
         raise AssertionError(f"{what}: not seen within {timeout_s:.0f} s\n{tails}")
 
 

@@ -98,7 +98,8 @@ class HostParticipant(Participant):
             self.rendezvous_service = await Rendezvous.start(*cfg.embedded_listen)
             rv = self.rendezvous_service.address
             shown = rv if rv[0] not in ("0.0.0.0", "::") else (_lan_ip(), rv[1])
-            self.say(f"{cfg.name}: embedded rendezvous on {rv[0]}:{rv[1]}")
+            self.say(f"{cfg.name}: embedded rendezvous on {rv[0]}:{rv[1]} (TCP+UDP; STUN also on UDP "
+                     f"{self.rendezvous_service.stun_port2})")
         else:
             shown = rv
         self.net = await Member.host(rv, cfg.name, desc, bind_host=cfg.bind_host,
