@@ -8,6 +8,8 @@ import pytest
 
 from natlab_tests.lab import Lab, lab_namespaces, reap_stale, unavailable_reason
 
+pytest_plugins = ["tests.strict_skips"]  # skips fail where KAFILA_NO_SKIPS is set (.ci/run)
+
 
 @functools.cache
 def _reason() -> str | None:

@@ -7,6 +7,8 @@ import pytest
 
 from tests.synthetic_gguf import write_llama_gguf
 
+pytest_plugins = ["tests.strict_skips"]  # skips fail where KAFILA_NO_SKIPS is set (.ci/run)
+
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
@@ -68,9 +70,8 @@ def synthetic_index(synthetic_model):
 @pytest.fixture(scope="session")
 def chain_factory(default_index):
     """chain_factory(backend, stages, precision="serving") → a LocalChain on the default model,
-    compiled once per test session. Skips with the backend's reason when it is unavailable."""
-    import importlib.util
-
+    compiled once per test session. An unavailable mlx skips with its install hint; any other
+    backend is a dependency, so its absence fails."""
     from backends import status
     from kafila.local import LocalChain
 
@@ -78,11 +79,9 @@ def chain_factory(default_index):
 
     def make(backend: str, stages: int, precision: str = "serving"):
         for name in backend.split(","):
-            if name == "mlx" and importlib.util.find_spec("backends.mlx.shard") is None:
-                pytest.skip("backends.mlx not built yet")
             st = status(name)
             if not st.available:
-                pytest.skip(st.reason)
+                (pytest.skip if name == "mlx" else pytest.fail)(st.reason)
         key = (backend, stages, precision)
         if key not in built:
             built[key] = LocalChain.build(default_index.path, stages, backend, precision, index=default_index)
