@@ -15,9 +15,9 @@ import pytest
 from backends import ShardSpec, load_shard, status
 
 MLX = status("mlx")
-OPENVINO = status("openvino")
+# mlx is optional (no wheels on some platforms): skip with its install hint. OpenVINO is a
+# dependency: a test that needs it fails where it is missing.
 needs_mlx = pytest.mark.skipif(not MLX.available, reason=MLX.reason)
-needs_openvino = pytest.mark.skipif(not OPENVINO.available, reason=OPENVINO.reason)
 
 
 

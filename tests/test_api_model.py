@@ -43,9 +43,6 @@ RAW = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def served(default_index, tokenizer):  # noqa: F811
-    backends = pytest.importorskip("backends")
-    if not backends.status("openvino").available:
-        pytest.skip(backends.status("openvino").reason)
     from kafila.local import LocalChain
 
     chain = LocalChain.build(default_index.path, 2, "openvino", index=default_index)

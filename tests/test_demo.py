@@ -8,16 +8,11 @@ import sys
 import psutil
 import pytest
 
-from kafila.models import resolve_model
-
-try:
-    MODEL = resolve_model("smollm2-135m")
-except Exception:
-    MODEL = None
+from tests.default_model import needs_default_model
 
 pytestmark = [
     pytest.mark.session, pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(300),
-    pytest.mark.skipif(MODEL is None, reason="the default model is not installed"),
+    needs_default_model,
 ]
 
 

@@ -15,10 +15,9 @@ from tests.mlx_chain import (
     first_divergence,
     greedy_tokens,
     needs_mlx,
-    needs_openvino,
 )
 
-pytestmark = [pytest.mark.model, needs_mlx, needs_openvino]
+pytestmark = [pytest.mark.model, needs_mlx]
 NEW_TOKENS = 32
 MIN_IDENTICAL = 7
 

@@ -11,17 +11,9 @@ import urllib.request
 
 import pytest
 
-from kafila.models import resolve_model
+from tests.default_model import MODEL, needs_default_model
 
-try:
-    MODEL = resolve_model("smollm2-135m")
-except Exception:
-    MODEL = None
-
-pytestmark = [
-    pytest.mark.session, pytest.mark.model, pytest.mark.slow,
-    pytest.mark.skipif(MODEL is None, reason="the default model is not installed"),
-]
+pytestmark = [pytest.mark.session, pytest.mark.model, pytest.mark.slow, needs_default_model]
 
 CONTEXT = 256
 MAX_NEW = 24
@@ -139,7 +131,7 @@ def test_each_member_receives_only_its_own_tensors(session):
 
 
 def test_openai_client_streams_from_a_member_that_is_not_the_head(session, local):
-    openai = pytest.importorskip("openai")
+    import openai  # the test extra
     plan = status(session.api("m1"))["plan"]
     member = next(n for n in session.names if n != plan["head"])
     client = openai.OpenAI(base_url=session.api(member) + "/v1", api_key="none")

@@ -6,17 +6,14 @@ import os
 
 import pytest
 
-from kafila.models import open_model, resolve_model
+from kafila.models import open_model
 from kafila.session import weights as W
 from kafila.session.streams import StreamClosed
 from kafila.session.transfer import check_local_file, fetch_weights, serve_weights
+from tests.default_model import MODEL, needs_default_model
 from tests.fake_link import Pipe
 
-try:
-    MODEL = resolve_model("smollm2-135m")
-except Exception:  # the default model is not installed
-    MODEL = None
-pytestmark = pytest.mark.skipif(MODEL is None, reason="the default model is not installed")
+pytestmark = needs_default_model
 
 
 
