@@ -1,8 +1,8 @@
 """`kafila inspect`: what a GGUF file holds, and whether (and if not, why not) Kafila serves it.
 
-The description is read from the GGUF header directly (gguf.GGUFReader), so it works on files Kafila
-refuses — a vocabulary-only GGUF, an unsupported architecture or quant type. Whether Kafila serves
-the file is `open_model`'s verdict: its BadInput message is the reason when it refuses.
+The description is read from the GGUF header directly (kafila.models.gguf_header), so it works on
+files Kafila refuses — a vocabulary-only GGUF, an unsupported architecture or quant type. Whether
+Kafila serves the file is `open_model`'s verdict: its BadInput message is the reason when it refuses.
 
 `--json` prints one line with these fields (null where the header does not say):
   path            the file, absolute
@@ -68,33 +68,6 @@ def run(args) -> int:
     return 0
 
 
-def _reader(path: str):
-    import gguf  # heavy import, only when a file is inspected
-
-    if not os.path.exists(path):
-        raise BadInput(f"model file not found: {path} (give a GGUF path or an alias; see `kafila models`)")
-    if not os.path.isfile(path):
-        raise BadInput(f"model path is not a file: {path}")
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != b"GGUF":
-        raise BadInput(f"not a GGUF file (bad magic {magic!r}): {path}")
-    try:
-        return gguf.GGUFReader(path, "r")
-    except Exception as exc:  # the gguf package raises many types on damaged files
-        raise BadInput(f"cannot read GGUF {path}: it is damaged or truncated ({type(exc).__name__}: {exc})") from None
-
-
-def _field(reader, key: str):
-    f = reader.fields.get(key)
-    if f is None:
-        return None
-    try:
-        return f.contents()
-    except Exception as exc:
-        raise BadInput(f"cannot read GGUF field {key}: the file is damaged ({type(exc).__name__}: {exc})") from None
-
-
 def _int(value) -> int | None:
     return int(value) if isinstance(value, (int, float)) else None
 
@@ -108,9 +81,10 @@ def describe(path: str) -> dict:
     """Everything `kafila inspect --json` prints, for the GGUF at `path` (BadInput if unreadable).
 
     A served file is described from its ModelIndex (the header parsed once); a refused one from
-    gguf.GGUFReader directly, as far as its header can be read.
+    header directly (kafila.models.gguf_header), as far as it can be read.
     """
     from kafila.models import open_model
+    from kafila.models.gguf_header import read_header
 
     try:
         index = open_model(path)
@@ -124,16 +98,14 @@ def describe(path: str) -> dict:
                     kv_bytes_per_token_per_block=planner["kv_bytes_per_token_per_block"])
         return info
 
-    reader = _reader(path)  # BadInput (exit 2) when missing, not a GGUF or damaged
-    file_bytes = os.path.getsize(path)
-    metadata = {k: _field(reader, k) for k in reader.fields if not k.startswith("GGUF.")}
+    header = read_header(path)  # BadInput (exit 2) when missing, not a GGUF or damaged
     tensors = []
-    for t in reader.tensors:
-        if int(t.data_offset) + int(t.n_bytes) > file_bytes:
+    for t in header.tensors:
+        if t.offset + t.n_bytes > header.file_bytes:
             raise BadInput(f"GGUF {path} is truncated: tensor {t.name} ends past the end of the file")
-        rows = int(t.shape[1]) if len(t.shape) > 1 else int(t.shape[0])  # ggml order: (cols, rows, ...)
-        tensors.append((t.name, t.tensor_type.name, int(t.n_bytes), rows))
-    info = summarize(path, metadata, tensors)
+        rows = t.dims[1] if len(t.dims) > 1 else t.dims[0]  # ggml order: (cols, rows, ...)
+        tensors.append((t.name, t.type_name, t.n_bytes, rows))
+    info = summarize(path, header.metadata, tensors)
     info["why_not"] = why_not
     return info
 

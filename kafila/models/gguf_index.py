@@ -17,6 +17,7 @@ from functools import cached_property
 import numpy as np
 
 from kafila.errors import BadInput
+from kafila.models.gguf_header import read_header
 from kafila.models.quant import BLOCK_WEIGHTS, QuantBlocks, bf16_to_f32, split_blocks
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
@@ -164,59 +165,37 @@ class ModelIndex:
         return self.blocks_of(name).dequantize(dtype)
 
 
-def _field(reader, key: str, default=None):
-    f = reader.fields.get(key)
-    if f is None:
-        return default
-    return f.contents()
-
-
 def open_model(path: str) -> ModelIndex:
     """Index a GGUF file, refusing with BadInput anything Kafila cannot serve exactly."""
-    import gguf  # heavy import, only when a model is opened
-
-    if not os.path.exists(path):
-        raise BadInput(f"model file not found: {path} (give a GGUF path or an alias; see `kafila models`)")
-    if not os.path.isfile(path):
-        raise BadInput(f"model path is not a file: {path}")
-    file_bytes = os.path.getsize(path)
-    with open(path, "rb") as f:
-        magic = f.read(4)
-    if magic != GGUF_MAGIC:
-        raise BadInput(f"not a GGUF file (bad magic {magic!r}): {path}")
-    try:
-        reader = gguf.GGUFReader(path, "r")
-    except Exception as exc:  # the gguf package raises many types on damaged files
-        raise BadInput(f"cannot read GGUF {path}: it is damaged or truncated ({type(exc).__name__}: {exc})") from None
-
-    arch = _field(reader, "general.architecture")
+    header = read_header(path)  # BadInput when missing, not a GGUF, damaged or truncated
+    file_bytes, metadata = header.file_bytes, header.metadata
+    arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise BadInput(
             f"unsupported architecture {arch!r} in {path}: Kafila serves {', '.join(SUPPORTED_ARCHITECTURES)}"
         )
 
     def hp(key: str, default=None):
-        value = _field(reader, f"{arch}.{key}", default)
+        value = metadata.get(f"{arch}.{key}", default)
         if value is None:
             raise BadInput(f"GGUF {path} lacks {arch}.{key}")
         return value
 
     tensors: dict[str, TensorInfo] = {}
-    for t in reader.tensors:
-        qtype = t.tensor_type.name
+    for t in header.tensors:
+        qtype = t.type_name
         if qtype not in SUPPORTED_TYPES:
             raise BadInput(
                 f"tensor {t.name} has quant type {qtype}, which Kafila does not serve "
                 f"(supported: {', '.join(SUPPORTED_TYPES)})"
             )
-        shape = tuple(int(d) for d in reversed(t.shape.tolist()))
-        offset = int(t.data_offset)
-        if offset + int(t.n_bytes) > file_bytes:
+        shape, offset = t.shape, t.offset
+        if offset + t.n_bytes > file_bytes:
             raise BadInput(f"GGUF {path} is truncated: tensor {t.name} ends past the end of the file")
         if qtype in BLOCK_WEIGHTS and shape[-1] % BLOCK_WEIGHTS[qtype]:
             raise BadInput(f"tensor {t.name}: row length {shape[-1]} is not a multiple of {qtype}'s "
                            f"block of {BLOCK_WEIGHTS[qtype]} weights")
-        tensors[t.name] = TensorInfo(t.name, qtype, shape, offset, int(t.n_bytes))
+        tensors[t.name] = TensorInfo(t.name, qtype, shape, offset, t.n_bytes)
 
     n_heads = int(hp("attention.head_count"))
     hidden = int(hp("embedding_length"))
@@ -243,7 +222,6 @@ def open_model(path: str) -> ModelIndex:
     )
     _check_complete(path, tensors, hparams)
     _check_arch(path, arch, hp, tensors, hparams)
-    metadata = {k: _field(reader, k) for k in reader.fields if not k.startswith("GGUF.")}
     name = os.path.basename(path).removesuffix(".gguf")
     return ModelIndex(path=os.path.abspath(path), name=name, file_bytes=file_bytes,
                       hparams=hparams, tensors=tensors, metadata=metadata)

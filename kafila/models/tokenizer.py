@@ -11,9 +11,6 @@ from __future__ import annotations
 
 import datetime
 import json
-import mmap
-import os
-import struct
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -22,6 +19,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from kafila.errors import BadInput
 from kafila.models import vocab as V
+from kafila.models.gguf_header import read_header
 
 SUPPORTED_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece
 DEFAULT_SPECIAL_IDS = {"llama": (1, 2), "gpt2": (11, 11)}  # llama.cpp's (bos, eos) when the keys are absent
@@ -320,89 +318,8 @@ def load_tokenizer_file(path: str) -> Tokenizer:
 
 # ---- reading the metadata of a GGUF file -------------------------------------------------------
 
-GGUF_MAGIC = b"GGUF"
-_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?", 10: "<Q", 11: "<q", 12: "<d"}
-_STRING, _ARRAY = 8, 9
-
 
 def read_tokenizer_metadata(path: str, prefixes: tuple[str, ...] = ("tokenizer.", "general.")) -> dict[str, object]:
-    """The metadata keys of a GGUF file that start with `prefixes`, values as Python objects.
-
-    A small reader of the GGUF header (v2/v3) rather than gguf.GGUFReader, which builds an array
-    object per string and takes seconds on a 150k-token vocabulary; tensors are never read.
-    """
-    if not os.path.isfile(path):
-        raise BadInput(f"model file not found: {path} (give a GGUF path or an alias; see `kafila models`)")
-    with open(path, "rb") as f:
-        if f.read(4) != GGUF_MAGIC:
-            raise BadInput(f"not a GGUF file: {path}")
-        try:
-            buf = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:
-            raise BadInput(f"not a GGUF file (empty): {path}") from None
-    try:
-        return _read_kv(buf, path, prefixes)
-    except (struct.error, IndexError, ValueError, UnicodeDecodeError, OverflowError) as exc:
-        raise BadInput(f"cannot read GGUF {path}: it is damaged or truncated ({type(exc).__name__}: {exc})") from None
-    finally:
-        buf.close()
-
-
-def _read_kv(buf, path: str, prefixes: tuple[str, ...]) -> dict[str, object]:
-    import numpy as np
-
-    version, _n_tensors, n_kv = struct.unpack_from("<IQQ", buf, 4)
-    if version < 2:
-        raise BadInput(f"GGUF {path} is version {version}; Kafila reads versions 2 and 3")
-    at = 24
-    size = len(buf)
-
-    def string(at: int) -> tuple[str, int]:
-        (length,) = struct.unpack_from("<Q", buf, at)
-        end = at + 8 + length
-        if end > size:
-            raise ValueError("string past the end of the file")
-        return buf[at + 8:end].decode("utf-8", errors="replace"), end
-
-    def value(kind: int, at: int, keep: bool) -> tuple[object, int]:
-        if kind in _SCALARS:
-            fmt = _SCALARS[kind]
-            return (struct.unpack_from(fmt, buf, at)[0] if keep else None), at + struct.calcsize(fmt)
-        if kind == _STRING:
-            return string(at)
-        if kind != _ARRAY:
-            raise ValueError(f"unknown value type {kind}")
-        item, count = struct.unpack_from("<IQ", buf, at)
-        at += 12
-        if item in _SCALARS:
-            width = struct.calcsize(_SCALARS[item])
-            end = at + width * count
-            if end > size:
-                raise ValueError("array past the end of the file")
-            data = np.frombuffer(buf, dtype=np.dtype(_SCALARS[item]), count=count, offset=at).tolist() if keep else None
-            return data, end
-        if item == _STRING:
-            items = []
-            for _ in range(count):
-                (length,) = struct.unpack_from("<Q", buf, at)
-                if keep:
-                    items.append(buf[at + 8:at + 8 + length].decode("utf-8", errors="replace"))
-                at += 8 + length
-            if at > size:
-                raise ValueError("array past the end of the file")
-            return (items if keep else None), at
-        values = []
-        for _ in range(count):
-            v, at = value(item, at, keep)
-            values.append(v)
-        return (values if keep else None), at
-
-    out: dict[str, object] = {}
-    for _ in range(n_kv):
-        key, at = string(at)
-        (kind,) = struct.unpack_from("<I", buf, at)
-        keep = key.startswith(prefixes)
-        v, at = value(kind, at + 4, keep)
-        if keep:
-            out[key] = v
-    return out
+    """The metadata keys of a GGUF file that start with `prefixes`, values as Python objects
+    (kafila.models.gguf_header: the others are skipped, tensors are never read)."""
+    return read_header(path, lambda key: key.startswith(prefixes), tensors=False).metadata
