@@ -99,6 +99,6 @@ def test_losing_is_detected() -> None:
 
 
 def test_lan_qwen3_8b_matches_the_papers_bottleneck() -> None:
-    # Kafila Table IV: 11.3 ms measured; eq. 2 on Table II's bandwidth midpoints
+    # the paper's Table IV (../shared/seeds): 11.3 ms measured; eq. 2 on Table II's bandwidth midpoints
     plan = make_plan(paper_fleet("lan", "qwen3-8b"))
     assert plan.bottleneck_ms == pytest.approx(11.3, rel=0.05)
