@@ -15,6 +15,9 @@ Decoding happens in three steps, each validated before the next allocates anythi
 3. `build_frame` wraps the payload (a numpy array over it) into a frozen frame.
 
 Anything else raises FrameError, which the I/O layer turns into closing that edge with the reason.
+A frame of our own that cannot be encoded (a payload over the limit) raises EncodeError instead:
+that is our error, not the neighbour's, and it fails the request that made the frame, never the
+edge (a long prompt's activations travel in chunks that fit: scheduler.prefill_chunk_tokens).
 No I/O here: `FrameDecoder.feed(bytes) -> [frames]` drives the same steps for tests and any
 transport; `read_frame` (in ring.py) drives them over an asyncio stream.
 
@@ -48,6 +51,11 @@ class FrameError(Exception):
     """A malformed or out-of-bounds frame: the edge that carried it is closed with this reason."""
 
 
+class EncodeError(FrameError):
+    """A frame of ours over a bound (h11's LocalProtocolError): nothing was written, the edge
+    stays up, and only the request that made the frame fails."""
+
+
 @dataclass(frozen=True)
 class Limits:
     """What the session's plan and model allow on the wire."""
@@ -56,8 +64,13 @@ class Limits:
     context: int  # the most physical positions one slot may hold
     slots: int  # ring slot ids are 0..slots-1 (the session's concurrency)
     vocab: int  # token ids are 0..vocab-1
+    # the largest activation payload one frame may carry on this ring: MAX_FRAME_BYTES in every
+    # session; a test lowers it (on every node alike) to make a short prompt need several chunks
+    frame_bytes: int = MAX_FRAME_BYTES
 
     def __post_init__(self) -> None:
+        if not 0 < int(self.frame_bytes) <= MAX_FRAME_BYTES:
+            raise ValueError(f"Limits.frame_bytes must be in 1..{MAX_FRAME_BYTES}")
         for name in ("hidden", "context", "slots", "vocab"):
             if int(getattr(self, name)) < 1:
                 raise ValueError(f"Limits.{name} must be >= 1")
@@ -171,24 +184,27 @@ Frame = Hello | Activation | Free | Request | Tokens | Cancel | WeightGet | Weig
 # --- encoding ----------------------------------------------------------------------------
 
 
-def _pack(header: dict, payload: bytes | memoryview = b"") -> bytes:
+def _pack(header: dict, payload: bytes | memoryview = b"", max_payload: int = MAX_FRAME_BYTES) -> bytes:
     h = msgpack.packb(header, use_bin_type=True)
+    kind = {"act": "an activation", "req": "a request", "tok": "a tokens"}.get(header["k"], f"a {header['k']}")
     if len(h) > MAX_HEADER_BYTES:
-        raise FrameError(f"header of {len(h)} bytes exceeds {MAX_HEADER_BYTES}")
-    if len(payload) > MAX_FRAME_BYTES:
-        raise FrameError(f"payload of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+        raise EncodeError(f"{kind} frame's header of {len(h)} bytes exceeds {MAX_HEADER_BYTES}")
+    if len(payload) > max_payload:
+        raise EncodeError(f"{kind} frame's payload of {len(payload)} bytes exceeds the "
+                          f"frame limit of {max_payload} bytes")  # fmt: skip
     return b"".join((PREFIX.pack(len(h), len(payload)), h, payload))
 
 
-def encode(frame: Frame) -> bytes:
-    """The wire bytes of one frame."""
+def encode(frame: Frame, limits: Limits | None = None) -> bytes:
+    """The wire bytes of one frame (EncodeError if it exceeds a bound: `limits.frame_bytes` for
+    activations)."""
     if isinstance(frame, Activation):
         x = np.ascontiguousarray(frame.hidden, dtype="<f4")
         return _pack(
             {"k": "act", "rid": frame.rid, "slot": frame.slot, "cache": frame.cache_len,
              "pos0": frame.pos0, "zeros": list(frame.zeros), "dtype": "f32",
              "shape": list(x.shape), "trace": [list(t) for t in frame.trace]},
-            x.data.cast("B"),
+            x.data.cast("B"), MAX_FRAME_BYTES if limits is None else limits.frame_bytes,
         )  # fmt: skip
     if isinstance(frame, Request):
         p = np.ascontiguousarray(frame.prompt, dtype="<i4")
@@ -332,6 +348,8 @@ def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
             raise FrameError("mask zeros must be physical positions inside the slot")
         _pairs(h, "trace", int)
         size = n * hidden * 4
+        if size > limits.frame_bytes:
+            raise FrameError(f"activation of {size} bytes exceeds this ring's frame limit {limits.frame_bytes}")
     elif kind == "req":
         _str(h, "rid")
         _str(h, "origin")

@@ -18,7 +18,10 @@ never see two calls at once and the asyncio loop never blocks on compute.
 
 The head's scheduling is `scheduler.Scheduler`; a single driver task owns it, fed by a queue.
 A broken edge, a malformed frame or a member gone (told by the host) make the node *degraded*:
-every request in flight fails with an error naming the cause, and new ones are refused.
+every request in flight fails with an error naming the cause, and new ones are refused. A frame
+of our own over a bound (frames.EncodeError) is not a broken ring: nothing was written, so only
+the request that made it fails (HTTP 500 with the reason) and the next one is served as usual.
+Long prompts never make one: the head feeds them in chunks that fit (scheduler.prefill_chunk_tokens).
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ import numpy as np
 from kafila.session.frames import (
     Activation,
     Cancel,
+    EncodeError,
     Frame,
     FrameError,
     Free,
@@ -43,7 +47,15 @@ from kafila.session.frames import (
     Request,
     Tokens,
 )  # fmt: skip
-from kafila.session.scheduler import Finished, Scheduler, SchedulerError, SlotFreed, Step, TokenOut
+from kafila.session.scheduler import (
+    Finished,
+    Scheduler,
+    SchedulerError,
+    SlotFreed,
+    Step,
+    TokenOut,
+    prefill_chunk_tokens,
+)  # fmt: skip
 from kafila.session.streams import FrameWriter, StreamClosed, read_frame
 
 log = logging.getLogger(__name__)
@@ -122,7 +134,11 @@ class RingNode:
 
     def __init__(self, name: str, head: str, ring: list[str], shard, limits: Limits,
                  eos_ids: frozenset[int] = frozenset(),
-                 on_degraded: Callable[[str], None] | None = None) -> None:  # fmt: skip
+                 on_degraded: Callable[[str], None] | None = None,
+                 prefill_chunk: int | None = None) -> None:  # fmt: skip
+        """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
+        hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
+        frames over the limit: only tests set it, to exercise the per-request error."""
         self.name = name
         self.head = head
         self.ring = ring
@@ -136,7 +152,8 @@ class RingNode:
         self.degraded: str | None = None
         self.on_degraded = on_degraded
         self.measured = Measured()
-        self.scheduler = Scheduler(limits.slots, limits.context, eos_ids) if self.is_head else None
+        chunk = prefill_chunk or prefill_chunk_tokens(limits.hidden, limits.frame_bytes)
+        self.scheduler = Scheduler(limits.slots, limits.context, eos_ids, chunk_tokens=chunk) if self.is_head else None
         self._events: asyncio.Queue = asyncio.Queue()
         self._step_started: dict[str, float] = {}
         self._first_token: dict[str, float] = {}
@@ -150,7 +167,7 @@ class RingNode:
         """Run with the predecessor's stream `reader` and the successor's `writer` (None, None:
         a ring of one member)."""
         if writer is not None:
-            self.out = FrameWriter(writer)
+            self.out = FrameWriter(writer, self.limits)
         if reader is not None:
             self._tasks.append(asyncio.create_task(self._read_loop(reader), name=f"ring-read-{self.name}"))
         if self.is_head:
@@ -208,9 +225,13 @@ class RingNode:
             self._set_sampling(rid, temperature, top_p, -1 if seed is None else seed)
             self._events.put_nowait(("pump",))
         else:
-            await self._send(Request(rid, self.name, self.head, max_new, stop_at_eos,
-                                     np.asarray(prompt, dtype=np.int32), float(temperature),
-                                     float(top_p), -1 if seed is None else int(seed)))  # fmt: skip
+            try:
+                await self._send(Request(rid, self.name, self.head, max_new, stop_at_eos,
+                                         np.asarray(prompt, dtype=np.int32), float(temperature),
+                                         float(top_p), -1 if seed is None else int(seed)))  # fmt: skip
+            except EncodeError as exc:
+                del self.waiters[rid]
+                raise SchedulerError(f"this request cannot travel to the head: {exc}", 400) from None
         return rid, waiter
 
     def _set_sampling(self, rid: str, temperature: float, top_p: float, seed: int) -> None:
@@ -218,6 +239,9 @@ class RingNode:
             self._sampling[rid] = (temperature, top_p, np.random.default_rng(None if seed < 0 else seed))
 
     def _check_ids(self, prompt) -> None:
+        if len(prompt) >= self.limits.context:  # (a Request frame carries at most the context)
+            raise SchedulerError(f"the prompt has {len(prompt)} tokens; this session's context is "
+                                 f"{self.limits.context} (prompt and answer together): shorten it", 400)  # fmt: skip
         if prompt and not 0 <= min(prompt) <= max(prompt) < self.limits.vocab:
             raise SchedulerError(f"prompt token ids must lie in 0..{self.limits.vocab - 1}", 400)
 
@@ -241,6 +265,9 @@ class RingNode:
                 await self._on_frame(frame)
         except StreamClosed:
             self.degrade(f"the ring edge from member {pred} closed (member {pred} is gone)")
+        except EncodeError as exc:  # ours, not the predecessor's (a stage's output is its input's size)
+            log.exception("ring stage made a frame it cannot send")
+            self.degrade(f"member {self.name} could not send its stage's output: {exc}")
         except FrameError as exc:
             self.degrade(f"member {pred} sent a malformed frame ({exc}); its edge was closed")
         except asyncio.CancelledError:
@@ -336,7 +363,9 @@ class RingNode:
                 elif kind == "back":
                     act: Activation = ev[1]
                     sampling = self._sampling.get(act.rid)
-                    if sampling is None:
+                    if not sched.wants_token(act.rid):  # a prefill chunk before the prompt's last
+                        token = None
+                    elif sampling is None:
                         token = await self._compute(greedy, self.shard, act.hidden)
                     else:
                         token = await self._compute(sample, self.shard, act.hidden, *sampling)
@@ -363,8 +392,13 @@ class RingNode:
                              ((self.name, us),))  # fmt: skip
             if self.out is None:  # a ring of one: the activation is back at once
                 self._events.put_nowait(("back", act))
-            else:
+                continue
+            try:
                 await self._send(act)
+            except EncodeError as exc:  # nothing was written: this request alone fails
+                log.warning("request %s failed: %s", step.rid, exc)
+                await self._emit(self.scheduler.fail(
+                    step.rid, f"this request's activations cannot be sent round the ring: {exc}", 500))
 
     def _head_forward(self, step: Step):
         t0 = time.perf_counter()

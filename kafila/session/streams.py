@@ -36,15 +36,19 @@ async def read_frame(reader, limits: Limits | None) -> Frame:
 
 
 class FrameWriter:
-    """Writes frames in order; `send` returns once the transport has taken them (drain)."""
+    """Writes frames in order; `send` returns once the transport has taken them (drain).
 
-    def __init__(self, writer) -> None:
+    A frame over a bound (`limits.frame_bytes` for activations) raises EncodeError before
+    anything is written: the stream stays whole."""
+
+    def __init__(self, writer, limits: Limits | None = None) -> None:
         self.writer = writer
+        self.limits = limits
         self.bytes_sent = 0
         self._lock = asyncio.Lock()
 
     async def send(self, *frames: Frame) -> None:
-        data = b"".join(encode(f) for f in frames)
+        data = b"".join(encode(f, self.limits) for f in frames)
         async with self._lock:
             try:
                 self.writer.write(data)
