@@ -27,6 +27,7 @@ from kafila.net.words import EVEN_WORDS, ODD_WORDS
 from rendezvous import frames
 from rendezvous import messages as m
 from rendezvous.errors import ProtocolError
+from rendezvous.limits import MEMBER_SILENT_S
 from rendezvous.registry import CloseConn, Registry, SendTo
 from rendezvous.relay import RelayTable
 from rendezvous.stun import StunResponder
@@ -268,8 +269,11 @@ def test_registry_session_flow() -> None:
     assert a.edge_id == b.edge_id and a.initiator and not b.initiator and a.peer == 2 and b.peer == 1
     # leaving reaches the host
     assert _sends(reg.receive(2, m.Bye(), clock.now), 1) == [m.PeerLeft(1, "left")]
-    # silence reaches the host too
-    clock.now += 3.0
+    # silence reaches the host too, once it lasted MEMBER_SILENT_S (not before)
+    clock.now += MEMBER_SILENT_S - 1.0
+    reg.receive(1, m.Heartbeat(), clock.now)
+    assert _sends(reg.tick(clock.now), 1) == []
+    clock.now += 1.5
     reg.receive(1, m.Heartbeat(), clock.now)
     actions = reg.tick(clock.now)
     assert _sends(actions, 1) == [m.PeerLeft(2, "connection lost (no heartbeat)")]

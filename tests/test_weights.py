@@ -31,7 +31,7 @@ async def transfer(manifest, path, fail_after=None):
 
 @pytest.fixture(scope="module")
 def digests():
-    return W.DigestCache(open_model(MODEL))
+    return W.DigestCache.load(open_model(MODEL))
 
 
 def test_fetch_only_own_tensors_and_open_the_sparse_copy(tmp_path, digests):

@@ -20,7 +20,7 @@ API (asyncio), as built for the session layer:
     edge = await m.connect(peer_name)            # authenticated QUIC edge, relay first
     edge = await m.accept()                      # the next edge a peer opened to us
     await m.close()                              # Bye; the host sees MemberLeft within ~0.1 s
-                                                 # (a silent member: within MEMBER_SILENT_S=2.5 s)
+                                                 # (a silent member: within MEMBER_SILENT_S=15 s)
 
     edge.peer, edge.predicted, edge.kind ("direct" | "relay", now), edge.time_to_data_s,
     edge.time_to_direct_s, edge.stats() -> {kind, predicted, rtt_ms, bytes_sent,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import threading
 
 from rich.live import Live
 from rich.table import Table
@@ -67,8 +68,10 @@ class HostParticipant(Participant):
         self._weight_cache: dict = {}
         self._ready: set[str] = set()
         self.host_name = cfg.name
+        self._hash_cancel = threading.Event()  # stops a hashing worker when the host leaves
 
     async def close_extra(self) -> None:
+        self._hash_cancel.set()
         if self.rendezvous_service is not None:
             with contextlib.suppress(Exception):
                 await self.rendezvous_service.close()
@@ -89,7 +92,10 @@ class HostParticipant(Participant):
             raise BadInput(f"--concurrency {cfg.concurrency}: choose 1..64")
         self.say(f"{cfg.name}: measuring this device and indexing {index.name}…")
         desc_task = asyncio.create_task(asyncio.to_thread(self.descriptor))
-        self.digests = await asyncio.to_thread(DigestCache, index)
+        # hashing a big file takes tens of seconds: in a worker, while members join (never on
+        # this loop: heartbeats, the API and the signaling channel keep running)
+        digests_task = self.spawn(asyncio.to_thread(DigestCache.load, index, cfg.cache_dir, None,
+                                                    self._hash_cancel), "digests")  # fmt: skip
         desc = await desc_task
         rv = cfg.rendezvous
         if rv is None:
@@ -156,6 +162,14 @@ class HostParticipant(Participant):
 
                 loop.remove_reader(sys.stdin.fileno())
         self.state.members = {r["name"]: r for r in rows()}
+        if not digests_task.done():
+            self.state.phase = "hashing"
+            self.say(f"{cfg.name}: hashing {index.name} ({index.file_bytes / 1e9:.2f} GB) before planning…")
+        self.digests = await digests_task
+        d = self.digests
+        self.say(f"{cfg.name}: model digests {'computed' if d.hashed else 'read from the cache'} in "
+                 f"{d.seconds:.1f} s ({d.cache_path or 'not cached'})")  # fmt: skip
+        self.event("digests", hashed=d.hashed, seconds=round(d.seconds, 3), cache=d.cache_path)
 
         # --- plan ----------------------------------------------------------------------------------
         plan = self._plan(index)
@@ -177,7 +191,7 @@ class HostParticipant(Participant):
                         await self.net.send(n, {"t": "refused", "reason": reason})
             raise Refused(reason)
         session = {"context": cfg.context, "concurrency": cfg.concurrency, "precision": cfg.precision,
-                   "model": index.name, "sha256": index.sha256}  # fmt: skip
+                   "model": index.name, "sha256": self.digests.sha256}  # fmt: skip
         for n in plan["ring"]:
             if n == cfg.name:
                 continue

@@ -19,8 +19,13 @@ from __future__ import annotations
 
 import bz2
 import hashlib
+import json
+import logging
 import os
+import threading
+import time
 from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from kafila.session.frames import WEIGHT_CHUNK_BYTES, FrameError, WeightData, WeightGet
@@ -28,6 +33,9 @@ from kafila.session.frames import WEIGHT_CHUNK_BYTES, FrameError, WeightData, We
 FETCH_CHUNK_BYTES = 1 << 20
 FETCH_WINDOW_CHUNKS = 8  # chunks in flight: enough to fill a LAN edge, little to redo
 MAX_MANIFEST_TENSORS = 4096
+HASH_CHUNK_BYTES = 8 << 20
+
+log = logging.getLogger(__name__)
 
 
 class WeightError(Exception):
@@ -75,36 +83,153 @@ class Manifest:
         return m
 
 
-def sha256_range(path: str, offset: int, length: int) -> str:
+def sha256_range(path: str, offset: int, length: int, throttle=None) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
         f.seek(offset)
         left = length
         while left > 0:
-            chunk = f.read(min(left, 8 << 20))
+            chunk = f.read(min(left, HASH_CHUNK_BYTES))
             if not chunk:
                 break
             h.update(chunk)
             left -= len(chunk)
+            if throttle is not None:
+                throttle(len(chunk))
     return h.hexdigest()
 
 
-class DigestCache:
-    """The host's per-tensor digests, computed once per model file."""
+DIGEST_CACHE_VERSION = 1
+MAX_DIGEST_CACHE_BYTES = 4 << 20  # a cache file larger than this is not ours: hash again
 
-    def __init__(self, index) -> None:  # kafila.models.ModelIndex
-        self.index = index
-        self._digests: dict[str, str] = {}
-        self.header_len = min(t.offset for t in index.tensors.values())
-        self._header = sha256_range(index.path, 0, self.header_len)
+
+def file_identity(path: str) -> dict:
+    """What says a file is still the one we hashed: its path, size, mtime and inode."""
+    st = os.stat(path)
+    return {"path": os.path.abspath(path), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "inode": st.st_ino, "device": st.st_dev}  # fmt: skip
+
+
+class DigestCache:
+    """The host's digests of one model file: the whole file's, the header's and each tensor's.
+
+    Computing them reads the whole file (tens of seconds for a 5 GB model), so `DigestCache.load`
+    is blocking and belongs in a worker thread (`await asyncio.to_thread(DigestCache.load, …)`);
+    `manifest()` afterwards only looks digests up. With a `cache_dir` the digests are kept in
+    `cache_dir/digests/<identity>.json`, keyed by the file's identity (path, size, mtime_ns,
+    inode, device): a second session on the same unchanged file reads them back instead of
+    hashing again (`hashed` is False then). A changed file has a new identity and is hashed anew.
+
+    `hash_bytes_per_s` slows hashing down to that rate: for tests that need a host whose shards
+    take seconds to hash without a model of many gigabytes; never set in normal use."""
+
+    def __init__(self, index, sha256: str, header_len: int, header_sha256: str, digests: dict[str, str],
+                 hashed: bool, seconds: float = 0.0, cache_path: str | None = None) -> None:  # fmt: skip
+        self.index = index  # kafila.models.ModelIndex
+        self.sha256 = sha256
+        self.header_len = header_len
+        self._header = header_sha256
+        self._digests = digests
+        self.hashed = hashed  # True: computed now; False: read from the cache
+        self.seconds = seconds
+        self.cache_path = cache_path
+
+    @classmethod
+    def load(cls, index, cache_dir: str | None = None, hash_bytes_per_s: float | None = None,
+             cancel: threading.Event | None = None) -> DigestCache:  # fmt: skip
+        """Blocking: the digests from the cache when the file is unchanged, else computed (and
+        cached). `cancel` set from another thread stops the hashing (WeightError)."""
+        start = time.monotonic()
+        header_len = min(t.offset for t in index.tensors.values())
+        ident = file_identity(index.path)
+        cache_path = None
+        if cache_dir:
+            key = hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:32]
+            cache_path = os.path.join(cache_dir, "digests", f"{key}.json")
+            found = _read_cached(cache_path, ident, index, header_len)
+            if found is not None:
+                sha, header, digests = found
+                return cls(index, sha, header_len, header, digests, False, time.monotonic() - start, cache_path)
+        limit = _Throttle(hash_bytes_per_s, cancel)
+        with ThreadPoolExecutor(2, thread_name_prefix="kafila-hash") as pool:  # hashlib frees the GIL
+            whole = pool.submit(sha256_range, index.path, 0, ident["size"], limit)
+            header = sha256_range(index.path, 0, header_len, limit)
+            digests = {t.name: sha256_range(index.path, t.offset, t.n_bytes, limit)
+                       for t in sorted(index.tensors.values(), key=lambda t: t.offset)}  # fmt: skip
+            sha = whole.result()
+        if file_identity(index.path) != ident:
+            raise WeightError(f"the model file {index.path} changed while it was being hashed")
+        if cache_path is not None:
+            _write_cached(cache_path, ident, index, header_len, sha, header, digests)
+        return cls(index, sha, header_len, header, digests, True, time.monotonic() - start, cache_path)
 
     def manifest(self, first: int, last: int, head: bool) -> Manifest:
-        ranges = []
-        for t in self.index.shard_tensors(first, last, head):
-            if t.name not in self._digests:
-                self._digests[t.name] = sha256_range(self.index.path, t.offset, t.n_bytes)
-            ranges.append(TensorRange(t.name, t.offset, t.n_bytes, self._digests[t.name]))
-        return Manifest(self.index.sha256, self.index.file_bytes, self.header_len, self._header, tuple(ranges))
+        """No I/O: every digest is known once `load` returned."""
+        ranges = tuple(TensorRange(t.name, t.offset, t.n_bytes, self._digests[t.name])
+                       for t in self.index.shard_tensors(first, last, head))  # fmt: skip
+        return Manifest(self.sha256, self.index.file_bytes, self.header_len, self._header, ranges)
+
+
+class _Throttle:
+    """Sleeps so that no more than `bytes_per_s` are hashed per second (None: no limit); raises
+    WeightError once `cancel` is set."""
+
+    def __init__(self, bytes_per_s: float | None, cancel: threading.Event | None = None) -> None:
+        self.rate = bytes_per_s
+        self.cancel = cancel
+        self.start = time.monotonic()
+        self.done = 0
+        self._lock = threading.Lock()
+
+    def __call__(self, n: int) -> None:
+        if self.cancel is not None and self.cancel.is_set():
+            raise WeightError("hashing cancelled")
+        if not self.rate:
+            return
+        with self._lock:
+            self.done += n
+            wait = self.start + self.done / self.rate - time.monotonic()
+        if wait > 0:
+            if self.cancel is not None:
+                if self.cancel.wait(wait):
+                    raise WeightError("hashing cancelled")
+            else:
+                time.sleep(wait)
+
+
+def _read_cached(path: str, ident: dict, index, header_len: int) -> tuple[str, str, dict[str, str]] | None:
+    try:
+        if os.path.getsize(path) > MAX_DIGEST_CACHE_BYTES:
+            return None
+        with open(path) as f:
+            d = json.load(f)
+        if d.get("version") != DIGEST_CACHE_VERSION or d.get("identity") != ident or d.get("header_len") != header_len:
+            return None
+        tensors = d["tensors"]
+        digests = {}
+        for t in index.tensors.values():
+            offset, n, sha = tensors[t.name]
+            if (offset, n) != (t.offset, t.n_bytes):
+                return None
+            digests[t.name] = str(sha)
+        return str(d["sha256"]), str(d["header_sha256"]), digests
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # absent or damaged: hash again
+
+
+def _write_cached(path: str, ident: dict, index, header_len: int, sha: str, header: str,
+                  digests: dict[str, str]) -> None:  # fmt: skip
+    d = {"version": DIGEST_CACHE_VERSION, "identity": ident, "sha256": sha, "header_len": header_len,
+         "header_sha256": header,
+         "tensors": {t.name: [t.offset, t.n_bytes, digests[t.name]] for t in index.tensors.values()}}  # fmt: skip
+    try:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            json.dump(d, f)
+        os.replace(tmp, path)
+    except OSError as exc:  # a read-only cache costs a rehash next time, nothing else
+        log.warning("cannot keep the model digests in %s: %s", path, exc)
 
 
 # --- sans-I/O ------------------------------------------------------------------------------
