@@ -41,7 +41,7 @@ from rendezvous.errors import ProtocolError
 log = logging.getLogger("kafila.net")
 
 Address = tuple[str, int]
-HEARTBEAT_S = 0.5
+HEARTBEAT_S = 1.0  # well under rendezvous.limits.MEMBER_SILENT_S (15 s): seconds of jitter are normal
 SIGNAL_TIMEOUT_S = 10.0  # a reply the rendezvous or host owes us
 EDGE_ALLOCATE_TIMEOUT_S = 5.0
 RELAY_BIND_RETRY_S = 0.2
