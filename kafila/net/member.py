@@ -22,6 +22,7 @@ from kafila.net.code import make_code, parse_code
 from kafila.net.edge import Edge, quic_destination_cid
 from kafila.net.handshake import Pake, SealedChannel, reject, rejection_reason
 from kafila.net.natcheck import RESTRICTIVE, NatReport, predict_edge_kind
+from kafila.net.pieces import MAX_HOST_MESSAGE_BYTES, MAX_MEMBER_MESSAGE_BYTES, PIECE_BYTES, Assembler, split, unpack
 from kafila.net.punch import edge_id_of
 from kafila.net.roster import (
     MemberInfo,
@@ -47,7 +48,7 @@ EDGE_ALLOCATE_TIMEOUT_S = 5.0
 RELAY_BIND_RETRY_S = 0.2
 RELAY_BIND_REFRESH_S = 20.0
 UNKNOWN_PEER_WAIT_S = 3.0  # an edge from a member the roster does not show yet
-MAX_APP_MESSAGE_BYTES = 64 * 1024
+MAX_APP_MESSAGE_BYTES = 64 * 1024  # a member's descriptor (it rides in the hello, in one piece)
 # datagrams for an edge whose EdgeAllocated has not arrived yet (UDP can beat TCP): kept briefly
 EARLY_EDGES_MAX = 16
 EARLY_DATAGRAMS_PER_EDGE_MAX = 32
@@ -125,6 +126,7 @@ class Member:
         self._group_key = b""
         self._channels: dict[int, SealedChannel] = {}  # rid -> channel (the host: one per member)
         self._pakes: dict[int, Pake] = {}
+        self._pieces: dict[int, Assembler] = {}  # rid -> a message in pieces from it (pieces.py)
         self._names: dict[int, str] = {}  # rid -> name
         self._events: asyncio.Queue[SessionEvent] = asyncio.Queue()
         self._edges: dict[bytes, Edge] = {}
@@ -346,12 +348,24 @@ class Member:
             if self.is_host and rid not in self._names:
                 self._host_hello(rid, sealed)
             elif sealed.get("t") == "app":
+                self._assembler(rid).whole()
                 self._events.put_nowait(Message(self._names.get(rid, str(rid)), sealed.get("body")))
+            elif sealed.get("t") == "part":
+                assembler = self._assembler(rid)
+                packed = assembler.feed(sealed)
+                if packed is not None:
+                    body = unpack(packed, assembler.max_bytes)
+                    self._events.put_nowait(Message(self._names.get(rid, str(rid)), body))
             elif sealed.get("t") == "roster" and not self.is_host:
                 self._set_roster(sealed.get("members"))
                 self._events.put_nowait(RosterUpdated(self.roster()))
         except ProtocolError as exc:
             self._auth_failure(rid, exc)
+
+    def _assembler(self, rid: int) -> Assembler:
+        if rid not in self._pieces:  # the host sends plans and manifests; members send little
+            self._pieces[rid] = Assembler(MAX_MEMBER_MESSAGE_BYTES if self.is_host else MAX_HOST_MESSAGE_BYTES)
+        return self._pieces[rid]
 
     def _auth_failure(self, rid: int, exc: ProtocolError) -> None:
         if self.is_host:
@@ -410,6 +424,7 @@ class Member:
 
     def _member_gone(self, rid: int, reason: str) -> None:
         self._channels.pop(rid, None)
+        self._pieces.pop(rid, None)
         self._pakes.pop(rid, None)
         name = self._names.pop(rid, None)
         if name is None:
@@ -444,7 +459,11 @@ class Member:
         return dict(self._roster)
 
     async def send(self, to: str, message: Any) -> None:
-        """An authenticated message to `to` (members may only send to the host)."""
+        """An authenticated message to `to` (members may only send to the host).
+
+        One larger than PIECE_BYTES packed travels in pieces (pieces.py), all written before
+        anything else, up to MAX_HOST_MESSAGE_BYTES from the host (a plan and its manifest) and
+        MAX_MEMBER_MESSAGE_BYTES from a member."""
         info = self._roster.get(to)
         if info is None:
             raise BadInput(f"no member named {to!r} in this session")
@@ -452,12 +471,19 @@ class Member:
             raise BadInput("members can only send to the host")
         if info.peer_id == self.rid:
             raise BadInput("cannot send to yourself")
-        if len(msgpack.packb(message, use_bin_type=True)) > MAX_APP_MESSAGE_BYTES:
-            raise BadInput(f"message larger than {MAX_APP_MESSAGE_BYTES} bytes")
+        packed = msgpack.packb(message, use_bin_type=True)
+        limit = MAX_HOST_MESSAGE_BYTES if self.is_host else MAX_MEMBER_MESSAGE_BYTES
+        if len(packed) > limit:
+            raise BadInput(f"a message of {len(packed)} bytes to {to} exceeds the {limit} bytes "
+                           "one session message may carry")  # fmt: skip
         channel = self._channels.get(info.peer_id)
         if channel is None:
             raise Refused(f"no signaling channel to {to}")
-        self._signal.send(m.Send(info.peer_id, channel.seal({"t": "app", "body": message})))
+        if len(packed) <= PIECE_BYTES:
+            self._signal.send(m.Send(info.peer_id, channel.seal({"t": "app", "body": message})))
+        else:  # no await until every piece is written: pieces of two messages never interleave
+            for part in split(packed):
+                self._signal.send(m.Send(info.peer_id, channel.seal(part)))
         await self._signal.writer.drain()
 
     async def recv(self) -> SessionEvent:
