@@ -129,7 +129,8 @@ class ReferenceShard:
             raise ValueError(f"mask covers {len(mask)} positions, the cache holds {total} after this feed")
         # new token i sees physical j iff j ≤ total − n + i and mask[j] ≠ 0
         visible = (np.arange(total)[None, :] <= (total - n + np.arange(n))[:, None]) & (mask[None, :] != 0)
-        theta = rope_angles(positions, self.h.head_dim, self.h.rope_base, self.h.rope_scale, self._rope_factors)
+        h = self.h
+        theta = rope_angles(positions, h.head_dim, h.rope_base, h.rope_scale, self._rope_factors)  # [n, D/2]
         for i, w in enumerate(self._blocks):
             x, state.k[i], state.v[i] = self._block(w, x, theta, visible, state.k[i], state.v[i])
         return x

@@ -52,7 +52,7 @@ def llama3_rope_factors(head_dim: int, base: float, factor: float, low_freq_fact
 
 
 @functools.lru_cache(maxsize=2)
-def _tokenizer_fields(vocab_name: str) -> tuple[tuple[str, object, gguf.GGUFValueType, gguf.GGUFValueType | None], ...]:
+def _tokenizer_fields(vocab_name: str) -> tuple[tuple[str, object, gguf.GGUFValueType, object], ...]:
     """Every tokenizer.* key of llama.cpp's vocab file as (key, value, type, array item type)."""
     reader = gguf.GGUFReader(str(vocab_file(vocab_name)), "r")
     out = []

@@ -130,6 +130,41 @@ def test_mlx_matches_llamacpp(arch_model, kind):
     check_against_llamacpp(kafila_greedy(shard, PROMPT_IDS, N_TOKENS), ref_ids, ref_logits, exact_ids=False)
 
 
+class _Chain:
+    """Shards in ring order as one shard: the first embeds and holds the head (kafila.local's shape)."""
+
+    def __init__(self, shards: list) -> None:
+        self.shards = shards
+
+    def open_slot(self) -> list[int]:
+        return [s.open_slot() for s in self.shards]
+
+    def close_slot(self, slots: list[int]) -> None:
+        for s, slot in zip(self.shards, slots):
+            s.close_slot(slot)
+
+    def forward(self, slots, x, positions, mask):
+        for s, slot in zip(self.shards, slots):
+            x = s.forward(slot, x, positions, mask)
+        return x
+
+    def logits(self, hidden):
+        return self.shards[0].logits(hidden)
+
+
+@needs_llamacpp
+@pytest.mark.skipif(not (status("openvino").available and status("mlx").available),
+                    reason=status("openvino").reason or status("mlx").reason)
+@pytest.mark.parametrize("kind", ["llama3", "qwen3"])
+def test_split_ring_of_openvino_and_mlx_matches_llamacpp(arch_model, kind):
+    """Block 0 (+ embedding and head) on OpenVINO, block 1 on MLX: the second stage needs
+    rope_freqs / q-k norms without the head's tensors, and hidden states cross backends."""
+    path, index, ref_ids, ref_logits = arch_model(kind)
+    chain = _Chain([load_shard("openvino", ShardSpec(path, 0, 1, True, True), "f32", index=index),
+                    load_shard("mlx", ShardSpec(path, 1, 2, False, False), "f32", index=index)])  # fmt: skip
+    check_against_llamacpp(kafila_greedy(chain, PROMPT_IDS, N_TOKENS), ref_ids, ref_logits, exact_ids=False)
+
+
 @needs_llamacpp
 @pytest.mark.parametrize("variant", ["llama3", "llama-linear"])
 def test_rope_variants_change_llamacpps_answer(arch_model, variant):
@@ -175,8 +210,8 @@ def test_unsupported_architecture_is_refused_naming_it_and_what_is_served(tmp_pa
 def test_moe_llama_is_refused(tmp_path):
     from gguf import GGUFValueType as T
 
-    message = _refusal(tmp_path, extra_kv={"llama.expert_count": (8, T.UINT32), "llama.expert_used_count": (2, T.UINT32)},
-                       extra_tensors={"blk.0.ffn_gate_exps.weight": (8, 128, 64)})  # fmt: skip
+    experts = {"llama.expert_count": (8, T.UINT32), "llama.expert_used_count": (2, T.UINT32)}
+    message = _refusal(tmp_path, extra_kv=experts, extra_tensors={"blk.0.ffn_gate_exps.weight": (8, 128, 64)})
     assert "8 experts" in message and "MoE" in message
 
 

@@ -285,7 +285,10 @@ def _check_arch(path: str, arch: str, hp, tensors: dict[str, TensorInfo], h: Hyp
         allowed |= set(QK_NORM_TENSORS)
     for name in tensors:
         m = BLOCK_TENSOR.match(name)
-        known = m.group(2) in allowed if m else name in HEAD_TENSORS or (name == ROPE_FREQS_TENSOR and arch == "llama")
+        if m:
+            known = m.group(2) in allowed
+        else:
+            known = name in HEAD_TENSORS or (name == ROPE_FREQS_TENSOR and arch == "llama")
         if not known:
             raise BadInput(f"GGUF {path}: tensor {name} is not part of the {arch} model Kafila serves")
     D, q_rows, kv_rows = h.head_dim, h.n_heads * h.head_dim, h.n_kv_heads * h.head_dim
