@@ -50,7 +50,7 @@ async def fetch_weights(reader, writer, name: str, manifest: Manifest, path: str
                 digest = await asyncio.to_thread(sha256_range, path, verify.offset, verify.n_bytes)
                 if digest != verify.sha256:
                     raise WeightError(f"tensor {verify.name} failed its SHA-256 check")
-            elif offset == 0 and header:
+            elif header and offset == fetcher.header_last_offset:
                 if await asyncio.to_thread(sha256_range, path, 0, manifest.header_len) != manifest.header_sha256:
                     raise WeightError("the model header failed its SHA-256 check")
             if progress:

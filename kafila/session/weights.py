@@ -256,13 +256,20 @@ class Fetcher:
 
     `requests()` hands out WeightGet frames keeping FETCH_WINDOW_CHUNKS in flight; `received`
     checks a chunk against what was asked (same order: one stream), inflates it, and returns
-    (offset, bytes, tensor to verify or None, header done?) for the caller to write."""
+    (offset, bytes, tensor to verify or None) for the caller to write; the header is complete
+    (to verify) once the chunk at `header_last_offset` was written."""
 
     def __init__(self, manifest: Manifest, header: bool, tensors: list[TensorRange]) -> None:
         self.manifest = manifest
         self._todo: deque[_Chunk] = deque()
+        # the header (mostly the tokenizer: 7.8 MB for Llama 3's 128k tokens) in compressed
+        # pieces of at most one chunk each, verified once its last piece landed
+        self.header_last_offset = None
         if header:
-            self._todo.append(_Chunk(0, manifest.header_len, None, True))  # one compressed request
+            for off in range(0, manifest.header_len, WEIGHT_CHUNK_BYTES):
+                length = min(WEIGHT_CHUNK_BYTES, manifest.header_len - off)
+                self._todo.append(_Chunk(off, length, None, off + length == manifest.header_len))
+                self.header_last_offset = off
         for t in tensors:
             for off in range(t.offset, t.offset + t.n_bytes, FETCH_CHUNK_BYTES):
                 length = min(FETCH_CHUNK_BYTES, t.offset + t.n_bytes - off)
@@ -280,8 +287,6 @@ class Fetcher:
         out = []
         while self._todo and len(self._asked) < FETCH_WINDOW_CHUNKS:
             c = self._todo.popleft()
-            if c.tensor is None and c.length > WEIGHT_CHUNK_BYTES:
-                raise WeightError(f"model header of {c.length} bytes exceeds one chunk")
             self._asked.append(c)
             out.append(WeightGet(c.offset, c.length, compress=c.tensor is None))
         return out
