@@ -8,7 +8,7 @@ import sys
 import psutil
 import pytest
 
-from tests.default_model import needs_default_model
+from tests.default_model import MODEL, needs_default_model
 
 pytestmark = [
     pytest.mark.session, pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(300),
@@ -32,15 +32,20 @@ def test_demo_json_two_members(tmp_path):
                        capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(out) == {"text", "tokens", "tok_s", "ttft_ms", "plan"}
+    assert set(out) == {"text", "tokens", "tok_s", "ttft_ms", "plan", "memory"}
     assert out["text"] and 1 <= out["tokens"] <= 12
     assert out["ttft_ms"] > 0 and (out["tokens"] == 1 or out["tok_s"] > 0)
     plan = out["plan"]
     assert plan["feasible"] and sorted(plan["ring"]) == ["m1", "m2"] and sum(plan["blocks"].values()) == 30
     assert set(plan) >= {"feasible", "tier", "policy", "head", "ring", "blocks", "stage_ms",
                          "bottleneck_ms", "edges", "refused"}
+    for name, mem in out["memory"].items():  # each member's process against its share of the plan
+        assert name in plan["ring"] and mem["shard_bytes"] > 0 and mem["planned_bytes"] >= mem["shard_bytes"]
+        assert mem["rss_bytes"] > 0 and mem["peak_rss_bytes"] >= mem["rss_bytes"] and mem["pss_bytes"] > 0
+    assert sum(m["shard_bytes"] for m in out["memory"].values()) >= 0.9 * os.path.getsize(MODEL)
     assert leftovers(cache) == []
-    assert sorted(os.listdir(cache)) == ["m2"]  # only the member fetched weights (the host has the file)
+    # only the member fetched weights (the host has the file); the host keeps its model digests
+    assert sorted(os.listdir(cache)) == ["m1", "m2"] and os.listdir(os.path.join(cache, "m1")) == ["digests"]
 
 
 def test_demo_with_a_bad_model_starts_nothing(tmp_path):

@@ -29,7 +29,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--ask", default=None, metavar="NAME", help="the member the prompt is typed at (default: the last)")
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "kafila", "demo"),
                    help="members' weight caches (NAME/ below it; a rerun fetches only what changed)")
-    p.add_argument("--json", action="store_true", help='print {"text","tokens","tok_s","ttft_ms","plan"}')
+    p.add_argument("--json", action="store_true",
+                   help='print {"text","tokens","tok_s","ttft_ms","plan","memory"} (memory: per member)')
     p.set_defaults(handler=run)
 
 
@@ -83,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
         stream_chat(session.api(ask), "Hi", 2)  # warm-up: a fresh stage's first inference is slow
         answer = stream_chat(session.api(ask), args.prompt, args.max_tokens)
         status = get_json(session.api(plan["head"]), "/status")  # the head measures every stage
+        # each member's memory while serving, after the answer (peak covers loading too)
+        memory = {n: (status if n == plan["head"] else get_json(session.api(n), "/status")).get("memory")
+                  for n in session.names}  # fmt: skip
     finally:
         old_int = signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not strand them
         try:
@@ -91,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGINT, old_int)
             signal.signal(signal.SIGTERM, old)
     result = {"text": answer["text"], "tokens": answer["tokens"], "tok_s": _r(answer["tok_s"]),
-              "ttft_ms": _r(answer["ttft_ms"]), "plan": plan}  # fmt: skip
+              "ttft_ms": _r(answer["ttft_ms"]), "plan": plan, "memory": memory}  # fmt: skip
     if args.json:
         print(json.dumps(result))
     else:
@@ -106,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
             console.print(f"demo: stage compute {stages}; ring network {status.get('network_ms')} ms per step")
         if edges:
             console.print(f"demo: edges {edges}")
+        mem = ", ".join(f"{n} {memory_line(v)}" for n, v in memory.items() if v)
+        if mem:
+            console.print(f"demo: memory {mem}")
     failed = member_failures(codes, {n: session.proc(n).log_path for n in codes})
     if failed:
         raise KafilaError(failed)  # the answer above came, but the session did not end cleanly
@@ -121,6 +128,17 @@ def member_failures(codes: dict[str, int], logs: dict[str, str]) -> str | None:
     bad = [f"member {name} ended with exit code {code} (its log: {logs.get(name) or 'none'})"
            for name, code in codes.items() if code not in STOPPED_EXIT_CODES]  # fmt: skip
     return "; ".join(bad) or None
+
+
+def memory_line(m: dict) -> str:
+    """'RSS 1.20 GB (1.10× shard+KV), peak 1.31 GB, PSS 1.15 GB' from a /status memory entry."""
+
+    def gb(v):
+        return "?" if v is None else f"{v / 1e9:.2f} GB"
+
+    ratio = m.get("rss_per_shard_kv")
+    return (f"RSS {gb(m.get('rss_bytes'))}" + ("" if ratio is None else f" ({ratio:.2f}× shard+KV)")
+            + f", peak {gb(m.get('peak_rss_bytes'))}, PSS {gb(m.get('pss_bytes'))}")  # fmt: skip
 
 
 def _r(v):

@@ -535,10 +535,21 @@ class Participant:
             "step_ms": None if m is None else _r(m.step_ms),
             "tok_s": None if m is None else _r(m.tok_s),
             "weights": s.weights,
+            "memory": self._memory(),
             "requests": None if node is None or node.scheduler is None else {
                 "active": node.scheduler.active, "queued": node.scheduler.queued,
                 "free_slots": node.scheduler.free_slots},
         }  # fmt: skip
+
+    def _memory(self) -> dict:
+        """RSS, peak RSS, PSS of this process against its shard's bytes (+ KV) and the plan's."""
+        from kafila.session.memory import member_memory
+
+        role, sess = self.role, self.state.session
+        if role is None or self.index is None or not sess:
+            return member_memory(None, 0, 0, False, 0, 0)
+        return member_memory(self.index, role.first, role.last, role.head == self.cfg.name,
+                             int(sess["context"]), int(sess["concurrency"]))  # fmt: skip
 
     @property
     def code(self) -> str:

@@ -1,0 +1,156 @@
+"""Memory of big-model shards against the plan, measured side by side in one run.
+
+    .venv/bin/python -m bench.memory_big [--shapes llama-3.2-1b,llama-3-8b] [--members 3]
+        [--context 2048] [--concurrency 4] [--max-tokens 16] [--backend openvino] [--json]
+
+For each shape (a synthetic Q4_K_M GGUF from tests/big_gguf.py with the real model's shapes):
+1. 1-stage: `kafila run --model M --max-tokens N` as a child process, sampled every 0.2 s from
+   /proc: the largest RSS and PSS sampled (it generates, then exits) and its peak RSS (VmHWM).
+2. An N-member `kafila demo`-style session (kafila.session.launch.LocalSession, the same
+   processes `kafila demo` starts): after one answer, each member's /status "memory" (RSS, peak
+   RSS, PSS of the process, its shard's tensor bytes, its KV at the planned context×concurrency,
+   and the planner's bytes for it).
+Ratios printed: RSS, PSS and peak against shard + KV (target ≤ 1.25×) and against the planner's
+prediction (target within 10%: 0.90–1.10×). The model files and the members' weight caches live
+under tests/big_gguf's cache directory and are reused across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+PROMPT = "Write a short story about a lighthouse keeper."
+
+
+def _proc_memory(pid: int) -> dict | None:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            status = f.read()
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            rollup = f.read()
+    except OSError:
+        return None
+    from kafila.session.memory import _status_kib
+
+    return {"rss_bytes": _status_kib(status, "VmRSS"), "peak_rss_bytes": _status_kib(status, "VmHWM"),
+            "pss_bytes": _status_kib(rollup, "Pss")}  # fmt: skip
+
+
+def one_stage(model: str, backend: str, context: int, concurrency: int, max_tokens: int) -> dict:
+    """`kafila run` on the whole model, its memory sampled from outside."""
+    from kafila.models import open_model
+    from kafila.session.memory import shard_memory
+
+    index = open_model(model)
+    cmd = [sys.executable, "-m", "kafila", "run", "--model", model, "--backend", backend,
+           "--max-tokens", str(max_tokens), "--json", PROMPT]  # fmt: skip
+    start = time.monotonic()
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    last, top = None, {"rss_bytes": 0, "pss_bytes": 0}
+    while p.poll() is None:
+        sample = _proc_memory(p.pid)
+        if sample and sample["rss_bytes"]:
+            last = sample
+            top = {k: max(top[k], sample[k] or 0) for k in top}
+        time.sleep(0.2)
+    out, err = p.communicate()
+    if p.returncode != 0 or last is None:
+        raise RuntimeError(f"kafila run failed ({p.returncode}): {err[-1000:]}")
+    result = json.loads(out.strip().splitlines()[-1])
+    # the process tears its shard down before it exits: RSS/PSS are the largest samples
+    # (while generating), the peak is the kernel's VmHWM at the last sample
+    mem = {**last, **top, **shard_memory(index, 0, index.hparams.n_blocks, True, context, concurrency)}
+    return {"name": "1-stage", "blocks": index.hparams.n_blocks, "head": True, **mem,
+            "tok_s": result.get("tok_s"), "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
+
+
+def session(model: str, backend: str, members: int, context: int, concurrency: int, max_tokens: int,
+            cache_root: str) -> list[dict]:  # fmt: skip
+    from kafila.session.launch import LocalSession, get_json, stream_chat
+
+    s = LocalSession(members=members, model=model, backend=backend, context=context,
+                     concurrency=concurrency, cache_root=cache_root)  # fmt: skip
+    start = time.monotonic()
+    s.start(timeout_s=1800)
+    try:
+        formed = time.monotonic() - start
+        answer = stream_chat(s.api(s.names[-1]), PROMPT, max_tokens, timeout_s=900)
+        plan = s.plan or get_json(s.api(s.names[0]), "/status")["plan"]
+        rows = []
+        for name in plan["ring"]:
+            mem = get_json(s.api(name), "/status")["memory"]
+            rows.append({"name": name, "blocks": plan["blocks"][name], "head": name == plan["head"], **mem,
+                         "tok_s": answer["tok_s"], "seconds": round(formed, 1)})  # fmt: skip
+        return rows
+    finally:
+        s.stop()
+
+
+def ratios(row: dict) -> dict:
+    base = row["shard_bytes"] + row["kv_bytes"]
+    out = {}
+    for key in ("rss", "pss", "peak_rss"):
+        v = row.get(f"{key}_bytes")
+        out[f"{key}/shard+kv"] = None if v is None else round(v / base, 3)
+        out[f"{key}/planned"] = None if v is None else round(v / row["planned_bytes"], 3)
+    return out
+
+
+def table(shape: str, rows: list[dict]) -> str:
+    def mb(v):
+        return "?" if v is None else f"{v / 1e6:.0f}"
+
+    def x(v):
+        return "?" if v is None else f"{v:.2f}×"
+
+    lines = [f"### {shape}", "",
+             "| process | blocks | shard MB | KV MB | planned MB | RSS MB | PSS MB | peak MB "
+             "| RSS/(shard+KV) | PSS/(shard+KV) | peak/(shard+KV) | peak/planned |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    for r in rows:
+        q = ratios(r)
+        lines.append(f"| {r['name']}{' (head)' if r['head'] else ''} | {r['blocks']} | {mb(r['shard_bytes'])} "
+                     f"| {mb(r['kv_bytes'])} | {mb(r['planned_bytes'])} | {mb(r['rss_bytes'])} "
+                     f"| {mb(r['pss_bytes'])} | {mb(r['peak_rss_bytes'])} | {x(q['rss/shard+kv'])} "
+                     f"| {x(q['pss/shard+kv'])} | {x(q['peak_rss/shard+kv'])} | {x(q['peak_rss/planned'])} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="llama-3.2-1b", help="comma-separated tests/big_gguf shapes")
+    ap.add_argument("--members", type=int, default=3)
+    ap.add_argument("--context", type=int, default=2048)
+    ap.add_argument("--concurrency", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--backend", default="openvino")
+    ap.add_argument("--skip-session", action="store_true")
+    ap.add_argument("--json", action="store_true")
+    args = ap.parse_args(argv)
+    from tests.big_gguf import big_model, cache_dir
+
+    report = {}
+    for shape in args.shapes.split(","):
+        model = big_model(shape)
+        rows = [one_stage(model, args.backend, args.context, args.concurrency, args.max_tokens)]
+        print(table(shape, rows), file=sys.stderr, flush=True)
+        if not args.skip_session:
+            cache = os.path.join(cache_dir(), "member-caches", shape)
+            rows += session(model, args.backend, args.members, args.context, args.concurrency,
+                            args.max_tokens, cache)  # fmt: skip
+        report[shape] = [{**r, **ratios(r)} for r in rows]
+        print(table(shape, rows), flush=True)
+        print(f"(context {args.context} × concurrency {args.concurrency}; targets: ≤ 1.25× shard+KV, "
+              f"0.90–1.10× planned; {args.backend})", flush=True)  # fmt: skip
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

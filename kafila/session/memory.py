@@ -1,0 +1,66 @@
+"""What a member holds in memory, against what the planner expected it to hold.
+
+`process_memory()` reads this process's resident set (RSS), its peak (VmHWM) and its proportional
+set (PSS: shared pages divided among the processes mapping them, from /proc/self/smaps_rollup) on
+Linux; elsewhere RSS and PSS are unknown (None) and the peak comes from getrusage. Pages of a
+memory-mapped model file count in RSS/PSS while resident: a file on tmpfs is memory either way.
+
+`shard_memory()` is the planner's side (planner.cost.bytes_per_block and block_limit): the shard's
+tensor bytes, its KV cache at the session's context and concurrency, and their sum for the member's
+blocks (plus the head's bytes on the head) — the bytes admission checked against the member's memory.
+"""
+
+from __future__ import annotations
+
+import resource
+import sys
+
+
+def _status_kib(text: str, key: str) -> int | None:
+    for line in text.splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) * 1024
+    return None
+
+
+def process_memory() -> dict:
+    """{"rss_bytes", "peak_rss_bytes", "pss_bytes"} of this process (None where unknown)."""
+    out: dict = {"rss_bytes": None, "peak_rss_bytes": None, "pss_bytes": None}
+    try:
+        with open("/proc/self/status") as f:
+            text = f.read()
+        out["rss_bytes"] = _status_kib(text, "VmRSS")
+        out["peak_rss_bytes"] = _status_kib(text, "VmHWM")
+        with open("/proc/self/smaps_rollup") as f:
+            out["pss_bytes"] = _status_kib(f.read(), "Pss")
+    except OSError:  # not Linux (or no smaps_rollup: kernels before 4.14)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        out["peak_rss_bytes"] = out["peak_rss_bytes"] or (peak if sys.platform == "darwin" else peak * 1024)
+    return out
+
+
+def shard_memory(index, first: int, last: int, head: bool, context: int, concurrency: int) -> dict:
+    """{"shard_bytes", "kv_bytes", "planned_bytes"} of blocks [first, last) (+ the head) of `index`."""
+    blocks = last - first
+    shard = sum(t.n_bytes for t in index.shard_tensors(first, last, head))
+    model = index.planner_model()
+    kv = int(model["kv_bytes_per_token_per_block"] * context * concurrency * blocks)
+    planned = blocks * model["block_bytes"] + kv + (model["head_bytes"] if head else 0.0)
+    return {"shard_bytes": shard, "kv_bytes": kv, "planned_bytes": int(planned)}
+
+
+def member_memory(index, first: int, last: int, head: bool, context: int, concurrency: int) -> dict:
+    """What /status reports under "memory": the process's figures and the plan's for its shard,
+    with RSS/PSS/peak as multiples of (shard + KV) and of the planned bytes."""
+    out = process_memory()
+    if index is None:
+        return {**out, "shard_bytes": None, "kv_bytes": None, "planned_bytes": None}
+    out.update(shard_memory(index, first, last, head, context, concurrency))
+    base = out["shard_bytes"] + out["kv_bytes"]
+    for key in ("rss_bytes", "pss_bytes", "peak_rss_bytes"):
+        value = out[key]
+        name = key.removesuffix("_bytes")
+        out[f"{name}_per_shard_kv"] = None if value is None or not base else round(value / base, 3)
+        out[f"{name}_per_planned"] = None if value is None or not out["planned_bytes"] else round(
+            value / out["planned_bytes"], 3)  # fmt: skip
+    return out
