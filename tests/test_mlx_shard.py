@@ -154,6 +154,7 @@ def chains(default_index):
 
 
 @needs_mlx
+@pytest.mark.slow  # about 1 min on 2 cores, most of it compiling three chains
 def test_split_hidden_states_are_bitwise_the_unsplit(chains, prompt_ids):
     """Every stage computes its blocks exactly as the whole model does: hidden states crossing
     as float32 lose nothing, so 2- and 3-stage chains are bitwise the 1-stage chain."""
