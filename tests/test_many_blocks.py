@@ -175,6 +175,13 @@ def test_a_126_block_model_forms_a_session_and_answers_as_one_stage(model, tmp_p
         biggest = max(len(msgpack.packb(manifest_message(model, *ranges[n]), use_bin_type=True))
                       for n in s.names[1:])  # fmt: skip
         assert biggest > PIECE_BYTES, (plan["blocks"], biggest)
+        # a request that cannot be served (a prompt longer than the context) fails alone …
+        from kafila.errors import Refused
+
+        for asked in s.names:
+            with pytest.raises(Refused, match="HTTP 400.*context"):
+                stream_chat(s.api(asked), "x" * 600, max_new, raw=True)
+        # … and the next ones, at every member, get one stage's answer on the same ring
         for asked in s.names:
             out = stream_chat(s.api(asked), prompt, max_new, raw=True)
             assert out["text"] == tok.decode(want).rstrip("\ufffd"), (asked, out)
