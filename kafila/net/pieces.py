@@ -38,8 +38,11 @@ MAX_MEMBER_MESSAGE_BYTES = 64 * 1024  # what the host accepts from a member (rea
 def split(packed: bytes) -> list[dict]:
     """The sealed bodies of one packed message (one piece per PIECE_BYTES)."""
     n = max(1, math.ceil(len(packed) / PIECE_BYTES))
-    return [{"t": "part", "i": i, "n": n, "size": len(packed), "data": packed[i * PIECE_BYTES : (i + 1) * PIECE_BYTES]}
-            for i in range(n)]  # fmt: skip
+    return [
+        {"t": "part", "i": i, "n": n, "size": len(packed),
+         "data": packed[i * PIECE_BYTES : (i + 1) * PIECE_BYTES]}
+        for i in range(n)
+    ]  # fmt: skip
 
 
 def unpack(packed: bytes, max_bytes: int):
