@@ -22,6 +22,22 @@ HELLO_TIMEOUT_S = 10.0  # a connection must open or join a session within this
 MEMBER_SILENT_S = 15.0
 MAX_SIGNAL_FRAMES_PER_S = 200.0  # per connection; more and the connection is closed
 SIGNAL_BURST_FRAMES = 400
+# the host sends each member its plan and manifest in 16 KiB pieces (up to 64 a member)
+HOST_SIGNAL_FRAMES_PER_S = 1000.0
+HOST_SIGNAL_BURST_FRAMES = 4000
+# bytes of bodies (plus SIGNAL_FRAME_COST_BYTES a frame) per connection: a member sends a
+# descriptor and small replies; the host sends each member its plan and manifest (up to 1 MiB)
+MEMBER_SIGNAL_BYTES_PER_S = 1024 * 1024
+MEMBER_SIGNAL_BURST_BYTES = 2 * 1024 * 1024
+HOST_SIGNAL_BYTES_PER_S = 32 * 1024 * 1024
+HOST_SIGNAL_BURST_BYTES = 64 * 1024 * 1024
+SIGNAL_FRAME_COST_BYTES = 16
+# admission: a joined id is pending until the host admits it after a confirmed PAKE
+MAX_PENDING_PER_SESSION = 4  # more pending joins at once are refused ("full")
+PENDING_TIMEOUT_S = 30.0  # a pending id the host has not admitted by then is dropped
+PENDING_BODIES_MAX = 4  # bodies a pending id may send to the host (PAKE, hello)
+PENDING_BYTES_MAX = 96 * 1024  # in all: the hello carries the member's descriptor (<= 64 KiB)
+MAX_RELAY_EDGES_PER_MEMBER = 64  # edges one member may have asked for at once
 
 # UDP: STUN and relay
 MAX_DATAGRAM_BYTES = 1600  # larger datagrams are dropped unread (QUIC uses <= 1500)
@@ -29,4 +45,8 @@ RELAY_EDGE_BYTES_PER_S = 64 * 1024 * 1024  # per edge, both directions together
 RELAY_EDGE_BURST_BYTES = 8 * 1024 * 1024
 RELAY_EDGE_IDLE_S = 600.0  # an allocation nobody used for this long is dropped
 MAX_RELAY_EDGES_PER_SESSION = 256
+RELAY_SESSION_BYTES_PER_S = 256 * 1024 * 1024  # every edge of one session together
+RELAY_SESSION_BURST_BYTES = 32 * 1024 * 1024
+RELAY_GLOBAL_BYTES_PER_S = 1024 * 1024 * 1024  # the whole relay
+RELAY_GLOBAL_BURST_BYTES = 64 * 1024 * 1024
 RELAY_BIND_IDLE_S = 120.0  # a member's UDP binding expires if not refreshed

@@ -12,7 +12,8 @@ member's single UDP socket, where the NAT mappings that matter live.
 
 Roles: a host sends `Open` and gets `Opened`; a member sends `Join` and gets `Joined`. Ids (`rid`)
 are assigned by the rendezvous per session; the host is always rid 0. Members may `Send` only to
-the host; the host may `Send` to anyone.
+the host; the host may `Send` to anyone. A joined id is *pending* until the host sends `Admit`
+for it (after a confirmed PAKE): a pending id may send only a few small bodies to the host.
 """
 
 from __future__ import annotations
@@ -133,6 +134,16 @@ class CloseNameplate:
 
 
 @dataclass(frozen=True)
+class Admit:
+    """host -> rendezvous: member rid confirmed the PAKE; it may now open edges and use the relay.
+
+    Until then the rid is *pending*: it may send a few small bodies to the host and nothing else."""
+
+    TAG: ClassVar[int] = 16
+    rid: int
+
+
+@dataclass(frozen=True)
 class Heartbeat:
     """either way: I am alive (members send one every HEARTBEAT_S)."""
 
@@ -165,13 +176,13 @@ class SessionClosed:
 
 Message = (
     Open | Opened | Join | Joined | Send | Deliver | PeerLeft | EdgeRequest | EdgeAllocated
-    | Kick | CloseNameplate | Heartbeat | Bye | Error | SessionClosed
+    | Kick | CloseNameplate | Heartbeat | Bye | Error | SessionClosed | Admit
 )
 _BY_TAG: dict[int, type] = {
     cls.TAG: cls
     for cls in (
         Open, Opened, Join, Joined, Send, Deliver, PeerLeft, EdgeRequest, EdgeAllocated,
-        Kick, CloseNameplate, Heartbeat, Bye, Error, SessionClosed,
+        Kick, CloseNameplate, Heartbeat, Bye, Error, SessionClosed, Admit,
     )
 }
 

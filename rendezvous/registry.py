@@ -8,8 +8,18 @@ HELLO_TIMEOUT_S. Bodies between members are forwarded without being read. The re
 learns the words of a code: only the nameplate. The host closes the nameplate after a failed
 PAKE (`CloseNameplate`), after which joins fail as if the nameplate did not exist.
 
-    unassigned --Open--> host of a new session   --disconnect--> session closed (members told)
-    unassigned --Join(live nameplate)--> member   --disconnect/Bye/silence--> PeerLeft to host
+Admission before power: a joined id is *pending* until the host, after a confirmed PAKE, sends
+`Admit(rid)`. A pending id may send at most PENDING_BODIES_MAX bodies (PENDING_BYTES_MAX in
+all) to the host, heartbeats and Bye: no EdgeRequest, no relay binding, no message to anyone
+else. At most MAX_PENDING_PER_SESSION ids are pending at once, and each for PENDING_TIMEOUT_S.
+Every connection has a frame rate and a byte budget. A fatal refusal drops the connection
+*everywhere* (session, relay, the host told with PeerLeft), so no id outlives its connection,
+and the host's `Kick` of an id that is already gone does nothing.
+
+    unassigned --Open--> host of a new session (admitted)  --disconnect--> session closed
+    unassigned --Join(live nameplate, room)--> pending --Admit--> member
+    pending/member --disconnect/Bye/silence/Kick/fatal refusal--> gone (PeerLeft to host)
+    pending --PENDING_TIMEOUT_S, a quota, anything but Send-to-host/Heartbeat/Bye--> gone
     unassigned --anything else / bad Join--> Error, closed
 """
 
@@ -22,14 +32,26 @@ from dataclasses import dataclass, field
 from rendezvous import messages as m
 from rendezvous.limits import (
     HELLO_TIMEOUT_S,
+    HOST_SIGNAL_BURST_BYTES,
+    HOST_SIGNAL_BURST_FRAMES,
+    HOST_SIGNAL_BYTES_PER_S,
+    HOST_SIGNAL_FRAMES_PER_S,
     MAX_CONNECTIONS,
     MAX_MEMBERS_PER_SESSION,
     MAX_NAMEPLATE,
+    MAX_PENDING_PER_SESSION,
+    MAX_RELAY_EDGES_PER_MEMBER,
     MAX_RELAY_EDGES_PER_SESSION,
     MAX_SESSIONS,
     MAX_SIGNAL_FRAMES_PER_S,
+    MEMBER_SIGNAL_BURST_BYTES,
+    MEMBER_SIGNAL_BYTES_PER_S,
     MEMBER_SILENT_S,
+    PENDING_BODIES_MAX,
+    PENDING_BYTES_MAX,
+    PENDING_TIMEOUT_S,
     SIGNAL_BURST_FRAMES,
+    SIGNAL_FRAME_COST_BYTES,
 )
 from rendezvous.relay import RelayTable, TokenBucket
 
@@ -54,9 +76,14 @@ class _Conn:
     conn: int
     opened_at: float
     last_seen: float
-    bucket: TokenBucket
+    bucket: TokenBucket  # frames
+    byte_bucket: TokenBucket  # body bytes
     session: int | None = None  # nameplate (the session's key)
     rid: int | None = None
+    admitted: bool = False  # the host (always) or a member the host admitted after its PAKE
+    joined_at: float = 0.0
+    pending_bodies: int = 0
+    pending_bytes: int = 0
 
 
 @dataclass
@@ -64,7 +91,8 @@ class _Session:
     nameplate: int
     host_conn: int
     open_for_joins: bool = True
-    members: dict[int, int] = field(default_factory=dict)  # rid -> conn
+    members: dict[int, int] = field(default_factory=dict)  # rid -> conn (pending ones too)
+    pending: set[int] = field(default_factory=set)  # rids not admitted yet
     tokens: dict[int, bytes] = field(default_factory=dict)  # rid -> relay token
     next_rid: int = 1
 
@@ -77,9 +105,11 @@ class Registry:
         relay: RelayTable | None = None,
         random_bytes: Callable[[int], bytes] = secrets.token_bytes,
         random_below: Callable[[int], int] = secrets.randbelow,
+        max_sessions: int = MAX_SESSIONS,
     ) -> None:
         self.stun_port2 = stun_port2
         self.relay = relay if relay is not None else RelayTable()
+        self.max_sessions = max_sessions  # 1 for the rendezvous embedded in `kafila host`
         self._random_bytes = random_bytes
         self._random_below = random_below
         self._conns: dict[int, _Conn] = {}
@@ -90,9 +120,22 @@ class Registry:
     def session_count(self) -> int:
         return len(self._sessions)
 
+    @property
+    def connection_count(self) -> int:
+        return len(self._conns)
+
     def members_of(self, nameplate: int) -> list[int]:
+        """Every rid of the session, pending ones included."""
         session = self._sessions.get(nameplate)
         return sorted(session.members) if session else []
+
+    def pending_of(self, nameplate: int) -> list[int]:
+        session = self._sessions.get(nameplate)
+        return sorted(session.pending) if session else []
+
+    def is_host(self, conn: int) -> bool:
+        state = self._conns.get(conn)
+        return state is not None and state.session is not None and state.rid == 0
 
     # events from the asyncio layer
     def connected(self, conn: int, now: float) -> list[Action]:
@@ -100,7 +143,8 @@ class Registry:
             self.rejected += 1
             return [CloseConn(conn, "too many connections")]
         bucket = TokenBucket(MAX_SIGNAL_FRAMES_PER_S, SIGNAL_BURST_FRAMES)
-        self._conns[conn] = _Conn(conn, now, now, bucket)
+        byte_bucket = TokenBucket(MEMBER_SIGNAL_BYTES_PER_S, MEMBER_SIGNAL_BURST_BYTES)
+        self._conns[conn] = _Conn(conn, now, now, bucket, byte_bucket)
         return []
 
     def disconnected(self, conn: int, reason: str, now: float) -> list[Action]:
@@ -114,54 +158,65 @@ class Registry:
         if state is None:
             return []
         state.last_seen = now
-        if not state.bucket.take(1, now):
+        cost = SIGNAL_FRAME_COST_BYTES + len(getattr(message, "body", b""))
+        if not state.bucket.take(1, now) or not state.byte_bucket.take(cost, now):
             return self._refuse(conn, "rate-limited", "too many signaling messages", fatal=True)
         if state.session is None:
             if isinstance(message, m.Open):
                 return self._open(state)
             if isinstance(message, m.Join):
-                return self._join(state, message)
+                return self._join(state, message, now)
             return self._refuse(conn, "not-joined", "open or join a session first", fatal=True)
         session = self._sessions[state.session]
-        is_host = state.rid == 0
         if isinstance(message, m.Heartbeat):
             return []
+        if isinstance(message, m.Bye):
+            return self._drop(state, "left", "bye")
+        if not state.admitted:
+            return self._pending(state, session, message)
+        is_host = state.rid == 0
         if isinstance(message, m.Send):
             if not is_host and message.to != 0:
                 return self._refuse(conn, "forbidden", "members may only send to the host")
             target = session.members.get(message.to)
             if target is None or message.to == state.rid:
                 return self._refuse(conn, "no-such-member", f"no member {message.to}")
-            return [SendTo(target, m.Deliver(state.rid, message.body))]
+            return [SendTo(target, m.Deliver(state.rid, message.body))]  # type: ignore[arg-type]
         if isinstance(message, m.EdgeRequest):
             return self._edge(state, session, message.peer, now)
-        if isinstance(message, m.Bye):
-            self._conns.pop(conn, None)
-            return [*self._leave(state, "left"), CloseConn(conn, "bye")]
         if is_host and isinstance(message, m.Kick):
             target = session.members.get(message.rid)
-            if target is None or message.rid == 0:
-                return []
-            kicked = self._conns.pop(target)
-            return [*self._leave(kicked, "kicked by host"),
-                    SendTo(target, m.Error("kicked", "the host removed you from the session")),
-                    CloseConn(target, "kicked")]
+            kicked = self._conns.get(target) if target is not None else None
+            if kicked is None or message.rid == 0:
+                return []  # an id that is already gone (or the host itself): nothing to do
+            return [SendTo(target, m.Error("kicked", "the host removed you from the session")),  # type: ignore[arg-type]
+                    *self._drop(kicked, "kicked by host", "kicked")]
+        if is_host and isinstance(message, m.Admit):
+            if message.rid in session.pending:
+                session.pending.discard(message.rid)
+                admitted = self._conns[session.members[message.rid]]
+                admitted.admitted = True
+                self.relay.add_member(session.tokens[message.rid], session.nameplate, message.rid)
+            return []  # admitting an id that is gone or already admitted: nothing to do
         if is_host and isinstance(message, m.CloseNameplate):
             session.open_for_joins = False
             return []
         return self._refuse(conn, "unexpected", f"unexpected {type(message).__name__}")
 
     def tick(self, now: float) -> list[Action]:
-        """Expire silent members and connections that never said hello."""
+        """Expire silent members, pending ids never admitted, connections that never said hello."""
         actions: list[Action] = []
         for state in list(self._conns.values()):
+            if state.conn not in self._conns:
+                continue  # dropped with its session during this tick
             if state.session is None and now - state.opened_at > HELLO_TIMEOUT_S:
                 del self._conns[state.conn]
                 actions.append(CloseConn(state.conn, "no hello"))
             elif state.session is not None and now - state.last_seen > MEMBER_SILENT_S:
-                del self._conns[state.conn]
-                actions += self._leave(state, "connection lost (no heartbeat)")
-                actions.append(CloseConn(state.conn, "silent"))
+                actions += self._drop(state, "connection lost (no heartbeat)", "silent")
+            elif state.session is not None and not state.admitted and now - state.joined_at > PENDING_TIMEOUT_S:
+                actions.append(SendTo(state.conn, m.Error("not-admitted", "the host did not admit you in time")))
+                actions += self._drop(state, "not admitted in time", "not admitted")
         self.relay.expire(now)
         return actions
 
@@ -170,12 +225,36 @@ class Registry:
         self.rejected += 1
         actions: list[Action] = [SendTo(conn, m.Error(code, reason))]
         if fatal:
-            self._conns.pop(conn, None)
-            actions.append(CloseConn(conn, reason))
+            state = self._conns.get(conn)
+            if state is not None:
+                actions += self._drop(state, reason, reason)
+            else:
+                actions.append(CloseConn(conn, reason))
         return actions
 
+    def _drop(self, state: _Conn, leave_reason: str, close_reason: str) -> list[Action]:
+        """Remove a connection everywhere: registry, its session, the relay; then close it."""
+        self._conns.pop(state.conn, None)
+        actions = self._leave(state, leave_reason) if state.session is not None else []
+        return [*actions, CloseConn(state.conn, close_reason)]
+
+    def _pending(self, state: _Conn, session: _Session, message: m.Message) -> list[Action]:
+        """A pending id may only send a few bodies to the host."""
+        if not isinstance(message, m.Send):
+            return self._refuse(state.conn, "not-admitted",
+                                f"{type(message).__name__} before the host admitted you", fatal=True)
+        if message.to != 0:
+            return self._refuse(state.conn, "forbidden", "members may only send to the host", fatal=True)
+        state.pending_bodies += 1
+        state.pending_bytes += len(message.body)
+        if state.pending_bodies > PENDING_BODIES_MAX or state.pending_bytes > PENDING_BYTES_MAX:
+            return self._refuse(state.conn, "not-admitted", "too much before the host admitted you",
+                                fatal=True)
+        assert state.rid is not None
+        return [SendTo(session.host_conn, m.Deliver(state.rid, message.body))]
+
     def _open(self, state: _Conn) -> list[Action]:
-        if len(self._sessions) >= MAX_SESSIONS:
+        if len(self._sessions) >= self.max_sessions:
             return self._refuse(state.conn, "full", "the rendezvous is full", fatal=True)
         nameplate = 0
         for _ in range(100):
@@ -188,9 +267,13 @@ class Registry:
         session = _Session(nameplate, state.conn)
         self._sessions[nameplate] = session
         token = self._add_member(session, state, 0)
+        state.admitted = True
+        state.bucket = TokenBucket(HOST_SIGNAL_FRAMES_PER_S, HOST_SIGNAL_BURST_FRAMES)
+        state.byte_bucket = TokenBucket(HOST_SIGNAL_BYTES_PER_S, HOST_SIGNAL_BURST_BYTES)
+        self.relay.add_member(token, nameplate, 0)
         return [SendTo(state.conn, m.Opened(nameplate, 0, token, self.stun_port2))]
 
-    def _join(self, state: _Conn, message: m.Join) -> list[Action]:
+    def _join(self, state: _Conn, message: m.Join, now: float) -> list[Action]:
         session = self._sessions.get(message.nameplate)
         if session is None or not session.open_for_joins:
             return self._refuse(
@@ -199,32 +282,38 @@ class Registry:
             )
         if len(session.members) >= MAX_MEMBERS_PER_SESSION:
             return self._refuse(state.conn, "full", "the session is full", fatal=True)
+        if len(session.pending) >= MAX_PENDING_PER_SESSION:
+            return self._refuse(state.conn, "full", "too many joins at once; try again in a minute",
+                                fatal=True)
         rid = session.next_rid
         session.next_rid += 1
         token = self._add_member(session, state, rid)
+        session.pending.add(rid)
+        state.joined_at = now
         return [SendTo(state.conn, m.Joined(rid, token, self.stun_port2))]
 
     def _add_member(self, session: _Session, state: _Conn, rid: int) -> bytes:
+        """The relay learns the token only on admission (the host: at once)."""
         token = self._random_bytes(m.RELAY_TOKEN_BYTES)
         state.session, state.rid = session.nameplate, rid
         session.members[rid] = state.conn
         session.tokens[rid] = token
-        self.relay.add_member(token, session.nameplate, rid)
         return token
 
     def _edge(self, state: _Conn, session: _Session, peer: int, now: float) -> list[Action]:
         assert state.rid is not None
         target = session.members.get(peer)
-        if target is None or peer == state.rid:
+        if target is None or peer == state.rid or peer in session.pending:
             return self._refuse(state.conn, "no-such-member", f"no member {peer} for an edge")
         if self.relay.edges_in(session.nameplate) >= MAX_RELAY_EDGES_PER_SESSION:
             return self._refuse(state.conn, "full", "too many relay edges in this session")
+        own = session.tokens[state.rid]
+        if self.relay.edges_of(session.nameplate, own) >= MAX_RELAY_EDGES_PER_MEMBER:
+            return self._refuse(state.conn, "full", "too many relay edges for one member")
         edge_id = self._random_bytes(m.EDGE_ID_BYTES)
         while self.relay.has_edge(edge_id):
             edge_id = self._random_bytes(m.EDGE_ID_BYTES)
-        self.relay.allocate(
-            edge_id, session.nameplate, session.tokens[state.rid], session.tokens[peer], now
-        )
+        self.relay.allocate(edge_id, session.nameplate, own, session.tokens[peer], now)
         return [
             SendTo(state.conn, m.EdgeAllocated(edge_id, peer, True)),
             SendTo(target, m.EdgeAllocated(edge_id, state.rid, False)),
@@ -232,9 +321,10 @@ class Registry:
 
     def _leave(self, state: _Conn, reason: str) -> list[Action]:
         session = self._sessions.get(state.session) if state.session is not None else None
-        if session is None or state.rid is None:
+        if session is None or state.rid is None or session.members.get(state.rid) != state.conn:
             return []
         session.members.pop(state.rid, None)
+        session.pending.discard(state.rid)
         token = session.tokens.pop(state.rid, None)
         if token is not None:
             self.relay.remove_member(token)

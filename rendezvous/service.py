@@ -47,6 +47,7 @@ class Rendezvous:
         self.address: tuple[str, int] = ("", 0)
         self.stun_port2 = 0
         self.udp_dropped = 0
+        self.dropped_senders = 0  # members dropped for flooding a connection that reads slower
 
     @classmethod
     async def start(
@@ -56,9 +57,13 @@ class Rendezvous:
         *,
         alternate_ip: str | None = None,
         relay: RelayTable | None = None,
+        max_sessions: int | None = None,
     ) -> Rendezvous:
-        """Listen on host:port (TCP + UDP), a second UDP port, and alternate_ip if given."""
-        self = cls(Registry(relay=relay), StunResponder(port2=0, alternate_ip=alternate_ip))
+        """Listen on host:port (TCP + UDP), a second UDP port, and alternate_ip if given.
+
+        max_sessions=1 for the rendezvous embedded in `kafila host`: it serves its own session."""
+        registry = Registry(relay=relay) if max_sessions is None else Registry(relay=relay, max_sessions=max_sessions)
+        self = cls(registry, StunResponder(port2=0, alternate_ip=alternate_ip))
         last_error: OSError | None = None
         for _ in range(BIND_ATTEMPTS if port == 0 else 1):
             server = await asyncio.start_server(self._connection, host, port)
@@ -139,7 +144,7 @@ class Rendezvous:
                     reason = f"protocol error: {exc.reason}"
                     break
                 for message in messages:
-                    self._apply(self.registry.receive(conn, message, loop.time()))
+                    self._apply(self.registry.receive(conn, message, loop.time()), origin=conn)
         except (ConnectionError, OSError):
             reason = "connection lost"
         finally:
@@ -148,21 +153,36 @@ class Rendezvous:
             if task is not None:
                 self._tasks.discard(task)
 
-    def _apply(self, actions: list[Action]) -> None:
+    def _apply(self, actions: list[Action], origin: int | None = None) -> None:
+        """Carry out the registry's actions; `origin` is the connection whose message caused them."""
         for action in actions:
             if isinstance(action, SendTo):
-                self._send(action.conn, action.message)
+                self._send(action.conn, action.message, origin)
             elif isinstance(action, CloseConn):
                 self._close_writer(action.conn)
 
-    def _send(self, conn: int, message: m.Message) -> None:
+    def _send(self, conn: int, message: m.Message, origin: int | None = None) -> None:
+        """Write a frame; when the receiver's buffer is full, a member flooding it is dropped.
+
+        A member that sends faster than the host reads must not get the host dropped (that ends
+        the session for everyone): the sender is dropped instead. Only when the host itself is
+        the sender (a plan to a member that does not read) is the slow receiver dropped."""
         writer = self._writers.get(conn)
         if writer is None or writer.is_closing():
             return
-        writer.write(m.encode(message))
-        if writer.transport.get_write_buffer_size() > MAX_WRITE_BUFFER_BYTES:
+        frame = m.encode(message)
+        if writer.transport.get_write_buffer_size() + len(frame) > MAX_WRITE_BUFFER_BYTES:
+            if origin is not None and origin != conn and not self.registry.is_host(origin):
+                log.info("signaling connection %d floods %d; dropping the sender", origin, conn)
+                self.dropped_senders += 1
+                self._apply(self.registry.disconnected(origin, "sent faster than the host reads",
+                                                       asyncio.get_running_loop().time()))
+                self._close_writer(origin)
+                return
             log.warning("signaling connection %d reads too slowly; closing it", conn)
             self._close_writer(conn)
+            return
+        writer.write(frame)
 
     def _close_writer(self, conn: int) -> None:
         writer = self._writers.pop(conn, None)

@@ -65,7 +65,10 @@ def test_relay_and_frames_survive_garbage(data: bytes) -> None:
     frames.kind_of(data)
     relay = RelayTable()
     relay.add_member(b"t" * 16, 1, 0)
-    assert relay.receive(data, ("10.0.0.1", 9), 0.0) is None or data[:1] == bytes([frames.BIND])
+    out = relay.receive(data, ("10.0.0.1", 9), 0.0)
+    # only a BIND for a known token gets an answer: a challenge (or, echoing it, an ack) to its source
+    assert out is None or (data[:1] == bytes([frames.BIND]) and out[1] == ("10.0.0.1", 9)
+                           and len(out[0]) <= len(data))
 
 
 @FUZZ

@@ -204,7 +204,7 @@ def test_messages_round_trip() -> None:
     samples = [m.Open(), m.Opened(12, 0, b"t" * 16, 4000), m.Join(12), m.Joined(1, b"t" * 16, 5),
                m.Send(0, b"body"), m.Deliver(2, b""), m.PeerLeft(1, "left"), m.EdgeRequest(2),
                m.EdgeAllocated(b"e" * 8, 1, True), m.Kick(1), m.CloseNameplate(), m.Heartbeat(),
-               m.Bye(), m.Error("x", "y"), m.SessionClosed("z")]
+               m.Bye(), m.Error("x", "y"), m.SessionClosed("z"), m.Admit(3)]
     reader = m.FrameReader()
     stream = b"".join(m.encode(s) for s in samples)
     out = []
@@ -261,6 +261,8 @@ def test_registry_session_flow() -> None:
     assert _sends(reg.receive(2, m.Send(0, b"pake"), clock.now), 1) == [m.Deliver(1, b"pake")]
     reg.connected(3, clock.now)
     reg.receive(3, m.Join(nameplate), clock.now)
+    for rid in (1, 2):  # both confirmed their PAKE: the host admits them
+        assert reg.receive(1, m.Admit(rid), clock.now) == []
     [err] = _sends(reg.receive(2, m.Send(2, b"x"), clock.now), 2)
     assert isinstance(err, m.Error) and err.code == "forbidden"
     # an edge is announced to both ends
@@ -318,7 +320,10 @@ def test_relay_forwards_only_between_bound_ends_within_rate() -> None:
     a, b, c = b"a" * 16, b"b" * 16, b"c" * 16
     for i, tok in enumerate((a, b, c)):
         relay.add_member(tok, 7, i)
-        out = relay.receive(frames.encode_bind(tok), (f"10.0.0.{i}", 1000), 0.0)
+        challenge, to = relay.receive(frames.encode_bind(tok), (f"10.0.0.{i}", 1000), 0.0)
+        assert to == (f"10.0.0.{i}", 1000) and challenge[0] == frames.BIND_CHALLENGE
+        _, nonce = frames.decode_bind_request(challenge)
+        out = relay.receive(frames.encode_bind(tok, nonce=nonce), (f"10.0.0.{i}", 1000), 0.0)
         assert out == (frames.encode_bind(tok, ack=True), (f"10.0.0.{i}", 1000))
     relay.allocate(b"E" * 8, 7, a, b, 0.0)
     frame = frames.encode_data(b"E" * 8, b"x" * 1000)

@@ -21,7 +21,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--concurrency", type=int, default=4, help="requests served at once (default 4)")
     p.add_argument("--policy", choices=("kafila", "uniform", "memory"), default="kafila",
                    help="how blocks are divided (default kafila: the planner)")
-    p.add_argument("--code-file", metavar="F", help="also write the code to F (for scripts)")
+    p.add_argument("--code-file", metavar="F", help="also write the code to F, mode 0600 (for scripts: "
+                   "`kafila join --code-file F`)")
+    p.add_argument("--words", type=int, choices=(3, 4), default=3,
+                   help="words in the session code: 3 (default), or 4 for a session that stays open long "
+                   "(each code admits one wrong guess, then a new one is needed)")
     p.add_argument("--listen", default="0.0.0.0:7473", metavar="HOST:PORT",
                    help="where the embedded rendezvous listens when no --rendezvous is given")
     add_common(p)
@@ -42,7 +46,7 @@ def run(args: argparse.Namespace) -> int:
     check_backend(args.backend)
     cfg = common_config(args, host=True)
     cfg = replace(cfg, model_path=resolve_model(args.model), expect=args.expect, context=args.context,
-                  concurrency=args.concurrency, policy=args.policy, code_file=args.code_file,
+                  concurrency=args.concurrency, policy=args.policy, code_file=args.code_file, code_words=args.words,
                   embedded_listen=parse_host_port(args.listen))  # fmt: skip
     open_model(cfg.model_path)  # a missing or bad model: one line, exit 2, before anything starts
     if args.expect == 0 and not stdin_is_terminal():

@@ -68,7 +68,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "only this member's tensors from the host (or use --model when it is the same file), "
         "build the shard, join the ring, and serve prompts on --api until SIGINT/SIGTERM.",
     )
-    p.add_argument("code", metavar="CODE", help="the session code the host printed, e.g. 7-crossover-clockwork-pandora")
+    p.add_argument("code", metavar="CODE", nargs="?", default=None,
+                   help="the session code the host printed, e.g. 7-crossover-clockwork-pandora; "
+                   "'-' or none: typed at a prompt (or read from stdin), so it stays out of `ps`")
+    p.add_argument("--code-file", metavar="F", default=None,
+                   help="read the code from F (keep it chmod 600) instead of the command line")
     p.add_argument("--model", default=None, metavar="PATH",
                    help="a local copy of the model: used instead of a transfer when its SHA-256 matches")
     add_common(p)
@@ -78,9 +82,15 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from kafila.errors import BadInput
     from kafila.net.code import parse_code
+    from kafila.net.codefile import read_code
     from kafila.session.member import Participant
 
+    if args.code not in (None, "-") and args.code_file:
+        raise BadInput("give the code once: as CODE or with --code-file")
+    if args.code in (None, "-"):
+        args.code = read_code(args.code_file)
     parse_code(args.code)  # a malformed code fails before anything is measured
     check_backend(args.backend)
     cfg = replace(common_config(args, host=False), local_model=args.model)

@@ -2,7 +2,8 @@
 
 The nameplate is the lookup id the rendezvous knows; the words (PGP lists, alternating odd,
 even, odd as magic-wormhole does, 24 bits) are the password of the SPAKE2 run between host and
-member, and never leave the members.
+member, and never leave the members. The host answers one guess per code (kafila.net.admission);
+`kafila host --words 4` gives 32 bits for a session that stays open for long.
 """
 
 from __future__ import annotations
@@ -16,13 +17,17 @@ from kafila.net.words import EVEN_WORDS, ODD_WORDS
 from rendezvous.limits import MAX_NAMEPLATE
 
 CODE_WORDS = 3
-_CODE_RE = re.compile(rf"^(\d{{1,6}})((?:-[a-z]+){{{CODE_WORDS}}})$")
+MAX_CODE_WORDS = 4
+_CODE_RE = re.compile(rf"^(\d{{1,6}})((?:-[a-z]+){{{CODE_WORDS},{MAX_CODE_WORDS}}})$")
 _ODD, _EVEN = frozenset(ODD_WORDS), frozenset(EVEN_WORDS)
 
 
-def make_code(nameplate: int, random_bytes: Callable[[int], bytes] = secrets.token_bytes) -> str:
-    """A fresh code for this nameplate: odd, even, odd word from random bytes."""
-    picks = random_bytes(CODE_WORDS)
+def make_code(nameplate: int, random_bytes: Callable[[int], bytes] = secrets.token_bytes, *,
+              words: int = CODE_WORDS) -> str:
+    """A fresh code for this nameplate: odd, even, odd (, even) words from random bytes."""
+    if not CODE_WORDS <= words <= MAX_CODE_WORDS:
+        raise BadInput(f"--words {words}: choose {CODE_WORDS} or {MAX_CODE_WORDS}")
+    picks = random_bytes(words)
     words = [(ODD_WORDS if i % 2 == 0 else EVEN_WORDS)[b] for i, b in enumerate(picks)]
     return "-".join([str(nameplate), *words])
 
@@ -33,7 +38,7 @@ def parse_code(code: str) -> tuple[int, str]:
     match = _CODE_RE.match(text)
     if match is None:
         raise BadInput(
-            f"{code!r} is not a session code: expected NUMBER-WORD-WORD-WORD such as "
+            f"{code!r} is not a session code: expected NUMBER-WORD-WORD-WORD(-WORD) such as "
             "7-crossover-clockwork-pandora"
         )
     nameplate = int(match.group(1))

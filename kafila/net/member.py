@@ -17,6 +17,8 @@ from typing import Any
 import msgpack
 
 from kafila.errors import BadInput, Refused
+from kafila.net import admission
+from kafila.net.admission import HostAdmission
 from kafila.net.certs import Identity
 from kafila.net.code import make_code, parse_code
 from kafila.net.edge import Edge, quic_destination_cid
@@ -125,7 +127,10 @@ class Member:
         self._roster: dict[str, MemberInfo] = {}
         self._group_key = b""
         self._channels: dict[int, SealedChannel] = {}  # rid -> channel (the host: one per member)
-        self._pakes: dict[int, Pake] = {}
+        self._admission: HostAdmission | None = None  # the host's: PAKEs of ids not admitted yet
+        self._bind_nonce = frames.NO_NONCE  # the relay's return-routability challenge, echoed
+        self.handler_errors = 0  # signaling messages whose handling failed (logged in one line)
+        self.code_void = False  # the host's: a wrong code was tried, so this code admits nobody now
         self._pieces: dict[int, Assembler] = {}  # rid -> a message in pieces from it (pieces.py)
         self._names: dict[int, str] = {}  # rid -> name
         self._events: asyncio.Queue[SessionEvent] = asyncio.Queue()
@@ -146,9 +151,10 @@ class Member:
     @classmethod
     async def host(
         cls, rendezvous: tuple[str, int], name: str, descriptor: dict, *,
-        bind_host: str = "0.0.0.0", send_delay_ms: float = 0.0,
+        bind_host: str = "0.0.0.0", send_delay_ms: float = 0.0, code_words: int = 3,
     ) -> Member:
-        """Register a new session at the rendezvous; `.code` is the code to share."""
+        """Register a new session at the rendezvous; `.code` is the code to share (code_words
+        words: 3, or 4 for a session that stays open long)."""
         self = cls()
         await self._open(rendezvous, name, descriptor, bind_host, send_delay_ms, is_host=True)
         try:
@@ -156,7 +162,8 @@ class Member:
             opened = await self._signal.expect(m.Opened)
             assert isinstance(opened, m.Opened)
             self.nameplate, self.rid, self._relay_token = opened.nameplate, 0, opened.relay_token
-            self.code = make_code(opened.nameplate)
+            self.code = make_code(opened.nameplate, words=code_words)
+            self._admission = HostAdmission(self.code, self.nameplate)
             self._start_relay_binding()
             self.nat = await self._nat_task
             self._names[0] = name
@@ -225,16 +232,20 @@ class Member:
         assert isinstance(joined, m.Joined)
         self.nameplate, self.rid, self._relay_token = nameplate, joined.rid, joined.relay_token
         self._start_relay_binding()
+        # NAT first: the host runs one PAKE at a time, so ours is confirmed one round trip later
+        self.nat = await self._nat_task
         pake = Pake(code)
         self._signal.send(m.Send(0, pake.start()))
         reply = await self._from_host()
+        reason = rejection_reason(reply)
+        if reason is not None:
+            raise Refused(f"the host refused: {reason}")
         try:
             key = pake.finish(reply)
         except ProtocolError as exc:
             raise Refused(f"session handshake failed: {exc.reason}") from None
         channel = SealedChannel(key, is_host=False, nameplate=nameplate, rid=self.rid)
         self._channels[0] = channel
-        self.nat = await self._nat_task
         own = self._own_info()
         self._signal.send(m.Send(0, channel.seal({"t": "hello", "member": own.to_wire()})))
         body = await self._from_host()
@@ -286,11 +297,20 @@ class Member:
 
     def _start_background(self) -> None:
         self._spawn(self._signal_loop(), "signal")
+        if self._admission is not None:
+            self._spawn(self._admission_timer(), "admission")
+
+    async def _admission_timer(self) -> None:
+        """Drop the id whose PAKE is not confirmed within admission.PAKE_TIMEOUT_S."""
+        assert self._admission is not None
+        loop = asyncio.get_running_loop()
+        while not self._closed:
+            await asyncio.sleep(0.5)
+            self._admit_actions(self._admission.tick(loop.time()))
 
     async def _relay_binding(self) -> None:
-        frame = frames.encode_bind(self._relay_token)
         while not self._closed:
-            self._sock.sendto(frame, self._rendezvous)
+            self._sock.sendto(frames.encode_bind(self._relay_token, nonce=self._bind_nonce), self._rendezvous)
             delay = RELAY_BIND_REFRESH_S if self._relay_bound.is_set() else RELAY_BIND_RETRY_S
             await asyncio.sleep(delay)
 
@@ -303,7 +323,12 @@ class Member:
         try:
             while not self._closed:
                 message = await self._signal.next()
-                self._handle(message)
+                try:
+                    self._handle(message)
+                except Exception as exc:  # one bad message never stops the signaling task
+                    self.handler_errors += 1
+                    log.warning("%s: a %s could not be handled (%s: %s); ignored", self.name,
+                                type(message).__name__, type(exc).__name__, exc)
         except (ConnectionError, OSError, ProtocolError) as exc:
             reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
             if not self._closed and self.signaling_up:
@@ -319,6 +344,8 @@ class Member:
         elif isinstance(message, m.EdgeAllocated):
             self._edge_allocated(message)
         elif isinstance(message, m.PeerLeft) and self.is_host:
+            if self._admission is not None:
+                self._admit_actions(self._admission.left(message.rid, asyncio.get_running_loop().time()))
             self._member_gone(message.rid, message.reason)
         elif isinstance(message, m.SessionClosed) and not self.is_host:
             self.signaling_up = False  # the rendezvous closes the connection next: expected
@@ -332,8 +359,9 @@ class Member:
 
     def _deliver(self, message: m.Deliver) -> None:
         body, rid = message.body, message.sender
-        if self.is_host and body[:1] == b"P":
-            self._host_pake(rid, body)
+        if self.is_host and rid not in self._channels:  # not admitted: a PAKE, or its hello
+            if self._admission is not None:
+                self._admit_actions(self._admission.receive(rid, body, asyncio.get_running_loop().time()))
             return
         channel = self._channels.get(rid)
         if channel is None:
@@ -345,9 +373,7 @@ class Member:
             return
         try:
             sealed = channel.open(body)
-            if self.is_host and rid not in self._names:
-                self._host_hello(rid, sealed)
-            elif sealed.get("t") == "app":
+            if sealed.get("t") == "app":
                 self._assembler(rid).whole()
                 self._events.put_nowait(Message(self._names.get(rid, str(rid)), sealed.get("body")))
             elif sealed.get("t") == "part":
@@ -368,19 +394,12 @@ class Member:
         return self._pieces[rid]
 
     def _auth_failure(self, rid: int, exc: ProtocolError) -> None:
-        if self.is_host:
-            first = rid not in self._names
-            log.warning("member %d: %s; removing it%s", rid, exc.reason,
-                        " and closing the nameplate" if first else "")
-            self._signal.send(m.Send(rid, reject(
-                "the host could not verify your code; the nameplate is now closed"
-                if first else f"authentication failure: {exc.reason}")))
+        if self.is_host:  # an admitted member (a joiner's failures are admission's business)
+            log.warning("member %d: %s; removing it", rid, exc.reason)
+            self._signal.send(m.Send(rid, reject(f"authentication failure: {exc.reason}")))
             self._signal.send(m.Kick(rid))
-            if first:
-                self._signal.send(m.CloseNameplate())
             self._channels.pop(rid, None)
-            if not first:
-                self._member_gone(rid, f"authentication failure: {exc.reason}")
+            self._member_gone(rid, f"authentication failure: {exc.reason}")
         else:
             log.error("%s: signaling from the host failed: %s; leaving", self.name, exc.reason)
             self._events.put_nowait(MemberLeft(self._names.get(0, "host"),
@@ -388,34 +407,42 @@ class Member:
             self._closed = True
             self._signal.writer.close()
 
-    def _host_pake(self, rid: int, body: bytes) -> None:
-        if rid in self._pakes or rid in self._channels:
-            self._auth_failure(rid, ProtocolError("state", "second PAKE message"))
-            return
-        assert self.code is not None
-        pake = Pake(self.code)
-        self._pakes[rid] = pake
-        self._signal.send(m.Send(rid, pake.start()))
-        try:
-            key = pake.finish(body)
-        except ProtocolError as exc:
-            self._auth_failure(rid, exc)
-            return
-        self._channels[rid] = SealedChannel(key, is_host=True, nameplate=self.nameplate, rid=rid)
+    def _admit_actions(self, actions: list[admission.Action]) -> None:
+        """Carry out what the admission machine decided (the host only)."""
+        for action in actions:
+            if isinstance(action, admission.SendBody):
+                self._signal.send(m.Send(action.rid, action.body))
+            elif isinstance(action, admission.Drop):
+                log.info("joiner %d: %s; dropped", action.rid, action.reason)
+                self._signal.send(m.Kick(action.rid))
+            elif isinstance(action, admission.CloseNameplate):
+                log.warning("%s: %s", self.name, action.reason)
+                self._signal.send(m.CloseNameplate())
+                self.code_void = True
+            elif isinstance(action, admission.Confirmed):
+                self._host_hello(action.rid, action.channel, action.hello)
 
-    def _host_hello(self, rid: int, hello: dict) -> None:
-        channel = self._channels[rid]
-        if hello.get("t") != "hello":
-            raise ProtocolError("malformed", "expected a hello")
-        info = MemberInfo.from_wire({**(hello.get("member") or {}), "rid": rid})
+    def _host_hello(self, rid: int, channel: SealedChannel, hello: dict) -> None:
+        """A joiner that confirmed the PAKE: a valid hello with a free name is admitted."""
+        member = hello.get("member")
+        try:
+            if hello.get("t") != "hello" or not isinstance(member, dict):
+                raise ProtocolError("malformed", "expected a hello with a member entry")
+            info = MemberInfo.from_wire({**member, "rid": rid})
+        except ProtocolError as exc:
+            log.warning("member %d: a bad hello (%s); removing it", rid, exc.reason)
+            self._signal.send(m.Send(rid, channel.seal({"t": "refuse", "reason": f"bad hello: {exc.reason}"})))
+            self._signal.send(m.Kick(rid))
+            return
         if info.name in self._roster:
             self._signal.send(m.Send(rid, channel.seal(
                 {"t": "refuse", "reason": f"the name {info.name!r} is taken; pick another"})))
             self._signal.send(m.Kick(rid))
-            self._channels.pop(rid, None)
             return
+        self._channels[rid] = channel
         self._names[rid] = info.name
         self._roster[info.name] = info
+        self._signal.send(m.Admit(rid))  # before the welcome: it may open edges once welcomed
         self._signal.send(m.Send(rid, channel.seal(
             {"t": "welcome", "key": self._group_key, "members": self._roster_wire()})))
         self._broadcast_roster(exclude=rid)
@@ -425,7 +452,6 @@ class Member:
     def _member_gone(self, rid: int, reason: str) -> None:
         self._channels.pop(rid, None)
         self._pieces.pop(rid, None)
-        self._pakes.pop(rid, None)
         name = self._names.pop(rid, None)
         if name is None:
             return
@@ -602,6 +628,12 @@ class Member:
         if data[0] == frames.BIND_ACK:
             if frames.decode_bind(data) == self._relay_token:
                 self._relay_bound.set()
+            return
+        if data[0] == frames.BIND_CHALLENGE:  # prove this address is ours: echo the nonce
+            token, nonce = frames.decode_bind_request(data)
+            if token == self._relay_token and not self._closed:
+                self._bind_nonce = nonce
+                self._sock.sendto(frames.encode_bind(token, nonce=nonce), self._rendezvous)
             return
         edge_id, payload = frames.decode_data(data)
         edge = self._edges.get(edge_id)

@@ -20,6 +20,7 @@ import logging
 import socket
 from collections.abc import Callable
 
+from rendezvous.errors import ProtocolError
 from rendezvous.frames import kind_of
 
 log = logging.getLogger("kafila.net")
@@ -29,6 +30,7 @@ Handler = Callable[[bytes, Address], None]
 READ_BURST = 256  # datagrams read per readiness event before yielding to the loop
 RECV_MAX_BYTES = 65535
 SOCKET_BUFFER_BYTES = 4 << 20  # asked for; the kernel caps it at net.core.[rw]mem_max
+HANDLER_ERRORS_LOGGED = 3  # then only debug lines: a stranger's datagrams must not flood the log
 SEND_QUEUE_MAX = 4096  # datagrams waiting for a full send buffer; beyond that they drop (UDP)
 
 
@@ -47,6 +49,8 @@ class MemberSocket:
         self._flush_soon: asyncio.Handle | None = None
         self.sent_datagrams = 0
         self.dropped = 0
+        self.malformed = 0  # datagrams a decoder refused (ProtocolError)
+        self.handler_errors = 0  # datagrams whose handler failed otherwise (a bug)
 
     @classmethod
     async def open(cls, bind_host: str = "0.0.0.0", bind_port: int = 0, *,
@@ -114,9 +118,18 @@ class MemberSocket:
             return
         try:
             handler(data, (addr[0], addr[1]))
-        except Exception:  # one bad datagram must never stop the socket
+        except ProtocolError as exc:  # anyone can send us garbage: counted, one debug line
             self.dropped += 1
-            log.exception("handling a %s datagram from %s failed", kind, addr)
+            self.malformed += 1
+            log.debug("a bad %s datagram from %s: %s", kind, addr, exc.reason)
+        except Exception as exc:  # one bad datagram must never stop the socket (nor flood the log)
+            self.dropped += 1
+            self.handler_errors += 1
+            if self.handler_errors <= HANDLER_ERRORS_LOGGED:
+                log.warning("handling a %s datagram from %s failed: %s: %s", kind, addr,
+                            type(exc).__name__, exc)
+            else:
+                log.debug("handling a %s datagram from %s failed: %r", kind, addr, exc)
 
     def defer(self, flush: Callable[[], None]) -> None:
         """Run `flush` once after the datagrams being read now (or soon, outside a burst)."""

@@ -11,6 +11,7 @@ from rich.live import Live
 from rich.table import Table
 
 from kafila.errors import BadInput, Refused, describe_error
+from kafila.net.codefile import write_private
 from kafila.session.member import READY_TIMEOUT_S, STATUS_EVERY_S, Participant, stdin_is_terminal
 
 log = logging.getLogger(__name__)
@@ -101,7 +102,8 @@ class HostParticipant(Participant):
         if rv is None:
             from kafila.net import Rendezvous
 
-            self.rendezvous_service = await Rendezvous.start(*cfg.embedded_listen)
+            # it serves this session only: a stranger cannot open sessions on the host's machine
+            self.rendezvous_service = await Rendezvous.start(*cfg.embedded_listen, max_sessions=1)
             rv = self.rendezvous_service.address
             shown = rv if rv[0] not in ("0.0.0.0", "::") else (_lan_ip(), rv[1])
             self.say(f"{cfg.name}: embedded rendezvous on {rv[0]}:{rv[1]} (TCP+UDP; STUN also on UDP "
@@ -109,12 +111,11 @@ class HostParticipant(Participant):
         else:
             shown = rv
         self.net = await Member.host(rv, cfg.name, desc, bind_host=cfg.bind_host,
-                                     send_delay_ms=cfg.send_delay_ms)  # fmt: skip
+                                     send_delay_ms=cfg.send_delay_ms, code_words=cfg.code_words)  # fmt: skip
         code = self.net.code
         print(code, flush=True)
         if cfg.code_file:
-            with open(cfg.code_file, "w") as f:
-                f.write(code + "\n")
+            write_private(cfg.code_file, code + "\n")
         self.say(f"session code: [bold]{code}[/bold]\non the other machines run:\n"
                  f"  kafila join {code} --rendezvous {shown[0]}:{shown[1]}")  # fmt: skip
         self.event("code", code=code, rendezvous=f"{rv[0]}:{rv[1]}")

@@ -63,6 +63,7 @@ class SessionConfig:
     concurrency: int = 4
     policy: str = "kafila"
     code_file: str | None = None
+    code_words: int = 3  # words in the session code (4 for a long-lived session)
     embedded_listen: tuple[str, int] = ("0.0.0.0", 7473)
     json_events: bool = False  # print one JSON line per lifecycle event on stdout (scripts)
 
