@@ -6,6 +6,7 @@ import json
 import time
 import uuid
 
+from kafila.api._names import ModelNames
 from kafila.engine import GenerationStats
 
 
@@ -30,12 +31,14 @@ def timings(stats: GenerationStats) -> dict:
     return {"ttft_ms": stats.ttft_ms, "tok_s": stats.tok_s}
 
 
-def model_card(name: str) -> dict:
-    return {"id": name, "object": "model", "created": 0, "owned_by": "kafila"}
+def model_card(names: ModelNames) -> dict:
+    """The served model as OpenAI lists it, with the other names it answers to (`aliases`)."""
+    return {"id": names.id, "object": "model", "created": 0, "owned_by": "kafila",
+            "aliases": list(names.aliases)}  # fmt: skip
 
 
-def model_list(names: tuple[str, ...]) -> dict:
-    return {"object": "list", "data": [model_card(n) for n in names]}
+def model_list(names: ModelNames) -> dict:
+    return {"object": "list", "data": [model_card(names)]}
 
 
 class Shapes:

@@ -1,13 +1,18 @@
-"""The OpenAI-compatible HTTP API every member serves, over any `kafila.engine.Engine`.
+"""The HTTP API every member serves, over any `kafila.engine.Engine`.
 
 Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, POST /v1/completions
-(both with `stream: true` → server-sent events ending `data: [DONE]`), GET /status.
-Requests are validated in `_validate` (pure); this module only moves bytes and tokens.
+(both with `stream: true` → server-sent events ending `data: [DONE]`), GET /status; the
+session page at GET / (`_page`); Ollama's /api/tags, /api/chat, /api/generate, /api/show and
+/api/version (`_ollama_routes`). Requests are validated in `_validate` and `_ollama` (pure);
+every request passes `_guard` (Host and Origin) first; this module only moves bytes and tokens.
+Errors leave in the shape of the route family: OpenAI's JSON, or Ollama's `{"error": "..."}`
+under /api/.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import json
 import logging
@@ -17,7 +22,9 @@ from aiohttp import web
 
 from kafila.api._errors import ApiError, error_body
 from kafila.api._format import Shapes, model_card, model_list, sse
+from kafila.api._guard import own_names, refusal
 from kafila.api._limits import DEFAULT_API_HOST, DEFAULT_API_PORT, ApiLimits
+from kafila.api._names import ModelNames, names_for
 from kafila.api._stops import StopScanner
 from kafila.api._validate import (
     Sampling,
@@ -79,9 +86,16 @@ def _json(body: dict, status: int = 200, headers: dict | None = None) -> web.Res
     )
 
 
-def _error_response(status: int, code: str, message: str, param: str | None = None) -> web.Response:
+def _error_response(
+    status: int, code: str, message: str, param: str | None = None, ollama: bool = False
+) -> web.Response:
     headers = {"Retry-After": str(NOT_READY_RETRY_S)} if status == 503 else None
-    return _json(error_body(status, code, message, param), status=status, headers=headers)
+    body = {"error": message} if ollama else error_body(status, code, message, param)
+    return _json(body, status=status, headers=headers)
+
+
+def _is_ollama(request: web.Request) -> bool:
+    return request.path.startswith("/api/")
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
@@ -103,6 +117,8 @@ class ApiServer:
         self.host: str | None = None
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
+        self._names = ModelNames("", ())
+        self.own_names = own_names()  # the Host names (besides IPs and localhost) allowed in
 
     @property
     def url(self) -> str:
@@ -118,6 +134,11 @@ class ApiServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/status", self.status)
+        from kafila.api._ollama_routes import OllamaRoutes
+        from kafila.api._page import add_page_routes
+
+        OllamaRoutes(self).add_to(app.router)
+        add_page_routes(app.router)
         return app
 
     async def start(self, host: str = DEFAULT_API_HOST, port: int = DEFAULT_API_PORT) -> None:
@@ -146,16 +167,22 @@ class ApiServer:
 
     # --- routes ---------------------------------------------------------------------------
 
+    @property
+    def names(self) -> ModelNames:
+        """The served model's id and the other names it answers to (alias, file name)."""
+        if self._names.id != self.engine.model_name:  # a session names its model once it forms
+            self._names = names_for(self.engine.model_name)
+        return self._names
+
     def model_names(self) -> tuple[str, ...]:
-        return (self.engine.model_name,)
+        return self.names.all
 
     async def models(self, request: web.Request) -> web.Response:
-        return _json(model_list(self.model_names()))
+        return _json(model_list(self.names))
 
     async def model(self, request: web.Request) -> web.Response:
-        name = request.match_info["model"]
-        self._check_model(name)
-        return _json(model_card(name))
+        self._check_model(request.match_info["model"])
+        return _json(model_card(self.names))
 
     async def status(self, request: web.Request) -> web.Response:
         body = dict(self.engine.status())
@@ -217,12 +244,11 @@ class ApiServer:
         )
 
     def _check_model(self, name: str) -> None:
-        if name not in self.model_names():
-            served = ", ".join(repr(n) for n in self.model_names())
+        if not self.names.accepts(name):
             raise ApiError(
                 404,
                 "model_not_found",
-                f"model {name!r} is not served here; this session serves {served}",
+                f"model {name!r} is not served here; this session serves {self.names.served()}",
                 "model",
             )
 
@@ -234,9 +260,10 @@ class ApiServer:
                 "the session is not ready (forming or degraded); try again shortly",
             )
 
-    async def _generate(
-        self, request: web.Request, shapes: Shapes, ids: list[int], sampling: Sampling, default: int
-    ) -> web.StreamResponse:
+    @contextlib.asynccontextmanager
+    async def generation(self, ids: list[int], sampling: Sampling, default: int):
+        """Admit one generation (bounds, slots) → (token iterator, TextStream, stats); on exit,
+        however it ends, the engine stops its work on the request and frees its slot."""
         if not ids:
             raise bad("empty_prompt", "the prompt is empty", "prompt")
         budget = token_budget(len(ids), sampling.max_tokens, default, self.engine.context_length)
@@ -255,14 +282,20 @@ class ApiServer:
         self.inflight += 1
         gen = self.engine.generate(job, stats)
         try:
+            yield gen, text, stats
+        finally:
+            self.inflight -= 1
+            await _aclose(gen)
+
+    async def _generate(
+        self, request: web.Request, shapes: Shapes, ids: list[int], sampling: Sampling, default: int
+    ) -> web.StreamResponse:
+        async with self.generation(ids, sampling, default) as (gen, text, stats):
             if sampling.stream:
                 return await self._stream(
                     request, shapes, gen, text, stats, len(ids), sampling.include_usage
                 )
             return await self._whole(shapes, gen, text, stats, len(ids))
-        finally:
-            self.inflight -= 1
-            await _aclose(gen)  # stops the engine's work on this request and frees its slot
 
     async def _whole(
         self, shapes: Shapes, gen, text: TextStream, stats: GenerationStats, n_prompt: int
@@ -321,13 +354,18 @@ class ApiServer:
 
     @web.middleware
     async def _errors(self, request: web.Request, handler) -> web.StreamResponse:
-        """Every failure leaves as OpenAI's error JSON, converted here and only here."""
+        """Every failure leaves as OpenAI's error JSON (Ollama's under /api/), converted here and
+        only here; a request from a foreign Host or Origin goes no further (403)."""
+        ollama = _is_ollama(request)
         try:
+            why = refusal(request.headers.get("Host"), request.headers.get("Origin"), self.own_names)
+            if why is not None:
+                raise ApiError(403, "forbidden", why)
             return await handler(request)
         except ApiError as exc:
-            return _error_response(exc.status, exc.code, exc.message, exc.param)
+            return _error_response(exc.status, exc.code, exc.message, exc.param, ollama)
         except EngineError as exc:
-            return _error_response(exc.status, "generation_failed", str(exc))
+            return _error_response(exc.status, "generation_failed", str(exc), None, ollama)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise
@@ -335,13 +373,15 @@ class ApiServer:
                 exc.status,
                 _HTTP_CODES.get(exc.status, "http_error"),
                 f"{exc.reason}: {request.method} {request.path}",
+                None,
+                ollama,
             )
         except KafilaError as exc:
-            return _error_response(400, "bad_request", str(exc))
+            return _error_response(400, "bad_request", str(exc), None, ollama)
         except Exception as exc:
             log.exception("request failed: %s %s", request.method, request.path)
             return _error_response(
-                500, "internal_error", f"internal error: {type(exc).__name__}: {exc}"
+                500, "internal_error", f"internal error: {type(exc).__name__}: {exc}", None, ollama
             )
 
 

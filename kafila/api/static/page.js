@@ -1,0 +1,309 @@
+// The session page: polls this member's /status every second and chats through its own
+// /v1/chat/completions (server-sent events). Only same-origin requests; text goes in with
+// textContent, never as HTML.
+"use strict";
+
+const POLL_MS = 1000;
+const SVG = "http://www.w3.org/2000/svg";
+const $ = (id) => document.getElementById(id);
+let modelId = null;
+let history = [];  // the conversation: [{role, content}]
+let busy = false;
+
+function fmt(v, digits = 1) {
+  return v === null || v === undefined || Number.isNaN(v) ? "–" : Number(v).toFixed(digits);
+}
+function mb(bytes) { return bytes === null || bytes === undefined ? "–" : (bytes / 1e6).toFixed(1) + " MB"; }
+function el(tag, attrs = {}, text = null) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (text !== null) e.textContent = text;
+  return e;
+}
+function svg(tag, attrs = {}, text = null) {
+  const e = document.createElementNS(SVG, tag);
+  for (const [k, v] of Object.entries(attrs)) e.setAttribute(k, v);
+  if (text !== null) e.textContent = text;
+  return e;
+}
+
+// --- figures derived from /status ----------------------------------------------------------
+
+function ringOf(st) { return (st.plan && st.plan.ring) || Object.keys(st.members || {}); }
+
+function edgesOf(st) {
+  // measured edges (kind and RTT as connected) over the plan's predicted ones
+  const out = {};
+  for (const e of (st.plan && st.plan.edges) || []) {
+    out[e.from] = {from: e.from, to: e.to, kind: e.kind, rtt_ms: null, predicted_ms: e.ms, measured: false};
+  }
+  for (const e of st.edges || []) {
+    const p = out[e.from] || {};
+    out[e.from] = {from: e.from, to: e.to, kind: e.kind || p.kind, rtt_ms: e.rtt_ms,
+                   predicted_ms: p.predicted_ms, measured: true};
+  }
+  return out;
+}
+
+function predictedTokS(plan) {
+  if (!plan || !plan.stage_ms) return null;
+  const stages = Object.values(plan.stage_ms);
+  if (!stages.length || stages.some((v) => v === null)) return null;
+  const total = stages.reduce((a, b) => a + b, 0) + (plan.edges || []).reduce((a, e) => a + (e.ms || 0), 0);
+  return total > 0 ? 1000 / total : null;
+}
+
+function argmax(obj) {
+  let best = null;
+  for (const [k, v] of Object.entries(obj || {})) if (v !== null && (best === null || v > obj[best])) best = k;
+  return best;
+}
+
+// --- drawing ---------------------------------------------------------------------------------
+
+function drawRing(st) {
+  const root = $("ring");
+  root.replaceChildren();
+  const defs = svg("defs");
+  const marker = svg("marker", {id: "arrow", viewBox: "0 0 10 10", refX: "9", refY: "5",
+                                markerWidth: "7", markerHeight: "7", orient: "auto-start-reverse"});
+  marker.append(svg("path", {d: "M 0 0 L 10 5 L 0 10 z", fill: "currentColor"}));
+  defs.append(marker);
+  root.append(defs);
+  const ring = ringOf(st);
+  const n = ring.length;
+  if (!n) { root.append(svg("text", {x: 220, y: 220}, "waiting for members…")); return; }
+  const cx = 220, cy = 220, R = n === 1 ? 0 : 145, r = 34;
+  const pos = {};
+  ring.forEach((name, i) => {
+    const a = -Math.PI / 2 + (2 * Math.PI * i) / n;
+    pos[name] = [cx + R * Math.cos(a), cy + R * Math.sin(a)];
+  });
+  const members = st.members || {};
+  const edges = edgesOf(st);
+  if (n > 1) {
+    for (const name of ring) {
+      const e = edges[name];
+      if (!e || !(e.to in pos)) continue;
+      const [x1, y1] = pos[name], [x2, y2] = pos[e.to];
+      const dx = x2 - x1, dy = y2 - y1, d = Math.hypot(dx, dy) || 1;
+      const sx = x1 + (dx / d) * r, sy = y1 + (dy / d) * r, ex = x2 - (dx / d) * (r + 3), ey = y2 - (dy / d) * (r + 3);
+      // bow outwards from the centre so the ring reads as a ring
+      const mx = (sx + ex) / 2, my = (sy + ey) / 2;
+      const ox = mx - cx, oy = my - cy, od = Math.hypot(ox, oy) || 1;
+      const bow = n === 2 ? 40 : 28;
+      const qx = mx + (ox / od) * bow, qy = my + (oy / od) * bow;
+      const g = svg("g", {class: `edge ${e.kind || "unknown"}`, "data-from": e.from, "data-to": e.to,
+                          "data-kind": e.kind || ""});
+      g.append(svg("path", {d: `M ${sx} ${sy} Q ${qx} ${qy} ${ex} ${ey}`}));
+      const lx = mx + (ox / od) * (bow + 22), ly = my + (oy / od) * (bow + 22);
+      const rtt = e.rtt_ms !== null && e.rtt_ms !== undefined ? `${fmt(e.rtt_ms, 1)} ms` : `~${fmt(e.predicted_ms, 1)} ms`;
+      g.append(svg("text", {x: lx, y: ly}, `${e.kind || "?"} · ${rtt}`));
+      const nat = `${(members[e.from] || {}).nat || "?"} → ${(members[e.to] || {}).nat || "?"}`;
+      g.append(svg("text", {x: lx, y: ly + 13, class: "sub"}, nat));
+      root.append(g);
+    }
+  }
+  const head = st.plan && st.plan.head;
+  const me = st.session && st.session.name;
+  for (const name of ring) {
+    const [x, y] = pos[name];
+    const g = svg("g", {class: "member" + (name === head ? " head" : ""), "data-name": name,
+                        "data-head": String(name === head)});
+    g.append(svg("circle", {cx: x, cy: y, r}));
+    g.append(svg("text", {x, y: y + 4}, name + (name === me ? " (here)" : "")));
+    if (name === head) g.append(svg("text", {x, y: y - r - 6, class: "sub"}, "head"));
+    root.append(g);
+  }
+  const list = $("edges");
+  list.replaceChildren();
+  for (const name of ring) {
+    const e = edges[name];
+    if (!e || n < 2) continue;
+    const li = el("li", {"data-from": e.from, "data-to": e.to});
+    li.append(`${e.from} → ${e.to}: `, el("span", {class: `kind-${e.kind}`}, e.kind || "?"),
+              `, RTT ${fmt(e.rtt_ms, 2)} ms (plan ${fmt(e.predicted_ms, 2)} ms), NAT ` +
+              `${(members[e.from] || {}).nat || "?"} / ${(members[e.to] || {}).nat || "?"}`);
+    list.append(li);
+  }
+}
+
+function drawMembers(st) {
+  const body = $("members").tBodies[0];
+  body.replaceChildren();
+  const ring = ringOf(st);
+  const names = ring.concat(Object.keys(st.members || {}).filter((m) => !ring.includes(m)));
+  const stages = st.stages || {};
+  const head = st.plan && st.plan.head;
+  const me = st.session && st.session.name;
+  const slowPredicted = argmax(Object.fromEntries(names.map((n) => [n, (stages[n] || {}).predicted_ms ?? null])));
+  const slowMeasured = argmax(Object.fromEntries(names.map((n) => [n, (stages[n] || {}).compute_ms ?? null])));
+  for (const name of names) {
+    const m = (st.members || {})[name] || {};
+    const s = stages[name] || {};
+    const cls = [name === slowPredicted ? "bottleneck" : "", name === slowMeasured ? "slowest" : ""].join(" ").trim();
+    const tr = el("tr", {"data-name": name, class: cls});
+    const device = `${fmt(m.memory_gb, 1)} GB RAM, ${fmt(m.bandwidth_gbps, 1)} GB/s, ${fmt(m.overhead_us, 0)} µs`;
+    let memory = "–";
+    if (name === me && st.memory && st.memory.rss_bytes) {
+      memory = `${mb(st.memory.rss_bytes)} / ${mb(st.memory.planned_bytes || st.memory.shard_bytes)}`;
+    }
+    const cells = [
+      [name + (name === head ? " (head)" : "") + (name === me ? " (here)" : ""), "name"],
+      [m.backend || (name === me && st.session ? st.session.backend : "–"), "backend"],
+      [m.nat || "–", "nat"], [device, "device"],
+      [s.blocks ?? "–", "blocks num"],
+      [fmt(s.predicted_ms, 2), "predicted num"], [fmt(s.compute_ms, 2), "measured num"],
+      [memory, "memory"], [m.state || "–", "state"],
+    ];
+    for (const [text, c] of cells) tr.append(el("td", {class: c}, String(text)));
+    body.append(tr);
+  }
+}
+
+function drawFigures(st) {
+  const s = st.session || {};
+  $("model").textContent = s.model || "";
+  $("me").textContent = s.name ? `member ${s.name}` + (s.host ? `, host ${s.host}` : "") : "";
+  const state = $("state");
+  state.textContent = s.state || (st.ready ? "serving" : "–");
+  state.className = "badge " + (s.state || (st.ready ? "serving" : ""));
+  const problem = $("problem");
+  problem.hidden = !s.degraded;
+  problem.textContent = s.degraded ? `degraded: ${s.degraded}` : "";
+  const plan = st.plan || {};
+  $("tok-measured").textContent = fmt(st.tok_s, 1);
+  $("tok-predicted").textContent = fmt(predictedTokS(plan), 1);
+  const bn = argmax(plan.stage_ms || {});
+  $("bottleneck").textContent = bn ? `${bn} (${fmt(plan.stage_ms[bn], 2)} ms predicted)` : "–";
+  $("step-ms").textContent = fmt(st.step_ms, 2);
+  $("network-ms").textContent = fmt(st.network_ms, 2);
+  const r = st.requests;
+  $("requests").textContent = r ? `${r.active} / ${r.queued}` : "– (the head schedules)";
+  $("inflight").textContent = st.api ? String(st.api.inflight_requests) : "–";
+  const spec = st.speculation || st.speculative;
+  $("acceptance").textContent = spec && spec.acceptance !== undefined ? `${fmt(100 * spec.acceptance, 0)} %` : "– (not speculating)";
+  $("uptime").textContent = s.uptime_s !== undefined ? `${fmt(s.uptime_s, 0)} s` : "–";
+  const w = st.weights || {};
+  const total = w.tensor_bytes || 0, got = w.received_bytes || 0;
+  const bar = $("weights-bar");
+  if (w.source === "local file" || w.source === "own file") {
+    bar.value = 1;
+    $("weights-text").textContent = `${w.source}`;
+  } else if (total) {
+    bar.value = Math.min(1, got / total);
+    const rate = w.seconds ? ` at ${fmt(got / 1e6 / w.seconds, 1)} MB/s` : "";
+    $("weights-text").textContent = `${mb(got)} of ${mb(total)} from the ${w.source || "host"}${rate}`;
+  } else {
+    bar.value = 0;
+    $("weights-text").textContent = s.host === true ? "the host serves them" : "waiting";
+  }
+}
+
+async function poll() {
+  try {
+    const r = await fetch("/status", {cache: "no-store"});
+    const st = await r.json();
+    drawFigures(st);
+    drawRing(st);
+    drawMembers(st);
+    document.body.dataset.updated = String(Date.now());
+  } catch (err) {
+    $("state").textContent = "unreachable";
+    $("state").className = "badge degraded";
+  } finally {
+    setTimeout(poll, POLL_MS);
+  }
+}
+
+// --- chat ---------------------------------------------------------------------------------
+
+async function model() {
+  if (modelId) return modelId;
+  const r = await fetch("/v1/models", {cache: "no-store"});
+  const body = await r.json();
+  modelId = body.data && body.data.length ? body.data[0].id : null;
+  return modelId;
+}
+
+async function send(prompt) {
+  const log = $("log");
+  log.append(el("div", {class: "msg user"}, prompt));
+  const out = el("div", {class: "msg assistant", "data-done": "false", "data-chunks": "0"});
+  const text = el("span", {class: "text"});
+  out.append(text);
+  log.append(out);
+  log.scrollTop = log.scrollHeight;
+  const messages = history.concat([{role: "user", content: prompt}]);
+  const req = {model: await model(), messages, stream: true, temperature: 0};
+  const max = parseInt($("max-tokens").value, 10);
+  if (max > 0) req.max_tokens = max;
+  const started = performance.now();
+  let chunks = 0, first = null;
+  try {
+    const r = await fetch("/v1/chat/completions", {method: "POST", headers: {"content-type": "application/json"},
+                                                   body: JSON.stringify(req)});
+    if (!r.ok) {
+      const body = await r.json().catch(() => ({}));
+      throw new Error((body.error && body.error.message) || `HTTP ${r.status}`);
+    }
+    const reader = r.body.getReader();
+    const dec = new TextDecoder();
+    let buf = "";
+    for (;;) {
+      const {value, done} = await reader.read();
+      if (done) break;
+      buf += dec.decode(value, {stream: true});
+      let cut;
+      while ((cut = buf.indexOf("\n\n")) >= 0) {
+        const event = buf.slice(0, cut);
+        buf = buf.slice(cut + 2);
+        for (const line of event.split("\n")) {
+          if (!line.startsWith("data: ")) continue;
+          const data = line.slice(6);
+          if (data === "[DONE]") continue;
+          const chunk = JSON.parse(data);
+          if (chunk.error) throw new Error(chunk.error.message);
+          for (const c of chunk.choices || []) {
+            const piece = c.delta && c.delta.content;
+            if (piece) {
+              text.textContent += piece;
+              chunks += 1;
+              first = first ?? performance.now();
+              out.dataset.chunks = String(chunks);
+              log.scrollTop = log.scrollHeight;
+            }
+          }
+        }
+      }
+    }
+    history = messages.concat([{role: "assistant", content: text.textContent}]);
+    const ttft = first === null ? "–" : fmt(first - started, 0);
+    out.append(el("span", {class: "meta"}, `${chunks} pieces, first after ${ttft} ms`));
+  } catch (err) {
+    out.classList.add("error");
+    out.append(el("span", {class: "meta"}, String(err.message || err)));
+  } finally {
+    out.dataset.done = "true";
+  }
+}
+
+function setup() {
+  const form = $("chat-form"), prompt = $("prompt"), button = $("send");
+  form.addEventListener("submit", async (ev) => {
+    ev.preventDefault();
+    const text = prompt.value.trim();
+    if (!text || busy) return;
+    busy = true;
+    button.disabled = true;
+    prompt.value = "";
+    try { await send(text); } finally { busy = false; button.disabled = false; prompt.focus(); }
+  });
+  prompt.addEventListener("keydown", (ev) => {
+    if (ev.key === "Enter" && !ev.shiftKey) { ev.preventDefault(); form.requestSubmit(); }
+  });
+  $("clear").addEventListener("click", () => { history = []; $("log").replaceChildren(); });
+  poll();
+}
+
+document.addEventListener("DOMContentLoaded", setup);
