@@ -276,7 +276,13 @@ class RingNode:
             log.exception("ring stage failed")
             self.degrade(f"member {self.name}'s stage failed: {type(exc).__name__}: {exc}")
 
+    misaddressed = 0  # frames for a name not in the ring: dropped, or they would circle for ever
+
     async def _on_frame(self, frame: Frame) -> None:
+        if isinstance(frame, (Request, Tokens, Cancel)) and frame.dst not in self.ring:
+            self.misaddressed += 1
+            log.debug("a %s for %r, who is not in the ring: dropped", type(frame).__name__, frame.dst)
+            return
         if isinstance(frame, Activation):
             if self.is_head:
                 self._events.put_nowait(("back", frame))

@@ -22,6 +22,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import threading
 import time
 from collections import deque
@@ -33,6 +34,8 @@ from kafila.session.frames import WEIGHT_CHUNK_BYTES, FrameError, WeightData, We
 FETCH_CHUNK_BYTES = 1 << 20
 FETCH_WINDOW_CHUNKS = 8  # chunks in flight: enough to fill a LAN edge, little to redo
 MAX_MANIFEST_TENSORS = 4096
+MAX_MODEL_FILE_BYTES = 4 << 40  # 4 TiB: larger than any model file a session could serve
+_SHA256_RE = re.compile(r"[0-9a-f]{64}")
 HASH_CHUNK_BYTES = 8 << 20
 
 log = logging.getLogger(__name__)
@@ -75,8 +78,11 @@ class Manifest:
                     str(d["header_sha256"]), tensors)  # fmt: skip
         except (KeyError, TypeError, ValueError) as exc:
             raise WeightError(f"malformed weight manifest ({type(exc).__name__}: {exc})") from None
-        if len(tensors) > MAX_MANIFEST_TENSORS or not 0 < m.header_len <= m.file_bytes:
+        if len(tensors) > MAX_MANIFEST_TENSORS or not 0 < m.header_len <= m.file_bytes <= MAX_MODEL_FILE_BYTES:
             raise WeightError("weight manifest out of bounds")
+        # digests become file names in the cache (local_copy_path): 64 hex digits, nothing else
+        if not all(_SHA256_RE.fullmatch(h) for h in (m.sha256, m.header_sha256, *(t.sha256 for t in tensors))):
+            raise WeightError("weight manifest has a digest that is not 64 hex digits")
         for t in tensors:
             if t.offset < m.header_len or t.n_bytes < 0 or t.offset + t.n_bytes > m.file_bytes:
                 raise WeightError(f"tensor {t.name} lies outside the model file")
@@ -349,4 +355,6 @@ def write_at(path: str, offset: int, data: bytes) -> None:
 
 
 def local_copy_path(cache_dir: str, manifest: Manifest) -> str:
+    if not _SHA256_RE.fullmatch(manifest.sha256):  # never a path: from_json checked it; so do we
+        raise WeightError("weight manifest digest is not 64 hex digits")
     return os.path.join(cache_dir, f"{manifest.sha256[:32]}.gguf")
