@@ -28,9 +28,13 @@ def split_host(value: str) -> tuple[str, str]:
         if end < 0:
             return value.lower(), ""
         host, rest = value[1:end], value[end + 1 :]
+        if rest and not (rest.startswith(":") and rest[1:].isdigit()):
+            return value.lower(), ""
         return host.lower(), rest.removeprefix(":")
     if value.count(":") == 1:
         host, port = value.split(":")
+        if not port.isdigit():  # not a port: the whole value, which no check accepts
+            return value.lower(), ""
         return host.lower().rstrip("."), port
     return value.lower().rstrip("."), ""
 

@@ -111,8 +111,9 @@ function drawRing(st) {
     const g = svg("g", {class: "member" + (name === head ? " head" : ""), "data-name": name,
                         "data-head": String(name === head)});
     g.append(svg("circle", {cx: x, cy: y, r}));
-    g.append(svg("text", {x, y: y + 4}, name + (name === me ? " (here)" : "")));
-    if (name === head) g.append(svg("text", {x, y: y - r - 6, class: "sub"}, "head"));
+    g.append(svg("text", {x, y: y + 5, class: "name"}, name));
+    if (name === head) g.append(svg("text", {x, y: y - r - 7, class: "sub"}, "head"));
+    if (name === me) g.append(svg("text", {x, y: y + r + 16, class: "sub"}, "this page"));
     root.append(g);
   }
   const list = $("edges");
