@@ -157,7 +157,9 @@ class HostAdmission:
         self._current = None
         try:
             hello = current.channel.open(body)
-        except ProtocolError:
+        except ProtocolError as exc:
+            if current.channel.opened:  # it decrypted: the right code, a malformed message
+                return [Drop(current.rid, f"a bad hello ({exc.reason})"), *self._next(now)]
             # a wrong guess (or a rendezvous that altered the hello): no more PAKEs for this code
             self.state = CLOSED
             self.failed_confirmations += 1

@@ -84,6 +84,11 @@ class SealedChannel:
         self._recv_seq = 0
         self.dead = False
 
+    @property
+    def opened(self) -> int:
+        """Messages that decrypted under our key (one means the peer knew the code)."""
+        return self._recv_seq
+
     def _aad(self, label: bytes, seq: int) -> bytes:
         return b"kafila-signal-v1" + label + self._context + _SEQ.pack(seq)
 

@@ -413,7 +413,7 @@ class Member:
             if isinstance(action, admission.SendBody):
                 self._signal.send(m.Send(action.rid, action.body))
             elif isinstance(action, admission.Drop):
-                log.info("joiner %d: %s; dropped", action.rid, action.reason)
+                log.debug("joiner %d: %s; dropped", action.rid, action.reason)
                 self._signal.send(m.Kick(action.rid))
             elif isinstance(action, admission.CloseNameplate):
                 log.warning("%s: %s", self.name, action.reason)
