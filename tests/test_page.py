@@ -16,6 +16,7 @@ OpenAI endpoint's, and the alias and the file name work on both APIs.
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import time
@@ -320,3 +321,103 @@ def test_alias_and_file_name_on_a_real_session(session):
     code, body = post(api, "/api/chat", {"model": ALIAS, "messages": MSGS}, {"Origin": "http://evil.example"})
     assert code == 403 and "refused" in body["error"]
 
+
+
+# --- `kafila status`: the same picture in a terminal ----------------------------------------------
+
+STATUS = {  # a GET /status body as a member of a 3-member session answers it (trimmed)
+    "session": {"name": "m2", "host": "m1", "state": "serving", "degraded": None, "model": "SmolLM2-135M-Instruct.Q4_1",
+                "backend": "openvino", "context": 256, "concurrency": 2, "uptime_s": 36.9},
+    "members": {n: {"name": n, "nat": nat, "rtt_ms": 1.0, "bandwidth_gbps": 3.8, "memory_gb": 22.8,
+                    "overhead_us": 450.0, "backend": "openvino", "state": "joined"}
+                for n, nat in (("m1", "permissive"), ("m2", "symmetric"), ("m3", "permissive"))},
+    "plan": {"feasible": True, "tier": "full", "policy": "kafila", "head": "m3", "ring": ["m3", "m1", "m2"],
+             "blocks": {"m3": 4, "m1": 8, "m2": 18}, "stage_ms": {"m3": 11.04, "m1": 10.88, "m2": 10.82},
+             "bottleneck_ms": 11.04, "edges": [{"from": "m3", "to": "m1", "kind": "direct", "ms": 30.0},
+                                               {"from": "m1", "to": "m2", "kind": "relay", "ms": 18.6},
+                                               {"from": "m2", "to": "m3", "kind": "direct", "ms": 11.4}]},
+    "stages": {"m3": {"blocks": 4, "predicted_ms": 11.04, "compute_ms": 12.5},
+               "m1": {"blocks": 8, "predicted_ms": 10.88, "compute_ms": 19.25},
+               "m2": {"blocks": 18, "predicted_ms": 10.82, "compute_ms": None}},
+    "edges": [{"from": "m3", "to": "m1", "kind": "direct", "rtt_ms": 1.757},
+              {"from": "m1", "to": "m2", "kind": "relay", "rtt_ms": 0.752}],
+    "tok_s": 9.5, "step_ms": 80.1, "network_ms": 3.2,
+    "weights": {"received_bytes": 40_266_911, "tensor_bytes": 39_896_064, "seconds": 20.4, "source": "host"},
+    "memory": {"rss_bytes": 232_726_528, "planned_bytes": 46_973_952}, "requests": None,
+    "api": {"url": "http://127.0.0.1:43179", "inflight_requests": 1},
+}  # fmt: skip
+
+
+def _printed(status: dict) -> str:
+    from rich.console import Console
+
+    from kafila.commands.status import render
+
+    console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(render(status))
+    return console.export_text()
+
+
+def test_status_render_shows_members_edges_plan_and_bottleneck():
+    from kafila.commands.status import predicted_tok_s
+
+    out = _printed(STATUS)
+    lines = out.splitlines()
+    rows = [ln for ln in lines if ln.lstrip("│ ").startswith(("m1", "m2", "m3"))]
+    assert [r.lstrip("│ ").split()[0] for r in rows[:3]] == ["m3", "m1", "m2"]  # ring order
+    assert "m3 (head)" in out and "m2 (here)" in out
+    assert "11.04 ◀" in out and "19.25 ◀" in out  # predicted and measured bottlenecks marked
+    assert "m1 → m2" in out and "relay" in out and "permissive / symmetric" in out
+    tps = predicted_tok_s(STATUS["plan"])
+    assert tps == pytest.approx(1000 / (11.04 + 10.88 + 10.82 + 30.0 + 18.6 + 11.4))
+    assert f"predicted {tps:.1f} tok/s, bottleneck m3 (11.04 ms)" in out
+    assert "measured 9.5 tok/s" in out and "40.3 of 39.9 MB from host" in out
+    degraded = dict(STATUS, session=dict(STATUS["session"], state="degraded", degraded="m3 is gone"))
+    assert "degraded: m3 is gone" in _printed(degraded)
+    assert "one process" in _printed({"model": "smollm2-135m", "ready": True, "mode": "local"})
+
+
+def test_status_command_against_a_member_and_a_missing_one(tokenizer):  # noqa: F811
+    import subprocess
+    import sys
+
+    async def test(server, http):
+        import asyncio
+
+        def run(*args):
+            return subprocess.run([sys.executable, "-m", "kafila", "status", *args], capture_output=True,
+                                  text=True, timeout=60, check=False)  # fmt: skip
+
+        r = await asyncio.to_thread(run, "--api", f"127.0.0.1:{server.port}", "--json")
+        assert r.returncode == 0, r.stderr
+        assert json.loads(r.stdout)["model"] == "scripted"
+        r = await asyncio.to_thread(run, "--api", f"127.0.0.1:{server.port}")
+        assert r.returncode == 0 and "scripted" in r.stdout, r.stderr
+
+    serve(ScriptedEngine(tokenizer), test)
+    from kafila.session.launch import free_port
+
+    r = subprocess.run([sys.executable, "-m", "kafila", "status", "--api", f"127.0.0.1:{free_port()}"],
+                       capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    assert r.returncode == 3 and "cannot reach a Kafila API" in r.stderr and "--api" in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1  # one line, no traceback
+
+
+@pytest.mark.session
+@pytest.mark.model
+@pytest.mark.slow
+@needs_default_model
+def test_kafila_status_prints_the_session_from_any_member(session):
+    import subprocess
+    import sys
+
+    plan = get(session.api("m1"), "/status")["plan"]
+    api = session.api(not_head(session)).removeprefix("http://")
+    r = subprocess.run([sys.executable, "-m", "kafila", "status", "--api", api], capture_output=True,
+                       text=True, timeout=60, check=False, env=dict(os.environ, COLUMNS="160"))  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert f"{plan['head']} (head)" in out and "serving" in out
+    for a, b in zip(plan["ring"], plan["ring"][1:] + plan["ring"][:1]):
+        assert f"{a} → {b}" in out
+    assert "predicted" in out and "tok/s, bottleneck " in out

@@ -18,6 +18,7 @@ COMMANDS = (
     "host",
     "join",
     "chat",
+    "status",
     "demo",
     "tokenize",
 )

@@ -1,0 +1,177 @@
+"""`kafila status [--api HOST:PORT] [--watch] [--json]`: the session as any member sees it.
+
+The same picture as the page at http://HOST:PORT/ (and the host's terminal): the members with
+their devices, blocks and predicted vs measured stage ms; the ring's edges (direct or relay, RTT,
+the NAT classes at both ends); the plan's predicted tok/s against the measured, the bottleneck
+member named; the requests in flight and this member's weight transfer. `render` is a pure
+function of the GET /status body.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import time
+
+from rich.console import Group
+from rich.table import Table
+from rich.text import Text
+
+from kafila.api import DEFAULT_API_HOST, DEFAULT_API_PORT, parse_hostport
+from kafila.errors import EXIT_OK, Refused
+
+CONNECT_TIMEOUT_S = 5.0
+WATCH_EVERY_S = 1.0
+
+
+def fetch_status(host: str, port: int) -> dict:
+    """GET /status from a member (Refused, one line, when it cannot be had)."""
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    conn = http.client.HTTPConnection(host, port, timeout=CONNECT_TIMEOUT_S)
+    try:
+        conn.request("GET", "/status")
+        resp = conn.getresponse()
+        data = resp.read()
+    except OSError as exc:
+        reason = (exc.strerror or str(exc) or type(exc).__name__).lower()
+        raise Refused(f"cannot reach a Kafila API at {url} ({reason}): pass --api HOST:PORT of a "
+                      "member (`kafila host` and `kafila join` print it)") from None  # fmt: skip
+    finally:
+        conn.close()
+    try:
+        body = json.loads(data)
+    except ValueError:
+        body = None
+    if resp.status != 200 or not isinstance(body, dict):
+        raise Refused(f"{url}/status answered HTTP {resp.status}: not a Kafila member's API")
+    return body
+
+
+def predicted_tok_s(plan: dict | None) -> float | None:
+    """Single-stream tok/s the plan predicts: one token goes once around the ring."""
+    stages = (plan or {}).get("stage_ms") or {}
+    if not stages or any(v is None for v in stages.values()):
+        return None
+    total = sum(stages.values()) + sum(e.get("ms") or 0.0 for e in plan.get("edges") or [])
+    return 1000.0 / total if total > 0 else None
+
+
+def _f(v, digits: int = 1) -> str:
+    return "–" if v is None else f"{v:.{digits}f}"
+
+
+def _slowest(values: dict) -> str | None:
+    known = {k: v for k, v in values.items() if v is not None}
+    return max(known, key=known.get) if known else None
+
+
+def render(st: dict) -> Group:
+    """The GET /status body → tables for a terminal."""
+    s = st.get("session") or {}
+    plan = st.get("plan") or {}
+    members = st.get("members") or {}
+    stages = st.get("stages") or {}
+    ring = list(plan.get("ring") or members)
+    head = plan.get("head")
+    me = s.get("name")
+    parts: list = []
+    if s:
+        state = s.get("state") or "?"
+        line = Text.assemble((f"{s.get('model') or '?'}", "bold"), "  ",
+                             (state, "green" if state == "serving" else "red" if state == "degraded" else "yellow"),
+                             f"  member {me}, host {s.get('host')}, context {s.get('context')}, "
+                             f"uptime {_f(s.get('uptime_s'), 0)} s")  # fmt: skip
+        parts.append(line)
+        if s.get("degraded"):
+            parts.append(Text(f"degraded: {s['degraded']}", style="red"))
+    else:  # `kafila serve`: one process, no ring
+        parts.append(Text(f"{st.get('model')}  {'serving' if st.get('ready') else 'not ready'}  (one process)"))
+
+    slow_pred = _slowest({n: (stages.get(n) or {}).get("predicted_ms") for n in ring})
+    slow_meas = _slowest({n: (stages.get(n) or {}).get("compute_ms") for n in ring})
+    t = Table(title="members (ring order)", title_justify="left")
+    for col in ("member", "backend", "NAT", "memory GB", "GB/s", "blocks", "predicted ms", "measured ms", "state"):
+        t.add_column(col, justify="right" if col in ("memory GB", "GB/s", "blocks", "predicted ms",
+                                                     "measured ms") else "left")  # fmt: skip
+    for name in ring + [n for n in members if n not in ring]:
+        m = members.get(name) or {}
+        stg = stages.get(name) or {}
+        label = name + (" (head)" if name == head else "") + (" (here)" if name == me else "")
+        pred = _f(stg.get("predicted_ms"), 2) + (" ◀" if name == slow_pred else "")
+        meas = _f(stg.get("compute_ms"), 2) + (" ◀" if name == slow_meas and len(ring) > 1 else "")
+        t.add_row(label, m.get("backend") or "–", m.get("nat") or "–", _f(m.get("memory_gb")),
+                  _f(m.get("bandwidth_gbps")), str(stg.get("blocks") or "–"), pred, meas,
+                  m.get("state") or "–")  # fmt: skip
+    if ring:
+        parts.append(t)
+
+    measured = {e.get("from"): e for e in st.get("edges") or []}
+    if len(ring) > 1:
+        e_t = Table(title="ring edges", title_justify="left")
+        for col in ("edge", "kind", "RTT ms", "plan ms", "NAT (from / to)"):
+            e_t.add_column(col)
+        for e in plan.get("edges") or []:
+            got = measured.get(e["from"]) or {}
+            e_t.add_row(f"{e['from']} → {e['to']}", got.get("kind") or f"{e.get('kind')} (planned)",
+                        _f(got.get("rtt_ms"), 2), _f(e.get("ms"), 2),
+                        f"{(members.get(e['from']) or {}).get('nat', '?')} / "
+                        f"{(members.get(e['to']) or {}).get('nat', '?')}")  # fmt: skip
+        parts.append(e_t)
+
+    if plan:
+        tps = predicted_tok_s(plan)
+        bn = _slowest(plan.get("stage_ms") or {})
+        parts.append(Text(f"plan ({plan.get('policy')}, tier {plan.get('tier')}): predicted {_f(tps)} tok/s, "
+                          f"bottleneck {bn or '–'} ({_f((plan.get('stage_ms') or {}).get(bn), 2)} ms); "
+                          f"measured {_f(st.get('tok_s'))} tok/s, step {_f(st.get('step_ms'), 2)} ms, "
+                          f"network {_f(st.get('network_ms'), 2)} ms"))  # fmt: skip
+    req = st.get("requests")
+    api = st.get("api") or {}
+    live = f"requests: {req['active']} active, {req['queued']} queued" if req else "requests: scheduled by the head"
+    parts.append(Text(f"{live}; {api.get('inflight_requests', 0)} in flight at this API ({api.get('url', '?')})"))
+    w = st.get("weights") or {}
+    if w.get("tensor_bytes"):
+        got, total = w.get("received_bytes") or 0, w["tensor_bytes"]
+        rate = f", {got / 1e6 / w['seconds']:.1f} MB/s" if w.get("seconds") else ""
+        parts.append(Text(f"weights: {got / 1e6:.1f} of {total / 1e6:.1f} MB from {w.get('source')}{rate}"))
+    mem = st.get("memory") or {}
+    if mem.get("rss_bytes"):
+        parts.append(Text(f"memory here: {mem['rss_bytes'] / 1e6:.0f} MB resident for a "
+                          f"{(mem.get('planned_bytes') or 0) / 1e6:.1f} MB shard + KV"))  # fmt: skip
+    return Group(*parts)
+
+
+def handle(args) -> int:
+    from rich.console import Console
+
+    host, port = parse_hostport(args.api)
+    if args.json:
+        print(json.dumps(fetch_status(host, port)))
+        return EXIT_OK
+    console = Console()
+    if not args.watch:
+        console.print(render(fetch_status(host, port)))
+        return EXIT_OK
+    from rich.live import Live
+
+    try:
+        with Live(render(fetch_status(host, port)), console=console, refresh_per_second=4) as live:
+            while True:
+                time.sleep(WATCH_EVERY_S)
+                live.update(render(fetch_status(host, port)))
+    except KeyboardInterrupt:
+        return EXIT_OK
+
+
+def register(subparsers) -> None:
+    p = subparsers.add_parser(
+        "status",
+        help="show a session as any member sees it (members, ring, plan vs measured)",
+        description="Print the session from a member's GET /status: members, ring edges, the "
+        "plan's predicted tok/s and bottleneck against the measured figures.",
+    )
+    p.add_argument("--api", default=f"{DEFAULT_API_HOST}:{DEFAULT_API_PORT}", metavar="HOST:PORT",
+                   help=f"the member's API (default {DEFAULT_API_HOST}:{DEFAULT_API_PORT})")  # fmt: skip
+    p.add_argument("--watch", action="store_true", help="refresh every second until Ctrl-C")
+    p.add_argument("--json", action="store_true", help="print the raw GET /status JSON")
+    p.set_defaults(handler=handle)
