@@ -72,7 +72,11 @@ function drawRing(st) {
   root.append(defs);
   const ring = ringOf(st);
   const n = ring.length;
-  if (!n) { root.append(svg("text", {x: 220, y: 220}, "waiting for members…")); return; }
+  if (!n) {
+    const why = st.mode === "local" ? "one process (kafila serve): no ring" : "waiting for members…";
+    root.append(svg("text", {x: 220, y: 200}, why));
+    return;
+  }
   const cx = 220, cy = 220, R = n === 1 ? 0 : 145, r = 34;
   const pos = {};
   ring.forEach((name, i) => {
