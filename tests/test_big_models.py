@@ -93,6 +93,7 @@ def test_host_hashing_for_seconds_forms_the_session_and_a_second_session_reuses_
     caches = str(tmp_path / "caches")
     answers, digests = [], []
     for run in range(2):
+        (tmp_path / f"logs{run}").mkdir()
         s = LocalSession(members=2, model=model, context=64, concurrency=1, cache_root=caches,
                          log_dir=str(tmp_path / f"logs{run}"))  # fmt: skip
         s.start(timeout_s=900)
