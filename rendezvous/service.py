@@ -147,6 +147,10 @@ class Rendezvous:
                     self._apply(self.registry.receive(conn, message, loop.time()), origin=conn)
         except (ConnectionError, OSError):
             reason = "connection lost"
+        except asyncio.CancelledError:
+            # close() cancels every connection; end normally: Python 3.11's start_server callback
+            # calls task.exception() on a cancelled task and logs a traceback per connection
+            reason = "rendezvous closing"
         finally:
             self._apply(self.registry.disconnected(conn, reason, loop.time()))
             self._close_writer(conn)
