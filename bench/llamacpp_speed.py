@@ -12,8 +12,8 @@ through llama-cpp-python with its defaults (f16 KV cache; activations quantized 
 K-quant dot products). llama.cpp's greedy step is `eval([token])` + argmax over the logits; Kafila's
 is one `forward` with the top-1 in the stage graph.
 
-The file (`--file`): by default built once into ~/.cache/kafila-bench/ with llama.cpp's own
-quantizer from the default model (smollm2-135m, Q4_1): `smollm2` requantizes it to Q4_K_M
+The files (`--file`, default `smollm2,aligned`), each built once into ~/.cache/kafila-bench/ with
+llama.cpp's own quantizer: `smollm2` requantizes the default model (smollm2-135m, Q4_1) to Q4_K_M
 (allow_requantize: dequantize, then quantize). SmolLM2-135M's rows are 576 wide, not a multiple of
 the K-quants' 256, so llama.cpp falls back to Q5_0 / Q8_0 for those tensors (only ffn_down, 1536
 wide, gets K-quants). `aligned` is a random-weight Llama with every row a multiple of 256 (hidden
@@ -21,6 +21,10 @@ wide, gets K-quants). `aligned` is a random-weight Llama with every row a multip
 matrices Q4_K / Q6_K, what a Q4_K_M of a larger model is. Or give any GGUF path.
 The Kafila rows run only when `kafila inspect` says Kafila serves the file; otherwise the
 llama.cpp row is measured alone and the reason is printed.
+
+Threads: on a machine whose cores other processes also use, llama.cpp with every core asked for
+collapses (its OpenMP threads spin at barriers waiting for a descheduled partner), so compare at
+fewer threads than cores there (`--threads 1,2` on a shared 2-core machine; see docs/BENCHMARKS.md).
 
 Run: `.venv/bin/python -m bench.llamacpp_speed [--file smollm2,aligned|PATH] [--threads 1,2]`.
 """

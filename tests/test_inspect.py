@@ -56,7 +56,8 @@ def write_vocab_only(path) -> str:
 def test_default_model(default_model_path, default_index):
     out = inspect_json(default_model_path)
     assert out["served"] is True and out["why_not"] is None
-    assert (out["architecture"], out["blocks"], out["hidden"], out["heads"], out["kv_heads"]) == ("llama", 30, 576, 9, 3)
+    shape = (out["architecture"], out["blocks"], out["hidden"], out["heads"], out["kv_heads"])
+    assert shape == ("llama", 30, 576, 9, 3)
     assert (out["head_dim"], out["ffn"], out["vocab"], out["context"]) == (64, 1536, 49152, 8192)
     assert out["file_type"] == "MOSTLY_Q4_1"
     assert out["tokenizer"] == {"model": "gpt2", "pre": "smollm", "tokens": 49152}

@@ -120,7 +120,8 @@ def test_greedy_ids_against_llamacpp(chain_factory, prompt_ids, llamacpp_runs, p
     ours = kafila_ids(chain, prompt_ids)
     parts = [first_difference(a, theirs) for a, (theirs, _) in zip(ours, llamacpp_runs)]
     print_table(f"Kafila OpenVINO 1-stage at {precision} vs llama.cpp (f32 KV) on the Q4_1 file", parts)
-    deltas = [np.abs(prefill_logits(chain, ids) - logits[0]).max() for ids, (_, logits) in zip(prompt_ids, llamacpp_runs)]
+    deltas = [np.abs(prefill_logits(chain, ids) - logits[0]).max()
+              for ids, (_, logits) in zip(prompt_ids, llamacpp_runs)]
     print(f"max |Δlogit| after each prompt: {' '.join(f'{d:.2f}' for d in deltas)}")
     assert all(len(a) == NEW_TOKENS for a in ours)
     assert min(parts) >= MIN_COMMON_PREFIX[precision], parts
