@@ -11,7 +11,7 @@ import random
 import pytest
 
 from kafila.errors import Refused
-from kafila.net import Member, MemberJoined, MemberLeft, Message
+from kafila.net import Member, MemberJoined, Message
 from kafila.net.handshake import Pake, SealedChannel
 from kafila.net.natcheck import NatReport
 from kafila.net.roster import MemberInfo
