@@ -21,7 +21,7 @@ from kafila.models.gguf_header import read_header
 from kafila.models.quant import BLOCK_WEIGHTS, QuantBlocks, bf16_to_f32, split_blocks
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 GGUF_MAGIC = b"GGUF"
 BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 HEAD_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")

@@ -6,6 +6,8 @@ each group an affine form of small integer codes, w = scale·q (+ offset):
   Q8_0  (34 B / 32):  f16 d, 32 × i8 q                     group 32  w = d·q
   Q4_0  (18 B / 32):  f16 d, 16 bytes of nibbles            group 32  w = d·(q − 8)
   Q4_1  (20 B / 32):  f16 d, f16 m, 16 bytes                group 32  w = d·q + m
+  Q5_0  (22 B / 32):  f16 d, 4 bytes qh, 16 bytes nibbles   group 32  w = d·(q − 16), q 0..31
+  Q5_1  (24 B / 32):  f16 d, f16 m, 4 bytes qh, 16 bytes    group 32  w = d·q + m, q 0..31
   Q4_K  (144 B / 256): f16 d, f16 dmin, 12 bytes of 6-bit scales sc / mins m, 128 bytes of nibbles
                                                             group 32  w = (d·sc)·q − (dmin·m), q 0..15
   Q5_K  (176 B / 256): as Q4_K + 32 bytes of 5th bits (qh)  group 32  likewise, q 0..31
@@ -16,8 +18,10 @@ For the K-quants, scale = d·sc and offset = −(dmin·m) are products of an f16
 integer, exact in f32, and scale·q is exact in f32 too, so f32 computes w with one rounding
 (the sum), exactly as ggml does; float64 computes it without any.
 
-Nibble order (Q4_0/Q4_1): element j of a block is the low nibble of byte j, element j+16 the high
-nibble. Q4_K/Q5_K: sub-block pair (2i, 2i+1) is the low / high nibbles of bytes 32i..32i+31;
+Nibble order (Q4_0/Q4_1/Q5_0/Q5_1): element j of a block is the low nibble of byte j, element
+j+16 the high nibble; Q5_0/Q5_1's 5th bit of element j is bit j of qh read as a little-endian
+uint32 (bit j mod 8 of qh byte j div 8), as ggml's dequantize_row_q5_0/q5_1. d·q is exact in f32
+for every 32-weight type (an f16 times an integer below 2^8), so Q4_1/Q5_1 round once (+ m). Q4_K/Q5_K: sub-block pair (2i, 2i+1) is the low / high nibbles of bytes 32i..32i+31;
 Q5_K's 5th bit of element l of sub-block j is bit j of qh[l]. Q6_K: in each 128-weight half,
 element 32k + l takes ql[l + 32·(k mod 2)]'s nibble k div 2 and bits 2k..2k+1 of qh[l].
 """
@@ -31,23 +35,27 @@ import numpy as np
 QK = 32  # weights per block of the 32-weight types
 QK_K = 256  # weights per super-block of the K-quants
 FLOAT_TYPES = ("F32", "F16", "BF16")
-BLOCK_WEIGHTS = {"Q8_0": QK, "Q4_0": QK, "Q4_1": QK, "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
-CODE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q4_K": 4, "Q5_K": 5, "Q6_K": 8}  # bits per stored code
+BLOCK_WEIGHTS = {"Q8_0": QK, "Q4_0": QK, "Q4_1": QK, "Q5_0": QK, "Q5_1": QK,
+                 "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+CODE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5,
+             "Q4_K": 4, "Q5_K": 5, "Q6_K": 8}  # bits per stored code
+CODE_BIAS = {"Q4_0": 8, "Q5_0": 16}  # q' = q − bias for the symmetric types with unsigned codes
 
 
 @dataclass(frozen=True)
 class QuantBlocks:
     """A quantized tensor split into its parts, each shaped [rows, groups, ...].
 
-    w[r, g·group + i] = scale[r, g]·q'[r, g, i] (+ offset[r, g]), q' = q − 8 for Q4_0, else q.
+    w[r, g·group + i] = scale[r, g]·q'[r, g, i] (+ offset[r, g]), q' = q − 8 for Q4_0,
+    q − 16 for Q5_0, else q.
     """
 
     qtype: str
-    q: np.ndarray  # codes [rows, groups, group]: uint8 (Q4_0/Q4_1/Q4_K 0..15, Q5_K 0..31) or
+    q: np.ndarray  # codes [rows, groups, group]: uint8 (Q4_0/Q4_1/Q4_K 0..15, Q5_* 0..31) or
     #                int8 (Q8_0; Q6_K stored as q − 32 in −32..31)
-    scale: np.ndarray  # [rows, groups]: float16 d (Q8_0, Q4_*) or float32 d·sc (K-quants, exact)
-    offset: np.ndarray | None  # [rows, groups]: Q4_1's f16 min m, Q4_K/Q5_K's f32 −dmin·m; else None
+    scale: np.ndarray  # [rows, groups]: float16 d (Q8_0, Q4_0/1, Q5_0/1) or float32 d·sc (K-quants, exact)
+    offset: np.ndarray | None  # [rows, groups]: Q4_1/Q5_1's f16 min m, Q4_K/Q5_K's f32 −dmin·m; else None
 
     @property
     def group(self) -> int:
@@ -73,8 +81,8 @@ class QuantBlocks:
 
     def _values(self, q: np.ndarray, scale: np.ndarray, offset: np.ndarray | None, dtype) -> np.ndarray:
         q = q.astype(dtype)
-        if self.qtype == "Q4_0":
-            q = q - 8.0
+        if self.qtype in CODE_BIAS:
+            q = q - float(CODE_BIAS[self.qtype])
         w = q * scale.astype(dtype)[..., None]  # exact
         if offset is not None:
             w = w + offset.astype(dtype)[..., None]  # the one rounding (f32)
@@ -84,6 +92,13 @@ class QuantBlocks:
 def unpack_nibbles(packed: np.ndarray) -> np.ndarray:
     """uint8 [..., 16] → uint8 [..., 32] in GGML order (low nibbles first, then high)."""
     return np.concatenate([packed & 0x0F, packed >> 4], axis=-1)
+
+
+def unpack_q5(qh: np.ndarray, packed: np.ndarray) -> np.ndarray:
+    """Q5_0/Q5_1's qh uint8 [..., 4] and nibbles uint8 [..., 16] → codes uint8 [..., 32] in 0..31:
+    element j's 5th bit is bit j of qh as a little-endian uint32."""
+    high = np.unpackbits(np.ascontiguousarray(qh), axis=-1, bitorder="little")  # [..., 32], element order
+    return unpack_nibbles(packed) | (high << 4)
 
 
 def _f16(b: np.ndarray) -> np.ndarray:
@@ -139,7 +154,11 @@ def split_blocks(qtype: str, raw: np.ndarray, rows: int, cols: int) -> QuantBloc
         return QuantBlocks(qtype, blocks[..., 2:].copy().view(np.int8), scale, None)
     if qtype == "Q4_0":
         return QuantBlocks(qtype, unpack_nibbles(blocks[..., 2:]), scale, None)
+    if qtype == "Q5_0":
+        return QuantBlocks(qtype, unpack_q5(blocks[..., 2:6], blocks[..., 6:]), scale, None)
     offset = blocks[..., 2:4].copy().view(np.float16)[..., 0]
+    if qtype == "Q5_1":
+        return QuantBlocks(qtype, unpack_q5(blocks[..., 4:8], blocks[..., 8:]), scale, offset)
     return QuantBlocks(qtype, unpack_nibbles(blocks[..., 4:]), scale, offset)
 
 
