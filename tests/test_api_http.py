@@ -306,3 +306,33 @@ def test_concurrent_requests_each_get_their_own_answer(tokenizer):  # noqa: F811
         assert got == [expected_text(tokenizer, m, 9)[0] for m in prompts]
 
     serve(engine, test)
+
+
+def test_deeply_nested_json_is_400_not_500(tokenizer):  # noqa: F811
+    """100,000 '[' once reached the JSON parser's recursion limit: a 500 from a bad request."""
+
+    async def test(server, http):
+        for raw in (b"[" * 100_000, b'{"model": "scripted", "messages": ' + b"[" * 40 + b"]" * 40 + b"}"):
+            async with http.post("/v1/chat/completions", data=raw,
+                                 headers={"Content-Type": "application/json"}) as r:  # fmt: skip
+                assert r.status == 400, await r.text()
+                assert "nests deeper" in (await r.json())["error"]["message"]
+
+    serve(ScriptedEngine(tokenizer), test)
+
+
+def test_a_body_that_never_arrives_is_408_and_frees_the_handler(tokenizer):  # noqa: F811
+    """Headers announce a body that is never sent: the handler gives up (408), not for ever."""
+
+    async def test(server, http):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0.0.1\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{")  # fmt: skip
+        await writer.drain()
+        status_line = await asyncio.wait_for(reader.readline(), 10)
+        writer.close()
+        assert b" 408 " in status_line, status_line
+        async with http.get("/v1/models") as r:  # the server still answers
+            assert r.status == 200
+
+    serve(ScriptedEngine(tokenizer), test, ApiLimits(body_timeout_s=0.5))

@@ -22,3 +22,4 @@ class ApiLimits:
     default_completion_max_tokens: int = 16  # OpenAI's default for /v1/completions
     max_inflight_requests: int = 64  # generation requests admitted at once (queued or running)
     max_prompt_token_ids: int = 65_536  # a /v1/completions prompt given as token ids
+    body_timeout_s: float = 30.0  # a whole request body, once its headers are in (else 408)

@@ -231,9 +231,13 @@ class ApiServer:
         ):
             raise self._too_large()
         try:
-            raw = await request.read()
+            # a client that sends its body slowly, or never, may not hold a handler for ever
+            raw = await asyncio.wait_for(request.read(), self.limits.body_timeout_s)
         except web.HTTPRequestEntityTooLarge:
             raise self._too_large() from None
+        except TimeoutError:
+            raise ApiError(408, "body_timeout", f"the request body did not arrive within "
+                           f"{self.limits.body_timeout_s:g} s") from None  # fmt: skip
         return decode_json(raw)
 
     def _too_large(self) -> ApiError:

@@ -51,13 +51,41 @@ def _reject_constant(name: str) -> float:
     raise ValueError(f"{name} is not valid JSON")
 
 
+MAX_JSON_DEPTH = 32  # nested arrays/objects in a request body (chat messages need about 5)
+
+
+def _depth_exceeds(raw: bytes, limit: int) -> bool:
+    """Whether brackets nest deeper than `limit` (outside strings), before any parsing: a body of
+    100,000 '[' would otherwise reach the parser's recursion limit (a 500, not a 400)."""
+    depth, in_string, escaped = 0, False, False
+    for byte in raw:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif byte == 0x5C:  # backslash
+                escaped = True
+            elif byte == 0x22:  # quote
+                in_string = False
+        elif byte == 0x22:
+            in_string = True
+        elif byte in (0x5B, 0x7B):  # [ {
+            depth += 1
+            if depth > limit:
+                return True
+        elif byte in (0x5D, 0x7D):  # ] }
+            depth -= 1
+    return False
+
+
 def decode_json(raw: bytes) -> dict:
     """The body as a JSON object (400 when it is not one)."""
     if not raw:
         raise bad("invalid_json", "the request body is empty; send a JSON object")
+    if raw.count(b"[") + raw.count(b"{") > MAX_JSON_DEPTH and _depth_exceeds(raw, MAX_JSON_DEPTH):
+        raise bad("invalid_json", f"the request body nests deeper than {MAX_JSON_DEPTH} levels")
     try:
         body = json.loads(raw, parse_constant=_reject_constant)
-    except (ValueError, UnicodeDecodeError) as exc:
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise bad("invalid_json", f"the request body is not valid JSON: {exc}") from None
     if not isinstance(body, dict):
         raise bad("invalid_json", "the request body must be a JSON object")
