@@ -32,6 +32,7 @@ class GenerationRequest:
     temperature: float = 0.0  # 0 = greedy (the only mode the ring must reproduce exactly)
     seed: int | None = None
     top_p: float = 1.0  # nucleus sampling when temperature > 0; 1 = the whole distribution
+    speculate: bool = True  # False: never speculate for this request (a ring session's drafter)
 
 
 @dataclass

@@ -280,6 +280,7 @@ class ApiServer:
         job = GenerationRequest(
             prompt_ids=tuple(ids), max_new_tokens=budget, stop_at_eos=True,
             temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
+            speculate=sampling.speculate,
         )  # fmt: skip
         stats = GenerationStats(prompt_tokens=len(ids))
         text = TextStream(self.engine.tokenizer(), sampling.stop)

@@ -27,6 +27,7 @@ class Sampling:
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool  # stream_options.include_usage: a last chunk carrying usage
+    speculate: bool = True  # Kafila's own field: false turns speculative decoding off for this request
 
 
 @dataclass(frozen=True)
@@ -196,6 +197,7 @@ def sampling_of(body: dict, limits: ApiLimits, max_tokens_keys: tuple[str, ...])
         stop=_stops(body, limits),
         stream=stream,
         include_usage=include_usage,
+        speculate=_flag(body, "speculate", True),
     )
 
 

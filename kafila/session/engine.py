@@ -10,6 +10,7 @@ from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.session.frames import Tokens
 from kafila.session.ring import RingNode
 from kafila.session.scheduler import SchedulerError
+from kafila.session.speculate import SpecStats
 from kafila.session.streams import StreamClosed
 
 
@@ -49,7 +50,8 @@ class RingEngine:
         try:
             rid, waiter = await node.submit(
                 list(request.prompt_ids), request.max_new_tokens, request.stop_at_eos,
-                request.temperature, getattr(request, "top_p", 1.0), request.seed)
+                request.temperature, getattr(request, "top_p", 1.0), request.seed,
+                getattr(request, "speculate", True))
         except SchedulerError as exc:
             raise EngineError(str(exc), exc.status) from None
         except StreamClosed as exc:
@@ -65,6 +67,9 @@ class RingEngine:
                         stats.finish_reason = "error"
                         raise EngineError(item.error or "the request failed", item.status or 503)
                     stats.finish_reason = item.finish or "length"
+                    spec = SpecStats.from_pairs(item.stats)
+                    if spec is not None:
+                        stats.extra["speculation"] = spec.as_dict()
                     break
                 stats.count_token(time.perf_counter())
                 yield item

@@ -137,6 +137,7 @@ class Request:
     temperature: float = 0.0  # 0: greedy (the ring reproduces `kafila run` exactly)
     top_p: float = 1.0
     seed: int = -1  # -1: none
+    speculate: bool = True  # False: this request must not speculate (the API's "speculate": false)
 
 
 @dataclass(frozen=True)
@@ -212,7 +213,7 @@ def encode(frame: Frame, limits: Limits | None = None) -> bytes:
             {"k": "req", "rid": frame.rid, "origin": frame.origin, "dst": frame.dst,
              "max_new": frame.max_new, "eos": frame.stop_at_eos, "dtype": "i32",
              "shape": list(p.shape), "temp": float(frame.temperature), "top_p": float(frame.top_p),
-             "seed": int(frame.seed)},
+             "seed": int(frame.seed), "spec": bool(frame.speculate)},
             p.data.cast("B"),
         )  # fmt: skip
     if isinstance(frame, Tokens):
@@ -359,6 +360,8 @@ def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
         _float(h, "temp", 0.0, MAX_TEMPERATURE)
         _float(h, "top_p", 0.0, 1.0)
         _int(h, "seed", -1, (1 << 63) - 1)
+        if not isinstance(h.get("spec", True), bool):
+            raise FrameError("field 'spec' must be a boolean")
         (n,) = _shape(h, "i32", 1)
         if not 1 <= n <= limits.context:
             raise FrameError(f"prompt of {n} tokens is outside 1..{limits.context}")
@@ -400,7 +403,7 @@ def build_frame(h: dict, payload: bytes) -> Frame:
     if kind == "req":
         p = np.frombuffer(payload, dtype="<i4")
         return Request(h["rid"], h["origin"], h["dst"], h["max_new"], h["eos"], p,
-                       float(h["temp"]), float(h["top_p"]), h["seed"])
+                       float(h["temp"]), float(h["top_p"]), h["seed"], h.get("spec", True))
     if kind == "tok":
         stats = tuple((a, b) for a, b in h.get("stats", []))
         return Tokens(h["rid"], h["dst"], tuple(h["ids"]), h["done"], h["finish"], h["error"], h["status"], stats)

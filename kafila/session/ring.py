@@ -56,6 +56,7 @@ from kafila.session.scheduler import (
     TokenOut,
     prefill_chunk_tokens,
 )  # fmt: skip
+from kafila.session.speculate import DRAFT_K
 from kafila.session.streams import FrameWriter, StreamClosed, read_frame
 
 log = logging.getLogger(__name__)
@@ -90,6 +91,11 @@ def greedy(shard, hidden: np.ndarray) -> int:
     if hasattr(shard, "greedy"):
         return int(shard.greedy(hidden))
     return int(np.argmax(shard.logits(hidden[-1:])[-1]))
+
+
+def greedy_rows(shard, hidden: np.ndarray) -> list[int]:
+    """The greedy token after every row of hidden [n, H] (a verifying step's predictions)."""
+    return [int(t) for t in np.argmax(shard.logits(hidden), axis=-1)]
 
 
 def sample(shard, hidden: np.ndarray, temperature: float, top_p: float, rng) -> int:
@@ -135,10 +141,12 @@ class RingNode:
     def __init__(self, name: str, head: str, ring: list[str], shard, limits: Limits,
                  eos_ids: frozenset[int] = frozenset(),
                  on_degraded: Callable[[str], None] | None = None,
-                 prefill_chunk: int | None = None) -> None:  # fmt: skip
+                 prefill_chunk: int | None = None, speculate: str = "off",
+                 draft_k: int = DRAFT_K) -> None:  # fmt: skip
         """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
         hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
-        frames over the limit: only tests set it, to exercise the per-request error."""
+        frames over the limit: only tests set it, to exercise the per-request error.
+        `speculate`: "off" or "ngram" (the head's drafter, speculate.py), `draft_k` drafts a trip."""
         self.name = name
         self.head = head
         self.ring = ring
@@ -153,7 +161,10 @@ class RingNode:
         self.on_degraded = on_degraded
         self.measured = Measured()
         chunk = prefill_chunk or prefill_chunk_tokens(limits.hidden, limits.frame_bytes)
-        self.scheduler = Scheduler(limits.slots, limits.context, eos_ids, chunk_tokens=chunk) if self.is_head else None
+        self.speculate = speculate
+        self.scheduler = (Scheduler(limits.slots, limits.context, eos_ids, chunk_tokens=chunk,
+                                    speculate=speculate, draft_k=draft_k)
+                          if self.is_head else None)  # fmt: skip
         self._events: asyncio.Queue = asyncio.Queue()
         self._step_started: dict[str, float] = {}
         self._first_token: dict[str, float] = {}
@@ -209,7 +220,7 @@ class RingNode:
 
     async def submit(self, prompt: list[int], max_new: int, stop_at_eos: bool = True,
                      temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                     ) -> tuple[str, Waiter]:  # fmt: skip
+                     speculate: bool = True) -> tuple[str, Waiter]:  # fmt: skip
         if self.degraded:
             raise SchedulerError(f"the session is degraded: {self.degraded}", 503)
         self._check_ids(prompt)
@@ -218,7 +229,8 @@ class RingNode:
         waiter = self.waiters[rid] = Waiter()
         if self.is_head:
             try:
-                self.scheduler.submit(rid, self.name, prompt, max_new, stop_at_eos)
+                self.scheduler.submit(rid, self.name, prompt, max_new, stop_at_eos,
+                                      speculate and temperature <= 0)
             except SchedulerError:
                 del self.waiters[rid]
                 raise
@@ -228,7 +240,8 @@ class RingNode:
             try:
                 await self._send(Request(rid, self.name, self.head, max_new, stop_at_eos,
                                          np.asarray(prompt, dtype=np.int32), float(temperature),
-                                         float(top_p), -1 if seed is None else int(seed)))  # fmt: skip
+                                         float(top_p), -1 if seed is None else int(seed),
+                                         bool(speculate)))  # fmt: skip
             except EncodeError as exc:
                 del self.waiters[rid]
                 raise SchedulerError(f"this request cannot travel to the head: {exc}", 400) from None
@@ -360,7 +373,8 @@ class RingNode:
                         if self.degraded:
                             raise SchedulerError(f"the session is degraded: {self.degraded}", 503)
                         self._check_ids(req.prompt.tolist())
-                        sched.submit(req.rid, req.origin, req.prompt.tolist(), req.max_new, req.stop_at_eos)
+                        sched.submit(req.rid, req.origin, req.prompt.tolist(), req.max_new, req.stop_at_eos,
+                                     req.speculate and req.temperature <= 0)
                         self._set_sampling(req.rid, req.temperature, req.top_p, req.seed)
                     except SchedulerError as exc:
                         await self._to_origin(Tokens(req.rid, req.origin, (), True, "error", str(exc)[:500], exc.status))
@@ -371,6 +385,8 @@ class RingNode:
                     sampling = self._sampling.get(act.rid)
                     if not sched.wants_token(act.rid):  # a prefill chunk before the prompt's last
                         token = None
+                    elif sched.drafted(act.rid):  # a verifying step: a greedy token per position
+                        token = await self._compute(greedy_rows, self.shard, act.hidden)
                     elif sampling is None:
                         token = await self._compute(greedy, self.shard, act.hidden)
                     else:
@@ -440,8 +456,8 @@ class RingNode:
                 if ev.finish == "cancelled":
                     continue
                 finish = ev.finish
-                frame = Tokens(ev.rid, ev.origin, (), True, finish, ev.error[:500], ev.status,
-                               self.measured.as_pairs())  # fmt: skip
+                stats = self.measured.as_pairs() + (ev.spec.as_pairs() if ev.spec else ())
+                frame = Tokens(ev.rid, ev.origin, (), True, finish, ev.error[:500], ev.status, stats)
                 await self._to_origin(frame)
             elif isinstance(ev, SlotFreed):
                 await self._compute(self.slots.free, ev.slot)

@@ -10,9 +10,14 @@ positions (chunked prefill: every activation frame fits the frame limit and no s
 unbounded batch; see `prefill_chunk_tokens`); only the step with its last position samples a
 token. When a step returns, `complete(rid, token)` records the greedy token and says whether the
 request is over (EOS, max_new or the context). Positions are logical and the mask is physical
-(the OpenVINO paper's mask-based rewind); without speculation nothing is ever masked out, but
-the bookkeeping (cache_len, pos, zeros) travels in every activation so stages stay stateless
-about it.
+(the OpenVINO paper's mask-based rewind); the bookkeeping (cache_len, pos, zeros) travels in
+every activation so stages stay stateless about it.
+
+Speculation (`speculate="ngram"`, see speculate.py): a greedy decode step may carry K draft
+tokens after the last one (K+1 positions); `complete` then takes the K+1 greedy predictions,
+accepts the matching drafts plus one, and adds the rejected drafts' physical positions to the
+request's `zeros`, so every stage masks them out from the next step on. Drafting keeps enough
+physical room that a request never runs out of context earlier than it would without it.
 
 States of a request: QUEUED → ACTIVE (has a slot) ⇄ IN_FLIGHT → DONE; cancel or fail from any.
 No I/O, no clocks: the caller feeds events and carries out the returned actions.
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kafila.session.frames import MAX_FRAME_BYTES
+from kafila.session.speculate import DRAFT_K, MAX_DRAFT_K, SPECULATE_MODES, SpecStats, accept, ngram_draft
 
 F32_BYTES = 4
 # A stage's transient working set while it runs n positions: the residual, its norm, q/k/v/o and
@@ -65,6 +71,7 @@ class Step:
     cache_len: int
     pos0: int
     zeros: tuple[int, ...]
+    drafted: int = 0  # the last `drafted` tokens are drafts to verify (0: a plain step)
 
 
 @dataclass(frozen=True)
@@ -81,6 +88,7 @@ class Finished:
     finish: str  # "stop" | "length" | "error" | "cancelled"
     error: str = ""
     status: int = 0
+    spec: SpecStats | None = None  # the request's speculation counts (None: it did not speculate)
 
 
 @dataclass(frozen=True)
@@ -104,11 +112,23 @@ class _Request:
     generated: list[int] = field(default_factory=list)
     in_flight: int = 0  # positions of the step in flight (0: none)
     cancelled: bool = False
+    speculate: bool = False
+    zeros: list[int] = field(default_factory=list)  # masked-out physical positions
+    draft: tuple[int, ...] = ()  # the drafts of the step in flight
+    spec: SpecStats = field(default_factory=SpecStats)
 
 
 class Scheduler:
     def __init__(self, slots: int, context: int, eos_ids: frozenset[int] = frozenset(),
-                 max_queue: int = 64, chunk_tokens: int = 512) -> None:  # fmt: skip
+                 max_queue: int = 64, chunk_tokens: int = 512, speculate: str = "off",
+                 draft_k: int = DRAFT_K) -> None:  # fmt: skip
+        if speculate not in SPECULATE_MODES:
+            raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {speculate!r}")
+        if not 0 <= draft_k <= MAX_DRAFT_K:
+            raise ValueError(f"draft_k must be in 0..{MAX_DRAFT_K}")
+        self.speculate = speculate
+        self.draft_k = draft_k
+        self.spec = SpecStats()  # every finished request's counts
         if slots < 1 or context < 2:
             raise ValueError("a scheduler needs at least one slot and a context of two positions")
         if chunk_tokens < 1:
@@ -125,7 +145,8 @@ class Scheduler:
     # --- inputs ------------------------------------------------------------------------------
 
     def submit(self, rid: str, origin: str, prompt: list[int] | tuple[int, ...], max_new: int,
-               stop_at_eos: bool = True) -> None:  # fmt: skip
+               stop_at_eos: bool = True, speculate: bool = True) -> None:  # fmt: skip
+        """`speculate`: whether this request may speculate (when the session does; greedy only)."""
         if rid in self._requests:
             raise SchedulerError(f"request id {rid} is already in use")
         if not prompt:
@@ -140,7 +161,8 @@ class Scheduler:
         if len(self._queue) >= self.max_queue:
             raise SchedulerError(f"{len(self._queue)} requests are already waiting: try again later", 503)
         max_new = min(max_new, self.context - len(prompt))
-        self._requests[rid] = _Request(rid, origin, tuple(int(t) for t in prompt), max_new, stop_at_eos)
+        self._requests[rid] = _Request(rid, origin, tuple(int(t) for t in prompt), max_new, stop_at_eos,
+                                       speculate=bool(speculate) and self.speculate != "off" and self.draft_k > 0)
         self._queue.append(rid)
 
     def steps(self) -> list[Step]:
@@ -156,10 +178,31 @@ class Scheduler:
             if done < len(req.prompt):  # prefill, one chunk at a time
                 feed = req.prompt[done : done + self.chunk_tokens]
             else:
-                feed = (req.generated[-1],)
+                req.draft = self._draft(req)
+                feed = (req.generated[-1], *req.draft)
             req.in_flight = len(feed)
-            out.append(Step(req.rid, req.slot, np.array(feed, dtype=np.int64), req.cache_len, req.pos, ()))
+            out.append(Step(req.rid, req.slot, np.array(feed, dtype=np.int64), req.cache_len, req.pos,
+                            tuple(req.zeros), len(req.draft)))  # fmt: skip
         return out
+
+    def _draft(self, req: _Request) -> tuple[int, ...]:
+        """The drafts of `req`'s next decode step. K is bounded by the tokens still wanted and by
+        the physical room: room − K − 1 ≥ tokens still wanted keeps the invariant room ≥ wanted
+        (a step of K drafts uses K+1 positions and yields at least one token), so speculation
+        never ends a request earlier than plain decoding would."""
+        if not req.speculate:
+            return ()
+        wanted = req.max_new - len(req.generated)
+        room = self.context - req.cache_len
+        k = min(self.draft_k, wanted - 1, room - wanted - 1)
+        if k < 1:
+            return ()
+        return ngram_draft(req.prompt + tuple(req.generated), k)
+
+    def drafted(self, rid: str) -> int:
+        """Draft tokens in `rid`'s step in flight: the head then needs a greedy token per row."""
+        req = self._requests.get(rid)
+        return 0 if req is None or not req.in_flight else len(req.draft)
 
     def wants_token(self, rid: str) -> bool:
         """Whether the step of `rid` in flight ends with a sampled token (not a prefill chunk
@@ -167,28 +210,44 @@ class Scheduler:
         req = self._requests.get(rid)
         return req is not None and req.in_flight > 0 and req.cache_len + req.in_flight >= len(req.prompt)
 
-    def complete(self, rid: str, token: int | None) -> list[Event]:
+    def complete(self, rid: str, token) -> list[Event]:
         """A step of `rid` came back round the ring and the head sampled `token` (None, and
-        ignored, for a prefill chunk before the last)."""
+        ignored, for a prefill chunk before the last). For a step with drafts, `token` is the
+        sequence of greedy tokens after each of its positions (drafted + 1 of them)."""
         req = self._requests.get(rid)
         if req is None or not req.in_flight:
             return []  # a request already failed or cancelled: ignore its late step
         fed = req.in_flight
+        draft, req.draft = req.draft, ()
         req.in_flight = 0
+        if draft:
+            if token is None or np.ndim(token) != 1:
+                raise ValueError(f"request {rid}'s step with {len(draft)} drafts needs {len(draft) + 1} tokens")
+            tokens = accept(draft, token)
+            kept = len(tokens)  # positions that stay live: the last token and the accepted drafts
+            req.zeros.extend(range(req.cache_len + kept, req.cache_len + fed))
+            req.spec.add(len(draft), kept)
+        else:
+            kept = fed
+            tokens = None if token is None else (int(token),)
+            if req.speculate and req.cache_len >= len(req.prompt):
+                req.spec.add(0, 1)
         req.cache_len += fed
-        req.pos += fed
+        req.pos += kept
         if req.cancelled:
             return self._finish(req, "cancelled")
         if req.cache_len < len(req.prompt):
             return []  # more of the prompt to feed
-        if token is None:
+        if tokens is None:
             raise ValueError(f"the step that ends request {rid}'s prompt needs a token")
-        if req.stop_at_eos and token in self.eos_ids:
-            return self._finish(req, "stop")
-        req.generated.append(int(token))
-        events: list[Event] = [TokenOut(rid, req.origin, int(token))]
-        if len(req.generated) >= req.max_new or req.cache_len >= self.context:
-            events += self._finish(req, "length")
+        events: list[Event] = []
+        for t in tokens:
+            if req.stop_at_eos and t in self.eos_ids:
+                return events + self._finish(req, "stop")
+            req.generated.append(t)
+            events.append(TokenOut(rid, req.origin, t))
+            if len(req.generated) >= req.max_new or req.cache_len >= self.context:
+                return events + self._finish(req, "length")
         return events
 
     def cancel(self, rid: str) -> list[Event]:
@@ -218,7 +277,10 @@ class Scheduler:
 
     def _finish(self, req: _Request, finish: str, error: str = "", status: int = 0) -> list[Event]:
         del self._requests[req.rid]
-        events: list[Event] = [Finished(req.rid, req.origin, finish, error, status)]
+        spec = req.spec if req.speculate else None
+        if spec is not None:
+            self.spec.merge(spec)
+        events: list[Event] = [Finished(req.rid, req.origin, finish, error, status, spec)]
         if req.slot is None:
             self._queue.remove(req.rid)
         else:
