@@ -93,6 +93,9 @@ def write_llama_gguf(
         elif kind in ("Q4_K", "Q5_K", "Q6_K"):  # the gguf package cannot quantize these
             t = getattr(gguf.GGMLQuantizationType, kind)
             w.add_tensor(name, quantize_k(data, kind), raw_dtype=t)
+        elif kind == "IQ4_NL":  # a type Kafila does not serve; its block is laid out as Q4_0's
+            w.add_tensor(name, quants.quantize(data, gguf.GGMLQuantizationType.Q4_0),
+                         raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
         else:
             t = getattr(gguf.GGMLQuantizationType, kind)
             w.add_tensor(name, quants.quantize(data, t), raw_dtype=t)

@@ -88,7 +88,7 @@ def test_synthetic_model(synthetic_model, synthetic_index):
     "make, needle",
     [
         (lambda p: write_llama_gguf(p / "gemma.gguf", arch="gemma"), "unsupported architecture 'gemma'"),
-        (lambda p: write_llama_gguf(p / "q5.gguf", odd_tensor=("blk.0.attn_k.weight", "Q5_0")), "Q5_0"),
+        (lambda p: write_llama_gguf(p / "q5.gguf", odd_tensor=("blk.0.attn_k.weight", "IQ4_NL")), "IQ4_NL"),
         (lambda p: write_vocab_only(p / "vocab.gguf"), "lacks"),
     ],
     ids=["arch", "quant-type", "vocab-only"],

@@ -96,11 +96,12 @@ def test_k_rows_must_be_whole_super_blocks(tmp_path):
 
 
 def test_unsupported_type_is_refused_with_the_supported_list(tmp_path):
-    path = write_llama_gguf(tmp_path / "m.gguf", blocks=1, **SMALL, odd_tensor=("blk.0.ffn_up.weight", "Q5_1"))
+    path = write_llama_gguf(tmp_path / "m.gguf", blocks=1, **SMALL, odd_tensor=("blk.0.ffn_up.weight", "IQ4_NL"))
     with pytest.raises(BadInput) as exc:
         open_model(path)
     msg = str(exc.value)
-    assert "\n" not in msg and "Q5_1" in msg and all(t in msg for t in ("Q4_K", "Q5_K", "Q6_K", "BF16"))
+    assert "\n" not in msg and "IQ4_NL" in msg
+    assert all(t in msg for t in ("Q4_K", "Q5_K", "Q6_K", "BF16", "Q5_0", "Q5_1"))
 
 
 # --- OpenVINO -------------------------------------------------------------------------------

@@ -6,6 +6,8 @@ uint32 `weight` of packed codes, `scales`, `biases`), exactly:
   type   codes            bits  scale      bias        note
   Q4_0   q                4     d (f16)    −8d         as mx.load gives them
   Q4_1   q                4     d (f16)    m
+  Q5_0   q (0..31)        5     d (f16)    −16d
+  Q5_1   q (0..31)        5     d (f16)    m
   Q8_0   q + 128          8     d (f16)    −128d
   Q4_K   q                4     d·sc (f32) −dmin·m     f32: d·sc and dmin·m are not f16 values
   Q5_K   q (0..31)        5     d·sc (f32) −dmin·m
@@ -90,6 +92,8 @@ def affine(b: QuantBlocks, f32: bool) -> tuple[np.ndarray, np.ndarray, np.ndarra
     """(codes uint8 [rows, in'], scales, biases [rows, in'/32], bits, padded) with
     w = scale·code + bias exactly (see the module docstring)."""
     s = b.scale
+    if f32:  # before the products below: −16d of a large f16 d is not an f16 value
+        s = s.astype(np.float32)
     if b.qtype == "Q6_K":  # codes q − 32 → q; groups of 16 padded to 32
         rows, groups, _ = b.q.shape
         codes = np.zeros((rows, groups, GROUP_SIZE), np.uint8)
@@ -98,9 +102,9 @@ def affine(b: QuantBlocks, f32: bool) -> tuple[np.ndarray, np.ndarray, np.ndarra
         return codes.reshape(rows, -1), s32, -32 * s32, 6, True
     if b.qtype == "Q8_0":
         codes, bias = (b.q.astype(np.int16) + 128).astype(np.uint8), -128 * s
-    elif b.qtype == "Q4_0":
-        codes, bias = b.q, -8 * s
-    else:  # Q4_1, Q4_K, Q5_K: w = scale·q + offset
+    elif b.qtype in ("Q4_0", "Q5_0"):
+        codes, bias = b.q, -(8 if b.qtype == "Q4_0" else 16) * s
+    else:  # Q4_1, Q5_1, Q4_K, Q5_K: w = scale·q + offset
         codes, bias = b.q, b.offset
     if f32 or s.dtype == np.float32:
         s, bias = s.astype(np.float32), bias.astype(np.float32)
@@ -136,7 +140,7 @@ def load_shard_weights(
 ) -> ShardWeights:
     """The tensors of blocks [first, last), plus embedding / final norm / lm_head when asked.
 
-    f32: the f16 scales and biases (Q4_0/Q4_1/Q8_0) converted to float32 (exact), so everything
+    f32: the f16 scales and biases (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0) converted to float32 (exact), so everything
     computes in f32; K-quant scales are f32 either way.
     """
     index = index if index is not None else open_model(path)

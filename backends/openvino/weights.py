@@ -12,12 +12,14 @@ FullyConnected (checked in tests/test_openvino_fusion.py and tests/test_kquants.
   Q8_0   i8 q                    32     f16 d (→ Convert)    —                 i8
   Q4_0   i4 q − 8                32     f16 d (→ Convert)    —                 i4
   Q4_1   u4 q                    32     f32 d                −m/d              u4
+  Q5_0   i8 q − 16               32     f16 d (→ Convert)    —                 i8
+  Q5_1   u8 q (0..31)            32     f32 d                −m/d              u8
   Q4_K   u4 q                    32     f32 d·sc             dmin·m/(d·sc)     u4
   Q5_K   u8 q (0..31)            32     f32 d·sc             dmin·m/(d·sc)     u8
   Q6_K   i8 q − 32               16     f32 d·sc             —                 i8
 
 Scales are exact (f16 d, or f16 × a 6/8-bit integer in f32); the f32 zero point makes
-(q − z)·s equal d·q + m (Q4_1) or (d·sc)·q − dmin·m (K) to f32 rounding (openvino_genai's u4 zero
+(q − z)·s equal d·q + m (Q4_1, Q5_1) or (d·sc)·q − dmin·m (K) to f32 rounding (openvino_genai's u4 zero
 point round(−m/d) is lossy). A group whose scale is 0 holds one value, its offset, for every
 weight: it is stored as codes 1, zero point 0 and scale = offset, exact again, so no type needs
 a fallback. f32 scales: an f16 scale behind a Convert gets folded into an extra f32 copy of
@@ -47,7 +49,7 @@ from kafila.models import ModelIndex
 from kafila.models.quant import FLOAT_TYPES, QuantBlocks
 
 F32 = ov.Type.f32
-ZERO_POINT_TYPES = ("Q4_1", "Q4_K", "Q5_K")  # w = (q − z)·s with an f32 zero point
+ZERO_POINT_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = (q − z)·s with an f32 zero point
 
 
 def pack_u4(q: np.ndarray) -> np.ndarray:
@@ -113,8 +115,8 @@ class Packed:
     """A quantized matrix's constants: w = (Convert(q) − zero)·Convert(scale), [rows, groups, group]."""
 
     q: ov.Node  # codes [rows, groups, group]: i8 | i4 | u4 | u8
-    scale: ov.Node  # [rows, groups, 1] f32, or f16 (Q8_0, Q4_0)
-    zero: ov.Node | None  # [rows, groups, 1] f32 (Q4_1, Q4_K, Q5_K)
+    scale: ov.Node  # [rows, groups, 1] f32, or f16 (Q8_0, Q4_0, Q5_0)
+    zero: ov.Node | None  # [rows, groups, 1] f32 (Q4_1, Q5_1, Q4_K, Q5_K)
     rows: int
     cols: int
 
@@ -236,16 +238,18 @@ class WeightBank:
         rows, groups, group = b.q.shape
         if b.qtype in ZERO_POINT_TYPES:
             codes, scale, zero = _zero_point_form(b)
-            if b.qtype == "Q5_K":
+            if b.bits == 5:  # Q5_1, Q5_K
                 q = self._const(codes)  # u8 [rows, groups, 32] in 0..31
             else:
                 q = self._const(pack_u4(codes), ov.Type.u4, b.q.shape)  # u4 [rows, groups, 32]
             return Packed(q, self._const(scale[..., None]), self._const(zero[..., None]), rows, groups * group)
         if b.qtype == "Q4_0":  # q − 8 as i4 (two's complement nibble = q xor 8)
             q = self._const(pack_u4(b.q ^ np.uint8(8)), ov.Type.i4, b.q.shape)
+        elif b.qtype == "Q5_0":  # q − 16 as i8 [rows, groups, 32] in −16..15
+            q = self._const((b.q.astype(np.int16) - 16).astype(np.int8))
         else:  # Q8_0, Q6_K (stored as q − 32): i8 [rows, groups, 32 | 16]
             q = self._const(b.q.astype(np.int8))
-        scale_type = np.float32 if b.qtype == "Q6_K" else np.float16  # Q8_0/Q4_0: the file's f16 d
+        scale_type = np.float32 if b.qtype == "Q6_K" else np.float16  # Q8_0/Q4_0/Q5_0: the file's f16 d
         return Packed(q, self._const(b.scale.astype(scale_type)[..., None]), None, rows, groups * group)
 
 
