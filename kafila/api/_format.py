@@ -31,6 +31,14 @@ def timings(stats: GenerationStats) -> dict:
     return {"ttft_ms": stats.ttft_ms, "tok_s": stats.tok_s}
 
 
+def _usage_of(prompt_tokens: int, new_tokens: int, stats: GenerationStats) -> dict:
+    """usage, with Kafila's `speculation` counts when the request speculated on a ring."""
+    body = usage(prompt_tokens, new_tokens)
+    if "speculation" in stats.extra:
+        body["speculation"] = stats.extra["speculation"]
+    return body
+
+
 def model_card(names: ModelNames) -> dict:
     """The served model as OpenAI lists it, with the other names it answers to (`aliases`)."""
     return {"id": names.id, "object": "model", "created": 0, "owned_by": "kafila",
@@ -64,7 +72,7 @@ class Shapes:
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
             body = self._envelope("text_completion", [choice])
-        body["usage"] = usage(prompt_tokens, new_tokens)
+        body["usage"] = _usage_of(prompt_tokens, new_tokens, stats)
         body["kafila"] = timings(stats)
         return body
 
@@ -80,7 +88,7 @@ class Shapes:
 
     def usage_chunk(self, prompt_tokens: int, new_tokens: int, stats: GenerationStats) -> dict:
         body = self._envelope("chat.completion.chunk" if self.chat else "text_completion", [])
-        body["usage"] = usage(prompt_tokens, new_tokens)
+        body["usage"] = _usage_of(prompt_tokens, new_tokens, stats)
         body["kafila"] = timings(stats)
         return body
 

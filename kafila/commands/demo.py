@@ -26,6 +26,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="every member delays each datagram it sends by L ms (a WAN)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--speculate", choices=("off", "ngram"), default="off",
+                   help="the session's speculative decoding (kafila host --speculate)")
     p.add_argument("--ask", default=None, metavar="NAME", help="the member the prompt is typed at (default: the last)")
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "kafila", "demo"),
                    help="members' weight caches (NAME/ below it; a rerun fetches only what changed)")
@@ -59,7 +61,8 @@ def run(args: argparse.Namespace) -> int:
     throttle = dict(parse_throttle(t) for t in args.throttle)
     console = Console(stderr=True)
     session = LocalSession(members=args.members, model=args.model, backend=args.backend,
-                           policy=args.policy, latency_ms=args.latency_ms, throttle=throttle,
+                           policy=args.policy, latency_ms=args.latency_ms, speculate=args.speculate,
+                           throttle=throttle,
                            cache_root=args.cache_dir, debug=args.debug)  # fmt: skip
     ask = args.ask or session.names[-1]
     if ask not in session.names:
@@ -95,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
             signal.signal(signal.SIGINT, old_int)
             signal.signal(signal.SIGTERM, old)
     result = {"text": answer["text"], "tokens": answer["tokens"], "tok_s": _r(answer["tok_s"]),
-              "ttft_ms": _r(answer["ttft_ms"]), "plan": plan, "memory": memory}  # fmt: skip
+              "ttft_ms": _r(answer["ttft_ms"]), "plan": plan, "memory": memory,
+              "speculation": answer.get("speculation")}  # fmt: skip
     if args.json:
         print(json.dumps(result))
     else:

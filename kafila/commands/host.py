@@ -19,6 +19,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="session size, the host included; plan as soon as N are in")
     p.add_argument("--context", type=int, default=2048, help="positions per request, prompt and answer (default 2048)")
     p.add_argument("--concurrency", type=int, default=4, help="requests served at once (default 4)")
+    p.add_argument("--speculate", choices=("off", "ngram"), default="off",
+                   help="speculative decoding: off, or ngram (drafts looked up in the request's own "
+                        "prompt and output, verified in one trip round the ring; greedy only)")
     p.add_argument("--policy", choices=("kafila", "uniform", "memory"), default="kafila",
                    help="how blocks are divided (default kafila: the planner)")
     p.add_argument("--code-file", metavar="F", help="also write the code to F, mode 0600 (for scripts: "
@@ -46,7 +49,7 @@ def run(args: argparse.Namespace) -> int:
     check_backend(args.backend)
     cfg = common_config(args, host=True)
     cfg = replace(cfg, model_path=resolve_model(args.model), expect=args.expect, context=args.context,
-                  concurrency=args.concurrency, policy=args.policy, code_file=args.code_file, code_words=args.words,
+                  concurrency=args.concurrency, speculate=args.speculate, policy=args.policy, code_file=args.code_file, code_words=args.words,
                   embedded_listen=parse_host_port(args.listen))  # fmt: skip
     open_model(cfg.model_path)  # a missing or bad model: one line, exit 2, before anything starts
     if args.expect == 0 and not stdin_is_terminal():

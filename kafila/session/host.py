@@ -192,6 +192,7 @@ class HostParticipant(Participant):
                         await self.net.send(n, {"t": "refused", "reason": reason})
             raise Refused(reason)
         session = {"context": cfg.context, "concurrency": cfg.concurrency, "precision": cfg.precision,
+                   "speculate": cfg.speculate,
                    "model": index.name, "sha256": self.digests.sha256}  # fmt: skip
         for n in plan["ring"]:
             if n == cfg.name:

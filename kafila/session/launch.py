@@ -84,6 +84,7 @@ class LocalSession:
     context: int = 2048
     concurrency: int = 4
     latency_ms: float = 0.0
+    speculate: str = "off"  # the head's drafter: "off" | "ngram" (kafila host --speculate)
     throttle: dict[str, float] = field(default_factory=dict)
     cache_root: str = ""  # per-member weight caches live in cache_root/<name>
     log_dir: str = ""
@@ -161,6 +162,7 @@ class LocalSession:
                 "host", "--model", self.model, "--expect", str(len(self.names)),
                 "--listen", f"127.0.0.1:{self.rendezvous_port}", "--policy", self.policy,
                 "--context", str(self.context), "--concurrency", str(self.concurrency),
+                "--speculate", self.speculate,
             ], ports[1])  # fmt: skip
             self.code = self._wait(host, "code", deadline)["code"]
             for name, port in zip(self.names[1:], ports[2:]):
@@ -257,6 +259,7 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
             message = data[:300]
         raise Refused(f"the session answered HTTP {resp.status}: {message}")
     text, first, last, tokens, finish = [], None, None, None, None
+    speculation = None
     for line in resp:
         line = line.strip()
         if not line.startswith(b"data:"):
@@ -269,6 +272,7 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
             raise Refused(f"the session failed mid-answer: {chunk['error'].get('message')}")
         if chunk.get("usage"):
             tokens = chunk["usage"].get("completion_tokens")
+            speculation = chunk["usage"].get("speculation")
         for choice in chunk.get("choices") or []:
             piece = (choice.get("delta") or {}).get("content") if not raw else choice.get("text")
             if piece:
@@ -282,7 +286,8 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
     tok_s = None
     if tokens and tokens > 1 and first is not None and last > first:
         tok_s = (tokens - 1) / (last - first)
-    return {"text": "".join(text), "tokens": tokens, "ttft_ms": ttft, "tok_s": tok_s, "finish_reason": finish}
+    return {"text": "".join(text), "tokens": tokens, "ttft_ms": ttft, "tok_s": tok_s, "finish_reason": finish,
+            "speculation": speculation}
 
 
 def _get(conn, path: str) -> bytes:

@@ -61,6 +61,7 @@ class SessionConfig:
     expect: int = 0  # session size, host included (0: plan on Enter)
     context: int = 2048
     concurrency: int = 4
+    speculate: str = "off"  # the head's drafter (speculate.SPECULATE_MODES), sent in the session
     policy: str = "kafila"
     code_file: str | None = None
     code_words: int = 3  # words in the session code (4 for a long-lived session)
@@ -443,7 +444,8 @@ class Participant:
                         vocab=self.index.hparams.vocab)  # fmt: skip
         self.node = RingNode(me, role.head, role.ring, self.shard, limits,
                              eos_ids=frozenset(self.tokenizer.eos_ids),
-                             on_degraded=self._ring_broke)  # fmt: skip
+                             on_degraded=self._ring_broke,
+                             speculate=_speculate_mode(self.state.session.get("speculate")))  # fmt: skip
         if len(role.ring) == 1:
             self.node.start()
             return
@@ -540,6 +542,9 @@ class Participant:
             "requests": None if node is None or node.scheduler is None else {
                 "active": node.scheduler.active, "queued": node.scheduler.queued,
                 "free_slots": node.scheduler.free_slots},
+            # the head's finished requests together: drafted, accepted, acceptance, tokens a trip
+            "speculation": None if node is None or node.scheduler is None else {
+                "mode": node.scheduler.speculate, **node.scheduler.spec.as_dict()},
         }  # fmt: skip
 
     def _memory(self) -> dict:
@@ -583,3 +588,10 @@ def stdin_is_terminal() -> bool:
 
 
 __all__ = ["BadInput", "Participant", "SessionConfig", "role_of"]
+
+
+def _speculate_mode(value) -> str:
+    """The session's drafter as the host sent it; anything unknown (an older host) is "off"."""
+    from kafila.session.speculate import SPECULATE_MODES
+
+    return value if isinstance(value, str) and value in SPECULATE_MODES else "off"
