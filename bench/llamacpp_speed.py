@@ -16,9 +16,10 @@ The files (`--file`, default `smollm2,aligned`), each built once into ~/.cache/k
 llama.cpp's own quantizer: `smollm2` requantizes the default model (smollm2-135m, Q4_1) to Q4_K_M
 (allow_requantize: dequantize, then quantize). SmolLM2-135M's rows are 576 wide, not a multiple of
 the K-quants' 256, so llama.cpp falls back to Q5_0 / Q8_0 for those tensors (only ffn_down, 1536
-wide, gets K-quants). `aligned` is a random-weight Llama with every row a multiple of 256 (hidden
-768, FFN 2048, 30 blocks, SmolLM2's tokenizer), written as F16 and quantized to Q4_K_M: all
-matrices Q4_K / Q6_K, what a Q4_K_M of a larger model is. Or give any GGUF path.
+wide, gets K-quants; Kafila serves Q5_0 / Q8_0 exactly, as it does the K-quants). `aligned` is a
+random-weight Llama with every row a multiple of 256 (hidden 768, FFN 2048, 30 blocks, SmolLM2's
+tokenizer), written as F16 and quantized to Q4_K_M: all matrices Q4_K / Q6_K, what a Q4_K_M of a
+larger model is. Or give any GGUF path.
 The Kafila rows run only when `kafila inspect` says Kafila serves the file; otherwise the
 llama.cpp row is measured alone and the reason is printed.
 

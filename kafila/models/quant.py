@@ -21,9 +21,10 @@ integer, exact in f32, and scale·q is exact in f32 too, so f32 computes w with 
 Nibble order (Q4_0/Q4_1/Q5_0/Q5_1): element j of a block is the low nibble of byte j, element
 j+16 the high nibble; Q5_0/Q5_1's 5th bit of element j is bit j of qh read as a little-endian
 uint32 (bit j mod 8 of qh byte j div 8), as ggml's dequantize_row_q5_0/q5_1. d·q is exact in f32
-for every 32-weight type (an f16 times an integer below 2^8), so Q4_1/Q5_1 round once (+ m). Q4_K/Q5_K: sub-block pair (2i, 2i+1) is the low / high nibbles of bytes 32i..32i+31;
-Q5_K's 5th bit of element l of sub-block j is bit j of qh[l]. Q6_K: in each 128-weight half,
-element 32k + l takes ql[l + 32·(k mod 2)]'s nibble k div 2 and bits 2k..2k+1 of qh[l].
+for every 32-weight type (an f16 times an integer below 2^8), so Q4_1/Q5_1 round once (+ m).
+Q4_K/Q5_K: sub-block pair (2i, 2i+1) is the low / high nibbles of bytes 32i..32i+31; Q5_K's 5th
+bit of element l of sub-block j is bit j of qh[l]. Q6_K: in each 128-weight half, element 32k + l
+takes ql[l + 32·(k mod 2)]'s nibble k div 2 and bits 2k..2k+1 of qh[l].
 """
 
 from __future__ import annotations
