@@ -72,3 +72,35 @@ def greedy_tokens(
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), None)
+
+
+def assert_stages_match_reference(index, ids, ranges, *, reference_index=None) -> None:
+    """MLX at f32 against the float64 reference, range by range ((first, last, embed), …): hidden
+    states within 1e-5 relative (+1e-4), logits within 1e-3 and the same argmax. Each range is fed
+    the reference's own output of the previous one, so an error shows where it arises."""
+    ids = np.asarray(ids, dtype=np.int64)
+    n = len(ids)
+    pos, mask = np.arange(n), np.ones(n, dtype=np.int64)
+    x = ids
+    for first, last, embed in ranges:
+        spec = ShardSpec(index.path, first, last, embed, head=True)
+        ref = load_shard("reference", spec, index=reference_index)
+        mine = load_shard("mlx", spec, precision="f32", index=index)
+        want = ref.forward(ref.open_slot(), x, pos, mask)
+        got = mine.forward(mine.open_slot(), x, pos, mask)
+        err, scale = np.abs(got - want).max(), np.abs(want).max()
+        assert err <= 1e-5 * scale + 1e-4, (first, last, err, scale)
+        want_logits, got_logits = ref.logits(want), mine.logits(want.astype(np.float32))
+        assert np.abs(got_logits - want_logits).max() <= 1e-3
+        assert (got_logits.argmax(-1) == want_logits.argmax(-1)).all()
+        x = want.astype(np.float32)
+
+
+def assert_embedding_rows_exact(index, step: int = 7) -> None:
+    """Every `step`-th embedding row as MLX dequantizes it equals the GGUF's exact values."""
+    import mlx.core as mx
+
+    rows = np.arange(0, index.hparams.vocab, step)
+    head = load_shard("mlx", ShardSpec(index.path, 0, 0, True, True), precision="f32", index=index)
+    got = np.array(head.weights.embedding.rows(mx.array(rows)))
+    assert np.array_equal(got, index.dequantize("token_embd.weight", np.float32)[rows])

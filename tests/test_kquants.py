@@ -21,6 +21,7 @@ from kafila.errors import BadInput
 from kafila.models import open_model
 from kafila.models.quant import BLOCK_BYTES, split_blocks
 from tests.kquant_encode import encode_k
+from tests.mlx_chain import assert_embedding_rows_exact, assert_stages_match_reference
 from tests.synthetic_gguf import write_llama_gguf
 
 K_TYPES = ("Q4_K", "Q5_K", "Q6_K")
@@ -178,26 +179,6 @@ def test_zero_scale_groups_stay_exact():
 @pytest.mark.parametrize("name", list(MODELS))
 def test_mlx_matches_the_reference(tmp_path, name):
     """Same bound as tests/test_mlx_shard.py; the weights are exact (dequantized rows bit-equal)."""
-    import mlx.core as mx
-
     index = open_model(write_llama_gguf(tmp_path / "m.gguf", **MODELS[name]))
-    ids = np.array([5, 60, 200, 7, 258, 33])
-    n = len(ids)
-    pos, mask = np.arange(n), np.ones(n, np.int64)
-    x = ids
-    for first, last, embed in ((0, 1, True), (1, 4, False)):
-        spec = ShardSpec(index.path, first, last, embed, head=True)
-        ref = load_shard("reference", spec, index=index)
-        mine = load_shard("mlx", spec, precision="f32", index=index)
-        want = ref.forward(ref.open_slot(), x, pos, mask)
-        got = mine.forward(mine.open_slot(), x, pos, mask)
-        err, scale = np.abs(got - want).max(), np.abs(want).max()
-        assert err <= 1e-5 * scale + 1e-4, (first, last, err, scale)
-        want_logits, got_logits = ref.logits(want), mine.logits(want.astype(np.float32))
-        assert np.abs(got_logits - want_logits).max() <= 1e-3
-        assert (got_logits.argmax(-1) == want_logits.argmax(-1)).all()
-        x = want.astype(np.float32)
-    rows = np.arange(0, index.hparams.vocab, 7)
-    head = load_shard("mlx", ShardSpec(index.path, 0, 0, True, True), precision="f32", index=index)
-    got = np.array(head.weights.embedding.rows(mx.array(rows)))
-    assert np.array_equal(got, index.dequantize("token_embd.weight", np.float32)[rows])
+    assert_stages_match_reference(index, [5, 60, 200, 7, 258, 33], ((0, 1, True), (1, 4, False)), reference_index=index)
+    assert_embedding_rows_exact(index)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from backends import ShardSpec, load_shard, status
-from tests.mlx_chain import build_chain, greedy_tokens, needs_mlx
+from tests.mlx_chain import assert_stages_match_reference, build_chain, greedy_tokens, needs_mlx
 
 pytestmark = pytest.mark.model
 
@@ -68,22 +68,7 @@ def test_mlx_dequantization_is_exact_for_q4_1_and_q8_0(default_index, head4):
 
 @needs_mlx
 def test_hidden_states_and_logits_match_the_float64_reference(default_index, prompt_ids):
-    ids = np.asarray(prompt_ids[0], dtype=np.int64)
-    n = len(ids)
-    pos, mask = np.arange(n), np.ones(n, dtype=np.int64)
-    x = ids
-    for first, last, embed in ((0, 3, True), (27, 30, False)):
-        spec = ShardSpec(default_index.path, first, last, embed, head=True)
-        ref = load_shard("reference", spec)
-        mine = load_shard("mlx", spec, precision="f32", index=default_index)
-        want = ref.forward(ref.open_slot(), x, pos, mask)
-        got = mine.forward(mine.open_slot(), x, pos, mask)
-        err, scale = np.abs(got - want).max(), np.abs(want).max()
-        assert err <= 1e-5 * scale + 1e-4, (first, last, err, scale)
-        want_logits, got_logits = ref.logits(want), mine.logits(want.astype(np.float32))
-        assert np.abs(got_logits - want_logits).max() <= 1e-3
-        assert (got_logits.argmax(-1) == want_logits.argmax(-1)).all()
-        x = want.astype(np.float32)  # the next range gets the reference's own hidden states
+    assert_stages_match_reference(default_index, prompt_ids[0], ((0, 3, True), (27, 30, False)))
 
 
 @needs_mlx

@@ -27,5 +27,6 @@ def models(args) -> int:
         mark = "*" if r["default"] else " "
         where = r["path"] if r["installed"] else f"not installed: {r['install']}"
         print(f"{mark} {r['alias']:<16} {r['description']}\n    {where}")
-    print("--model also takes a path to any GGUF file (llama/qwen2; F32, F16, Q8_0, Q4_0, Q4_1).")
+    print("--model also takes a path to any GGUF file: llama, qwen2 or qwen3 in F32, F16, BF16, Q8_0, "
+          "Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K (`kafila inspect FILE` says whether it is served).")
     return 0
