@@ -172,7 +172,7 @@ def test_rendezvous_survives_abuse_while_a_session_forms_and_relays(lab, rendezv
             ],
         )
         bogus_result = bogus.read_json(120)
-        time.sleep(1.0)  # the host closes the nameplate after the first failed PAKE
+        time.sleep(1.0)  # the host has dropped the junk-PAKE ids by now
         late = lab.spawn(attacker, [*bogus.argv[4:-1], "1"]).read_json(120)
         second = session.exchange(pair, 2 * 1000 * 1000)
         [(ea, eb)] = session.wait_direct(pair, 0.1)
@@ -189,7 +189,11 @@ def test_rendezvous_survives_abuse_while_a_session_forms_and_relays(lab, rendezv
     assert abused["answers"].get("error:unknown-nameplate", 0) >= 400, abused
     assert abused["answers"].get("Joined", 0) <= 500, abused
     assert bogus_result["joins_sent"] == 20, bogus_result
-    assert late["answers"] == {"error:unknown-nameplate": 1}, late
+    # Junk that is not a PAKE message drops its sender and closes nothing (issue 15: one junk
+    # body used to close the nameplate, locking the real members out): a later join still reaches
+    # the session — admitted as pending, or asked to come back while the pending quota is full.
+    assert sum(late["answers"].values()) == 1, late
+    assert set(late["answers"]) <= {"Joined", "error:busy"}, late
     # The rendezvous still classifies a newcomer correctly.
     check = lab.spawn(
         lab.add_member(nat.ORDINARY_APDF),

@@ -283,7 +283,9 @@ class Registry:
         if len(session.members) >= MAX_MEMBERS_PER_SESSION:
             return self._refuse(state.conn, "full", "the session is full", fatal=True)
         if len(session.pending) >= MAX_PENDING_PER_SESSION:
-            return self._refuse(state.conn, "full", "too many joins at once; try again in a minute",
+            # "busy", not "full": transient (the host admits pending ids within seconds), and
+            # a joiner's Member.join retries it by itself
+            return self._refuse(state.conn, "busy", "too many joins at once; try again in a moment",
                                 fatal=True)
         rid = session.next_rid
         session.next_rid += 1

@@ -137,7 +137,7 @@ def test_pending_ids_cannot_hold_every_slot() -> None:
     pending = [rig.join() for _ in range(MAX_PENDING_PER_SESSION)]
     assert all(rid is not None for _, rid in pending)
     conn, rid = rig.join()
-    assert rid is None  # a fifth pending id is refused ("full")...
+    assert rid is None  # a fifth pending id is refused ("busy": the joiner retries)...
     rig.now += PENDING_TIMEOUT_S + 1  # ...and the squatters expire
     for c in [HOST, *(c for c, _ in pending)]:  # everyone heartbeats: only admission expires
         rig.recv(c, m.Heartbeat())

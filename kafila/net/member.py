@@ -11,6 +11,7 @@ import collections
 import contextlib
 import logging
 import os
+import random
 import socket
 from typing import Any
 
@@ -46,6 +47,8 @@ log = logging.getLogger("kafila.net")
 Address = tuple[str, int]
 HEARTBEAT_S = 1.0  # well under rendezvous.limits.MEMBER_SILENT_S (15 s): seconds of jitter are normal
 SIGNAL_TIMEOUT_S = 10.0  # a reply the rendezvous or host owes us
+JOIN_BUSY_RETRY_S = 1.0  # mean pause before asking a busy rendezvous again (randomised ±50 %)
+JOIN_BUSY_WAIT_S = 60.0  # how long a joiner keeps asking
 EDGE_ALLOCATE_TIMEOUT_S = 5.0
 RELAY_BIND_RETRY_S = 0.2
 RELAY_BIND_REFRESH_S = 20.0
@@ -75,6 +78,18 @@ def _local_candidates(bind_host: str, port: int, toward: Address) -> list[Addres
     return [(h, port) for h in hosts]
 
 
+class _Busy(Exception):
+    """The rendezvous asked this joiner to come back in a moment (Member.join retries)."""
+
+
+class RendezvousRefused(Refused):
+    """The rendezvous answered with an Error; `code` says which (e.g. "busy": try again)."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class _Signal:
     """The TCP signaling connection: framed messages in, framed messages out."""
 
@@ -100,7 +115,7 @@ class _Signal:
         while True:
             message = await asyncio.wait_for(self.next(), SIGNAL_TIMEOUT_S)
             if isinstance(message, m.Error):
-                raise Refused(f"rendezvous refused: {message.reason}")
+                raise RendezvousRefused(message.code, f"rendezvous refused: {message.reason}")
             if isinstance(message, m.Heartbeat):
                 continue
             if isinstance(message, kinds):
@@ -180,16 +195,27 @@ class Member:
         cls, code: str, rendezvous: tuple[str, int], name: str, descriptor: dict, *,
         bind_host: str = "0.0.0.0", send_delay_ms: float = 0.0,
     ) -> Member:
-        """Join the session behind `code`: PAKE with the host, then the roster."""
+        """Join the session behind `code`: PAKE with the host, then the roster.
+
+        A rendezvous that is "busy" (several machines joining at the same moment: it admits a few
+        at a time) is asked again after a short random pause, for up to JOIN_BUSY_WAIT_S."""
         nameplate, normalized = parse_code(code)
-        self = cls()
-        await self._open(rendezvous, name, descriptor, bind_host, send_delay_ms, is_host=False)
-        try:
-            await self._join(nameplate, normalized)
-        except BaseException:
-            await self._teardown()
-            raise
-        return self
+        deadline = asyncio.get_running_loop().time() + JOIN_BUSY_WAIT_S
+        while True:
+            self = cls()
+            await self._open(rendezvous, name, descriptor, bind_host, send_delay_ms, is_host=False)
+            try:
+                await self._join(nameplate, normalized)
+                return self
+            except _Busy:
+                await self._teardown()
+                if asyncio.get_running_loop().time() >= deadline:
+                    raise Refused(f"cannot join {normalized.split('-')[0]}-...: the rendezvous stayed "
+                                  f"busy with other joins for {JOIN_BUSY_WAIT_S:g} s; try again") from None
+                await asyncio.sleep(JOIN_BUSY_RETRY_S * (0.5 + random.random()))
+            except BaseException:
+                await self._teardown()
+                raise
 
     async def _open(self, rendezvous: tuple[str, int], name: str, descriptor: dict,
                     bind_host: str, send_delay_ms: float, *, is_host: bool) -> None:
@@ -227,6 +253,10 @@ class Member:
         self._signal.send(m.Join(nameplate))
         try:
             joined = await self._signal.expect(m.Joined)
+        except RendezvousRefused as exc:
+            if exc.code == "busy":
+                raise _Busy() from None
+            raise Refused(f"cannot join {code.split('-')[0]}-...: {exc} (check the code)") from None
         except Refused as exc:
             raise Refused(f"cannot join {code.split('-')[0]}-...: {exc} (check the code)") from None
         assert isinstance(joined, m.Joined)
