@@ -26,12 +26,12 @@ from kafila.api._ollama import (
     parse_generate,
     tag,
 )
+from kafila.api._pieces import _END, text_pieces
 from kafila.api._validate import Sampling, bad
 from kafila.engine import EngineError
 from kafila.errors import BadInput
 
 log = logging.getLogger("kafila.api")
-_END = object()
 
 
 def _line(obj: dict) -> bytes:
@@ -124,12 +124,9 @@ class OllamaRoutes:
         async with self.server.generation(ids, sampling, default) as (gen, text, stats):
             if sampling.stream:
                 return await self._stream(request, shapes, gen, text, stats, clock, len(ids))
-            pieces = []
-            async for token in gen:  # EngineError goes to the middleware with its status
-                clock.token(time.perf_counter())
-                pieces.append(text.push(token))
-                if text.finish:
-                    break
+            tick = lambda: clock.token(time.perf_counter())  # noqa: E731
+            # EngineError goes to the middleware with its status
+            pieces = [piece async for piece in text_pieces(await anext(gen, _END), gen, text, tick)]
             tail, finish = text.end(stats)
             durations = clock.durations(len(ids), text.tokens, time.perf_counter())
             return _json(shapes.final("".join(pieces) + tail, finish, durations))
@@ -143,14 +140,8 @@ class OllamaRoutes:
         resp = web.StreamResponse(headers={"Content-Type": NDJSON_TYPE, "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
-            while token is not _END:
-                clock.token(time.perf_counter())
-                piece = text.push(token)
-                if piece:
-                    await resp.write(_line(shapes.chunk(piece)))
-                if text.finish:
-                    break
-                token = await anext(gen, _END)
+            async for piece in text_pieces(token, gen, text, lambda: clock.token(time.perf_counter())):
+                await resp.write(_line(shapes.chunk(piece)))
             tail, finish = text.end(stats)
             if tail:
                 await resp.write(_line(shapes.chunk(tail)))

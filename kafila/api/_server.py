@@ -25,6 +25,7 @@ from kafila.api._format import Shapes, model_card, model_list, sse
 from kafila.api._guard import own_names, refusal
 from kafila.api._limits import DEFAULT_API_HOST, DEFAULT_API_PORT, ApiLimits
 from kafila.api._names import ModelNames, names_for
+from kafila.api._pieces import _END, text_pieces
 from kafila.api._stops import StopScanner
 from kafila.api._validate import (
     Sampling,
@@ -46,9 +47,6 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 NOT_READY_RETRY_S = 5
-_END = object()  # what anext() returns when a generation has no more tokens
-
-
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The token ids of a chat: the model's template, then the tokenizer (as `kafila run` does)."""
     return tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True))
@@ -305,11 +303,8 @@ class ApiServer:
     async def _whole(
         self, shapes: Shapes, gen, text: TextStream, stats: GenerationStats, n_prompt: int
     ) -> web.Response:
-        pieces = []
-        async for token in gen:  # EngineError goes to the middleware with its status
-            pieces.append(text.push(token))
-            if text.finish:
-                break
+        # EngineError goes to the middleware with its status
+        pieces = [piece async for piece in text_pieces(await anext(gen, _END), gen, text)]
         tail, finish = text.end(stats)
         return _json(shapes.complete("".join(pieces) + tail, finish, n_prompt, text.tokens, stats))
 
@@ -325,13 +320,8 @@ class ApiServer:
         try:
             if shapes.chat:
                 await resp.write(sse(shapes.chunk(None, first=True)))
-            while token is not _END:
-                piece = text.push(token)
-                if piece:
-                    await resp.write(sse(shapes.chunk(piece)))
-                if text.finish:
-                    break
-                token = await anext(gen, _END)
+            async for piece in text_pieces(token, gen, text):
+                await resp.write(sse(shapes.chunk(piece)))
             tail, finish = text.end(stats)
             await resp.write(sse(shapes.chunk(tail or None, finish)))
             if include_usage:
