@@ -113,9 +113,9 @@ class HostParticipant(Participant):
         self.net = await Member.host(rv, cfg.name, desc, bind_host=cfg.bind_host,
                                      send_delay_ms=cfg.send_delay_ms, code_words=cfg.code_words)  # fmt: skip
         code = self.net.code
-        print(code, flush=True)
-        if cfg.code_file:
+        if cfg.code_file:  # before the code is printed: whoever reads stdout may open the file next
             write_private(cfg.code_file, code + "\n")
+        print(code, flush=True)
         self.say(f"session code: [bold]{code}[/bold]\non the other machines run:\n"
                  f"  kafila join {code} --rendezvous {shown[0]}:{shown[1]}")  # fmt: skip
         self.event("code", code=code, rendezvous=f"{rv[0]}:{rv[1]}")
