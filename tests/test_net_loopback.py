@@ -111,6 +111,34 @@ def test_session_roster_messages_edges_and_leaving() -> None:
     run(main())
 
 
+def test_same_name_twice_joins_as_name_2_then_name_3() -> None:
+    """Issue 14 item 4: two machines called `vm` (and the host too) once got "the name 'vm' is
+    taken"; now the host names the second `vm-2`, the third `vm-3`, and each learns its name."""
+    async def main():
+        rv = await Rendezvous.start(LOOP, 0)
+        members: list[Member] = []
+        try:
+            host = await Member.host(rv.address, "vm", {}, bind_host=LOOP)
+            members.append(host)
+            for want in ("vm-2", "vm-3"):
+                joiner = await Member.join(host.code, rv.address, "vm", {}, bind_host=LOOP)
+                members.append(joiner)
+                assert (await _event(host, MemberJoined)).info.name == want
+                assert joiner.name == want and set(joiner.roster()) >= {"vm", want}
+            assert set(host.roster()) == {"vm", "vm-2", "vm-3"}
+            assert (await _event(members[1], RosterUpdated)).roster["vm-3"].peer_id == members[2].rid
+            # the new names work for messages and edges
+            await members[2].send("vm", {"hi": 3})
+            assert await _event(host, Message) == Message("vm-3", {"hi": 3})
+            edge, back = await _pair(members[1], members[2])
+            assert (edge.peer, back.peer) == ("vm-3", "vm-2")
+        finally:
+            for member in members:
+                await member.close()
+            await rv.close()
+    run(main())
+
+
 def parse_ok(code: str) -> bool:
     from kafila.net.code import parse_code
 

@@ -22,7 +22,7 @@ from kafila.net.natcheck import (
     predict_edge_kind,
 )
 from kafila.net.punch import DIRECT, Puncher, encode_probe
-from kafila.net.roster import MemberInfo
+from kafila.net.roster import MemberInfo, distinct_name, valid_name
 from kafila.net.words import EVEN_WORDS, ODD_WORDS
 from rendezvous import frames
 from rendezvous import messages as m
@@ -523,3 +523,12 @@ def test_first_byte_demux() -> None:
     assert frames.kind_of(b"\xc3" + b"\x00" * 30) == frames.KIND_QUIC
     assert frames.kind_of(b"\x7f" * 2000) is None  # oversized
     assert frames.kind_of(b"\x05hello") is None
+
+
+def test_distinct_name_numbers_a_taken_name_and_stays_valid() -> None:
+    assert distinct_name("vm", {"host"}) == "vm"
+    assert distinct_name("vm", {"vm"}) == "vm-2"
+    assert distinct_name("vm", {"vm", "vm-2"}) == "vm-3"
+    long = "a" * 64
+    got = distinct_name(long, {long})
+    assert got == "a" * 62 + "-2" and valid_name(got)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import dataclasses
 import logging
 import os
 import random
@@ -34,6 +35,7 @@ from kafila.net.roster import (
     Message,
     RosterUpdated,
     SessionEvent,
+    distinct_name,
     valid_name,
 )
 from kafila.net.sock import MemberSocket
@@ -289,6 +291,11 @@ class Member:
             if welcome.get("t") != "welcome" or not isinstance(welcome.get("key"), bytes):
                 raise ProtocolError("malformed", "expected the host's welcome")
             self._group_key = welcome["key"]
+            # the host's name for us: ours, or `ours-2` when another member already has ours
+            name = welcome.get("name", self.name)
+            if not valid_name(name):
+                raise ProtocolError("malformed", "bad name in the welcome")
+            self.name = name
             self._set_roster(welcome.get("members"))
         except ProtocolError as exc:
             raise Refused(
@@ -453,7 +460,8 @@ class Member:
                 self._host_hello(action.rid, action.channel, action.hello)
 
     def _host_hello(self, rid: int, channel: SealedChannel, hello: dict) -> None:
-        """A joiner that confirmed the PAKE: a valid hello with a free name is admitted."""
+        """A joiner that confirmed the PAKE: a valid hello is admitted, under a distinct name
+        (`vm-2` when `vm` is taken: the welcome tells the joiner)."""
         member = hello.get("member")
         try:
             if hello.get("t") != "hello" or not isinstance(member, dict):
@@ -464,17 +472,16 @@ class Member:
             self._signal.send(m.Send(rid, channel.seal({"t": "refuse", "reason": f"bad hello: {exc.reason}"})))
             self._signal.send(m.Kick(rid))
             return
-        if info.name in self._roster:
-            self._signal.send(m.Send(rid, channel.seal(
-                {"t": "refuse", "reason": f"the name {info.name!r} is taken; pick another"})))
-            self._signal.send(m.Kick(rid))
-            return
+        name = distinct_name(info.name, self._roster)
+        if name != info.name:
+            log.info("member %d: the name %r is taken; it joins as %r", rid, info.name, name)
+            info = dataclasses.replace(info, name=name)
         self._channels[rid] = channel
         self._names[rid] = info.name
         self._roster[info.name] = info
         self._signal.send(m.Admit(rid))  # before the welcome: it may open edges once welcomed
         self._signal.send(m.Send(rid, channel.seal(
-            {"t": "welcome", "key": self._group_key, "members": self._roster_wire()})))
+            {"t": "welcome", "key": self._group_key, "name": name, "members": self._roster_wire()})))
         self._broadcast_roster(exclude=rid)
         self._roster_changed.set()
         self._events.put_nowait(MemberJoined(info))

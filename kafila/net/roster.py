@@ -81,6 +81,20 @@ def valid_name(name: object) -> bool:
     return isinstance(name, str) and _NAME_RE.match(name) is not None
 
 
+def distinct_name(wanted: str, taken) -> str:
+    """`wanted`, or the first of `wanted-2`, `wanted-3`, ... that is not `taken` (cut to fit
+    MAX_NAME_CHARS): two machines that both call themselves `raspberrypi` both get in."""
+    if wanted not in taken:
+        return wanted
+    n = 2
+    while True:  # ends: `taken` is finite
+        suffix = f"-{n}"
+        name = wanted[: MAX_NAME_CHARS - len(suffix)] + suffix
+        if name not in taken:
+            return name
+        n += 1
+
+
 @dataclass(frozen=True)
 class MemberJoined:
     info: MemberInfo

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import os
 import signal
@@ -234,10 +235,14 @@ class Participant:
         assert cfg.rendezvous is not None
         self.net = await Member.join(self.code, cfg.rendezvous, cfg.name, desc,
                                      bind_host=cfg.bind_host, send_delay_ms=cfg.send_delay_ms)  # fmt: skip
+        if self.net.name != cfg.name:  # another member has our name: the host gave us `name-2`
+            self.say(f"{cfg.name}: the name {cfg.name!r} is taken in this session; "
+                     f"this member is {self.net.name}")  # fmt: skip
+            self.cfg = cfg = dataclasses.replace(cfg, name=self.net.name)
         host = next((n for n, i in self.net.roster().items() if i.peer_id == 0), "host")
         self.say(f"{cfg.name}: joined the session of {host} (NAT {self.net.nat.nat}, "
                  f"rendezvous RTT {self.net.nat.rtt_ms:.1f} ms); waiting for the plan")  # fmt: skip
-        self.event("joined", host=host, nat=self.net.nat.nat)
+        self.event("joined", host=host, nat=self.net.nat.nat, name=cfg.name)
         self.state.phase = "waiting"
         self.spawn(self._accept_loop(), "accept")
         while True:
