@@ -21,6 +21,7 @@ from kafila.net.codefile import read_code, write_private
 from kafila.net.sock import MemberSocket
 from kafila.session import weights as W
 from kafila.session.frames import Cancel, Limits, Request, Tokens
+from kafila.session.member import role_of
 from kafila.session.ring import RingNode
 from rendezvous import frames
 from rendezvous.errors import ProtocolError
@@ -155,3 +156,53 @@ def test_host_code_file_and_join_code_file_through_the_cli(tmp_path, monkeypatch
     assert main(["join", "--code-file", str(path), "--api", "off"]) == 0 and seen["code"] == CODE
     monkeypatch.setattr("sys.stdin", io.StringIO(CODE + "\n"))
     assert main(["join", "-", "--api", "off"]) == 0 and seen["code"] == CODE
+
+
+# -- issue 15, item 6: a ring Hello names the authenticated peer and the plan's predecessor ------
+class _Edge:
+    """An accepted edge from `peer` (the name its pinned certificate proved) whose first stream
+    opens with `hello`."""
+
+    def __init__(self, peer: str, hello) -> None:
+        from kafila.session.frames import encode
+
+        self.peer, self.closed = peer, False
+        self.reader = asyncio.StreamReader()
+        self.reader.feed_data(encode(hello))
+
+    async def accept_stream(self):
+        return self.reader, None
+
+    async def close(self) -> None:
+        self.closed = True
+
+
+def test_ring_hello_must_name_the_authenticated_peer_and_the_planned_predecessor(caplog) -> None:
+    """The first ring Hello from anyone became the predecessor stream: a member (m3, not m2's
+    predecessor) or one claiming another's name could feed m2's stage."""
+    from kafila.session.frames import Hello
+    from kafila.session.member import Participant, SessionConfig
+
+    plan = {"ring": ["m1", "m2", "m3"], "head": "m1", "blocks": {"m1": 1, "m2": 1, "m3": 1}}
+
+    async def main():
+        p = Participant(SessionConfig(name="m2", rendezvous=None))
+        early = asyncio.ensure_future(p._on_edge(_Edge("m3", Hello("m3", "ring"))))  # before the plan
+        await asyncio.sleep(0.01)
+        assert not early.done()
+        p.role = role_of(plan, "m2")
+        p._planned.set()
+        await early
+        for edge in (_Edge("m3", Hello("m1", "ring")),  # m3 claiming to be m1
+                     _Edge("m1", Hello("m3", "ring"))):  # the right peer with a wrong Hello
+            await p._on_edge(edge)
+            assert edge.closed
+        assert p._pred_stream is None
+        good = _Edge("m1", Hello("m1", "ring"))
+        await p._on_edge(good)
+        assert not good.closed and p._pred_stream.result()[0] is good
+
+    with caplog.at_level(logging.DEBUG):
+        asyncio.run(main())
+    dropped = [r for r in caplog.records if "ring stream from" in r.getMessage()]
+    assert len(dropped) == 3 and not any(r.exc_info for r in caplog.records)

@@ -87,6 +87,17 @@ class Role:
         return self.ring[(self.ring.index(me) - 1) % len(self.ring)]
 
 
+def ring_hello_refusal(claimed: str, peer: str, predecessor: str) -> str | None:
+    """Why a ring stream may not feed this member's stage (None: it may). `peer` is the member
+    the edge's pinned certificate proved; the Hello only claims a name, and only the plan's
+    predecessor may send activations here."""
+    if claimed != peer:
+        return f"its Hello claims the name {claimed[:64]!r}"
+    if peer != predecessor:
+        return f"the plan's predecessor is {predecessor}, not {peer}"
+    return None
+
+
 def role_of(plan: dict, me: str) -> Role:
     ring = list(plan["ring"])
     if me not in ring:
@@ -128,6 +139,7 @@ class Participant:
         self.role: Role | None = None
         self._tasks: set[asyncio.Task] = set()
         self._pred_stream: asyncio.Future | None = None
+        self._planned = asyncio.Event()  # set once `role` is known: a ring Hello waits for it
         self._ring_edges: list = []
         self._serving = asyncio.Event()
 
@@ -355,6 +367,7 @@ class Participant:
         plan, session = msg["plan"], msg["session"]
         self.state.plan, self.state.session = plan, session
         self.role = role = role_of(plan, cfg.name)
+        self._planned.set()
         self.state.phase = "fetching"
         if fetch_from is None:
             self.model_path = cfg.model_path
@@ -428,6 +441,11 @@ class Participant:
             await edge.close()
             return
         if hello.purpose == "ring":
+            why = await self._ring_refusal(hello, edge)
+            if why is not None:  # one line, no traceback: a member that lies is not our bug
+                log.warning("ring stream from %s dropped: %s", edge.peer, why)
+                await edge.close()
+                return
             if self._pred_stream is None:
                 self._pred_stream = asyncio.get_running_loop().create_future()
             if not self._pred_stream.done():
@@ -437,6 +455,16 @@ class Participant:
             await edge.close()
         else:
             await self.serve_weights(edge, reader, writer)
+
+    async def _ring_refusal(self, hello: Hello, edge) -> str | None:
+        """Why a ring Hello may not become the predecessor stream (None: it may), once the plan
+        says who the predecessor is (a Hello may come first)."""
+        try:
+            await asyncio.wait_for(self._planned.wait(), READY_TIMEOUT_S)
+        except TimeoutError:
+            return "no plan arrived"
+        assert self.role is not None
+        return ring_hello_refusal(hello.name, edge.peer, self.role.predecessor(self.cfg.name))
 
     async def serve_weights(self, edge, reader, writer) -> None:
         await edge.close()  # only the host serves weights
