@@ -14,6 +14,7 @@ import logging
 import os
 import stat
 
+import numpy as np
 import pytest
 
 from kafila.errors import BadInput
@@ -102,6 +103,24 @@ def test_frame_for_a_name_not_in_the_ring_is_dropped() -> None:
         assert node.out.sent == [] and node.misaddressed == 3
         await node._on_frame(Tokens("r1", "m3", (1,)))  # a ring name: forwarded as before
         assert len(node.out.sent) == 1
+        node.executor.shutdown()
+    asyncio.run(main())
+
+
+def test_frame_past_its_hop_limit_is_dropped_and_counted() -> None:
+    """A routed frame for a ring name is passed on one hop further; one that has been passed on
+    more than len(ring) + 1 times (a member re-sending it in a loop) is dropped and counted."""
+    async def main():
+        node = RingNode("m2", "m1", ["m1", "m2", "m3"], shard=None, limits=Limits(hidden=8, context=16, slots=1, vocab=32))
+        node.out = _Out()
+        await node._on_frame(Tokens("r1", "m3", (1,), hops=2))
+        assert node.out.sent == [Tokens("r1", "m3", (1,), hops=3)]
+        for frame in (Tokens("r1", "m3", (1,), hops=5), Cancel("r1", "m1", hops=5),
+                      Request("r1", "m3", "m1", 4, True, np.array([1], dtype=np.int32), hops=200)):
+            await node._on_frame(frame)
+        assert len(node.out.sent) == 1 and node.overhopped == 3
+        await node._on_frame(Cancel("r1", "m1", hops=4))  # len(ring) + 1: still passed on
+        assert node.out.sent[-1] == Cancel("r1", "m1", hops=5)
         node.executor.shutdown()
     asyncio.run(main())
 

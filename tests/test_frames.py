@@ -54,6 +54,21 @@ def test_other_frames_roundtrip():
     assert F.FrameDecoder(LIM).feed(several) == [F.Free(0), F.Free(1)]
 
 
+def test_routed_frames_carry_their_hops_within_a_bound():
+    """Issue 15 item 6: Request, Tokens and Cancel count their hops (a header without one, from
+    a peer before hops, is 0); a count outside 0..MAX_HOPS is refused like any bad field."""
+    prompt = np.array([1], dtype=np.int32)
+    for f in (F.Request("r", "m2", "m1", 1, True, prompt, hops=3), F.Tokens("r", "m2", (4,), hops=7),
+              F.Cancel("r", "m1", F.MAX_HOPS)):
+        got = roundtrip(f)
+        assert got.hops == f.hops and type(got) is type(f)
+    assert roundtrip(F.Cancel("r", "m1")).hops == 0
+    assert F.FrameDecoder(LIM).feed(raw({"k": "cancel", "rid": "r", "dst": "m"})) == [F.Cancel("r", "m")]
+    for hops in (-1, F.MAX_HOPS + 1, True, "1"):
+        with pytest.raises(F.FrameError, match="hops"):
+            F.FrameDecoder(LIM).feed(raw({"k": "cancel", "rid": "r", "dst": "m", "hops": hops}))
+
+
 def raw(header, payload=b""):
     h = msgpack.packb(header)
     return struct.pack(">II", len(h), len(payload)) + h + payload

@@ -23,7 +23,10 @@ transport; `read_frame` (in ring.py) drives them over an asyncio stream.
 
 Frames that are not addressed to the member that reads them (requests, tokens, cancels) carry a
 destination `dst` and are forwarded along the ring: every control message travels in the ring's
-direction, like activations, so one stream per ring edge suffices (see ring.py).
+direction, like activations, so one stream per ring edge suffices (see ring.py). They count
+their `hops` (how many members passed them on): a correct ring delivers any of them within
+len(ring) - 2, so a node drops one past len(ring) + 1 instead of letting it circle (a member
+that re-sends what it should not, or a ring whose names disagree).
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ MAX_TOKENS_PER_FRAME = 256
 MAX_ERROR_CHARS = 500
 MAX_TRACE_ENTRIES = 64
 MAX_TEMPERATURE = 100.0
+MAX_HOPS = 255  # the wire's bound on a routed frame's hops; the ring's own is len(ring) + 1
 WEIGHT_CHUNK_BYTES = 4 << 20
 FINISH_REASONS = ("", "stop", "length", "error")
 PURPOSES = ("ring", "weights")
@@ -138,6 +142,7 @@ class Request:
     top_p: float = 1.0
     seed: int = -1  # -1: none
     speculate: bool = True  # False: this request must not speculate (the API's "speculate": false)
+    hops: int = 0  # members that passed it on so far (0 from its origin)
 
 
 @dataclass(frozen=True)
@@ -152,6 +157,7 @@ class Tokens:
     error: str = ""  # when finish == "error": one line naming the cause
     status: int = 0  # HTTP status for an error before any token (0: none)
     stats: tuple[tuple[str, float], ...] = ()  # with done: the ring's latest measurements
+    hops: int = 0  # members that passed it on so far (0 from the head)
 
 
 @dataclass(frozen=True)
@@ -160,6 +166,7 @@ class Cancel:
 
     rid: str
     dst: str
+    hops: int = 0  # members that passed it on so far (0 from its origin)
 
 
 @dataclass(frozen=True)
@@ -213,19 +220,20 @@ def encode(frame: Frame, limits: Limits | None = None) -> bytes:
             {"k": "req", "rid": frame.rid, "origin": frame.origin, "dst": frame.dst,
              "max_new": frame.max_new, "eos": frame.stop_at_eos, "dtype": "i32",
              "shape": list(p.shape), "temp": float(frame.temperature), "top_p": float(frame.top_p),
-             "seed": int(frame.seed), "spec": bool(frame.speculate)},
+             "seed": int(frame.seed), "spec": bool(frame.speculate), "hops": frame.hops},
             p.data.cast("B"),
         )  # fmt: skip
     if isinstance(frame, Tokens):
         return _pack({"k": "tok", "rid": frame.rid, "dst": frame.dst, "ids": list(frame.ids),
                       "done": frame.done, "finish": frame.finish, "error": frame.error,
-                      "status": frame.status, "stats": [list(t) for t in frame.stats]})  # fmt: skip
+                      "status": frame.status, "stats": [list(t) for t in frame.stats],
+                      "hops": frame.hops})  # fmt: skip
     if isinstance(frame, Hello):
         return _pack({"k": "hello", "name": frame.name, "purpose": frame.purpose})
     if isinstance(frame, Free):
         return _pack({"k": "free", "slot": frame.slot})
     if isinstance(frame, Cancel):
-        return _pack({"k": "cancel", "rid": frame.rid, "dst": frame.dst})
+        return _pack({"k": "cancel", "rid": frame.rid, "dst": frame.dst, "hops": frame.hops})
     if isinstance(frame, WeightGet):
         return _pack({"k": "wget", "off": frame.offset, "len": frame.length, "z": frame.compress})
     if isinstance(frame, WeightData):
@@ -287,6 +295,11 @@ def _pairs(h: dict, key: str, types) -> None:
         for p in v
     ):
         raise FrameError(f"field {key!r} must be a short list of [name, number] pairs")
+
+
+def _hops(h: dict) -> int:
+    """A routed frame's hop count (absent: 0, as a peer from before hops sends it)."""
+    return _int(h, "hops", 0, MAX_HOPS) if "hops" in h else 0
 
 
 def _shape(h: dict, dtype: str, dims: int) -> tuple[int, ...]:
@@ -362,6 +375,7 @@ def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
         _int(h, "seed", -1, (1 << 63) - 1)
         if not isinstance(h.get("spec", True), bool):
             raise FrameError("field 'spec' must be a boolean")
+        _hops(h)
         (n,) = _shape(h, "i32", 1)
         if not 1 <= n <= limits.context:
             raise FrameError(f"prompt of {n} tokens is outside 1..{limits.context}")
@@ -380,11 +394,13 @@ def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
         _str(h, "error", MAX_ERROR_CHARS, empty=True)
         _int(h, "status", 0, 599)
         _pairs(h, "stats", (int, float))
+        _hops(h)
     elif kind == "free":
         _int(h, "slot", 0, limits.slots - 1)
     elif kind == "cancel":
         _str(h, "rid")
         _str(h, "dst")
+        _hops(h)
     else:
         raise FrameError(f"unknown frame kind {kind!r}")
     if payload_len != size:
@@ -403,16 +419,17 @@ def build_frame(h: dict, payload: bytes) -> Frame:
     if kind == "req":
         p = np.frombuffer(payload, dtype="<i4")
         return Request(h["rid"], h["origin"], h["dst"], h["max_new"], h["eos"], p,
-                       float(h["temp"]), float(h["top_p"]), h["seed"], h.get("spec", True))
+                       float(h["temp"]), float(h["top_p"]), h["seed"], h.get("spec", True), h.get("hops", 0))
     if kind == "tok":
         stats = tuple((a, b) for a, b in h.get("stats", []))
-        return Tokens(h["rid"], h["dst"], tuple(h["ids"]), h["done"], h["finish"], h["error"], h["status"], stats)
+        return Tokens(h["rid"], h["dst"], tuple(h["ids"]), h["done"], h["finish"], h["error"], h["status"], stats,
+                      h.get("hops", 0))
     if kind == "hello":
         return Hello(h["name"], h["purpose"])
     if kind == "free":
         return Free(h["slot"])
     if kind == "cancel":
-        return Cancel(h["rid"], h["dst"])
+        return Cancel(h["rid"], h["dst"], h.get("hops", 0))
     if kind == "wget":
         return WeightGet(h["off"], h["len"], h["z"])
     if kind == "wdata":

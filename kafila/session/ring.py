@@ -32,7 +32,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -290,11 +290,16 @@ class RingNode:
             self.degrade(f"member {self.name}'s stage failed: {type(exc).__name__}: {exc}")
 
     misaddressed = 0  # frames for a name not in the ring: dropped, or they would circle for ever
+    overhopped = 0  # routed frames passed on more than len(ring) + 1 times: dropped (frames.py)
 
     async def _on_frame(self, frame: Frame) -> None:
         if isinstance(frame, (Request, Tokens, Cancel)) and frame.dst not in self.ring:
             self.misaddressed += 1
             log.debug("a %s for %r, who is not in the ring: dropped", type(frame).__name__, frame.dst)
+            return
+        if isinstance(frame, (Request, Tokens, Cancel)) and frame.hops > len(self.ring) + 1:
+            self.overhopped += 1
+            log.debug("a %s for %r after %d hops: dropped", type(frame).__name__, frame.dst, frame.hops)
             return
         if isinstance(frame, Activation):
             if self.is_head:
@@ -307,17 +312,17 @@ class RingNode:
                 await self._send(frame)
         elif isinstance(frame, Request):
             if frame.dst != self.name:
-                await self._send(frame)
+                await self._send(replace(frame, hops=frame.hops + 1))
             elif self.is_head:
                 self._events.put_nowait(("request", frame))
         elif isinstance(frame, Tokens):
             if frame.dst != self.name:
-                await self._send(frame)
+                await self._send(replace(frame, hops=frame.hops + 1))
             else:
                 self._deliver(frame)
         elif isinstance(frame, Cancel):
             if frame.dst != self.name:
-                await self._send(frame)
+                await self._send(replace(frame, hops=frame.hops + 1))
             elif self.is_head:
                 self._events.put_nowait(("cancel", frame.rid))
 
