@@ -23,6 +23,7 @@ import numpy as np
 
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.errors import BadInput
+from kafila.sampling import sample_token
 
 DEFAULT_MAX_SLOTS = 4  # requests generating at once (each holds a KV state on every stage)
 DEFAULT_MAX_QUEUED = 64  # requests waiting for a slot
@@ -224,23 +225,6 @@ def _sampled(chain, request: GenerationRequest, stop) -> Iterator[int]:
             hidden = chain.feed(cursor, (token,))
     finally:
         chain.close(cursor)
-
-
-def sample_token(
-    logits: np.ndarray, temperature: float, top_p: float, rng: np.random.Generator
-) -> int:
-    """One token from softmax(logits / temperature), restricted to the top_p nucleus."""
-    z = logits.astype(np.float64) / temperature
-    p = np.exp(z - z.max())
-    p /= p.sum()
-    order = np.argsort(-p, kind="stable")
-    if top_p < 1.0:
-        keep = (
-            int(np.searchsorted(np.cumsum(p[order]), top_p)) + 1
-        )  # the smallest set reaching top_p
-        order = order[:keep]
-    q = p[order] / p[order].sum()
-    return int(order[rng.choice(len(order), p=q)])
 
 
 def _steps(source: StepSource, request: GenerationRequest) -> Iterator[int]:

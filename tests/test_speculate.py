@@ -49,7 +49,8 @@ def test_spec_stats_round_trip_pairs():
     s.add(4, 3)
     s.add(0, 1)
     assert (s.drafted, s.accepted, s.trips, s.tokens) == (4, 2, 2, 4)
-    assert s.as_dict() == {"drafted": 4, "accepted": 2, "acceptance_rate": 0.5, "tokens_per_trip": 2.0}
+    assert s.as_dict() == {"drafted": 4, "accepted": 2, "acceptance_rate": 0.5, "tokens_per_trip": 2.0,
+                           "drafts_per_trip": 2.0}  # fmt: skip
     assert SpecStats.from_pairs(s.as_pairs() + (("step_ms", 3.0),)) == s
     assert SpecStats.from_pairs((("step_ms", 3.0),)) is None
 
@@ -58,7 +59,7 @@ def test_spec_stats_round_trip_pairs():
 
 
 def test_scheduler_verifies_drafts_and_masks_the_rejected_positions():
-    s = Scheduler(slots=1, context=64, eos_ids=frozenset({0}), speculate="ngram", draft_k=3)
+    s = Scheduler(slots=1, context=64, eos_ids=frozenset({0}), speculate="ngram", draft_k=3, adaptive_k=False)
     prompt = [5, 6, 7, 8, 5, 6]
     s.submit("a", "o", prompt, max_new=10)
     (step,) = s.steps()
@@ -69,7 +70,7 @@ def test_scheduler_verifies_drafts_and_masks_the_rejected_positions():
     assert (step.cache_len, step.pos0, step.zeros) == (6, 6, ())
     assert s.drafted("a") == 3
     # the model agrees with the first draft only: 8 accepted, then its own 9
-    events = s.complete("a", [8, 9, 9, 9])
+    events = s.complete("a", accept(step.tokens[1:], [8, 9, 9, 9]))  # what the head's verify yields
     assert events == [TokenOut("a", "o", 8), TokenOut("a", "o", 9)]
     (step,) = s.steps()
     # positions 6 (7) and 7 (8) stay live; 8 and 9 (the rejected 5 6) are masked out
@@ -88,13 +89,13 @@ def test_scheduler_without_speculation_or_when_asked_not_to_never_drafts():
 
 
 def test_scheduler_speculation_stops_at_eos_and_max_new_inside_a_trip():
-    s = Scheduler(slots=1, context=64, eos_ids=frozenset({0}), speculate="ngram", draft_k=4)
+    s = Scheduler(slots=1, context=64, eos_ids=frozenset({0}), speculate="ngram", draft_k=4, adaptive_k=False)
     s.submit("a", "o", [1, 2, 3, 1, 2], max_new=3)
     s.steps()
     s.complete("a", 3)  # history 1 2 3 1 2 3 → drafts 1 2 (k = min(4, wanted − 1 = 1, …)) → 1
     (step,) = s.steps()
     assert step.drafted == 1
-    events = s.complete("a", [1, 2])  # accepted 1, bonus 2: max_new reached
+    events = s.complete("a", accept(step.tokens[1:], [1, 2]))  # accepted 1, bonus 2: max_new reached
     assert [e.token for e in events if isinstance(e, TokenOut)] == [1, 2]
     assert isinstance(events[2], Finished) and events[2].finish == "length"
     assert events[2].spec is not None and events[2].spec.drafted == 1
@@ -102,7 +103,7 @@ def test_scheduler_speculation_stops_at_eos_and_max_new_inside_a_trip():
     s.steps()
     s.complete("b", 3)
     (step,) = s.steps()
-    events = s.complete("b", [1, 0, 5, 5, 5][: step.drafted + 1])  # EOS after an accepted draft
+    events = s.complete("b", accept(step.tokens[1:], [1, 0, 5, 5, 5][: step.drafted + 1]))  # EOS after a draft
     assert [e.token for e in events if isinstance(e, TokenOut)] == [1]
     assert events[1].finish == "stop"
 
@@ -112,7 +113,7 @@ def test_scheduler_speculation_never_runs_out_of_context_earlier():
     drafter keeps physical room ≥ the tokens still wanted (so one that asks for the whole
     context never drafts: rejected positions are not reclaimed by compaction yet)."""
     context, prompt = 24, [1, 2, 3, 1, 2, 3, 1, 2]
-    s = Scheduler(slots=1, context=context, speculate="ngram", draft_k=4)
+    s = Scheduler(slots=1, context=context, speculate="ngram", draft_k=4, adaptive_k=False)
     s.submit("a", "o", prompt, max_new=10)
     out, events, drafted = [], [], 0
     while not any(isinstance(e, Finished) for e in events):
@@ -121,7 +122,7 @@ def test_scheduler_speculation_never_runs_out_of_context_earlier():
         assert step.cache_len + len(step.tokens) <= context
         drafted += step.drafted
         # a model that rejects every draft: always 3
-        token = [3] * (step.drafted + 1) if step.drafted else 3
+        token = accept(step.tokens[1:], [3] * (step.drafted + 1)) if step.drafted else 3
         events = s.complete("a", token)
         out += [e.token for e in events if isinstance(e, TokenOut)]
     assert drafted > 0
@@ -144,8 +145,10 @@ def test_scheduler_refuses_bad_settings():
     s.complete("a", 1)
     (step,) = s.steps()
     assert step.drafted
-    with pytest.raises(ValueError, match="drafts needs"):
-        s.complete("a", 1)  # a verifying step needs a token per position
+    with pytest.raises(ValueError, match="accepted drafts"):
+        s.complete("a", (int(step.tokens[1]) + 1, 5))  # a token after a draft it did not accept
+    with pytest.raises(ValueError, match="accepted drafts"):
+        s.complete("a", (*step.tokens[1:].tolist(), 5, 5))  # more than drafts + 1
 
 
 def test_request_frame_carries_speculate():
@@ -173,10 +176,12 @@ def test_api_refuses_a_speculate_that_is_not_a_boolean():
 # --- real shards: exactness round a ring of three OpenVINO stages --------------------------------
 
 
-def _ring(shards, limits, eos_ids, speculate="ngram"):
+def _ring(shards, limits, eos_ids, speculate="ngram", adaptive_k=False):
+    """adaptive_k False: draft whenever the drafter can (choose_k would rightly draft little on a
+    compute-bound in-process ring, and these tests are about verifying drafts)."""
     names = [f"m{i + 1}" for i in range(len(shards))]
-    nodes = [RingNode(nm, "m1", names, s, limits, eos_ids=frozenset(eos_ids), speculate=speculate)
-             for nm, s in zip(names, shards)]  # fmt: skip
+    nodes = [RingNode(nm, "m1", names, s, limits, eos_ids=frozenset(eos_ids), speculate=speculate,
+                      adaptive_k=adaptive_k) for nm, s in zip(names, shards)]  # fmt: skip
     pipes = [Pipe() for _ in names]
     for i, node in enumerate(nodes):
         node.start(pipes[i - 1].reader, pipes[i])

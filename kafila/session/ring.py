@@ -56,7 +56,8 @@ from kafila.session.scheduler import (
     TokenOut,
     prefill_chunk_tokens,
 )  # fmt: skip
-from kafila.session.speculate import DRAFT_K
+from kafila.sampling import sample_token
+from kafila.session.speculate import DRAFT_K, verify
 from kafila.session.streams import FrameWriter, StreamClosed, read_frame
 
 log = logging.getLogger(__name__)
@@ -93,16 +94,14 @@ def greedy(shard, hidden: np.ndarray) -> int:
     return int(np.argmax(shard.logits(hidden[-1:])[-1]))
 
 
-def greedy_rows(shard, hidden: np.ndarray) -> list[int]:
-    """The greedy token after every row of hidden [n, H] (a verifying step's predictions)."""
-    return [int(t) for t in np.argmax(shard.logits(hidden), axis=-1)]
+def verify_rows(shard, hidden: np.ndarray, draft: tuple[int, ...], sampling) -> tuple[int, ...]:
+    """The tokens a verifying step yields from its rows (speculate.verify)."""
+    return verify(draft, shard.logits(hidden), sampling)
 
 
 def sample(shard, hidden: np.ndarray, temperature: float, top_p: float, rng) -> int:
     """A token from softmax(logits / temperature) within the top_p nucleus (as LocalEngine)."""
-    from kafila.local_engine import sample_token
-
-    return int(sample_token(shard.logits(hidden[-1:])[-1], temperature, top_p, rng))
+    return sample_token(shard.logits(hidden[-1:])[-1], temperature, top_p, rng)
 
 
 @dataclass
@@ -142,11 +141,12 @@ class RingNode:
                  eos_ids: frozenset[int] = frozenset(),
                  on_degraded: Callable[[str], None] | None = None,
                  prefill_chunk: int | None = None, speculate: str = "off",
-                 draft_k: int = DRAFT_K) -> None:  # fmt: skip
+                 draft_k: int = DRAFT_K, adaptive_k: bool = True) -> None:  # fmt: skip
         """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
         hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
         frames over the limit: only tests set it, to exercise the per-request error.
-        `speculate`: "off" or "ngram" (the head's drafter, speculate.py), `draft_k` drafts a trip."""
+        `speculate`: "off" or "ngram" (the head's drafter, speculate.py), at most `draft_k`
+        drafts a trip (chosen online unless `adaptive_k` is False: see Scheduler)."""
         self.name = name
         self.head = head
         self.ring = ring
@@ -163,7 +163,7 @@ class RingNode:
         chunk = prefill_chunk or prefill_chunk_tokens(limits.hidden, limits.frame_bytes)
         self.speculate = speculate
         self.scheduler = (Scheduler(limits.slots, limits.context, eos_ids, chunk_tokens=chunk,
-                                    speculate=speculate, draft_k=draft_k)
+                                    speculate=speculate, draft_k=draft_k, adaptive_k=adaptive_k)
                           if self.is_head else None)  # fmt: skip
         self._events: asyncio.Queue = asyncio.Queue()
         self._step_started: dict[str, float] = {}
@@ -229,8 +229,7 @@ class RingNode:
         waiter = self.waiters[rid] = Waiter()
         if self.is_head:
             try:
-                self.scheduler.submit(rid, self.name, prompt, max_new, stop_at_eos,
-                                      speculate and temperature <= 0)
+                self.scheduler.submit(rid, self.name, prompt, max_new, stop_at_eos, speculate)
             except SchedulerError:
                 del self.waiters[rid]
                 raise
@@ -379,7 +378,7 @@ class RingNode:
                             raise SchedulerError(f"the session is degraded: {self.degraded}", 503)
                         self._check_ids(req.prompt.tolist())
                         sched.submit(req.rid, req.origin, req.prompt.tolist(), req.max_new, req.stop_at_eos,
-                                     req.speculate and req.temperature <= 0)
+                                     req.speculate)
                         self._set_sampling(req.rid, req.temperature, req.top_p, req.seed)
                     except SchedulerError as exc:
                         await self._to_origin(Tokens(req.rid, req.origin, (), True, "error", str(exc)[:500], exc.status))
@@ -390,8 +389,8 @@ class RingNode:
                     sampling = self._sampling.get(act.rid)
                     if not sched.wants_token(act.rid):  # a prefill chunk before the prompt's last
                         token = None
-                    elif sched.drafted(act.rid):  # a verifying step: a greedy token per position
-                        token = await self._compute(greedy_rows, self.shard, act.hidden)
+                    elif draft := sched.draft_of(act.rid):  # a verifying step: a row per position
+                        token = await self._compute(verify_rows, self.shard, act.hidden, draft, sampling)
                     elif sampling is None:
                         token = await self._compute(greedy, self.shard, act.hidden)
                     else:
@@ -440,9 +439,12 @@ class RingNode:
 
     def _account(self, act: Activation) -> None:
         started = self._step_started.pop(act.rid, None)
-        if started is None or act.n != 1:
-            return  # time decode steps only: a prefill's cost grows with the prompt
+        if started is None:
+            return
         step_ms = (time.perf_counter() - started) * 1000
+        self.scheduler.observe_step(act.rid, act.n, step_ms)  # what choosing K is fed
+        if act.n != 1:
+            return  # the figures below are of 1-position decode steps: a prefill's cost grows
         compute = sum(us for _, us in act.trace) / 1000
         for stage, us in act.trace[1:]:
             self._measure(stage, us)

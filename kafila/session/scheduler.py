@@ -13,9 +13,11 @@ request is over (EOS, max_new or the context). Positions are logical and the mas
 (the OpenVINO paper's mask-based rewind); the bookkeeping (cache_len, pos, zeros) travels in
 every activation so stages stay stateless about it.
 
-Speculation (`speculate="ngram"`, see speculate.py): a greedy decode step may carry K draft
-tokens after the last one (K+1 positions); `complete` then takes the K+1 greedy predictions,
-accepts the matching drafts plus one, and adds the rejected drafts' physical positions to the
+Speculation (`speculate="ngram"`, see speculate.py): a decode step may carry K draft tokens
+after the last one (K+1 positions), K chosen per request and step from the measured trip times
+(`observe_step`) and the request's running acceptance; the head verifies the step's rows
+(speculate.verify: greedy or speculative sampling) and `complete` takes the tokens it yielded
+(the accepted drafts and one more), adding the rejected drafts' physical positions to the
 request's `zeros`, so every stage masks them out from the next step on. Drafting keeps enough
 physical room that a request never runs out of context earlier than it would without it.
 
@@ -31,7 +33,16 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kafila.session.frames import MAX_FRAME_BYTES
-from kafila.session.speculate import DRAFT_K, MAX_DRAFT_K, SPECULATE_MODES, SpecStats, accept, ngram_draft
+from kafila.session.speculate import (
+    DRAFT_K,
+    MAX_DRAFT_K,
+    SPECULATE_MODES,
+    Acceptance,
+    SpecStats,
+    StepCost,
+    choose_k,
+    ngram_draft,
+)  # fmt: skip
 
 F32_BYTES = 4
 # A stage's transient working set while it runs n positions: the residual, its norm, q/k/v/o and
@@ -116,19 +127,24 @@ class _Request:
     zeros: list[int] = field(default_factory=list)  # masked-out physical positions
     draft: tuple[int, ...] = ()  # the drafts of the step in flight
     spec: SpecStats = field(default_factory=SpecStats)
+    acceptance: Acceptance = field(default_factory=Acceptance)
 
 
 class Scheduler:
     def __init__(self, slots: int, context: int, eos_ids: frozenset[int] = frozenset(),
                  max_queue: int = 64, chunk_tokens: int = 512, speculate: str = "off",
-                 draft_k: int = DRAFT_K) -> None:  # fmt: skip
+                 draft_k: int = DRAFT_K, adaptive_k: bool = True) -> None:  # fmt: skip
+        """`draft_k`: the most drafts a step carries; `adaptive_k` False drafts that many
+        whenever the drafter finds them (tests of verification), True lets choose_k decide."""
         if speculate not in SPECULATE_MODES:
             raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {speculate!r}")
         if not 0 <= draft_k <= MAX_DRAFT_K:
             raise ValueError(f"draft_k must be in 0..{MAX_DRAFT_K}")
         self.speculate = speculate
         self.draft_k = draft_k
+        self.adaptive_k = adaptive_k
         self.spec = SpecStats()  # every finished request's counts
+        self.step_cost = StepCost()  # decode trips' measured ms by position count
         if slots < 1 or context < 2:
             raise ValueError("a scheduler needs at least one slot and a context of two positions")
         if chunk_tokens < 1:
@@ -195,14 +211,27 @@ class Scheduler:
         wanted = req.max_new - len(req.generated)
         room = self.context - req.cache_len
         k = min(self.draft_k, wanted - 1, room - wanted - 1)
-        if k < 1:
-            return ()
-        return ngram_draft(req.prompt + tuple(req.generated), k)
+        if k >= 1 and self.adaptive_k:
+            k = choose_k(req.acceptance.rate, self.step_cost, k)
+        draft = ngram_draft(req.prompt + tuple(req.generated), k) if k >= 1 else ()
+        if not draft:
+            req.acceptance.idle()
+        return draft
+
+    def observe_step(self, rid: str, positions: int, ms: float) -> None:
+        """The head measured `rid`'s step in flight round the ring: `ms` for `positions`
+        positions. Decode steps only (a prefill chunk's cost grows with its length)."""
+        req = self._requests.get(rid)
+        if req is not None and req.in_flight and req.cache_len >= len(req.prompt):
+            self.step_cost.observe(positions, ms)
+
+    def draft_of(self, rid: str) -> tuple[int, ...]:
+        """The drafts in `rid`'s step in flight: the head verifies a row per position."""
+        req = self._requests.get(rid)
+        return () if req is None or not req.in_flight else req.draft
 
     def drafted(self, rid: str) -> int:
-        """Draft tokens in `rid`'s step in flight: the head then needs a greedy token per row."""
-        req = self._requests.get(rid)
-        return 0 if req is None or not req.in_flight else len(req.draft)
+        return len(self.draft_of(rid))
 
     def wants_token(self, rid: str) -> bool:
         """Whether the step of `rid` in flight ends with a sampled token (not a prefill chunk
@@ -213,20 +242,23 @@ class Scheduler:
     def complete(self, rid: str, token) -> list[Event]:
         """A step of `rid` came back round the ring and the head sampled `token` (None, and
         ignored, for a prefill chunk before the last). For a step with drafts, `token` is the
-        sequence of greedy tokens after each of its positions (drafted + 1 of them)."""
+        sequence the head's verification yielded (speculate.verify): the accepted drafts, then
+        one token of the model's own (1 ..drafted + 1 tokens)."""
         req = self._requests.get(rid)
         if req is None or not req.in_flight:
             return []  # a request already failed or cancelled: ignore its late step
-        fed = req.in_flight
-        draft, req.draft = req.draft, ()
-        req.in_flight = 0
+        fed, draft = req.in_flight, req.draft
+        if draft:  # checked before anything changes: a wrong call leaves the step in flight
+            tokens = tuple(int(t) for t in np.atleast_1d(token)) if token is not None else ()
+            if not 1 <= len(tokens) <= len(draft) + 1 or tokens[:-1] != tuple(draft[: len(tokens) - 1]):
+                raise ValueError(f"request {rid}'s step with {len(draft)} drafts needs its accepted drafts "
+                                 f"and one more token, got {list(tokens)}")  # fmt: skip
+        req.draft, req.in_flight = (), 0
         if draft:
-            if token is None or np.ndim(token) != 1:
-                raise ValueError(f"request {rid}'s step with {len(draft)} drafts needs {len(draft) + 1} tokens")
-            tokens = accept(draft, token)
             kept = len(tokens)  # positions that stay live: the last token and the accepted drafts
             req.zeros.extend(range(req.cache_len + kept, req.cache_len + fed))
             req.spec.add(len(draft), kept)
+            req.acceptance.add(len(draft), kept - 1)
         else:
             kept = fed
             tokens = None if token is None else (int(token),)

@@ -1,4 +1,5 @@
-"""Speculative decoding on the ring, sans I/O: n-gram drafts and greedy acceptance.
+"""Speculative decoding on the ring, sans I/O: n-gram drafts, their verification (greedy or
+speculative sampling) and how many to draft.
 
 Theory of operation. A trip round the ring costs about the same for K+1 positions as for one
 (the network, not the compute, dominates), so the head guesses K tokens and verifies them in
@@ -16,7 +17,17 @@ the trip it would make anyway:
    is physical, positions are logical: see scheduler.py and notes-backends.md), so no state
    ever round-trips.
 
-With temperature > 0 the head does not speculate (speculative sampling is left for later).
+5. Sampling (`verify` with temperature > 0): speculative sampling with the drafts as
+   deterministic proposals (q one-hot on d_i): accept d_i with probability min(1, p_i/q_i) =
+   p_i(d_i); at the first rejection draw from the residual max(0, p_i − q_i) ∝ p_i with d_i
+   removed; after a full match draw the bonus from p_K. Every emitted token is then distributed
+   exactly as plain sampling's (Leviathan et al. 2023, Theorem 1, for a one-hot q).
+6. How many (`choose_k`): a trip of n positions costs t(n) = c + β·n, fitted online from the
+   head's measured decode steps (`StepCost`; DiP-SD's affine latency model), and a request
+   accepts each draft with probability α (`Acceptance`, a decayed running estimate with a prior,
+   so a low-acceptance stretch turns drafting off and drafting is tried again a few trips later).
+   With geometric acceptance a trip of K drafts yields E(K) = (1 − α^(K+1)) / (1 − α) tokens;
+   K maximises E(K) / t(K+1), and K = 0 (no drafts) wins whenever speculating does not pay.
 """
 
 from __future__ import annotations
@@ -26,11 +37,17 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kafila.sampling import sample_token, token_probs
+
 SPECULATE_MODES = ("off", "ngram")
-DRAFT_K = 6  # draft tokens per trip (positions per verifying step: DRAFT_K + 1)
+DRAFT_K = 8  # the most draft tokens per trip choose_k may pick (positions per step: DRAFT_K + 1)
 MAX_DRAFT_K = 32  # the most a session may ask for
 NGRAM_MAX_N = 4  # longest suffix matched (tokens)
 NGRAM_MIN_N = 2  # shortest suffix matched: one-token matches are mostly noise
+PRIOR_SLOPE = 0.05  # before two position counts are measured: one more position costs 5% of a trip
+ACCEPT_PRIOR = (1.0, 1.0)  # pseudo-counts (accepted, rejected): α starts at 0.5
+MIN_GAIN = 1.03  # drafting must promise 3% more tokens per unit time than plain decoding
+ACCEPT_DECAY = 0.85  # weight of the past per trip: α follows the last ~7 trips
 
 
 def ngram_draft(history: Sequence[int] | np.ndarray, k: int, max_n: int = NGRAM_MAX_N,
@@ -68,6 +85,100 @@ def accept(draft: Sequence[int], predicted: Sequence[int]) -> tuple[int, ...]:
     return tuple(out)
 
 
+def verify(draft: Sequence[int], logits: np.ndarray, sampling=None) -> tuple[int, ...]:
+    """The tokens a verifying step yields, from its logits rows [len(draft) + 1, vocab]:
+    greedy (`sampling` None) or speculative sampling (`sampling` = (temperature, top_p, rng))."""
+    if len(logits) != len(draft) + 1:
+        raise ValueError(f"{len(draft)} drafts need {len(draft) + 1} rows of logits, got {len(logits)}")
+    if sampling is None:
+        return accept(draft, np.argmax(logits, axis=-1))
+    temperature, top_p, rng = sampling
+    out = []
+    for d, row in zip(draft, logits):
+        p = token_probs(row, temperature, top_p)
+        if rng.random() < p[int(d)]:
+            out.append(int(d))
+            continue
+        p[int(d)] = 0.0  # the residual max(0, p − q) for q one-hot on d
+        out.append(int(rng.choice(len(p), p=p / p.sum())))
+        return tuple(out)
+    out.append(sample_token(logits[-1], temperature, top_p, rng))
+    return tuple(out)
+
+
+class StepCost:
+    """The measured time of a decode trip by its position count n, as t(n) = c + β·n."""
+
+    def __init__(self, decay: float = 0.8) -> None:
+        self.decay = decay
+        self._ms: dict[int, tuple[float, int]] = {}  # n → (moving average ms, samples)
+
+    def observe(self, n: int, ms: float) -> None:
+        old = self._ms.get(n)
+        self._ms[n] = (ms, 1) if old is None else (old[0] * self.decay + ms * (1 - self.decay), old[1] + 1)
+
+    def fit(self) -> tuple[float, float]:
+        """(c, β) in ms: weighted least squares over the position counts seen; with one count
+        only, β is PRIOR_SLOPE of that trip; with none, (1, PRIOR_SLOPE) (only ratios matter)."""
+        pts = [(n, ms, min(k, 16)) for n, (ms, k) in self._ms.items()]
+        if len(pts) >= 2:
+            w = sum(k for _, _, k in pts)
+            mn = sum(n * k for n, _, k in pts) / w
+            mt = sum(t * k for _, t, k in pts) / w
+            var = sum(k * (n - mn) ** 2 for n, _, k in pts)
+            beta = max(0.0, sum(k * (n - mn) * (t - mt) for n, t, k in pts) / var)
+            return max(mt - beta * mn, 1e-6), beta
+        if pts:
+            n, t, _ = pts[0]
+            beta = PRIOR_SLOPE * t
+            return max(t - beta * n, 1e-6), beta
+        return 1.0, PRIOR_SLOPE
+
+    def predict(self, n: int) -> float:
+        c, beta = self.fit()
+        return c + beta * n
+
+
+@dataclass
+class Acceptance:
+    """A request's running per-draft acceptance α: decayed counts of accepted drafts and of
+    rejections (a trip ends at most one run of accepted drafts with one rejection)."""
+
+    accepted: float = 0.0
+    rejected: float = 0.0
+
+    def add(self, drafted: int, accepted: int) -> None:
+        self.accepted = self.accepted * ACCEPT_DECAY + accepted
+        self.rejected = self.rejected * ACCEPT_DECAY + (1 if accepted < drafted else 0)
+
+    def idle(self) -> None:
+        """A trip without drafts: the evidence ages, so α drifts back to the prior and drafting
+        is tried again (a stretch of low acceptance does not turn it off for good)."""
+        self.accepted *= ACCEPT_DECAY
+        self.rejected *= ACCEPT_DECAY
+
+    @property
+    def rate(self) -> float:
+        a, r = ACCEPT_PRIOR
+        return (self.accepted + a) / (self.accepted + self.rejected + a + r)
+
+
+def expected_tokens(k: int, alpha: float) -> float:
+    """Tokens a trip with k drafts yields when each is accepted with probability α (in turn)."""
+    return float(sum(alpha**i for i in range(k + 1)))
+
+
+def choose_k(alpha: float, cost: StepCost, k_max: int) -> int:
+    """The draft count 0..k_max that maximises expected tokens per unit of trip time; 0 unless
+    drafting is expected to gain MIN_GAIN (what the model leaves out: drafting, frames)."""
+    best, best_rate = 0, 0.0
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(k, alpha) / cost.predict(k + 1)
+        if rate > best_rate:
+            best, best_rate = k, rate
+    return best if best_rate >= MIN_GAIN / cost.predict(1) else 0
+
+
 @dataclass
 class SpecStats:
     """Counts of one request (or of a session): drafted and accepted tokens, verifying trips
@@ -102,7 +213,8 @@ class SpecStats:
         acc, tpt = self.acceptance, self.tokens_per_trip
         return {"drafted": self.drafted, "accepted": self.accepted,
                 "acceptance_rate": None if acc is None else round(acc, 4),
-                "tokens_per_trip": None if tpt is None else round(tpt, 4)}  # fmt: skip
+                "tokens_per_trip": None if tpt is None else round(tpt, 4),
+                "drafts_per_trip": round(self.drafted / self.trips, 4) if self.trips else None}  # fmt: skip
 
     def as_pairs(self) -> tuple[tuple[str, float], ...]:
         return (("spec:drafted", self.drafted), ("spec:accepted", self.accepted),
