@@ -4,7 +4,11 @@ For every ordered pair of NAT kinds (Kafila Table III with both ordinary variant
 member) an edge is opened from a member behind the first kind (initiator) to a member behind the
 second (responder), one edge at a time so timings are not skewed by the other edges, then a
 64 KiB stream is sent each way to prove it carries data. Each round uses fresh members (fresh
-NAT state); the table shows medians over rounds.
+NAT state); the table shows medians over rounds. *connect wall s* is the initiator's whole
+`connect`, clock started before its EdgeRequest goes to the rendezvous (signaling round trip,
+edge allocation, QUIC over the relay, first stream authenticated), seen from the bench; *time to
+data* starts later, at the allocation. With --send-delay-ms every path a member sends on is
+delayed: direct and relayed datagrams and the TCP signaling to the rendezvous.
 
     sudo .venv/bin/python -m bench.edges [--rounds 3] [--direct-wait-s 6] [--send-delay-ms 0] [--json]
 
@@ -92,6 +96,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                 "time_to_direct_s": median_or_none(
                     [r["time_to_direct_s"] for r in cell if r["achieved"] == "direct"]
                 ),
+                "connect_wall_s": median_or_none([r["connect_wall_s"] for r in cell]),
                 "data_ok": all(r["data_ok"] for r in cell),
             }
         )
@@ -102,20 +107,27 @@ def table(summary: list[dict]) -> str:
     lines = [
         (
             "| initiator | responder | predicted | expected | achieved (direct/rounds) | data | "
-            "time to data s (median) | time to direct s (median) |"
+            "connect wall s (median) | time to data s (median) | time to direct s (median) |"
         ),
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for s in summary:
         ok = "" if (s["achieved"] == [s["expected"]]) else " **≠ expected**"
         lines.append(
             f"| {s['initiator']} | {s['responder']} | {'/'.join(s['predicted'])} | {s['expected']} | "
             f"{'/'.join(map(str, s['achieved']))} ({s['direct_rounds']}/{s['rounds']}){ok} | "
-            f"{'ok' if s['data_ok'] else 'LOST'} | {s['time_to_data_s']} | {s['time_to_direct_s'] or '–'} |"
+            f"{'ok' if s['data_ok'] else 'LOST'} | {s['connect_wall_s']} | {s['time_to_data_s']} | "
+            f"{s['time_to_direct_s'] or '–'} |"
         )
     data = [s["time_to_data_s"] for s in summary if s["time_to_data_s"] is not None]
     direct = [s["time_to_direct_s"] for s in summary if s["time_to_direct_s"] is not None]
+    connect = [s["connect_wall_s"] for s in summary if s["connect_wall_s"] is not None]
     lines.append("")
+    if connect:
+        lines.append(
+            f"median connect wall time over all pairs (EdgeRequest → authenticated edge): "
+            f"{statistics.median(connect):.3f} s; worst {max(connect):.3f} s"
+        )
     if data:
         lines.append(
             f"median time to data over all pairs: {statistics.median(data):.3f} s "

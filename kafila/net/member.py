@@ -38,7 +38,7 @@ from kafila.net.roster import (
     distinct_name,
     valid_name,
 )
-from kafila.net.sock import MemberSocket
+from kafila.net.sock import DelayedWriter, MemberSocket, delayed_writer
 from kafila.net.stunclient import check_nat, resolve
 from rendezvous import frames
 from rendezvous import messages as m
@@ -95,7 +95,8 @@ class RendezvousRefused(Refused):
 class _Signal:
     """The TCP signaling connection: framed messages in, framed messages out."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    def __init__(self, reader: asyncio.StreamReader,
+                 writer: asyncio.StreamWriter | DelayedWriter) -> None:
         self.reader, self.writer = reader, writer
         self.frames = m.FrameReader()
         self.pending: collections.deque[m.Message] = collections.deque()
@@ -249,7 +250,7 @@ class Member:
             self._sock.close()
             host, port = rendezvous
             raise Refused(f"cannot reach the rendezvous at {host}:{port}: {exc or 'timeout'}") from None
-        self._signal = _Signal(reader, writer)
+        self._signal = _Signal(reader, delayed_writer(writer, send_delay_ms))  # WAN emulation too
 
     async def _join(self, nameplate: int, code: str) -> None:
         self._signal.send(m.Join(nameplate))

@@ -1,7 +1,10 @@
 """The member's one UDP socket: STUN, relay frames, punch probes and QUIC, by first byte.
 
 `send_delay_ms` delays every datagram this socket sends by that many milliseconds, in order
-(a user-space WAN emulation; tc netem is not available on the machines this runs on).
+(a user-space WAN emulation; tc netem is not available on the machines this runs on). Every
+path a member sends on goes through it: direct datagrams, relay frames (sent to the rendezvous
+over this socket) and, through `DelayedWriter`, the TCP signaling to the rendezvous, so an
+emulated member is that far from everything, not only from its direct peers.
 
 Throughput: asyncio's datagram transport reads one datagram per event-loop iteration, so a
 QUIC burst cost one loop turn (and one aioquic transmit) per packet. This socket reads up to
@@ -32,6 +35,68 @@ RECV_MAX_BYTES = 65535
 SOCKET_BUFFER_BYTES = 4 << 20  # asked for; the kernel caps it at net.core.[rw]mem_max
 HANDLER_ERRORS_LOGGED = 3  # then only debug lines: a stranger's datagrams must not flood the log
 SEND_QUEUE_MAX = 4096  # datagrams waiting for a full send buffer; beyond that they drop (UDP)
+
+
+class DelayedWriter:
+    """A StreamWriter whose writes reach the stream `send_delay_ms` later, in order.
+
+    The signaling connection's half of the WAN emulation: `write` queues, `drain` waits until
+    the queue has been written and then drains the stream, `close` drops what is still queued.
+    """
+
+    def __init__(self, writer: asyncio.StreamWriter, send_delay_ms: float) -> None:
+        self.writer = writer
+        self.send_delay_s = max(0.0, float(send_delay_ms)) / 1000.0
+        self._queue: collections.deque[tuple[float, bytes]] = collections.deque()
+        self._timer: asyncio.TimerHandle | None = None
+        self._empty = asyncio.Event()
+        self._empty.set()
+
+    def write(self, data: bytes) -> None:
+        if self.writer.is_closing():
+            return
+        loop = asyncio.get_running_loop()
+        self._queue.append((loop.time() + self.send_delay_s, data))
+        self._empty.clear()
+        if self._timer is None:
+            self._timer = loop.call_at(self._queue[0][0], self._release)
+
+    def _release(self) -> None:
+        self._timer = None
+        loop = asyncio.get_running_loop()
+        while self._queue and self._queue[0][0] <= loop.time():
+            _, data = self._queue.popleft()
+            if not self.writer.is_closing():
+                self.writer.write(data)
+        if self._queue:
+            self._timer = loop.call_at(self._queue[0][0], self._release)
+        else:
+            self._empty.set()
+
+    async def drain(self) -> None:
+        await self._empty.wait()
+        await self.writer.drain()
+
+    def is_closing(self) -> bool:
+        return self.writer.is_closing()
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._queue.clear()
+        self._empty.set()
+        self.writer.close()
+
+    async def wait_closed(self) -> None:
+        await self.writer.wait_closed()
+
+
+def delayed_writer(
+    writer: asyncio.StreamWriter, send_delay_ms: float
+) -> asyncio.StreamWriter | DelayedWriter:
+    """`writer` itself without a delay, else a DelayedWriter around it."""
+    return DelayedWriter(writer, send_delay_ms) if send_delay_ms > 0 else writer
 
 
 class MemberSocket:
