@@ -1,8 +1,8 @@
 """Is the probe repeatable, and does it see a slower device?
 
-    .venv/bin/python -m bench.probe_throttle [--quick] [--quota-percent 25]
+    .venv/bin/python -m bench.probe_throttle [--quick] [--quota-percent 25] [--backend openvino]
 
-Runs `probe_device()` three times, each in a fresh child process: twice normally, and once
+Runs `probe_device(backend=...)` three times, each in a fresh child process: twice normally, and once
 inside a cgroup v1 CPU quota (cpu.cfs_period_us = 100000, cpu.cfs_quota_us = 25000: a quarter
 of one CPU), created as /sys/fs/cgroup/cpu/kafila-probe-<pid>/ and removed afterwards. Prints
 bandwidth and overhead side by side, the two normal runs' difference, and the throttled run's
@@ -27,22 +27,22 @@ CPU_CGROUP = Path("/sys/fs/cgroup/cpu")
 PERIOD_US = 100_000
 
 
-def child_command(quick: bool) -> list[str]:
+def child_command(quick: bool, backend: str = "openvino") -> list[str]:
     code = (
         "import json; from kafila.probe import probe_device; "
-        f"print(json.dumps(probe_device(quick={quick}).to_json()))"
+        f"print(json.dumps(probe_device(quick={quick}, backend={backend!r}).to_json()))"
     )
     return [sys.executable, "-c", code]
 
 
-def run_probe(quick: bool, cgroup: Path | None = None) -> dict[str, Any]:
+def run_probe(quick: bool, cgroup: Path | None = None, backend: str = "openvino") -> dict[str, Any]:
     def join_cgroup() -> None:  # runs in the child before exec: the child's own pid
         assert cgroup is not None
         (cgroup / "cgroup.procs").write_text(str(os.getpid()))
 
     start = time.perf_counter()
     done = subprocess.run(
-        child_command(quick),
+        child_command(quick, backend),
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -93,22 +93,24 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="the session-start probe")
     parser.add_argument("--quota-percent", type=int, default=25)
+    parser.add_argument("--backend", default="openvino", choices=("openvino", "mlx", "reference"))
     args = parser.parse_args()
 
     print(f"load average before: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
-    first = run_probe(args.quick)
-    second = run_probe(args.quick)
+    first = run_probe(args.quick, backend=args.backend)
+    second = run_probe(args.quick, backend=args.backend)
     cgroup, why = make_cgroup(args.quota_percent)
     throttled = None
     if cgroup is not None:
         try:
-            throttled = run_probe(args.quick, cgroup)
+            throttled = run_probe(args.quick, cgroup, args.backend)
         finally:
             remove_cgroup(cgroup)
     print(f"load average after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     mode = "quick" if args.quick else "full"
     print(
-        f"\nprobe ({mode}: {first['runs']} runs, {first['buffer_mib']} MiB, {first['threads']} threads)\n"
+        f"\nprobe ({mode}: {first['runs']} runs, {first['buffer_mib']} MiB, {first['threads']} threads, "
+        f"{first['backend']})\n"
     )
     print(
         "| run | bandwidth GB/s (± spread) | overhead µs (± spread) | TFLOP/s | free GB | wall s |"

@@ -1,15 +1,22 @@
 """Measure this machine for the planner: the terms of eq. 2 and the tiers below it (§V-A, §V-D).
 
-`probe_device(quick=False) -> ProbeResult` measures
-- memory bandwidth b̄ (GB/s): a streaming read, on every CPU this process may use, of a buffer
-  far larger than the last-level cache (at least 512 MiB and twice the LLC; 128 MiB in quick
-  mode, which trades rigour for a sub-two-second start);
-- per-token dispatch overhead o (µs): one forward of a tiny OpenVINO graph on CPU
-  ([1, 1, 64] → MatMul [64, 64] → result), the cost the backend pays per shard per token
-  whatever the shard's size;
+`probe_device(quick=False, backend="openvino") -> ProbeResult` measures, with the backend the
+member will serve on (a member is priced by what its shards will run, not by numpy):
+- memory bandwidth b̄ (GB/s): a streaming read of a buffer far larger than the last-level cache
+  (at least 512 MiB and twice the LLC; 128 MiB in quick mode, which trades rigour for a
+  sub-two-second start). openvino and reference: numpy reductions on every CPU this process may
+  use (the CPU plugin's and numpy's kernels run on all of them); mlx: an MLX reduction on MLX's
+  default device, evaluated;
+- per-token dispatch overhead o (µs): one forward of a tiny graph ([1, 1, 64] → MatMul
+  [64, 64] → result, read back): an OpenVINO infer request on CPU, an MLX matmul evaluated on
+  its default device, or a numpy matmul for reference; the cost the backend pays per shard per
+  token whatever the shard's size;
 - free memory (GB = 1e9 bytes): what the OS reports available, lowered to the room left under
   a cgroup memory limit when one is set;
-- arithmetic throughput (TFLOP/s): a float32 numpy matmul.
+- arithmetic throughput (TFLOP/s): a float32 matmul in the backend's library (numpy for
+  openvino and reference, MLX for mlx).
+`ProbeResult.backend` names what was measured ("openvino CPU", "mlx CPU", "mlx GPU",
+"reference numpy CPU").
 Each figure is the median over several runs, with its spread (max − min over the runs, in the
 same unit). Every run lasts at least a fixed wall-clock time, so a figure is a sustained rate:
 a CPU quota or thermal throttling shows in it rather than hiding between bursts.
@@ -37,6 +44,7 @@ FULL_BUFFER_MIN_BYTES = 512 * MIB
 QUICK_BUFFER_BYTES = 128 * MIB
 MAX_BUFFER_BYTES = 2048 * MIB
 OVERHEAD_WIDTH = 64  # the tiny graph's hidden size
+PROBE_BACKENDS = ("openvino", "mlx", "reference")
 
 
 @dataclass(frozen=True)
@@ -97,19 +105,32 @@ class ProbeResult:
         return entry
 
 
-def probe_device(quick: bool = False) -> ProbeResult:
-    """Measure this machine (quick: under two seconds, for session start)."""
+def probe_device(quick: bool = False, backend: str = "openvino") -> ProbeResult:
+    """Measure this machine with `backend` (quick: under two seconds, for session start)."""
+    if backend not in PROBE_BACKENDS:
+        choices = ", ".join(PROBE_BACKENDS)
+        raise ValueError(f"no probe for backend {backend!r} (choose from {choices})")
     settings = ProbeSettings.for_mode(quick)
     errors: list[str] = []
     memory_bytes = free_memory_bytes()  # before the probe's own buffer takes some
     threads = usable_cpus()
     buffer_bytes = max(64 * MIB, min(settings.buffer_bytes, int(memory_bytes // 4)))
 
-    bandwidth = _attempt(
-        lambda: measure_bandwidth(buffer_bytes, threads, settings), errors, "bandwidth"
-    )
-    overhead = _attempt(lambda: measure_overhead(settings), errors, "overhead")
-    tflops = _attempt(lambda: measure_tflops(settings), errors, "tflops")
+    if backend == "mlx":
+        label = _attempt_label(mlx_device_label, errors)
+        bandwidth = _attempt(
+            lambda: measure_bandwidth_mlx(buffer_bytes, settings), errors, "bandwidth"
+        )
+        overhead = _attempt(lambda: measure_overhead_mlx(settings), errors, "overhead")
+        tflops = _attempt(lambda: measure_tflops_mlx(settings), errors, "tflops")
+    else:
+        label = "openvino CPU" if backend == "openvino" else "reference numpy CPU"
+        bandwidth = _attempt(
+            lambda: measure_bandwidth(buffer_bytes, threads, settings), errors, "bandwidth"
+        )
+        measure = measure_overhead if backend == "openvino" else measure_overhead_numpy
+        overhead = _attempt(lambda: measure(settings), errors, "overhead")
+        tflops = _attempt(lambda: measure_tflops(settings), errors, "tflops")
     llc = last_level_cache_bytes()
     return ProbeResult(
         bandwidth_gbps=_median(bandwidth),
@@ -124,7 +145,7 @@ def probe_device(quick: bool = False) -> ProbeResult:
         threads=threads,
         buffer_mib=buffer_bytes // MIB,
         llc_mib=None if llc is None else llc // MIB,
-        backend="openvino CPU",
+        backend=label,
         errors=tuple(errors),
     )
 
@@ -138,6 +159,14 @@ def _attempt(
         # a failed measurement lowers the planner's tier; the reason travels with the result
         errors.append(f"{what}: {type(exc).__name__}: {exc}")
         return None
+
+
+def _attempt_label(label: Callable[[], str], errors: list[str]) -> str:
+    try:
+        return label()
+    except ImportError as exc:
+        errors.append(f"backend: {type(exc).__name__}: {exc}")
+        return "mlx (not importable)"
 
 
 def _median(values: list[float] | None) -> float | None:
@@ -217,6 +246,75 @@ def measure_tflops(settings: ProbeSettings) -> list[float]:
 
     def matmul() -> float:
         np.matmul(a, b)
+        return 2.0 * n**3
+
+    return [rate / 1e12 for rate in _timed_runs(matmul, settings)]
+
+
+def measure_overhead_numpy(settings: ProbeSettings) -> list[float]:
+    """µs per tiny numpy forward (the reference backend's fixed cost per stage and token)."""
+    weight = np.full((OVERHEAD_WIDTH, OVERHEAD_WIDTH), 0.01, dtype=np.float32)
+    token = np.ones((1, 1, OVERHEAD_WIDTH), dtype=np.float32)  # (B, T, C)
+
+    def forward() -> float:
+        (token @ weight).sum()  # (B, T, C)
+        return 1.0
+
+    return [1e6 / rate for rate in _timed_runs(forward, settings)]
+
+
+# --- MLX: the same three figures, from MLX operations on MLX's default device ------------------
+
+
+def mlx_device_label() -> str:
+    import mlx.core as mx
+
+    return "mlx GPU" if mx.default_device().type == mx.gpu else "mlx CPU"
+
+
+def measure_bandwidth_mlx(buffer_bytes: int, settings: ProbeSettings) -> list[float]:
+    """GB/s per run: an MLX max-reduction over a uint32 buffer, evaluated on the default device."""
+    import mlx.core as mx
+
+    words = mx.ones((buffer_bytes // 4,), dtype=mx.uint32)
+    mx.eval(words)  # materialise (touch every page) before timing
+
+    def read_once() -> float:
+        mx.eval(mx.max(words))
+        return float(words.nbytes)
+
+    rates = _timed_runs(read_once, settings)
+    return [rate / BYTES_PER_GB for rate in rates]
+
+
+def measure_overhead_mlx(settings: ProbeSettings) -> list[float]:
+    """µs per forward of a tiny MLX graph, evaluated and read back as a shard's step is."""
+    import mlx.core as mx
+
+    weight = mx.full((OVERHEAD_WIDTH, OVERHEAD_WIDTH), 0.01, dtype=mx.float32)
+    token = np.ones((1, 1, OVERHEAD_WIDTH), dtype=np.float32)  # (B, T, C)
+    mx.eval(weight)
+
+    def forward() -> float:
+        y = mx.array(token) @ weight  # (B, T, C)
+        np.asarray(y).sum()  # evaluates and copies back, as MLXShard.forward hands on its output
+        return 1.0
+
+    return [1e6 / rate for rate in _timed_runs(forward, settings)]
+
+
+def measure_tflops_mlx(settings: ProbeSettings) -> list[float]:
+    """TFLOP/s of a float32 n×n MLX matmul (2·n³ operations), evaluated."""
+    import mlx.core as mx
+
+    n = settings.matmul_n
+    key = mx.random.key(0)
+    a = mx.random.normal((n, n), dtype=mx.float32, key=key)
+    b = mx.random.normal((n, n), dtype=mx.float32, key=mx.random.split(key)[1])
+    mx.eval(a, b)
+
+    def matmul() -> float:
+        mx.eval(a @ b)
         return 2.0 * n**3
 
     return [rate / 1e12 for rate in _timed_runs(matmul, settings)]

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+import backends
 from kafila.probe import ProbeResult, cgroup_memory_room_bytes, probe_device
 from planner import make_plan, parse_fleet
 
@@ -117,3 +118,35 @@ def test_cgroup_v1_unlimited_and_v2(tmp_path: Path) -> None:
     _write(tmp_path / "v2/user/job/memory.max", "max\n")
     assert cgroup_memory_room_bytes(tmp_path / "v2", tmp_path / "self2") is None
     assert cgroup_memory_room_bytes(tmp_path / "none", tmp_path / "missing") is None
+
+
+@pytest.mark.skipif(not backends.status("mlx").available, reason=backends.status("mlx").reason)
+def test_mlx_member_probes_with_mlx() -> None:
+    result = probe_device(quick=True, backend="mlx")
+    assert result.backend == "mlx CPU", result  # this Linux build has no GPU
+    assert result.errors == ()
+    assert result.bandwidth_gbps is not None and result.bandwidth_gbps > 0
+    assert result.overhead_us is not None and result.overhead_us > 0
+    assert result.tflops is not None and result.tflops > 0
+
+
+def test_the_descriptor_is_measured_on_the_serving_backend(monkeypatch: pytest.MonkeyPatch) -> None:
+    import kafila.probe
+    from kafila.session.member import Participant, SessionConfig
+
+    asked: list[str] = []
+    measured = probe_device(quick=True, backend="reference")  # what the fake hands back
+
+    def fake_probe(quick: bool = False, backend: str = "openvino") -> ProbeResult:
+        asked.append(backend)
+        return measured
+
+    monkeypatch.setattr(kafila.probe, "probe_device", fake_probe)
+    descriptor = Participant(SessionConfig(name="m", rendezvous=None, backend="mlx")).descriptor()
+    assert asked == ["mlx"]
+    assert descriptor["backend"] == "mlx" and descriptor["probed_on"] == "reference numpy CPU"
+
+
+def test_unknown_probe_backend_is_refused() -> None:
+    with pytest.raises(ValueError, match="no probe for backend"):
+        probe_device(quick=True, backend="cuda")

@@ -20,13 +20,17 @@ def register(subparsers: Any) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="the under-two-seconds probe a session start runs"
     )
+    parser.add_argument(
+        "--backend", default="openvino", choices=("openvino", "mlx", "reference"),
+        help="measure with the runtime a member will serve on (default openvino)",
+    )
     parser.set_defaults(handler=run)
 
 
 def run(args: argparse.Namespace) -> int:
     from kafila.probe import probe_device
 
-    result = probe_device(quick=args.quick)
+    result = probe_device(quick=args.quick, backend=args.backend)
     if args.json:
         print(json.dumps(result.to_json(), indent=1))
     else:

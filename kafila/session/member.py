@@ -179,8 +179,8 @@ class Participant:
     def descriptor(self) -> dict:
         from kafila.probe import probe_device
 
-        p = probe_device(quick=True)
-        return {"backend": self.cfg.backend, "memory_gb": round(p.memory_gb, 3),
+        p = probe_device(quick=True, backend=self.cfg.backend)  # measured on what it will serve on
+        return {"backend": self.cfg.backend, "probed_on": p.backend, "memory_gb": round(p.memory_gb, 3),
                 "bandwidth_gbps": p.bandwidth_gbps, "overhead_us": p.overhead_us,
                 "tflops": p.tflops}  # fmt: skip
 
