@@ -3,8 +3,17 @@
     .venv/bin/python -m bench.plan_speed [--fleets N]
 
 Times `make_plan` end to end (tier, ring order, one PARTITION per rotation, admission) on
-seeded random fleets, and `order_ring` alone on 9 members with measured RTTs (exhaustive
-search). Prints the median and worst time and their ratio to each target.
+seeded random fleets, and `order_ring` alone: on 9 members with measured RTTs (exhaustive
+search) and on 10-32 members (nearest neighbour + 2-opt). Prints the median and worst time and
+their ratio to each target.
+
+The hard case for the exhaustive search is not a fleet of ties: with every edge priced the same
+the first ordering found meets the lower bound and every other branch is pruned at once. It is a
+ring of relayed edges with distinct RTTs (every member restrictive): a relayed edge costs
+r_A + r_B, so every ordering costs the same 2·Σr and only the tie-break (ring separation
+Σ|r_A − r_B|) tells them apart; the per-member lower bound is then far below the optimum and
+prunes little. It was the slowest of the cases tried (all permissive, ordinary and restrictive
+alternating, mixed classes, narrow RTT ranges), several times the random fleets' median.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ from collections.abc import Callable
 from functools import partial
 
 from planner import Device, Fleet, Model, Nat, make_plan, order_ring
+from planner.ring import EXHAUSTIVE_MAX_MEMBERS
 
 PLAN_TARGET_MS = 20.0
 RING_TARGET_MS = 1000.0
@@ -32,6 +42,26 @@ def random_fleet(rng: random.Random, members: int, blocks: int) -> Fleet:
             overhead_us=rng.uniform(10, 60),
             rtt_ms=float(rng.randint(5, 300)),
             nat=rng.choice(list(Nat)),
+        )
+        for i in range(members)
+    )
+    model = Model("bench", blocks, 0.5e9, 1.5e9, 4096)
+    return Fleet(4096, 2, "d0", model, devices)
+
+
+def distinct_rtt_fleet(
+    rng: random.Random, members: int, blocks: int, nats: list[Nat] | None
+) -> Fleet:
+    """Distinct RTTs (no two equal, to 0.01 ms) and the given NAT classes (None: random ones)."""
+    rtts = rng.sample(range(500, 30_000), members)  # 5.00 .. 299.99 ms
+    devices = tuple(
+        Device(
+            name=f"d{i}",
+            memory_gb=rng.choice([8, 12, 16, 24, 32, 48, 80]),
+            bandwidth_gbps=rng.uniform(80, 1400),
+            overhead_us=rng.uniform(10, 60),
+            rtt_ms=rtts[i] / 100.0,
+            nat=rng.choice(list(Nat)) if nats is None else nats[i],
         )
         for i in range(members)
     )
@@ -76,8 +106,26 @@ def main() -> None:
 
     rings = [random_fleet(rng, 9, 64) for _ in range(args.fleets)]
     times = [time_ms(partial(order_ring, f.devices, "d0"), REPEATS) for f in rings]
-    report("order_ring, 9 members with RTTs (exhaustive)", times, RING_TARGET_MS)
-    # the hardest case for the bound: every edge costs the same, every order ties
+    report("order_ring, 9 members, random NAT classes and RTTs (exhaustive)", times, RING_TARGET_MS)
+    members = EXHAUSTIVE_MAX_MEMBERS
+    hard = [
+        distinct_rtt_fleet(rng, members, 64, [Nat.RESTRICTIVE] * members)
+        for _ in range(args.fleets)
+    ]
+    times = [time_ms(partial(order_ring, f.devices, "d0"), REPEATS) for f in hard]
+    report(
+        f"order_ring, {members} members, all relayed, distinct RTTs (exhaustive; the hard case)",
+        times,
+        RING_TARGET_MS,
+    )
+    mixed = [distinct_rtt_fleet(rng, members, 64, None) for _ in range(args.fleets)]
+    times = [time_ms(partial(order_ring, f.devices, "d0"), REPEATS) for f in mixed]
+    report(
+        f"order_ring, {members} members, mixed NAT classes, distinct RTTs (exhaustive)",
+        times,
+        RING_TARGET_MS,
+    )
+    # every edge costs the same: the first ordering meets the bound, the rest prune at once
     same = Fleet(
         4096,
         2,
@@ -86,13 +134,20 @@ def main() -> None:
         tuple(Device(f"d{i}", 24, 500.0, 20.0, rtt_ms=50.0, nat=Nat.RESTRICTIVE) for i in range(9)),
     )
     report(
-        "order_ring, 9 members, all ties",
+        "order_ring, 9 members, all ties (the easy case: pruned at once)",
         [time_ms(partial(order_ring, same.devices, "d0"), REPEATS)],
         RING_TARGET_MS,
     )
+    for n in (EXHAUSTIVE_MAX_MEMBERS + 1, 16, 32):
+        for label, nats in (("mixed NAT classes", None), ("all relayed", [Nat.RESTRICTIVE] * n)):
+            fleets_n = [distinct_rtt_fleet(rng, n, 64, nats) for _ in range(args.fleets)]
+            times = [time_ms(partial(order_ring, f.devices, "d0"), REPEATS) for f in fleets_n]
+            title = f"order_ring, {n} members, {label}, distinct RTTs (2-opt)"
+            report(title, times, RING_TARGET_MS)
     times = [time_ms(partial(make_plan, f), REPEATS) for f in rings]
     report("make_plan, 64 blocks on 9 members (ring + 9 rotations)", times, RING_TARGET_MS)
-
+    times = [time_ms(partial(make_plan, f), REPEATS) for f in hard]
+    report("make_plan, 64 blocks on 9 members, the hard ring", times, RING_TARGET_MS)
 
 if __name__ == "__main__":
     main()
