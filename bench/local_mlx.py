@@ -1,7 +1,10 @@
 """MLX rows of the local benchmark: our MLX chains against a monolithic MLX peer and openvino_genai.
 
 All on the same GGUF, same chat prompt, greedy, NEW_TOKENS new tokens with EOS ignored,
-WARMUPS warm-ups each, then REPEATS samples taken in turn (A B C A B C …), median reported.
+WARMUPS warm-ups each, then REPEATS rounds in which every row runs once in turn (A B C A B C …);
+each row's tok/s is the median over rounds, its ratio to the mlx-lm peer the median over rounds
+of row / peer in the same round (as bench/local.py), with the spread (min–max) of those ratios,
+so load from elsewhere falls on both sides of every ratio alike.
 tok/s is decode throughput: the tokens after the first over the time from the first token to
 the last (prefill excluded, for every row).
 
@@ -228,20 +231,28 @@ def rows(
         {"name": name, "tok_s": statistics.median(s), "samples": s, "same_tokens": same[name]}
         for name, s in samples.items()
     ]
-    peer_tok_s = out[0]["tok_s"]
+    peer = samples[PEER]
     for row in out:
-        row["ratio_to_mlx_peer"] = row["tok_s"] / peer_tok_s
+        ratios = [x / p for x, p in zip(row["samples"], peer, strict=True)]  # same round
+        row["ratios_to_mlx_peer"] = ratios
+        row["ratio_to_mlx_peer"] = statistics.median(ratios)
     return out
 
 
 def table(result: list[dict]) -> str:
+    n = len(result[0]["samples"])
     lines = [
-        "| configuration | tok/s (median of 5) | × mlx-lm peer | same tokens as peer |",
-        "|---|---:|---:|---|",
+        f"| configuration | tok/s (median of {n}) | × mlx-lm peer (median of per-round ratios) "
+        "| per-round ratio min–max | same tokens as peer |",
+        "|---|---:|---:|---:|---|",
     ]
     for r in result:
         same = {True: "yes", False: "no", None: "n/a"}[r["same_tokens"]]
-        lines.append(f"| {r['name']} | {r['tok_s']:.2f} | {r['ratio_to_mlx_peer']:.2f} | {same} |")
+        ratios = r["ratios_to_mlx_peer"]
+        lines.append(
+            f"| {r['name']} | {r['tok_s']:.2f} | {r['ratio_to_mlx_peer']:.2f} "
+            f"| {min(ratios):.2f}–{max(ratios):.2f} | {same} |"
+        )
     return "\n".join(lines)
 
 
@@ -250,10 +261,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--stages", default="1", help="MLX chain lengths, comma separated")
     parser.add_argument("--tokens", type=int, default=NEW_TOKENS)
+    parser.add_argument("--warmups", type=int, default=WARMUPS, help="warm-ups per row")
+    parser.add_argument("--repeats", type=int, default=REPEATS, help="rounds (every row once each)")
     parser.add_argument("--no-genai", action="store_true")
     args = parser.parse_args(argv)
     stages = tuple(int(s) for s in args.stages.split(","))
-    result = rows(args.model, stages, args.tokens, genai=not args.no_genai)
+    result = rows(
+        args.model, stages, args.tokens, args.warmups, args.repeats, genai=not args.no_genai
+    )
     print(table(result))
     print("samples (tok/s):", {r["name"]: [round(s, 2) for s in r["samples"]] for r in result})
     return 0
