@@ -113,10 +113,18 @@ class _Signal:
             self.pending.extend(self.frames.feed(data))
         return self.pending.popleft()
 
-    async def expect(self, *kinds: type) -> m.Message:
-        """The next message, which must be one of kinds (an Error becomes Refused)."""
+    async def expect(self, *kinds: type, what: str | None = None) -> m.Message:
+        """The next message, which must be one of kinds (an Error becomes Refused; none within
+        SIGNAL_TIMEOUT_S, a Refused that says `what` did not come, e.g. "no answer from the host")."""
         while True:
-            message = await asyncio.wait_for(self.next(), SIGNAL_TIMEOUT_S)
+            try:
+                message = await asyncio.wait_for(self.next(), SIGNAL_TIMEOUT_S)
+            except TimeoutError:
+                extra = getattr(self.writer, "get_extra_info", None)
+                peer = extra("peername") if extra is not None else None
+                at = f" at {peer[0]}:{peer[1]}" if peer else ""
+                wanted = what or f"no {' or '.join(k.__name__ for k in kinds)}"
+                raise Refused(f"{wanted} came through the rendezvous{at} within {SIGNAL_TIMEOUT_S:g} s") from None
             if isinstance(message, m.Error):
                 raise RendezvousRefused(message.code, f"rendezvous refused: {message.reason}")
             if isinstance(message, m.Heartbeat):
@@ -177,7 +185,7 @@ class Member:
         await self._open(rendezvous, name, descriptor, bind_host, send_delay_ms, is_host=True)
         try:
             self._signal.send(m.Open())
-            opened = await self._signal.expect(m.Opened)
+            opened = await self._signal.expect(m.Opened, what="no answer to opening the session")
             assert isinstance(opened, m.Opened)
             self.nameplate, self.rid, self._relay_token = opened.nameplate, 0, opened.relay_token
             self.code = make_code(opened.nameplate, words=code_words)
@@ -255,7 +263,7 @@ class Member:
     async def _join(self, nameplate: int, code: str) -> None:
         self._signal.send(m.Join(nameplate))
         try:
-            joined = await self._signal.expect(m.Joined)
+            joined = await self._signal.expect(m.Joined, what="no answer to the join")
         except RendezvousRefused as exc:
             if exc.code == "busy":
                 raise _Busy() from None
@@ -306,7 +314,7 @@ class Member:
         self._start_background()
 
     async def _from_host(self) -> bytes:
-        deliver = await self._signal.expect(m.Deliver)
+        deliver = await self._signal.expect(m.Deliver, what="no answer from the host")
         assert isinstance(deliver, m.Deliver)
         if deliver.sender != 0:
             raise Refused("the rendezvous delivered a message that is not from the host")
