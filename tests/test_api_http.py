@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 
 import aiohttp
 import pytest
@@ -336,3 +337,102 @@ def test_a_body_that_never_arrives_is_408_and_frees_the_handler(tokenizer):  # n
             assert r.status == 200
 
     serve(ScriptedEngine(tokenizer), test, ApiLimits(body_timeout_s=0.5))
+
+
+# --- issue 15 item 5: what a web page, a slow client and a crowd of connections can do ----------
+
+CHAT = json.dumps({"model": "scripted", "messages": MSGS, "max_tokens": 3}).encode()
+
+
+def test_a_browser_post_must_be_json_while_curl_and_the_sdks_still_work(tokenizer):  # noqa: F811
+    """A page could post a prompt as text/plain (no CORS preflight); a browser's POST (Origin or
+    Sec-Fetch-Site) must now be application/json. Plain clients are not browsers: the README's
+    `curl ... -d '{...}'` (x-www-form-urlencoded), the openai and the ollama clients all pass."""
+    import ollama
+    import openai
+
+    async def test(server, http):
+        own = f"http://127.0.0.1:{server.port}"  # the member's own page passes the Origin guard
+        refused = [{"Origin": own, "Content-Type": "text/plain"},
+                   {"Origin": own, "Content-Type": "multipart/form-data; boundary=x"},
+                   {"Origin": own, "Content-Type": "application/x-www-form-urlencoded"},
+                   {"Origin": own},  # fetch() with a Blob body sends no type, and no preflight
+                   {"Sec-Fetch-Site": "cross-site", "Content-Type": "text/plain"}]  # fmt: skip
+        for path in ("/v1/chat/completions", "/api/chat"):
+            for headers in refused:
+                async with http.post(path, data=CHAT, headers=headers, skip_auto_headers=["Content-Type"]) as r:
+                    body = await r.json()
+                    assert r.status == 415, (path, headers, body)
+                    msg = body["error"] if path.startswith("/api/") else body["error"]["message"]
+                    assert "application/json" in msg
+            for headers in ({"Origin": own, "Content-Type": "application/json; charset=utf-8"},
+                            {"Sec-Fetch-Site": "same-origin", "Content-Type": "application/json"},
+                            {"Content-Type": "application/x-www-form-urlencoded"},
+                            {"Content-Type": "text/plain"}, {}):  # fmt: skip
+                async with http.post(path, data=CHAT, headers=headers, skip_auto_headers=["Content-Type"]) as r:
+                    assert r.status == 200, (path, headers, await r.text())
+        for path in ("/v1/chat/completions", "/api/chat"):  # as the README writes it
+            curl = await asyncio.create_subprocess_exec(
+                "curl", "-s", "-w", "\n%{http_code}", f"{server.url}{path}", "-d", CHAT.decode(),
+                stdout=asyncio.subprocess.PIPE)  # fmt: skip
+            out, _ = await curl.communicate()
+            assert out.decode().rsplit("\n", 1)[1] == "200", out
+
+        def sdks():
+            openai_text = openai.OpenAI(base_url=f"{server.url}/v1", api_key="x").chat.completions.create(
+                model="scripted", messages=MSGS, max_tokens=3).choices[0].message.content  # fmt: skip
+            ollama_text = ollama.Client(host=server.url).chat(
+                model="scripted", messages=MSGS, options={"num_predict": 3}).message.content
+            return openai_text, ollama_text
+
+        openai_text, ollama_text = await asyncio.to_thread(sdks)
+        assert openai_text == ollama_text == expected_text(tokenizer, MSGS, 3)[0]
+
+    if shutil.which("curl") is None:
+        pytest.skip("curl is not installed")
+    serve(ScriptedEngine(tokenizer), test)
+
+
+def test_request_headers_that_never_complete_are_cut_off(tokenizer):  # noqa: F811
+    """Half a request line, then nothing: the connection was held for ever (aiohttp waits
+    an hour); now it is closed after header_timeout_s, and the server goes on answering."""
+
+    async def test(server, http):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: 127.0")
+        await writer.drain()
+        t0 = asyncio.get_running_loop().time()
+        assert await asyncio.wait_for(reader.read(), 10) == b""  # closed by the server
+        assert 0.4 <= asyncio.get_running_loop().time() - t0 < 5
+        writer.close()
+        async with http.get("/v1/models") as r:
+            assert r.status == 200
+
+    serve(ScriptedEngine(tokenizer), test, ApiLimits(header_timeout_s=0.5))
+
+
+def test_connections_past_the_cap_get_a_503_and_the_rest_are_served(tokenizer):  # noqa: F811
+    async def test(server, http):
+        idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
+        for _ in range(100):
+            if server.connections == 3:
+                break
+            await asyncio.sleep(0.01)
+        assert server.connections == 3
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
+        head, _, body = (await asyncio.wait_for(reader.read(), 5)).partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 503 ") and b"Retry-After" in head
+        assert json.loads(body)["error"]["code"] == "too_many_connections"
+        writer.close()
+        assert server.connections == 3  # the refused one was never counted
+        for _, w in idle:
+            w.close()
+        for _ in range(100):
+            if server.connections == 0:
+                break
+            await asyncio.sleep(0.01)
+        async with http.get("/v1/models") as r:  # room again
+            assert r.status == 200
+
+    serve(ScriptedEngine(tokenizer), test, ApiLimits(max_connections=3))

@@ -1,7 +1,7 @@
 """Which browsers may talk to the API: DNS-rebinding and cross-site protection. Pure.
 
 The API has no authentication, so a web page the person happens to visit must not be able to
-use it. Two checks, on every route (the page, /status, /v1/*, /api/*):
+use it. Two checks, on every route (the page, /status, /v1/*, /api/*), and one on every POST:
 
 - Host: a page on `evil.example` whose name is re-pointed at 127.0.0.1 reaches the member with
   `Host: evil.example`. Only IP literals, `localhost` (and `*.localhost`) and this machine's own
@@ -10,6 +10,13 @@ use it. Two checks, on every route (the page, /status, /v1/*, /api/*):
   own page (same host and port as the request) passes; a page served from this machine's
   loopback (`http://localhost:3000`, as Ollama allows) passes; anything else, `null` included,
   is refused.
+- Content-Type (POST): a browser sends text/plain, multipart/form-data and
+  application/x-www-form-urlencoded (or no type at all) to any site without asking it first
+  (no CORS preflight), so a page could post a prompt; application/json it sends only after a
+  preflight, which this API never grants. So a request that a browser made (it carries an
+  Origin header, as every browser POST does, or Sec-Fetch-Site) must be application/json.
+  Without either (curl, the openai and ollama clients, scripts) any type passes and the body
+  must still be JSON: the README's `curl ... -d '{...}'` sends application/x-www-form-urlencoded.
 """
 
 from __future__ import annotations
@@ -78,6 +85,17 @@ def refusal(host_header: str | None, origin: str | None, own_names: tuple[str, .
             return None  # a page served from this machine
     return (f"requests from the web page at {origin!r} are refused: only this member's own page "
             "and pages on this machine's loopback may use the API")  # fmt: skip
+
+
+def content_type_refusal(content_type: str | None, origin: str | None, fetch_site: str | None) -> str | None:
+    """None when a POST's body may be read, else the one-line reason it is refused (415)."""
+    if origin is None and fetch_site is None:
+        return None  # not a browser: no page can have sent it
+    media = (content_type or "").split(";")[0].strip().lower()
+    if media == "application/json":
+        return None
+    return (f"a request from a web page must send Content-Type: application/json, not "
+            f"{media or 'none'!r} (protection against cross-site requests)")  # fmt: skip
 
 
 def own_names() -> tuple[str, ...]:

@@ -23,3 +23,7 @@ class ApiLimits:
     max_inflight_requests: int = 64  # generation requests admitted at once (queued or running)
     max_prompt_token_ids: int = 65_536  # a /v1/completions prompt given as token ids
     body_timeout_s: float = 30.0  # a whole request body, once its headers are in (else 408)
+    # a connection's request headers, from its opening or its last answer (else it is closed):
+    # a client that sends half a request, or none, holds no connection for ever
+    header_timeout_s: float = 20.0
+    max_connections: int = 128  # open at once; one more gets a 503 and is closed

@@ -4,7 +4,9 @@ Routes: GET /v1/models, GET /v1/models/{id}, POST /v1/chat/completions, POST /v1
 (both with `stream: true` → server-sent events ending `data: [DONE]`), GET /status; the
 session page at GET / (`_page`); Ollama's /api/tags, /api/chat, /api/generate, /api/show and
 /api/version (`_ollama_routes`). Requests are validated in `_validate` and `_ollama` (pure);
-every request passes `_guard` (Host and Origin) first; this module only moves bytes and tokens.
+every request passes `_guard` (Host and Origin; a browser's POST must be JSON) first; this
+module only moves bytes and tokens. Connections are bounded in number (`max_connections`: one
+more gets a 503) and in how long their request headers may take (`header_timeout_s`).
 Errors leave in the shape of the route family: OpenAI's JSON, or Ollama's `{"error": "..."}`
 under /api/.
 """
@@ -22,7 +24,7 @@ from aiohttp import web
 
 from kafila.api._errors import ApiError, error_body
 from kafila.api._format import Shapes, model_card, model_list, sse
-from kafila.api._guard import own_names, refusal
+from kafila.api._guard import content_type_refusal, own_names, refusal
 from kafila.api._limits import DEFAULT_API_HOST, DEFAULT_API_PORT, ApiLimits
 from kafila.api._names import ModelNames, names_for
 from kafila.api._pieces import _END, text_pieces
@@ -97,6 +99,59 @@ def _is_ollama(request: web.Request) -> bool:
 
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
+FULL_LINGER_S = 2.0  # a connection over the cap: how long its 503 waits for the client to close
+
+
+class _Counted(asyncio.Protocol):
+    """aiohttp's handler for one connection, counted while it is open (ApiServer.connections)."""
+
+    def __init__(self, inner: asyncio.Protocol, server: ApiServer) -> None:
+        self.inner, self.server = inner, server
+        server.connections += 1
+
+    def connection_made(self, transport) -> None:
+        self.inner.connection_made(transport)
+
+    def data_received(self, data: bytes) -> None:
+        self.inner.data_received(data)
+
+    def eof_received(self):
+        return self.inner.eof_received()
+
+    def pause_writing(self) -> None:
+        self.inner.pause_writing()
+
+    def resume_writing(self) -> None:
+        self.inner.resume_writing()
+
+    def connection_lost(self, exc) -> None:
+        self.server.connections -= 1
+        self.inner.connection_lost(exc)
+
+
+class _Full(asyncio.Protocol):
+    """A connection past max_connections: a 503 with the error JSON, then closed. What the client
+    sends is read and dropped until it closes (closing on unread bytes would reset the 503)."""
+
+    def __init__(self, limit: int) -> None:
+        body = json.dumps(error_body(503, "too_many_connections", f"{limit} connections are open "
+                                     "already; try again shortly")).encode()  # fmt: skip
+        self.response = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                         b"Retry-After: %d\r\nConnection: close\r\nContent-Length: %d\r\n\r\n%s"
+                         % (NOT_READY_RETRY_S, len(body), body))  # fmt: skip
+        self.timer: asyncio.TimerHandle | None = None
+
+    def connection_made(self, transport) -> None:
+        transport.write(self.response)
+        transport.write_eof()
+        self.timer = asyncio.get_running_loop().call_later(FULL_LINGER_S, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        pass
+
+    def connection_lost(self, exc) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
 
 
 async def _aclose(gen: AsyncIterator[int]) -> None:
@@ -112,9 +167,11 @@ class ApiServer:
         self.engine = engine
         self.limits = limits or ApiLimits()
         self.inflight = 0  # generation requests admitted and not yet finished
+        self.connections = 0  # open HTTP connections (at most limits.max_connections)
         self.host: str | None = None
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
+        self._listener: asyncio.Server | None = None
         self._names = ModelNames("", ())
         self.own_names = own_names()  # the Host names (besides IPs and localhost) allowed in
 
@@ -140,17 +197,19 @@ class ApiServer:
         return app
 
     async def start(self, host: str = DEFAULT_API_HOST, port: int = DEFAULT_API_PORT) -> None:
-        # handler_cancellation: a client that hangs up cancels its handler, and so its generation
-        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None)
+        # handler_cancellation: a client that hangs up cancels its handler, and so its generation;
+        # keepalive_timeout: aiohttp closes a connection still waiting for a request's headers
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+                               keepalive_timeout=self.limits.header_timeout_s)  # fmt: skip
         await runner.setup()
-        try:
-            await web.TCPSite(runner, host, port).start()
+        self._runner = runner
+        try:  # our own listener (aiohttp's low-level server as the protocol): it counts connections
+            self._listener = await asyncio.get_running_loop().create_server(self._connection, host, port)
         except OSError as exc:
-            await runner.cleanup()
+            await self.close()
             raise BadInput(f"cannot serve the API on {host}:{port}: {exc.strerror or exc}; "
                            "pass --api HOST:PORT with a free port") from None  # fmt: skip
-        self._runner = runner
-        self.host, self.port = runner.addresses[0][:2]
+        self.host, self.port = self._listener.sockets[0].getsockname()[:2]
         if not _is_loopback(host):
             log.warning(
                 "the API on %s:%s has no authentication: anyone who can reach it can use the model",
@@ -158,7 +217,16 @@ class ApiServer:
                 self.port,
             )
 
+    def _connection(self) -> asyncio.Protocol:
+        assert self._runner is not None and self._runner.server is not None
+        if self.connections >= self.limits.max_connections:
+            return _Full(self.limits.max_connections)
+        return _Counted(self._runner.server(), self)
+
     async def close(self) -> None:
+        if self._listener is not None:
+            listener, self._listener = self._listener, None
+            listener.close()
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
@@ -353,9 +421,15 @@ class ApiServer:
         only here; a request from a foreign Host or Origin goes no further (403)."""
         ollama = _is_ollama(request)
         try:
-            why = refusal(request.headers.get("Host"), request.headers.get("Origin"), self.own_names)
+            headers = request.headers
+            why = refusal(headers.get("Host"), headers.get("Origin"), self.own_names)
             if why is not None:
                 raise ApiError(403, "forbidden", why)
+            if request.method == "POST":
+                why = content_type_refusal(headers.get("Content-Type"), headers.get("Origin"),
+                                           headers.get("Sec-Fetch-Site"))  # fmt: skip
+                if why is not None:
+                    raise ApiError(415, "unsupported_media_type", why)
             return await handler(request)
         except ApiError as exc:
             return _error_response(exc.status, exc.code, exc.message, exc.param, ollama)
