@@ -18,11 +18,11 @@ pytestmark = needs_default_model
 
 
 
-async def transfer(manifest, path, fail_after=None):
+async def transfer(manifest, path, fail_after=None, check=None):
     up, down = Pipe(), Pipe(fail_after)
     server = asyncio.create_task(serve_weights(up.reader, down, MODEL, manifest.file_bytes, {}))
     try:
-        return await fetch_weights(down.reader, up, "m2", manifest, path)
+        return await fetch_weights(down.reader, up, "m2", manifest, path, check=check)
     finally:
         up.close()
         with contextlib.suppress(ConnectionError, OSError, asyncio.IncompleteReadError):
@@ -93,3 +93,45 @@ def test_local_file_with_the_same_digest_is_used(tmp_path, digests):
     m = digests.manifest(0, 1, False)
     assert check_local_file(MODEL, m)
     assert not check_local_file(str(tmp_path / "none.gguf"), m)
+
+
+def test_manifest_must_be_exactly_the_planned_shard(digests):
+    """Issue 15 item 6: a member checked only a manifest's own bounds (4 TiB, inside the file), so
+    a host could have it fetch tensors outside its shard, or leave some of its shard out (holes)."""
+    index = digests.index
+    W.check_shard(digests.manifest(10, 20, False), index, 10, 20, False)
+    W.check_shard(digests.manifest(0, 3, True), index, 0, 3, True)
+    m = digests.manifest(10, 20, False)
+    t0 = m.tensors[0]
+    for bad, why in ((digests.manifest(10, 21, False), "extra"), (digests.manifest(11, 20, False), "missing"),
+                     (digests.manifest(10, 20, True), "extra"),  # the head's tensors too
+                     (W.Manifest(m.sha256, m.file_bytes + 1, m.header_len, m.header_sha256, m.tensors), "size"),
+                     (W.Manifest(m.sha256, m.file_bytes, m.header_len + 8, m.header_sha256, m.tensors), "header"),
+                     (W.Manifest(m.sha256, m.file_bytes, m.header_len, m.header_sha256,
+                                 (W.TensorRange(t0.name, t0.offset, t0.n_bytes + 4, t0.sha256), *m.tensors[1:])),
+                      "range")):  # fmt: skip
+        with pytest.raises(W.WeightError, match=why):
+            W.check_shard(bad, index, 10, 20, False)
+    twice = m.to_json() | {"tensors": m.to_json()["tensors"] * 2}
+    with pytest.raises(W.WeightError, match="twice"):
+        W.Manifest.from_json(twice)
+
+
+def test_no_tensor_is_fetched_before_the_header_says_the_manifest_is_the_shard(tmp_path, digests):
+    """The member asks for the header first, checks the manifest against it, then the tensors:
+    a manifest with an extra block ends the transfer having fetched no tensor byte."""
+    m = digests.manifest(10, 21, False)  # the plan gave this member [10, 20)
+    path = str(tmp_path / "copy.gguf")
+
+    def check(p):
+        W.check_shard(m, open_model(p), 10, 20, False)
+
+    with pytest.raises(W.WeightError, match="extra"):
+        asyncio.run(transfer(m, path, check=check))
+    header, missing = W.plan_fetch(path, m)
+    assert not header and missing == list(m.tensors)  # header verified, no tensor arrived
+    with pytest.raises(W.WeightError, match="extra"):  # a copy that has the header: checked at once
+        asyncio.run(transfer(m, path, check=check))
+    good = digests.manifest(10, 20, False)
+    stats = asyncio.run(transfer(good, path, check=lambda p: W.check_shard(good, open_model(p), 10, 20, False)))
+    assert stats["fetched_tensors"] == len(good.tensors)

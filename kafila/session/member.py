@@ -36,7 +36,7 @@ from kafila.session.engine import RingEngine
 from kafila.session.frames import Hello, Limits, encode
 from kafila.session.ring import RingNode
 from kafila.session.streams import read_frame
-from kafila.session.weights import Manifest, local_copy_path
+from kafila.session.weights import Manifest, WeightError, check_shard, local_copy_path
 
 log = logging.getLogger(__name__)
 STATUS_EVERY_S = 2.0
@@ -414,7 +414,8 @@ class Participant:
                 def progress(done: int, total: int) -> None:
                     bar.update(task, completed=done, total=total)
 
-                stats = await fetch_weights(reader, writer, cfg.name, manifest, path, progress)
+                stats = await fetch_weights(reader, writer, cfg.name, manifest, path, progress,
+                                            self._shard_check(manifest))  # fmt: skip
         finally:
             await edge.close()
         mb = stats["received_bytes"] / 1e6
@@ -423,6 +424,25 @@ class Participant:
                  f"tensors fetched, {mb:.1f} MB in {secs:.1f} s ({mb / secs:.1f} MB/s), SHA-256 verified")  # fmt: skip
         self.event("weights", **stats)
         return path, {**stats, "source": "host"}
+
+    def _shard_check(self, manifest: Manifest):
+        """For fetch_weights: once the copy's header is verified, the manifest must be exactly
+        this member's shard of that model (weights.check_shard). Blocking. None without a plan
+        (a fetch on its own, as in tests): there is no shard to check against."""
+        role = self.role
+        if role is None:
+            return None
+
+        def check(path: str) -> None:
+            from kafila.models import open_model
+
+            try:
+                index = open_model(path)
+            except BadInput as exc:
+                raise WeightError(f"the model header the host sent cannot be read: {exc}") from None
+            check_shard(manifest, index, role.first, role.last, role.head == self.cfg.name)
+
+        return check
 
     async def _accept_loop(self) -> None:
         while True:

@@ -23,11 +23,15 @@ from kafila.session.weights import (
 
 log = logging.getLogger(__name__)
 Progress = Callable[[int, int], None]  # (bytes done, bytes total)
+Check = Callable[[str], None]  # blocking: the copy's verified header against the manifest
 
 
 async def fetch_weights(reader, writer, name: str, manifest: Manifest, path: str,
-                        progress: Progress | None = None) -> dict:  # fmt: skip
+                        progress: Progress | None = None, check: Check | None = None) -> dict:  # fmt: skip
     """Fill the sparse copy at `path` with what `manifest` lists and it lacks.
+
+    `check(path)` runs once the copy's header is verified, before any tensor is asked for
+    (weights.check_shard: the manifest is this member's shard of that model); it raises to stop.
 
     Returns {"received_bytes", "tensor_bytes", "fetched_tensors", "seconds"}."""
     start = time.monotonic()
@@ -35,6 +39,8 @@ async def fetch_weights(reader, writer, name: str, manifest: Manifest, path: str
     fetcher = Fetcher(manifest, header, tensors)
     out = FrameWriter(writer)
     received = 0
+    if not header and check is not None:  # the header in place (all of the copy, maybe): check now
+        await asyncio.to_thread(check, path)
     if not fetcher.finished:
         await asyncio.to_thread(sparse_copy, path, manifest.file_bytes)
         await out.send(Hello(name, "weights"))
@@ -53,6 +59,9 @@ async def fetch_weights(reader, writer, name: str, manifest: Manifest, path: str
             elif header and offset == fetcher.header_last_offset:
                 if await asyncio.to_thread(sha256_range, path, 0, manifest.header_len) != manifest.header_sha256:
                     raise WeightError("the model header failed its SHA-256 check")
+                if check is not None:
+                    await asyncio.to_thread(check, path)
+                fetcher.release()
             if progress:
                 progress(fetcher.done_bytes, fetcher.total_bytes)
             if more := fetcher.requests():

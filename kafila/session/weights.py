@@ -10,6 +10,9 @@ format is needed. Before fetching, the member checks what the copy already holds
 digest): an interrupted transfer resumes where it stopped, and a complete local file with the
 model's digest is used as it is. Chunks are requested with WeightGet frames, a few in flight at
 once, over one edge stream to the host; each tensor is verified as soon as its last chunk lands.
+No tensor is asked for before the header is verified and `check_shard` found that the manifest
+lists exactly the plan's tensors for this member at the ranges that header gives (a manifest's
+own bounds, MAX_MODEL_FILE_BYTES, hold only until then).
 
 `plan_fetch` and `Fetcher` are sans-I/O; `fetch_weights` / `serve_weights` are the thin asyncio
 layer over an edge stream.
@@ -83,10 +86,34 @@ class Manifest:
         # digests become file names in the cache (local_copy_path): 64 hex digits, nothing else
         if not all(_SHA256_RE.fullmatch(h) for h in (m.sha256, m.header_sha256, *(t.sha256 for t in tensors))):
             raise WeightError("weight manifest has a digest that is not 64 hex digits")
+        if len({t.name for t in tensors}) != len(tensors):
+            raise WeightError("weight manifest lists a tensor twice")
         for t in tensors:
             if t.offset < m.header_len or t.n_bytes < 0 or t.offset + t.n_bytes > m.file_bytes:
                 raise WeightError(f"tensor {t.name} lies outside the model file")
         return m
+
+
+def check_shard(manifest: Manifest, index, first: int, last: int, head: bool) -> None:
+    """The manifest asks for exactly this member's shard of the model whose verified header is
+    `index` (kafila.models.ModelIndex): the tensors of blocks [first, last) (+ the head's), no
+    more, none missing, at the offsets and sizes that header gives, in a file of its size, after
+    a header of its length. Raises WeightError: a host cannot have a member fetch other bytes."""
+    if manifest.file_bytes != index.file_bytes:
+        raise WeightError(f"the weight manifest's file size {manifest.file_bytes} is not the "
+                          f"model's {index.file_bytes}")  # fmt: skip
+    if manifest.header_len != min(t.offset for t in index.tensors.values()):
+        raise WeightError("the weight manifest's header length is not the model's")
+    want = {t.name: (t.offset, t.n_bytes) for t in index.shard_tensors(first, last, head)}
+    got = {t.name: (t.offset, t.n_bytes) for t in manifest.tensors}
+    missing, extra = sorted(want.keys() - got.keys()), sorted(got.keys() - want.keys())
+    if missing or extra:
+        raise WeightError(f"the weight manifest is not this member's shard (blocks [{first}, {last})"
+                          f"{' + head' if head else ''}): {len(missing)} tensors missing "
+                          f"{missing[:2]}, {len(extra)} extra {extra[:2]}")  # fmt: skip
+    wrong = sorted(n for n in want if want[n] != got[n])
+    if wrong:
+        raise WeightError(f"the weight manifest's range of tensor {wrong[0]} is not the model's")
 
 
 def sha256_range(path: str, offset: int, length: int, throttle=None) -> str:
@@ -263,7 +290,8 @@ class Fetcher:
     `requests()` hands out WeightGet frames keeping FETCH_WINDOW_CHUNKS in flight; `received`
     checks a chunk against what was asked (same order: one stream), inflates it, and returns
     (offset, bytes, tensor to verify or None) for the caller to write; the header is complete
-    (to verify) once the chunk at `header_last_offset` was written."""
+    (to verify) once the chunk at `header_last_offset` was written. Tensor chunks are held back
+    while the header is being fetched, until `release()` (the header verified and checked)."""
 
     def __init__(self, manifest: Manifest, header: bool, tensors: list[TensorRange]) -> None:
         self.manifest = manifest
@@ -281,6 +309,7 @@ class Fetcher:
                 length = min(FETCH_CHUNK_BYTES, t.offset + t.n_bytes - off)
                 self._todo.append(_Chunk(off, length, t, off + length == t.offset + t.n_bytes))
         self._asked: deque[_Chunk] = deque()
+        self.held = header  # tensors wait for the header: it says which tensors the shard has
         self.total_bytes = sum(c.length for c in self._todo)
         self.done_bytes = 0
         self.wire_bytes = 0  # compressed header + raw tensor bytes as they arrived
@@ -292,10 +321,16 @@ class Fetcher:
     def requests(self) -> list[WeightGet]:
         out = []
         while self._todo and len(self._asked) < FETCH_WINDOW_CHUNKS:
+            if self.held and self._todo[0].tensor is not None:
+                break
             c = self._todo.popleft()
             self._asked.append(c)
             out.append(WeightGet(c.offset, c.length, compress=c.tensor is None))
         return out
+
+    def release(self) -> None:
+        """The header is verified and the manifest checked against it: tensors may come."""
+        self.held = False
 
     def received(self, frame: WeightData) -> tuple[int, bytes, TensorRange | None]:
         if not self._asked:
