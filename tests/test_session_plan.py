@@ -1,5 +1,7 @@
 """Pure pieces of the lifecycle: a member's role from the plan, the host's tables."""
 
+import os
+
 import pytest
 
 from kafila.errors import Refused
@@ -30,3 +32,25 @@ def test_tables_and_prediction():
     assert t.row_count == 3
     rows = [{"name": "m1", "nat": "ordinary", "rtt_ms": 3.0, "bandwidth_gbps": None, "memory_gb": 8.0, "state": "joined"}]
     assert members_table(rows, "t").row_count == 1
+
+
+def test_plan_preview_names_the_bottleneck_with_its_tok_s():
+    """The host's preview, `kafila status` and the demo share plan_summary: the member with the
+    largest predicted stage time is named, with the tok/s its stage alone allows."""
+    from rich.console import Console
+
+    from kafila.commands.status import render
+    from kafila.session.preview import bottleneck, plan_summary
+
+    plan = {**PLAN, "stage_ms": {"m1": 4.0, "m3": 5.0, "m2": 3.0}, "bottleneck_ms": 5.0}
+    assert bottleneck(plan) == "m3"
+    line = plan_summary(plan)
+    assert line == "predicted 62.5 tok/s, bottleneck m3 (5.00 ms) → at most 200.0 tok/s with the ring full"
+    assert plan_summary({**PLAN, "stage_ms": {"m1": None, "m3": None, "m2": None}}) == (
+        "predicted – tok/s, bottleneck – (the plan has no stage times)")
+    console = Console(width=200, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(plan_table(plan, {"m1": (0, 8), "m3": (8, 20), "m2": (20, 30)}))
+    console.print(render({"session": {"name": "m2", "state": "planned"}, "plan": plan}))
+    out = console.export_text()
+    assert "5.00 ◀ bottleneck" in out and out.count("◀ bottleneck") == 1  # the plan table marks it
+    assert line in out  # `kafila status` says the same as the host's preview

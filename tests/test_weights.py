@@ -95,6 +95,110 @@ def test_local_file_with_the_same_digest_is_used(tmp_path, digests):
     assert not check_local_file(str(tmp_path / "none.gguf"), m)
 
 
+def test_transfer_progress_figures():
+    p = W.TransferProgress(total_bytes=10_000_000, started_s=100.0)
+    assert p.as_dict()["state"] == "waiting" and p.eta_s is None
+    p.update(2_000_000, 102.0)  # 2 MB in 2 s: 1 MB/s, 8 s left
+    d = p.as_dict()
+    assert (d["done_bytes"], d["mb_s"], d["eta_s"], d["state"]) == (2_000_000, 1.0, 8.0, "fetching")
+    from kafila.commands.status import transfer_line
+
+    assert transfer_line(d) == "2.0 of 10.0 MB (20 %), 1.0 MB/s, 8 s left"  # `kafila status`, the host
+    p.finish(104.0)
+    assert p.as_dict()["state"] == "done" and p.eta_s == 0.0
+
+
+class FakeNet:
+    """The one edge a member opens to fetch its weights: an in-memory stream to serve_weights."""
+
+    def __init__(self, reader, writer):
+        self.stream = (reader, writer)
+
+    def roster(self):
+        return {}
+
+    async def connect(self, peer):
+        return FakeEdge(peer, self.stream)
+
+
+class FakeEdge:
+    def __init__(self, peer, stream=None):
+        self.peer, self.stream = peer, stream
+
+    async def open_stream(self):
+        return self.stream
+
+    async def close(self):
+        pass
+
+
+async def _sample_while(task, read):
+    seen = []
+    while not task.done():
+        seen.append(read())
+        await asyncio.sleep(0)
+    await task
+    return seen, read()
+
+
+def _quiet_console():
+    from rich.console import Console
+
+    return Console(file=open(os.devnull, "w"))  # noqa: SIM115
+
+
+def test_member_status_shows_the_transfer_live(tmp_path, digests):
+    """/status during a fetch: bytes done of the total, MB/s and ETA, before the fetch returns."""
+    from kafila.session.member import Participant, SessionConfig
+
+    m = digests.manifest(10, 20, False)
+    cfg = SessionConfig(name="m2", rendezvous=None, api=None, cache_dir=str(tmp_path))
+    member = Participant(cfg, _quiet_console())
+
+    async def run():
+        up, down = Pipe(), Pipe()
+        member.net = FakeNet(down.reader, up)
+        server = asyncio.create_task(serve_weights(up.reader, down, MODEL, m.file_bytes, {}))
+        fetch = asyncio.create_task(member._fetch(m, "m1"))
+        seen, last = await _sample_while(fetch, lambda: dict(member.status()["weights"]))
+        up.close()
+        await server
+        return seen, last, fetch.result()
+
+    seen, last, (_, weights) = asyncio.run(run())
+    partial = [w for w in seen if w.get("state") == "fetching" and 0 < w["done_bytes"] < w["total_bytes"]]
+    assert partial, seen[:3]
+    assert all(w["mb_s"] is not None and w["eta_s"] is not None for w in partial)
+    assert last["state"] == "done" and last["done_bytes"] == last["total_bytes"] and last["source"] == "host"
+    assert weights == member.state.weights
+
+
+def test_host_status_shows_each_members_transfer_live(tmp_path, digests):
+    """The host counts the bytes it serves each member: its /status has a partial figure per
+    member while the transfer runs, and 'done' once the member closed its stream."""
+    from kafila.session.host import HostParticipant
+    from kafila.session.member import SessionConfig
+
+    m = digests.manifest(0, 10, True)
+    cfg = SessionConfig(name="m1", rendezvous=None, api=None, cache_dir=str(tmp_path), model_path=MODEL)
+    host = HostParticipant(cfg, _quiet_console())
+    host.digests = digests
+
+    async def run():
+        up, down = Pipe(), Pipe()
+        host._transfers["m2"] = W.TransferProgress(m.header_len + m.tensor_bytes, 0.0)
+        served = asyncio.create_task(host.serve_weights(FakeEdge("m2"), up.reader, down))
+        fetch = asyncio.create_task(fetch_weights(down.reader, up, "m2", m, str(tmp_path / "c.gguf")))
+        seen, _ = await _sample_while(fetch, lambda: dict(host.status()["transfers"]["m2"]))
+        up.close()
+        await served
+        return seen, host.status()["transfers"]["m2"]
+
+    seen, last = asyncio.run(run())
+    assert any(0 < t["done_bytes"] < t["total_bytes"] and t["state"] == "fetching" for t in seen), seen[:3]
+    assert last["state"] == "done" and last["done_bytes"] == m.header_len + m.tensor_bytes
+
+
 def test_manifest_must_be_exactly_the_planned_shard(digests):
     """Issue 15 item 6: a member checked only a manifest's own bounds (4 TiB, inside the file), so
     a host could have it fetch tensors outside its shard, or leave some of its shard out (holes)."""

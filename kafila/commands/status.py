@@ -19,6 +19,7 @@ from rich.text import Text
 
 from kafila.api import DEFAULT_API_HOST, DEFAULT_API_PORT, parse_hostport
 from kafila.errors import EXIT_OK, Refused
+from kafila.session.preview import plan_summary, predicted_tok_s  # noqa: F401 (predicted_tok_s: re-exported)
 
 CONNECT_TIMEOUT_S = 5.0
 WATCH_EVERY_S = 1.0
@@ -47,15 +48,6 @@ def fetch_status(host: str, port: int) -> dict:
     return body
 
 
-def predicted_tok_s(plan: dict | None) -> float | None:
-    """Single-stream tok/s the plan predicts: one token goes once around the ring."""
-    stages = (plan or {}).get("stage_ms") or {}
-    if not stages or any(v is None for v in stages.values()):
-        return None
-    total = sum(stages.values()) + sum(e.get("ms") or 0.0 for e in plan.get("edges") or [])
-    return 1000.0 / total if total > 0 else None
-
-
 def _f(v, digits: int = 1) -> str:
     return "–" if v is None else f"{v:.{digits}f}"
 
@@ -63,6 +55,20 @@ def _f(v, digits: int = 1) -> str:
 def _slowest(values: dict) -> str | None:
     known = {k: v for k, v in values.items() if v is not None}
     return max(known, key=known.get) if known else None
+
+
+def transfer_line(t: dict) -> str:
+    """A weight transfer's figures (`TransferProgress.as_dict`) in words: "12.0 of 40.0 MB (30 %),
+    6.1 MB/s, 4.6 s left"."""
+    done, total = t.get("done_bytes") or 0, t.get("total_bytes") or 0
+    pct = f" ({100 * done / total:.0f} %)" if total else ""
+    rate = f", {t['mb_s']:.1f} MB/s" if t.get("mb_s") else ""
+    state = t.get("state")
+    if state == "done":
+        left = ", done" if done >= total else ", done (the member had the rest)"
+    else:
+        left = f", {t['eta_s']:.0f} s left" if t.get("eta_s") is not None else f", {state}" if state else ""
+    return f"{done / 1e6:.1f} of {total / 1e6:.1f} MB{pct}{rate}{left}"
 
 
 def render(st: dict) -> Group:
@@ -119,10 +125,7 @@ def render(st: dict) -> Group:
         parts.append(e_t)
 
     if plan:
-        tps = predicted_tok_s(plan)
-        bn = _slowest(plan.get("stage_ms") or {})
-        parts.append(Text(f"plan ({plan.get('policy')}, tier {plan.get('tier')}): predicted {_f(tps)} tok/s, "
-                          f"bottleneck {bn or '–'} ({_f((plan.get('stage_ms') or {}).get(bn), 2)} ms); "
+        parts.append(Text(f"plan ({plan.get('policy')}, tier {plan.get('tier')}): {plan_summary(plan)}; "
                           f"measured {_f(st.get('tok_s'))} tok/s, step {_f(st.get('step_ms'), 2)} ms, "
                           f"network {_f(st.get('network_ms'), 2)} ms"))  # fmt: skip
     req = st.get("requests")
@@ -130,10 +133,14 @@ def render(st: dict) -> Group:
     live = f"requests: {req['active']} active, {req['queued']} queued" if req else "requests: scheduled by the head"
     parts.append(Text(f"{live}; {api.get('inflight_requests', 0)} in flight at this API ({api.get('url', '?')})"))
     w = st.get("weights") or {}
-    if w.get("tensor_bytes"):
+    if w.get("total_bytes") is not None:  # live figures (while fetching, and kept once done)
+        parts.append(Text(f"weights: {transfer_line(w)} from {w.get('source')}"))
+    elif w.get("tensor_bytes"):
         got, total = w.get("received_bytes") or 0, w["tensor_bytes"]
         rate = f", {got / 1e6 / w['seconds']:.1f} MB/s" if w.get("seconds") else ""
         parts.append(Text(f"weights: {got / 1e6:.1f} of {total / 1e6:.1f} MB from {w.get('source')}{rate}"))
+    for name, t in (st.get("transfers") or {}).items():  # the host: what it serves each member
+        parts.append(Text(f"weights to {name}: {transfer_line(t)}"))
     mem = st.get("memory") or {}
     if mem.get("rss_bytes"):
         parts.append(Text(f"memory here: {mem['rss_bytes'] / 1e6:.0f} MB resident for a "

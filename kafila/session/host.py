@@ -13,6 +13,8 @@ from rich.table import Table
 from kafila.errors import BadInput, Refused, describe_error
 from kafila.net.codefile import write_private
 from kafila.session.member import READY_TIMEOUT_S, STATUS_EVERY_S, Participant, stdin_is_terminal
+from kafila.session.preview import plan_summary, plan_table, predicted_tok_s  # noqa: F401 (re-exported)
+from kafila.session.weights import TransferProgress
 
 log = logging.getLogger(__name__)
 
@@ -36,29 +38,6 @@ def members_table(rows: list[dict], title: str) -> Table:
     return t
 
 
-def plan_table(plan: dict, first_blocks: dict[str, tuple[int, int]]) -> Table:
-    t = Table(title=f"plan ({plan['policy']}, tier {plan['tier']}): head {plan['head']}")
-    for col in ("ring", "blocks", "range", "predicted stage ms", "edge to next"):
-        t.add_column(col)
-    edges = {e["from"]: e for e in plan["edges"]}
-    for name in plan["ring"]:
-        ms = (plan.get("stage_ms") or {}).get(name)
-        e = edges.get(name)
-        a, b = first_blocks[name]
-        t.add_row(name + (" (head)" if name == plan["head"] else ""), str(plan["blocks"][name]),
-                  f"[{a}, {b})", "?" if ms is None else f"{ms:.2f}",
-                  "" if e is None else f"{e['kind']} → {e['to']}")  # fmt: skip
-    return t
-
-
-def predicted_tok_s(plan: dict) -> float | None:
-    stages = plan.get("stage_ms") or {}
-    if not stages or any(v is None for v in stages.values()):
-        return None
-    total = sum(stages.values()) + sum(e.get("ms") or 0.0 for e in plan["edges"])
-    return 1000.0 / total if total > 0 else None
-
-
 class HostParticipant(Participant):
     is_host = True
 
@@ -70,6 +49,9 @@ class HostParticipant(Participant):
         self._ready: set[str] = set()
         self.host_name = cfg.name
         self._hash_cancel = threading.Event()  # stops a hashing worker when the host leaves
+        self._transfers: dict[str, TransferProgress] = {}  # member → the weights it was sent
+        self._bars = None  # rich Progress: one bar per member while the session forms (a terminal)
+        self._bar_ids: dict[str, int] = {}
 
     async def close_extra(self) -> None:
         self._hash_cancel.set()
@@ -179,9 +161,7 @@ class HostParticipant(Participant):
             ranges[n] = (first, first + plan["blocks"][n])
             first += plan["blocks"][n]
         self.console.print(plan_table(plan, ranges))
-        tps = predicted_tok_s(plan)
-        if tps:
-            self.say(f"predicted: bottleneck {plan['bottleneck_ms']:.2f} ms, {tps:.1f} tok/s single-stream")
+        self.say(f"{cfg.name}: plan preview: {plan_summary(plan)}")  # before anything is sent
         self.event("plan", plan=plan)
         if not plan["feasible"]:
             short = ", ".join(f"{r['device']} (short by {r['short_bytes'] / 1e6:.1f} MB)" for r in plan["refused"])
@@ -199,39 +179,54 @@ class HostParticipant(Participant):
                 continue
             a, b = ranges[n]
             manifest = self.digests.manifest(a, b, n == plan["head"])
+            self._transfers[n] = TransferProgress(manifest.header_len + manifest.tensor_bytes, loop.time())
             await self.net.send(n, {"t": "plan", "plan": plan, "session": session, "manifest": manifest.to_json()})
 
         # --- distribute, build, ring -----------------------------------------------------------------
-        own = self.spawn(self._prepare({"plan": plan, "session": session}, None), "prepare")
+        # the host's own stage: a task this loop owns (awaits, or cancels when it leaves)
+        own = asyncio.create_task(self._prepare({"plan": plan, "session": session}, None), name="prepare")
         others = {n for n in plan["ring"] if n != cfg.name}
         loop_deadline = loop.time() + READY_TIMEOUT_S
-        while not (others <= self._ready and own.done()):
-            get = asyncio.create_task(self.net.recv())
-            done, _ = await asyncio.wait({get, own}, timeout=max(0.0, loop_deadline - loop.time()),
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-            if own in done and own.exception() is not None:
-                get.cancel()
-                await self._refuse_all(f"the host failed to build its stage: {describe_error(own.exception())}")
-                raise own.exception()
-            if get not in done:
-                get.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await get
-                if loop.time() >= loop_deadline:
-                    await self._refuse_all("the session took too long to form")
-                    raise Refused(f"members {sorted(others - self._ready)} were not ready in time")
-                continue
-            ev = get.result()
-            if isinstance(ev, MemberLeft) and ev.name in others:
-                await self._refuse_all(f"member {ev.name} left while the session was forming")
-                raise Refused(f"member {ev.name} left while the session was forming ({ev.reason})")
-            if isinstance(ev, Message) and isinstance(ev.body, dict):
-                if ev.body.get("t") == "ready":
-                    self._ready.add(ev.sender)
-                    self.say(f"member {ev.sender} is ready")
-                elif ev.body.get("t") == "failed":
-                    await self._refuse_all(f"member {ev.sender} failed: {ev.body.get('reason')}")
-                    raise Refused(f"member {ev.sender} could not prepare its stage: {ev.body.get('reason')}")
+        self._show_transfers()
+        try:
+            while not (others <= self._ready and own.done()):
+                get = asyncio.create_task(self.net.recv())
+                done, _ = await asyncio.wait({get, own}, timeout=max(0.0, loop_deadline - loop.time()),
+                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+                if own in done and own.exception() is not None:
+                    get.cancel()
+                    reason = f"the host {cfg.name} could not prepare its stage: {describe_error(own.exception())}"
+                    await self._refuse_all(reason)
+                    raise Refused(reason) from own.exception()
+                if get not in done:
+                    get.cancel()
+                    with contextlib.suppress(asyncio.CancelledError):
+                        await get
+                    if loop.time() >= loop_deadline:
+                        late = ", ".join(sorted(others - self._ready)) or cfg.name
+                        reason = f"the session did not form within {READY_TIMEOUT_S:g} s: {late} not ready"
+                        await self._refuse_all(reason)
+                        raise Refused(reason)
+                    continue
+                ev = get.result()
+                if isinstance(ev, MemberLeft) and ev.name in others:
+                    await self._refuse_all(f"member {ev.name} left while the session was forming")
+                    raise Refused(f"member {ev.name} left while the session was forming ({ev.reason})")
+                if isinstance(ev, Message) and isinstance(ev.body, dict):
+                    if ev.body.get("t") == "ready":
+                        self._ready.add(ev.sender)
+                        self._transfer_done(ev.sender)
+                        self.say(f"member {ev.sender} is ready")
+                    elif ev.body.get("t") == "failed":
+                        why = str(ev.body.get("reason") or "it gave no reason")
+                        await self._refuse_all(f"member {ev.sender} failed: {why}")
+                        raise Refused(f"member {ev.sender} could not prepare its stage: {why}")
+        finally:
+            self._hide_transfers()
+            if not own.done():
+                own.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await own
         own.result()
         for n in others:
             await self.net.send(n, {"t": "serving"})
@@ -292,15 +287,69 @@ class HostParticipant(Participant):
     async def serve_weights(self, edge, reader, writer) -> None:
         from kafila.session.transfer import serve_weights
 
+        clock = asyncio.get_running_loop().time
+        prog = self._transfers.get(edge.peer)
+        if prog is not None:
+            prog.started_s = clock()  # the rate counts from the member's first request
+
+        def served(n: int) -> None:
+            if prog is not None:
+                prog.update(n, clock())
+                self._show_transfer(edge.peer)
+
         try:
             sent = await serve_weights(reader, writer, self.cfg.model_path, self.digests.index.file_bytes,
-                                       self._weight_cache)  # fmt: skip
+                                       self._weight_cache, served)  # fmt: skip
             log.info("served %d weight bytes to %s", sent, edge.peer)
         except Exception as exc:
-            log.warning("weight transfer to %s ended: %s", edge.peer, exc)
+            log.warning("weight transfer to %s ended: %s", edge.peer, describe_error(exc))
         finally:
+            self._transfer_done(edge.peer)
             with contextlib.suppress(Exception):
                 await edge.close()
+
+    # --- each member's weights, as the host serves them -------------------------------------------
+
+    def status(self) -> dict:
+        return {**super().status(), "transfers": {n: p.as_dict() for n, p in self._transfers.items()}}
+
+    def _transfer_done(self, name: str) -> None:
+        """The member closed its weight stream or said it is ready (a local copy needs none)."""
+        prog = self._transfers.get(name)
+        if prog is not None and not prog.finished:
+            prog.finish(asyncio.get_running_loop().time())
+            self._show_transfer(name)
+
+    def _show_transfers(self) -> None:
+        """A bar per member (MB/s, ETA) in a terminal, for as long as the session forms."""
+        if not self._transfers or not self.console.is_terminal:
+            return
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )  # fmt: skip
+
+        self._bars = Progress(TextColumn("weights to {task.description}"), BarColumn(), DownloadColumn(),
+                              TransferSpeedColumn(), TimeRemainingColumn(), console=self.console)  # fmt: skip
+        for name, prog in self._transfers.items():
+            self._bar_ids[name] = self._bars.add_task(name, total=prog.total_bytes)
+        self._bars.start()
+
+    def _show_transfer(self, name: str) -> None:
+        prog = self._transfers.get(name)
+        if self._bars is None or prog is None or name not in self._bar_ids:
+            return
+        done = prog.total_bytes if prog.finished else prog.done_bytes
+        self._bars.update(self._bar_ids[name], completed=done, total=prog.total_bytes)
+
+    def _hide_transfers(self) -> None:
+        if self._bars is not None:
+            self._bars.stop()
+            self._bars = None
 
     async def _broadcast_status(self) -> None:
         while True:

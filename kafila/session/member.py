@@ -36,7 +36,13 @@ from kafila.session.engine import RingEngine
 from kafila.session.frames import Hello, Limits, encode
 from kafila.session.ring import RingNode
 from kafila.session.streams import read_frame
-from kafila.session.weights import Manifest, WeightError, check_shard, local_copy_path
+from kafila.session.weights import (
+    Manifest,
+    TransferProgress,
+    WeightError,
+    check_shard,
+    local_copy_path,
+)
 
 log = logging.getLogger(__name__)
 STATUS_EVERY_S = 2.0
@@ -277,9 +283,12 @@ class Participant:
                 if prep.done() and not ready_sent:
                     exc = prep.exception()
                     if exc is not None:
+                        reason = describe_error(exc)
                         with contextlib.suppress(Exception):
-                            await self.net.send(host, {"t": "failed", "reason": describe_error(exc)[:300]})
-                        raise exc
+                            await self.net.send(host, {"t": "failed", "reason": reason[:300]})
+                        if isinstance(exc, KafilaError):
+                            raise exc
+                        raise Refused(reason) from exc
                     await self.net.send(host, {"t": "ready"})
                     ready_sent = True
                 ev = await (self.recv_unless() if ready_sent else self.recv_unless(prep))
@@ -292,7 +301,8 @@ class Participant:
                     if t == "serving" and ready_sent:
                         break
                     if t in ("refused", "gone", "degraded"):
-                        why = ev.body.get("reason") or f"member {ev.body.get('member')} left"
+                        why = (f"member {ev.body.get('member')} left" if t == "gone"
+                               else str(ev.body.get("reason") or "the host gave no reason"))  # fmt: skip
                         raise Refused(f"the session could not form: {why}")
         finally:
             if not prep.done():
@@ -373,16 +383,23 @@ class Participant:
             self.model_path = cfg.model_path
             self.state.weights = {"received_bytes": 0, "tensor_bytes": 0, "source": "own file"}
         else:
-            manifest = Manifest.from_json(msg["manifest"])
-            self.model_path, self.state.weights = await self._fetch(manifest, fetch_from)
+            async def fetch() -> tuple[str, dict]:
+                return await self._fetch(Manifest.from_json(msg["manifest"]), fetch_from)
+
+            self.model_path, self.state.weights = await _step(
+                f"{cfg.name} could not fetch its weights from {self._who(fetch_from)}", fetch())
         self.state.phase = "building"
         is_head = role.head == cfg.name
-        self.say(f"{cfg.name}: building blocks [{role.first}, {role.last})"
-                 f"{' + head' if is_head else ''} on {cfg.backend}")  # fmt: skip
-        self.index = await asyncio.to_thread(open_model, self.model_path)
-        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.index)
-        spec = ShardSpec(self.model_path, role.first, role.last, embed=is_head, head=is_head)
-        self.shard = await asyncio.to_thread(load_shard, cfg.backend, spec, session["precision"])
+        what = f"blocks [{role.first}, {role.last}){' + head' if is_head else ''} on {cfg.backend}"
+        self.say(f"{cfg.name}: building {what}")
+
+        async def build() -> None:
+            self.index = await asyncio.to_thread(open_model, self.model_path)
+            self.tokenizer = await asyncio.to_thread(load_tokenizer, self.index)
+            spec = ShardSpec(self.model_path, role.first, role.last, embed=is_head, head=is_head)
+            self.shard = await asyncio.to_thread(load_shard, cfg.backend, spec, session["precision"])
+
+        await _step(f"{cfg.name} could not build {what}", build())
         self.state.phase = "ring"
         await self._form_ring()
 
@@ -403,6 +420,8 @@ class Participant:
             return cfg.local_model, {"received_bytes": 0, "tensor_bytes": manifest.tensor_bytes,
                                      "source": "local file"}  # fmt: skip
         path = local_copy_path(cfg.cache_dir, manifest)
+        self.state.weights = {"source": "host", "tensor_bytes": manifest.tensor_bytes, "done_bytes": 0,
+                              "total_bytes": manifest.tensor_bytes, "state": "connecting"}  # fmt: skip
         edge = await self.net.connect(host)
         try:
             reader, writer = await edge.open_stream()
@@ -410,20 +429,32 @@ class Participant:
                           TransferSpeedColumn(), TimeRemainingColumn(), console=self.console,
                           disable=not self.console.is_terminal) as bar:  # fmt: skip
                 task = bar.add_task(f"{cfg.name}: weights", total=manifest.tensor_bytes)
+                live = TransferProgress(manifest.tensor_bytes, time.monotonic())
 
                 def progress(done: int, total: int) -> None:
                     bar.update(task, completed=done, total=total)
+                    live.update(done, time.monotonic(), total)  # /status and the page, live
+                    self.state.weights = {"source": "host", "tensor_bytes": manifest.tensor_bytes,
+                                          **live.as_dict()}  # fmt: skip
 
                 stats = await fetch_weights(reader, writer, cfg.name, manifest, path, progress,
                                             self._shard_check(manifest))  # fmt: skip
         finally:
             await edge.close()
+        live.finish(time.monotonic())
         mb = stats["received_bytes"] / 1e6
         secs = max(stats["seconds"], 1e-6)
         self.say(f"{cfg.name}: weights ready: {stats['fetched_tensors']} of {len(manifest.tensors)} "
                  f"tensors fetched, {mb:.1f} MB in {secs:.1f} s ({mb / secs:.1f} MB/s), SHA-256 verified")  # fmt: skip
         self.event("weights", **stats)
-        return path, {**stats, "source": "host"}
+        self.state.weights = {**live.as_dict(), **stats, "source": "host"}
+        return path, self.state.weights
+
+    def _who(self, name: str) -> str:
+        """A member as a person finds it: its name and the address it joined from."""
+        info = self.net.roster().get(name) if self.net is not None else None
+        cands = getattr(info, "candidates", None) or ()
+        return f"{name} ({cands[0][0]})" if cands else name
 
     def _shard_check(self, manifest: Manifest):
         """For fetch_weights: once the copy's header is verified, the manifest must be exactly
@@ -505,17 +536,23 @@ class Participant:
         if self._pred_stream is None:
             self._pred_stream = asyncio.get_running_loop().create_future()
         succ = role.successor(me)
-        edge = await asyncio.wait_for(self.net.connect(succ), RING_EDGE_TIMEOUT_S)
-        self._ring_edges.append(edge)
-        self.succ_edge = edge
-        _, writer = await edge.open_stream()
-        writer.write(encode(Hello(me, "ring")))
-        await writer.drain()
+
+        async def edge_to_successor():
+            edge = await self.net.connect(succ)
+            self._ring_edges.append(edge)
+            _, writer = await edge.open_stream()
+            writer.write(encode(Hello(me, "ring")))
+            await writer.drain()
+            return edge, writer
+
+        self.succ_edge, writer = await _step(f"the ring edge from {me} to {self._who(succ)}",
+                                             edge_to_successor(), RING_EDGE_TIMEOUT_S)  # fmt: skip
         try:
             # the predecessor opens its edge once its own weights and shard are ready
             _, reader, _ = await asyncio.wait_for(self._pred_stream, READY_TIMEOUT_S)
         except TimeoutError:
-            raise Refused(f"member {role.predecessor(me)} never opened its ring edge to {me}") from None
+            raise Refused(f"the ring edge from {self._who(role.predecessor(me))} to {me} was not up "
+                          f"within {READY_TIMEOUT_S:g} s") from None  # fmt: skip
         self.node.start(reader, writer)
 
     async def _start_api(self) -> None:
@@ -617,6 +654,19 @@ class Participant:
     @code.setter
     def code(self, value: str) -> None:
         self._code = value
+
+
+async def _step(what: str, coro, timeout_s: float | None = None):
+    """One step of forming (fetch, build, a ring edge): whatever stops it becomes one line that
+    says which step, with whom, and why ("the ring edge from m2 to m3 (10.0.0.3) was not up
+    within 60 s"); never a bare TimeoutError or an empty reason."""
+    try:
+        return await (coro if timeout_s is None else asyncio.wait_for(coro, timeout_s))
+    except TimeoutError:
+        raise Refused(f"{what} was not up within {timeout_s:g} s" if timeout_s is not None
+                      else f"{what}: it timed out") from None  # fmt: skip
+    except Exception as exc:
+        raise Refused(f"{what}: {describe_error(exc)}") from exc
 
 
 def _r(v):

@@ -71,9 +71,14 @@ async def fetch_weights(reader, writer, name: str, manifest: Manifest, path: str
             "fetched_tensors": len(tensors), "seconds": round(time.monotonic() - start, 3)}  # fmt: skip
 
 
-async def serve_weights(reader, writer, path: str, file_bytes: int, cache: dict) -> int:
-    """Answer WeightGet frames on one stream until the member closes it; returns bytes sent."""
+async def serve_weights(reader, writer, path: str, file_bytes: int, cache: dict,
+                        progress: Callable[[int], None] | None = None) -> int:  # fmt: skip
+    """Answer WeightGet frames on one stream until the member closes it; returns bytes sent.
+
+    `progress(n)` after each chunk: the file bytes served so far on this stream (uncompressed,
+    so they count against the member's manifest as its own progress does)."""
     out = FrameWriter(writer)
+    served = 0
     try:
         while True:
             try:
@@ -86,6 +91,9 @@ async def serve_weights(reader, writer, path: str, file_bytes: int, cache: dict)
                 raise FrameError(f"unexpected {type(frame).__name__} frame on a weight stream")
             data = await asyncio.to_thread(serve_chunk, path, file_bytes, frame, cache)
             await out.send(data)
+            served += frame.length
+            if progress:
+                progress(served)
     finally:
         out.close()
 

@@ -268,6 +268,52 @@ def _write_cached(path: str, ident: dict, index, header_len: int, sha: str, head
 # --- sans-I/O ------------------------------------------------------------------------------
 
 
+@dataclass
+class TransferProgress:
+    """One weight transfer's figures: bytes done of a total, the rate and the time left they imply.
+
+    No clock of its own: every `update` passes `now_s` (monotonic seconds), so the member's fetch,
+    the host's per-member counts and the tests all feed it the same way. The rate is the average
+    since the first byte, steady enough for a bar (a transfer is one stream at one link's speed)."""
+
+    total_bytes: int
+    started_s: float
+    done_bytes: int = 0
+    now_s: float = 0.0
+    finished: bool = False
+
+    def update(self, done_bytes: int, now_s: float, total_bytes: int | None = None) -> None:
+        self.done_bytes = done_bytes
+        self.now_s = now_s
+        if total_bytes is not None:
+            self.total_bytes = total_bytes
+
+    def finish(self, now_s: float) -> None:
+        self.now_s, self.finished = now_s, True
+
+    @property
+    def mb_s(self) -> float | None:
+        elapsed = self.now_s - self.started_s
+        return None if elapsed <= 0 or self.done_bytes <= 0 else self.done_bytes / 1e6 / elapsed
+
+    @property
+    def eta_s(self) -> float | None:
+        if self.finished or self.done_bytes >= self.total_bytes:
+            return 0.0
+        rate = self.mb_s
+        return None if not rate else (self.total_bytes - self.done_bytes) / 1e6 / rate
+
+    def as_dict(self) -> dict:
+        """The /status figures (rounded)."""
+        mb_s, eta_s = self.mb_s, self.eta_s
+        return {"done_bytes": self.done_bytes, "total_bytes": self.total_bytes,
+                "mb_s": None if mb_s is None else round(mb_s, 2),
+                "eta_s": None if eta_s is None else round(eta_s, 1),
+                "seconds": round(max(0.0, self.now_s - self.started_s), 3),
+                "state": "done" if self.finished else "fetching" if self.done_bytes else "waiting"}  # fmt: skip
+
+
+
 def plan_fetch(path: str, manifest: Manifest) -> tuple[bool, list[TensorRange]]:
     """(header needed?, tensors needed) given what the local copy at `path` already holds."""
     if not os.path.isfile(path) or os.path.getsize(path) != manifest.file_bytes:

@@ -180,7 +180,8 @@ function drawFigures(st) {
   $("tok-measured").textContent = fmt(st.tok_s, 1);
   $("tok-predicted").textContent = fmt(predictedTokS(plan), 1);
   const bn = argmax(plan.stage_ms || {});
-  $("bottleneck").textContent = bn ? `${bn} (${fmt(plan.stage_ms[bn], 2)} ms predicted)` : "–";
+  const cap = bn && plan.stage_ms[bn] > 0 ? `, at most ${fmt(1000 / plan.stage_ms[bn], 1)} tok/s` : "";
+  $("bottleneck").textContent = bn ? `${bn} (${fmt(plan.stage_ms[bn], 2)} ms predicted${cap})` : "–";
   $("step-ms").textContent = fmt(st.step_ms, 2);
   $("network-ms").textContent = fmt(st.network_ms, 2);
   const r = st.requests;
@@ -190,18 +191,46 @@ function drawFigures(st) {
   $("acceptance").textContent = spec && spec.acceptance !== undefined ? `${fmt(100 * spec.acceptance, 0)} %` : "– (not speculating)";
   $("uptime").textContent = s.uptime_s !== undefined ? `${fmt(s.uptime_s, 0)} s` : "–";
   const w = st.weights || {};
-  const total = w.tensor_bytes || 0, got = w.received_bytes || 0;
   const bar = $("weights-bar");
   if (w.source === "local file" || w.source === "own file") {
     bar.value = 1;
     $("weights-text").textContent = `${w.source}`;
-  } else if (total) {
+  } else if (w.total_bytes !== undefined) {  // live while fetching (MB/s, ETA), kept once done
+    bar.value = w.total_bytes ? Math.min(1, w.done_bytes / w.total_bytes) : 1;
+    $("weights-text").textContent = `${transferText(w)} from the ${w.source || "host"}`;
+  } else if (w.tensor_bytes) {
+    const total = w.tensor_bytes, got = w.received_bytes || 0;
     bar.value = Math.min(1, got / total);
     const rate = w.seconds ? ` at ${fmt(got / 1e6 / w.seconds, 1)} MB/s` : "";
     $("weights-text").textContent = `${mb(got)} of ${mb(total)} from the ${w.source || "host"}${rate}`;
   } else {
     bar.value = 0;
     $("weights-text").textContent = s.host === true ? "the host serves them" : "waiting";
+  }
+  drawTransfers(st.transfers || {});
+}
+
+// one weight transfer's figures (TransferProgress.as_dict) in words
+function transferText(t) {
+  const pct = t.total_bytes ? ` (${fmt(100 * t.done_bytes / t.total_bytes, 0)} %)` : "";
+  const rate = t.mb_s ? `, ${fmt(t.mb_s, 1)} MB/s` : "";
+  const left = t.state === "done" ? (t.done_bytes >= t.total_bytes ? ", done" : ", done (the member had the rest)")
+    : t.eta_s !== null && t.eta_s !== undefined ? `, ${fmt(t.eta_s, 0)} s left` : `, ${t.state || "waiting"}`;
+  return `${mb(t.done_bytes)} of ${mb(t.total_bytes)}${pct}${rate}${left}`;
+}
+
+// the host's /status: a bar per member for the weights it serves them
+function drawTransfers(transfers) {
+  const box = $("transfers");
+  if (!box) return;
+  box.replaceChildren();
+  for (const [name, t] of Object.entries(transfers)) {
+    const row = el("div", {class: "transfer", "data-member": name});
+    row.append(el("div", {class: "label"}, `weights to ${name}: ${transferText(t)}`));
+    const bar = el("progress", {max: "1"});
+    bar.value = t.state === "done" ? 1 : t.total_bytes ? Math.min(1, t.done_bytes / t.total_bytes) : 0;
+    row.append(bar);
+    box.append(row);
   }
 }
 

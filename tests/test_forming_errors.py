@@ -1,0 +1,64 @@
+"""A session that cannot form says what failed, with whom and within how long, in one line on
+every side (issue 18 item 2): never a bare TimeoutError or an empty reason.
+
+A host and one member in one process over a real embedded rendezvous on 127.0.0.1; no shard is
+built (load_shard is a stand-in), the member uses its local copy of the model (no transfer), and
+the ring-edge timeout is 0 s, so the edge between them cannot be up in time: a few seconds."""
+
+import asyncio
+import os
+
+import pytest
+
+from kafila.errors import KafilaError, describe_error
+from kafila.session import host as host_mod
+from kafila.session import member as member_mod
+from kafila.session.host import HostParticipant
+from kafila.session.launch import free_ports
+from kafila.session.member import Participant, SessionConfig
+from tests.default_model import MODEL, needs_default_model
+
+pytestmark = [needs_default_model, pytest.mark.timeout(120)]
+DEVICE = {"backend": "openvino", "memory_gb": 8.0, "bandwidth_gbps": 10.0, "overhead_us": 100.0, "tflops": 1.0}
+
+
+def _quiet():
+    from rich.console import Console
+
+    return Console(file=open(os.devnull, "w"))  # noqa: SIM115
+
+
+def test_a_ring_edge_not_up_in_time_is_one_line_on_host_and_member(tmp_path, monkeypatch):
+    import backends
+
+    monkeypatch.setattr(Participant, "descriptor", lambda self: dict(DEVICE))
+    monkeypatch.setattr(backends, "load_shard", lambda *a, **k: object())  # no shard: the edge is the point
+    monkeypatch.setattr(host_mod, "stdin_is_terminal", lambda: False)
+    monkeypatch.setattr(member_mod, "RING_EDGE_TIMEOUT_S", 0.0)  # a real peer, no time to reach it
+    (rv,) = free_ports(1)
+    common = {"api": None, "bind_host": "127.0.0.1", "cache_dir": str(tmp_path)}
+    host = HostParticipant(SessionConfig(name="m1", rendezvous=None, model_path=MODEL, expect=2,
+                                         embedded_listen=("127.0.0.1", rv), **common), _quiet())  # fmt: skip
+    member = Participant(SessionConfig(name="m2", rendezvous=("127.0.0.1", rv), local_model=MODEL, **common),
+                         _quiet())  # fmt: skip
+
+    async def run():
+        h = asyncio.create_task(host._lifecycle())
+        while host.net is None and not h.done():
+            await asyncio.sleep(0.05)
+        member.code = host.net.code
+        m = asyncio.create_task(member._lifecycle())
+        results = await asyncio.wait_for(asyncio.gather(h, m, return_exceptions=True), 90)
+        await member.shutdown()
+        await host.shutdown()
+        return results
+
+    host_exc, member_exc = asyncio.run(run())
+    for who, exc in (("host", host_exc), ("member", member_exc)):
+        assert isinstance(exc, KafilaError), f"{who}: {exc!r}"  # the CLI prints it as one line
+        line = describe_error(exc)
+        assert line.strip() and "\n" not in line, f"{who}: {line!r}"
+        assert "TimeoutError" not in line and not line.endswith(": "), f"{who}: {line!r}"
+        # what did not happen, with whom (name and address), within how long
+        assert "ring edge from m" in line and "(127.0.0.1)" in line and "within 0 s" in line, f"{who}: {line}"
+    assert "m1" in describe_error(host_exc) and "m2" in describe_error(member_exc)
