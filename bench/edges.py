@@ -1,9 +1,9 @@
 """Edge formation across the NAT lab: predicted vs achieved kind and time to data / to direct.
 
-For every ordered pair of NAT kinds (Kafila Table III with both ordinary variants, plus a public
-member) an edge is opened from a member behind the first kind (initiator) to a member behind the
-second (responder), one edge at a time so timings are not skewed by the other edges, then a
-64 KiB stream is sent each way to prove it carries data. Each round uses fresh members (fresh
+For every ordered pair of NAT kinds (the seed paper's Table III with both ordinary variants, plus
+a public member) an edge is opened from a member behind the first kind (initiator) to a member
+behind the second (responder), one edge at a time so timings are not skewed by the other edges,
+then a 64 KiB stream is sent each way to prove it carries data. Each round uses fresh members (fresh
 NAT state); the table shows medians over rounds. *connect wall s* is the initiator's whole
 `connect`, clock started before its EdgeRequest goes to the rendezvous (signaling round trip,
 edge allocation, QUIC over the relay, first stream authenticated), seen from the bench; *time to
