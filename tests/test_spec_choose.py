@@ -193,3 +193,35 @@ def test_greedy_verify_is_accept_of_the_argmax():
     assert verify((2, 4), rows) == (2, 3)
     with pytest.raises(ValueError):
         verify((2,), rows)
+
+
+# --- speculate="draft": the head's drafter fills the step in -------------------------------------
+
+
+def test_a_draft_step_asks_the_drafter_then_goes_round_with_its_drafts():
+    s = Scheduler(slots=2, context=64, speculate="draft", draft_k=4, adaptive_k=False)
+    s.submit("a", "o", [1, 2, 3], max_new=10)
+    (step,) = s.steps()
+    assert step.want_draft == 0 and len(step.tokens) == 3  # the prefill needs no drafts
+    s.complete("a", 7)
+    (step,) = s.steps()
+    assert step.want_draft == 4 and step.tokens.tolist() == [7] and s.history("a") == (1, 2, 3, 7)
+    assert s.steps() == []  # in flight while the drafter works
+    step = s.attach_draft("a", (8, 9, 10, 11, 12))  # more than asked: cut to K
+    assert step.tokens.tolist() == [7, 8, 9, 10, 11] and step.drafted == 4 and step.want_draft == 0
+    events = s.complete("a", (8, 9, 5))  # two accepted, then the model's 5
+    assert [e.token for e in events if isinstance(e, TokenOut)] == [8, 9, 5]
+    (step,) = s.steps()
+    assert s.attach_draft("a", ()).drafted == 0  # no proposal: a plain step
+    s.complete("a", 6)
+    (step,) = s.steps()
+    s.cancel("a")  # cancelled while drafting: its plain step still goes round, then it ends
+    step = s.attach_draft("a", (1, 2))
+    assert step is not None and step.drafted == 0
+    assert any(isinstance(e, Finished) and e.finish == "cancelled" for e in s.complete("a", 3))
+    s.submit("b", "o", [1, 2, 3], max_new=10)
+    s.steps()
+    s.complete("b", 4)
+    s.steps()
+    s.fail_all("gone")  # failed while drafting: nothing of it may go round
+    assert s.attach_draft("b", (5,)) is None

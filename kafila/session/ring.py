@@ -141,12 +141,13 @@ class RingNode:
                  eos_ids: frozenset[int] = frozenset(),
                  on_degraded: Callable[[str], None] | None = None,
                  prefill_chunk: int | None = None, speculate: str = "off",
-                 draft_k: int = DRAFT_K, adaptive_k: bool = True) -> None:  # fmt: skip
+                 draft_k: int = DRAFT_K, adaptive_k: bool = True, drafter=None) -> None:  # fmt: skip
         """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
         hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
         frames over the limit: only tests set it, to exercise the per-request error.
         `speculate`: "off" or "ngram" (the head's drafter, speculate.py), at most `draft_k`
-        drafts a trip (chosen online unless `adaptive_k` is False: see Scheduler)."""
+        drafts a trip (chosen online unless `adaptive_k` is False: see Scheduler). `drafter`:
+        the head's draft model (draft.ModelDrafter) for speculate="draft"."""
         self.name = name
         self.head = head
         self.ring = ring
@@ -171,6 +172,7 @@ class RingNode:
         self._tasks: list[asyncio.Task] = []
         self._counter = 0
         self._sampling: dict[str, tuple] = {}  # head: rid → (temperature, top_p, rng) when not greedy
+        self.drafter = drafter
 
     # --- wiring ------------------------------------------------------------------------------
 
@@ -195,6 +197,8 @@ class RingNode:
         if self.out is not None:
             self.out.close()
         await asyncio.get_running_loop().run_in_executor(self.executor, self.slots.free_all)
+        if self.drafter is not None:
+            await asyncio.get_running_loop().run_in_executor(self.executor, self.drafter.close)
         self.executor.shutdown(wait=True)
 
     def degrade(self, reason: str) -> None:
@@ -410,7 +414,11 @@ class RingNode:
         if self.degraded:
             return
         for step in self.scheduler.steps():
-            self._step_started[step.rid] = time.perf_counter()
+            self._step_started[step.rid] = time.perf_counter()  # drafting is part of a trip's cost
+            if step.want_draft:
+                step = self.scheduler.attach_draft(step.rid, await self._propose(step))
+                if step is None:
+                    continue
             hidden, us = await self._compute(self._head_forward, step)
             if len(step.tokens) == 1:
                 self._measure(self.name, us)
@@ -425,6 +433,18 @@ class RingNode:
                 log.warning("request %s failed: %s", step.rid, exc)
                 await self._emit(self.scheduler.fail(
                     step.rid, f"this request's activations cannot be sent round the ring: {exc}", 500))
+
+    async def _propose(self, step: Step) -> tuple[int, ...]:
+        """The draft model's proposals for `step` (none without a drafter or when it fails: a
+        drafter is an optimisation, never a reason to fail a request)."""
+        if self.drafter is None:
+            return ()
+        history = self.scheduler.history(step.rid)
+        try:
+            return await self._compute(self.drafter.propose, step.rid, history, step.want_draft)
+        except Exception as exc:
+            log.warning("the draft model failed (%s: %s): this step goes without drafts", type(exc).__name__, exc)
+            return ()
 
     def _head_forward(self, step: Step):
         t0 = time.perf_counter()
@@ -460,6 +480,8 @@ class RingNode:
             elif isinstance(ev, Finished):
                 self._step_started.pop(ev.rid, None)
                 self._sampling.pop(ev.rid, None)
+                if self.drafter is not None:
+                    self.drafter.release(ev.rid)
                 if ev.finish == "cancelled":
                     continue
                 finish = ev.finish

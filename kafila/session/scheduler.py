@@ -83,6 +83,7 @@ class Step:
     pos0: int
     zeros: tuple[int, ...]
     drafted: int = 0  # the last `drafted` tokens are drafts to verify (0: a plain step)
+    want_draft: int = 0  # speculate="draft": the head asks its drafter for this many, then attach_draft
 
 
 @dataclass(frozen=True)
@@ -193,26 +194,56 @@ class Scheduler:
             done = req.cache_len
             if done < len(req.prompt):  # prefill, one chunk at a time
                 feed = req.prompt[done : done + self.chunk_tokens]
+            elif self.speculate == "draft" and (k := self._draft_k(req)):
+                req.in_flight = 1  # the step is the head's until attach_draft
+                out.append(self._step(req, (req.generated[-1],), want_draft=k))
+                continue
             else:
                 req.draft = self._draft(req)
                 feed = (req.generated[-1], *req.draft)
             req.in_flight = len(feed)
-            out.append(Step(req.rid, req.slot, np.array(feed, dtype=np.int64), req.cache_len, req.pos,
-                            tuple(req.zeros), len(req.draft)))  # fmt: skip
+            out.append(self._step(req, feed))
         return out
 
-    def _draft(self, req: _Request) -> tuple[int, ...]:
-        """The drafts of `req`'s next decode step. K is bounded by the tokens still wanted and by
-        the physical room: room − K − 1 ≥ tokens still wanted keeps the invariant room ≥ wanted
-        (a step of K drafts uses K+1 positions and yields at least one token), so speculation
-        never ends a request earlier than plain decoding would."""
+    def _step(self, req: _Request, feed, want_draft: int = 0) -> Step:
+        return Step(req.rid, req.slot, np.array(feed, dtype=np.int64), req.cache_len, req.pos,
+                    tuple(req.zeros), len(req.draft), want_draft)  # fmt: skip
+
+    def attach_draft(self, rid: str, draft: tuple[int, ...]) -> Step | None:
+        """The drafter's proposals for a step that asked for them (`Step.want_draft`): the step
+        to send (its last token and the drafts); None if the request ended meanwhile."""
+        req = self._requests.get(rid)
+        if req is None or req.in_flight != 1:
+            return None  # it failed meanwhile: nothing of it may go round
+        # a request cancelled meanwhile still sends its plain step: it ends when the step is back
+        req.draft = () if req.cancelled else tuple(int(t) for t in draft)[: self._draft_k(req)]
+        if not req.draft:
+            req.acceptance.idle()
+        req.in_flight = 1 + len(req.draft)
+        return self._step(req, (req.generated[-1], *req.draft))
+
+    def history(self, rid: str) -> tuple[int, ...]:
+        """A request's prompt and the tokens it has been given so far."""
+        req = self._requests[rid]
+        return req.prompt + tuple(req.generated)
+
+    def _draft_k(self, req: _Request) -> int:
+        """How many drafts `req`'s next decode step may carry. K is bounded by the tokens still
+        wanted and by the physical room: room − K − 1 ≥ tokens still wanted keeps the invariant
+        room ≥ wanted (a step of K drafts uses K+1 positions and yields at least one token), so
+        speculation never ends a request earlier than plain decoding would."""
         if not req.speculate:
-            return ()
+            return 0
         wanted = req.max_new - len(req.generated)
         room = self.context - req.cache_len
         k = min(self.draft_k, wanted - 1, room - wanted - 1)
         if k >= 1 and self.adaptive_k:
             k = choose_k(req.acceptance.rate, self.step_cost, k)
+        return max(k, 0)
+
+    def _draft(self, req: _Request) -> tuple[int, ...]:
+        """The n-gram drafts of `req`'s next decode step (at most _draft_k of them)."""
+        k = self._draft_k(req)
         draft = ngram_draft(req.prompt + tuple(req.generated), k) if k >= 1 else ()
         if not draft:
             req.acceptance.idle()

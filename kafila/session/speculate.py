@@ -39,7 +39,7 @@ import numpy as np
 
 from kafila.sampling import sample_token, token_probs
 
-SPECULATE_MODES = ("off", "ngram")
+SPECULATE_MODES = ("off", "ngram", "draft")  # draft: a draft model at the head (draft.py)
 DRAFT_K = 8  # the most draft tokens per trip choose_k may pick (positions per step: DRAFT_K + 1)
 MAX_DRAFT_K = 32  # the most a session may ask for
 NGRAM_MAX_N = 4  # longest suffix matched (tokens)
@@ -137,6 +137,12 @@ class StepCost:
     def predict(self, n: int) -> float:
         c, beta = self.fit()
         return c + beta * n
+
+    def as_dict(self) -> dict:
+        """What choosing K sees (for /status): the fit and the measured trips by positions."""
+        c, beta = self.fit()
+        return {"c": round(c, 3), "beta": round(beta, 3),
+                "by_positions": {n: round(ms, 3) for n, (ms, _) in sorted(self._ms.items())}}  # fmt: skip
 
 
 @dataclass
