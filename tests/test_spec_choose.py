@@ -225,3 +225,12 @@ def test_a_draft_step_asks_the_drafter_then_goes_round_with_its_drafts():
     s.steps()
     s.fail_all("gone")  # failed while drafting: nothing of it may go round
     assert s.attach_draft("b", (5,)) is None
+
+
+def test_a_new_request_starts_from_the_sessions_acceptance():
+    s = Scheduler(slots=1, context=512, speculate="ngram", draft_k=8)
+    assert s._requests == {} and s.acceptance.rate == 0.5
+    for _ in range(10):
+        s.acceptance.add(drafted=6, accepted=0)  # what earlier requests saw
+    s.submit("a", "o", [1, 2, 3], max_new=10)
+    assert s._requests["a"].acceptance.rate == pytest.approx(s.acceptance.rate) and s.acceptance.rate < 0.15

@@ -146,6 +146,7 @@ class Scheduler:
         self.adaptive_k = adaptive_k
         self.spec = SpecStats()  # every finished request's counts
         self.step_cost = StepCost()  # decode trips' measured ms by position count
+        self.acceptance = Acceptance()  # every request's trips: a new request's prior
         if slots < 1 or context < 2:
             raise ValueError("a scheduler needs at least one slot and a context of two positions")
         if chunk_tokens < 1:
@@ -179,7 +180,8 @@ class Scheduler:
             raise SchedulerError(f"{len(self._queue)} requests are already waiting: try again later", 503)
         max_new = min(max_new, self.context - len(prompt))
         self._requests[rid] = _Request(rid, origin, tuple(int(t) for t in prompt), max_new, stop_at_eos,
-                                       speculate=bool(speculate) and self.speculate != "off" and self.draft_k > 0)
+                                       speculate=bool(speculate) and self.speculate != "off" and self.draft_k > 0,
+                                       acceptance=Acceptance(prior=self.acceptance.as_prior()))  # fmt: skip
         self._queue.append(rid)
 
     def steps(self) -> list[Step]:
@@ -290,6 +292,7 @@ class Scheduler:
             req.zeros.extend(range(req.cache_len + kept, req.cache_len + fed))
             req.spec.add(len(draft), kept)
             req.acceptance.add(len(draft), kept - 1)
+            self.acceptance.add(len(draft), kept - 1)
         else:
             kept = fed
             tokens = None if token is None else (int(token),)

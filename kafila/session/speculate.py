@@ -152,6 +152,7 @@ class Acceptance:
 
     accepted: float = 0.0
     rejected: float = 0.0
+    prior: tuple[float, float] = ACCEPT_PRIOR  # pseudo-counts (accepted, rejected)
 
     def add(self, drafted: int, accepted: int) -> None:
         self.accepted = self.accepted * ACCEPT_DECAY + accepted
@@ -165,8 +166,13 @@ class Acceptance:
 
     @property
     def rate(self) -> float:
-        a, r = ACCEPT_PRIOR
+        a, r = self.prior
         return (self.accepted + a) / (self.accepted + self.rejected + a + r)
+
+    def as_prior(self) -> tuple[float, float]:
+        """A new request's prior from this (the session's) estimate, with the default's weight."""
+        w = sum(ACCEPT_PRIOR)
+        return (w * self.rate, w * (1 - self.rate))
 
 
 def expected_tokens(k: int, alpha: float) -> float:
