@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 import threading
+from dataclasses import replace
 
 from rich.live import Live
 from rich.table import Table
@@ -17,6 +18,24 @@ from kafila.session.preview import plan_summary, plan_table, predicted_tok_s  # 
 from kafila.session.weights import TransferProgress
 
 log = logging.getLogger(__name__)
+
+
+DEFAULT_CONTEXT_TOKENS = 2048  # a session's context when --context is not given (capped by the model's)
+
+
+def session_context(requested: int | None, model_context: int, model_name: str) -> tuple[int, str | None]:
+    """The context a session serves and a one-line note when the default was capped: `requested`
+    (--context) when given, else DEFAULT_CONTEXT_TOKENS or the model's own context if shorter.
+    An explicit value outside 2..the model's context is BadInput."""
+    if requested is None:
+        if model_context < DEFAULT_CONTEXT_TOKENS:
+            return model_context, (f"context {model_context}: {model_name}'s own context (shorter than the "
+                                   f"default {DEFAULT_CONTEXT_TOKENS})")  # fmt: skip
+        return DEFAULT_CONTEXT_TOKENS, None
+    if requested < 2 or requested > model_context:
+        raise BadInput(f"--context {requested}: choose 2..{model_context} for {model_name} (its own context), "
+                       "or leave --context out")  # fmt: skip
+    return requested, None
 
 
 def member_row(name: str, info, state: str) -> dict:
@@ -69,8 +88,10 @@ class HostParticipant(Participant):
         index = await asyncio.to_thread(open_model, cfg.model_path)
         if self.engine is not None:
             self.engine.model_name = index.name  # /v1/models answers while the session forms
-        if cfg.context < 2 or cfg.context > index.hparams.context_length:
-            raise BadInput(f"--context {cfg.context}: choose 2..{index.hparams.context_length} for {index.name}")
+        context, capped = session_context(cfg.context, index.hparams.context_length, index.name)
+        if capped:
+            self.say(f"{cfg.name}: {capped}")
+        self.cfg = cfg = replace(cfg, context=context)
         if cfg.concurrency < 1 or cfg.concurrency > 64:
             raise BadInput(f"--concurrency {cfg.concurrency}: choose 1..64")
         self.say(f"{cfg.name}: measuring this device and indexing {index.name}…")
