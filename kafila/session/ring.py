@@ -62,6 +62,14 @@ from kafila.session.streams import FrameWriter, StreamClosed, read_frame
 
 log = logging.getLogger(__name__)
 EMA = 0.2  # weight of the newest measurement in the moving averages
+# The watchdog: a stage whose compute has not finished one step in this long hangs (a long
+# prompt's chunk on a slow member takes seconds, not minutes); a step that has not come back
+# round the ring in twice that is lost (a member frozen whole: its own watchdog cannot fire).
+STAGE_HANG_S = 120.0
+
+
+class StageHung(Exception):
+    """This member's stage did not finish a step within its bound."""
 
 
 class LocalSlots:
@@ -141,13 +149,15 @@ class RingNode:
                  eos_ids: frozenset[int] = frozenset(),
                  on_degraded: Callable[[str], None] | None = None,
                  prefill_chunk: int | None = None, speculate: str = "off",
-                 draft_k: int = DRAFT_K, adaptive_k: bool = True, drafter=None) -> None:  # fmt: skip
+                 draft_k: int = DRAFT_K, adaptive_k: bool = True, drafter=None,
+                 stage_hang_s: float = STAGE_HANG_S) -> None:  # fmt: skip
         """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
         hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
         frames over the limit: only tests set it, to exercise the per-request error.
         `speculate`: "off" or "ngram" (the head's drafter, speculate.py), at most `draft_k`
         drafts a trip (chosen online unless `adaptive_k` is False: see Scheduler). `drafter`:
-        the head's draft model (draft.ModelDrafter) for speculate="draft"."""
+        the head's draft model (draft.ModelDrafter) for speculate="draft". `stage_hang_s`: the
+        watchdog's bound on one step of this stage (twice it for a trip round the ring)."""
         self.name = name
         self.head = head
         self.ring = ring
@@ -173,6 +183,7 @@ class RingNode:
         self._counter = 0
         self._sampling: dict[str, tuple] = {}  # head: rid → (temperature, top_p, rng) when not greedy
         self.drafter = drafter
+        self.stage_hang_s = stage_hang_s
 
     # --- wiring ------------------------------------------------------------------------------
 
@@ -185,6 +196,8 @@ class RingNode:
             self._tasks.append(asyncio.create_task(self._read_loop(reader), name=f"ring-read-{self.name}"))
         if self.is_head:
             self._tasks.append(asyncio.create_task(self._drive(), name=f"ring-head-{self.name}"))
+            if self.out is not None:
+                self._tasks.append(asyncio.create_task(self._watch_trips(), name=f"ring-watch-{self.name}"))
 
     async def close(self) -> None:
         for t in self._tasks:
@@ -218,7 +231,29 @@ class RingNode:
             w.queue.put_nowait(Tokens(rid, self.name, (), True, "error", reason[:500], 503))
 
     async def _compute(self, fn, *args):
-        return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        """fn(*args) on the stage's worker thread, watched: past stage_hang_s the ring degrades
+        naming this member (a hung thread cannot be stopped, but nobody waits on it for ever)."""
+        fut = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        try:
+            return await asyncio.wait_for(asyncio.shield(fut), self.stage_hang_s)
+        except asyncio.TimeoutError:
+            reason = (f"member {self.name}'s stage did not finish a step within {self.stage_hang_s:.0f} s "
+                      "(its compute hangs)")  # fmt: skip
+            self.degrade(reason)
+            raise StageHung(reason) from None
+
+    async def _watch_trips(self) -> None:
+        """The head's watchdog over whole trips: a step not back round the ring within twice a
+        stage's bound means a member that cannot even report its own hang (frozen, asleep)."""
+        bound = 2 * self.stage_hang_s
+        while self.degraded is None:
+            await asyncio.sleep(min(1.0, bound / 4))
+            now = time.perf_counter()
+            late = [rid for rid, t0 in self._step_started.items() if now - t0 > bound]
+            if late:
+                others = [n for n in self.ring if n != self.name]
+                self.degrade(f"a step did not come back round the ring within {bound:.0f} s: one of "
+                             f"{', '.join(others)} is not answering (frozen or asleep?)")  # fmt: skip
 
     # --- prompt entry (any member) -------------------------------------------------------------
 
@@ -286,6 +321,8 @@ class RingNode:
             self.degrade(f"member {self.name} could not send its stage's output: {exc}")
         except FrameError as exc:
             self.degrade(f"member {pred} sent a malformed frame ({exc}); its edge was closed")
+        except StageHung:
+            pass  # degraded already, naming this stage
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # a shard that failed: the ring cannot go on
@@ -404,6 +441,8 @@ class RingNode:
                 await self._pump()
             except StreamClosed as exc:
                 self.degrade(f"the ring edge to the next member closed ({exc})")
+            except StageHung:
+                pass  # degraded already, naming this stage
             except asyncio.CancelledError:
                 raise
             except Exception as exc:

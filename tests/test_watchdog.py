@@ -1,0 +1,83 @@
+"""The ring's watchdog (issue 14 item 3): a stage whose compute hangs while its QUIC edge is
+alive ends the requests it holds with an error naming it, within a bound, instead of leaving
+them waiting for ever. Three RingNodes over in-memory pipes (the ring's own code), real shards
+of the default model; the thing faked is only the hang: one stage's forward blocks."""
+
+import asyncio
+import threading
+import time
+
+import pytest
+
+from kafila.session.frames import Limits
+from kafila.session.ring import RingNode
+from tests.fake_link import Pipe
+
+pytestmark = pytest.mark.model
+
+
+class Hanging:
+    """A shard whose forward blocks (until released) from its `after`-th call on."""
+
+    def __init__(self, shard, after: int) -> None:
+        self.shard, self.after, self.calls = shard, after, 0
+        self.release = threading.Event()
+
+    def forward(self, *args):
+        self.calls += 1
+        if self.calls > self.after:
+            self.release.wait(30)
+        return self.shard.forward(*args)
+
+    def __getattr__(self, name):
+        return getattr(self.shard, name)
+
+
+def _ring(shards, limits, hang_s, tell=True):
+    names = ["m1", "m2", "m3"]
+    nodes = []
+
+    def tell_everyone(reason: str) -> None:  # what the host does with a member's "degraded"
+        for node in nodes if tell else ():
+            node.degrade(reason)
+
+    nodes += [RingNode(n, "m1", names, s, limits, stage_hang_s=hang_s, on_degraded=tell_everyone)
+              for n, s in zip(names, shards)]  # fmt: skip
+    pipes = [Pipe() for _ in names]
+    for i, node in enumerate(nodes):
+        node.start(pipes[i - 1].reader, pipes[i])
+    return nodes
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_a_hanging_stage_fails_its_requests_naming_it(frozen, chain_factory, prompt_ids, default_index):
+    """frozen: the hung member cannot even tell the host (a machine asleep); the head's own
+    watchdog over whole trips ends the requests, naming the members it waited on."""
+    chain = chain_factory("openvino", 3, "serving")
+    hung = Hanging(chain.shards[2], after=3)  # m3: the prefill and two decode steps, then it hangs
+    limits = Limits(hidden=default_index.hparams.hidden, context=512, slots=2, vocab=default_index.hparams.vocab)
+
+    async def main():
+        nodes = _ring([chain.shards[0], chain.shards[1], hung], limits, hang_s=1.0, tell=not frozen)
+        try:
+            _, waiter = await nodes[1].submit(list(prompt_ids[0]), 32)
+            t0 = time.monotonic()
+            tokens, end = [], None
+            while end is None:
+                item = await asyncio.wait_for(waiter.queue.get(), 10)
+                if isinstance(item, int):
+                    tokens.append(item)
+                else:
+                    end = item
+            return tokens, end, time.monotonic() - t0, nodes
+        finally:
+            hung.release.set()
+            for n in nodes:
+                await n.close()
+
+    tokens, end, took, nodes = asyncio.run(main())
+    assert len(tokens) == 3  # what came back before the hang: the prefill's token and two more
+    assert end.finish == "error" and "m3" in end.error, end
+    assert ("not answering" if frozen else "hangs") in end.error, end
+    assert took < 5.0  # the bound (1 s here, twice it for a trip) plus the news travelling round
+    assert nodes[0].degraded and "m3" in nodes[2].degraded
