@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import pytest
 
@@ -50,7 +51,8 @@ def fake_demo(monkeypatch):
     monkeypatch.setattr(kafila.session.launch, "stream_chat", lambda *a: answer)
     monkeypatch.setattr(kafila.session.launch, "get_json", lambda *a: {"stages": {}})
     monkeypatch.setattr(kafila.models, "resolve_model", lambda name: name)
-    monkeypatch.setattr(kafila.models, "open_model", lambda path: None)
+    index = SimpleNamespace(name="m", hparams=SimpleNamespace(context_length=8192))  # what demo reads
+    monkeypatch.setattr(kafila.models, "open_model", lambda path: index)
     monkeypatch.setattr(kafila.commands.join, "check_backend", lambda name: None)
 
     def run(codes: dict[str, int]) -> int:

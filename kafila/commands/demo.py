@@ -24,10 +24,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="run member NAME under a CPU quota (FRACTION of one CPU), e.g. m2=0.25")
     p.add_argument("--latency-ms", type=float, default=0.0, metavar="L",
                    help="every member delays each datagram it sends by L ms (a WAN)")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="the session's context (kafila host --context; default 2048, or the model's own if shorter)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=64, metavar="N")
-    p.add_argument("--speculate", choices=("off", "ngram"), default="off",
+    p.add_argument("--speculate", choices=("off", "ngram", "draft"), default="off",
                    help="the session's speculative decoding (kafila host --speculate)")
+    p.add_argument("--draft", metavar="GGUF", default=None,
+                   help="the draft model for --speculate draft (every member gets it: the head runs it)")
+    p.add_argument("--precision", choices=("serving", "f32"), default="serving",
+                   help="every stage's compute (kafila host --precision)")
     p.add_argument("--ask", default=None, metavar="NAME", help="the member the prompt is typed at (default: the last)")
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "kafila", "demo"),
                    help="members' weight caches (NAME/ below it; a rerun fetches only what changed)")
@@ -44,7 +50,7 @@ def run(args: argparse.Namespace) -> int:
     from kafila.commands.join import check_backend
     from kafila.errors import BadInput, KafilaError
     from kafila.models import open_model, resolve_model
-    from kafila.session.host import plan_table, predicted_tok_s
+    from kafila.session.host import plan_table, predicted_tok_s, session_context
     from kafila.session.launch import LocalSession, get_json, stream_chat
     from kafila.throttle import parse_throttle
 
@@ -57,12 +63,22 @@ def run(args: argparse.Namespace) -> int:
     if not 0 <= args.latency_ms <= 10_000:
         raise BadInput("--latency-ms L: choose 0..10000")
     check_backend(args.backend)
-    open_model(resolve_model(args.model))  # a missing or bad model fails here, before any process starts
+    index = open_model(resolve_model(args.model))  # a missing or bad model fails here, before any process starts
+    if args.speculate == "draft" and not args.draft:
+        raise BadInput("--speculate draft needs --draft GGUF (a small model of the same vocabulary)")
+    if args.draft:
+        from kafila.session.draft import open_draft
+
+        args.draft = resolve_model(args.draft)
+        open_draft(args.draft, index)  # missing, not a GGUF or another vocabulary: one line
+    _, capped = session_context(args.context, index.hparams.context_length, index.name)  # and a --context it lacks
     throttle = dict(parse_throttle(t) for t in args.throttle)
     console = Console(stderr=True)
+    if capped:
+        console.print(f"demo: {capped}")
     session = LocalSession(members=args.members, model=args.model, backend=args.backend,
                            policy=args.policy, latency_ms=args.latency_ms, speculate=args.speculate,
-                           throttle=throttle,
+                           precision=args.precision, draft=args.draft, throttle=throttle, context=args.context,
                            cache_root=args.cache_dir, debug=args.debug)  # fmt: skip
     ask = args.ask or session.names[-1]
     if ask not in session.names:

@@ -17,13 +17,20 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default="smollm2-135m", help="GGUF path or alias (default smollm2-135m)")
     p.add_argument("--expect", type=int, default=0, metavar="N",
                    help="session size, the host included; plan as soon as N are in")
-    p.add_argument("--context", type=int, default=2048, help="positions per request, prompt and answer (default 2048)")
+    p.add_argument("--context", type=int, default=None, metavar="N",
+                   help="positions per request, prompt and answer (default 2048, or the model's own "
+                        "context if shorter)")
     p.add_argument("--concurrency", type=int, default=4, help="requests served at once (default 4)")
-    p.add_argument("--speculate", choices=("off", "ngram"), default="off",
-                   help="speculative decoding: off, or ngram (drafts looked up in the request's own "
-                        "prompt and output, verified in one trip round the ring; greedy only)")
+    p.add_argument("--speculate", choices=("off", "ngram", "draft"), default="off",
+                   help="speculative decoding: off, ngram (drafts looked up in the request's own prompt "
+                        "and output) or draft (a draft model, --draft, at the head); drafts are verified "
+                        "in one trip round the ring, as many as pay (none when they do not)")
     p.add_argument("--policy", choices=("kafila", "uniform", "memory"), default="kafila",
                    help="how blocks are divided (default kafila: the planner)")
+    p.add_argument("--precision", choices=("serving", "f32"), default="serving",
+                   help="every stage's compute: serving (the backend's fast defaults: bf16 and a u8 KV "
+                        "cache where the CPU has them) or f32 (slower; greedy answers do not depend on "
+                        "how steps are batched, e.g. by --speculate)")
     p.add_argument("--code-file", metavar="F", help="also write the code to F, mode 0600 (for scripts: "
                    "`kafila join --code-file F`)")
     p.add_argument("--words", type=int, choices=(3, 4), default=3,
@@ -41,7 +48,7 @@ def run(args: argparse.Namespace) -> int:
     from kafila.commands.rendezvous import parse_host_port
     from kafila.errors import BadInput
     from kafila.models import open_model, resolve_model
-    from kafila.session.host import HostParticipant
+    from kafila.session.host import HostParticipant, session_context
     from kafila.session.member import stdin_is_terminal
 
     if args.expect < 0:
@@ -49,9 +56,16 @@ def run(args: argparse.Namespace) -> int:
     check_backend(args.backend)
     cfg = common_config(args, host=True)
     cfg = replace(cfg, model_path=resolve_model(args.model), expect=args.expect, context=args.context,
-                  concurrency=args.concurrency, speculate=args.speculate, policy=args.policy, code_file=args.code_file, code_words=args.words,
+                  concurrency=args.concurrency, speculate=args.speculate, precision=args.precision, policy=args.policy, code_file=args.code_file, code_words=args.words,
                   embedded_listen=parse_host_port(args.listen))  # fmt: skip
-    open_model(cfg.model_path)  # a missing or bad model: one line, exit 2, before anything starts
+    index = open_model(cfg.model_path)  # a missing or bad model: one line, exit 2, before anything starts
+    session_context(args.context, index.hparams.context_length, index.name)  # so is a --context it lacks
+    if args.speculate == "draft" and not cfg.draft_path:
+        raise BadInput("--speculate draft needs --draft GGUF (a small model of the same vocabulary)")
+    if cfg.draft_path:
+        from kafila.session.draft import open_draft
+
+        open_draft(cfg.draft_path, index)  # another vocabulary: one line, exit 2
     if args.expect == 0 and not stdin_is_terminal():
         raise BadInput("give --expect N (the session size, host included): standard input is not "
                        "a terminal, so nobody can press Enter to start planning")

@@ -30,6 +30,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="delay every datagram this member sends by L ms (WAN emulation)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help=f"where fetched weights live (default {DEFAULT_CACHE_DIR})")
     p.add_argument("--json-events", action="store_true", help="one JSON line per lifecycle event on stdout")
+    p.add_argument("--draft", metavar="GGUF", default=None,
+                   help="a small model of the same vocabulary this member drafts with when it is the "
+                        "head of a session started with --speculate draft")
 
 
 def common_config(args: argparse.Namespace, host: bool):
@@ -47,7 +50,14 @@ def common_config(args: argparse.Namespace, host: bool):
         api, api_tries = parse_hostport("127.0.0.1:8740"), API_DEFAULT_PORTS
     else:
         api, api_tries = None if args.api.lower() in ("off", "none", "") else parse_hostport(args.api), 1
+    draft = None
+    if args.draft:
+        from kafila.models import open_model, resolve_model
+
+        draft = resolve_model(args.draft)
+        open_model(draft)  # missing or not a GGUF: one line, exit 2, before anything starts
     return SessionConfig(name=args.name or default_name(), rendezvous=rendezvous, backend=args.backend,
+                         draft_path=draft,
                          api=api, api_tries=api_tries, bind_host=args.bind, send_delay_ms=args.latency_ms,
                          cache_dir=os.path.abspath(args.cache_dir), json_events=args.json_events)  # fmt: skip
 

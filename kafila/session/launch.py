@@ -81,10 +81,12 @@ class LocalSession:
     model: str = "smollm2-135m"
     backend: str = "openvino"
     policy: str = "kafila"
-    context: int = 2048
+    context: int | None = None  # None: the host's default (2048, or the model's own context if shorter)
     concurrency: int = 4
     latency_ms: float = 0.0
     speculate: str = "off"  # the head's drafter: "off" | "ngram" (kafila host --speculate)
+    precision: str = "serving"  # every stage's compute (kafila host --precision)
+    draft: str | None = None  # a draft model every member gets (--speculate draft: the head runs it)
     throttle: dict[str, float] = field(default_factory=dict)
     cache_root: str = ""  # per-member weight caches live in cache_root/<name>
     log_dir: str = ""
@@ -111,6 +113,8 @@ class LocalSession:
         ]  # fmt: skip
         if self.latency_ms:
             cmd += ["--latency-ms", str(self.latency_ms)]
+        if self.draft:
+            cmd += ["--draft", self.draft]
         quota = CpuQuota.create(name, self.throttle[name]) if name in self.throttle else None
         log_path = os.path.join(self.log_dir, f"{name}.log")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
@@ -161,8 +165,9 @@ class LocalSession:
             host = self._spawn(self.names[0], [
                 "host", "--model", self.model, "--expect", str(len(self.names)),
                 "--listen", f"127.0.0.1:{self.rendezvous_port}", "--policy", self.policy,
-                "--context", str(self.context), "--concurrency", str(self.concurrency),
-                "--speculate", self.speculate,
+                *(["--context", str(self.context)] if self.context is not None else []),
+                "--concurrency", str(self.concurrency),
+                "--speculate", self.speculate, "--precision", self.precision,
             ], ports[1])  # fmt: skip
             self.code = self._wait(host, "code", deadline)["code"]
             for name, port in zip(self.names[1:], ports[2:]):
@@ -231,11 +236,13 @@ def with_suppress(fn, *args) -> None:
 __all__ = ["KafilaError", "LocalSession", "free_port", "free_ports"]
 
 
-def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0, raw: bool = False) -> dict:
-    """One streamed chat completion (or a raw completion) from `api`, timed at the client.
+def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0, raw: bool = False,
+                extra: dict | None = None) -> dict:  # fmt: skip
+    """One streamed chat completion (or a raw completion) from `api`, timed at the client;
+    `extra`: more fields of the request body (e.g. {"speculate": False}).
 
-    Returns {"text", "tokens", "ttft_ms", "tok_s", "finish_reason"}; raises Refused with the
-    server's error message on an HTTP error."""
+    Returns {"text", "tokens", "ttft_ms", "tok_s", "wall_s", "finish_reason", "speculation"};
+    raises Refused with the server's error message on an HTTP error."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -247,7 +254,7 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
     else:
         path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
     body.update(model=model, max_tokens=max_tokens, temperature=0, stream=True,
-                stream_options={"include_usage": True})
+                stream_options={"include_usage": True}, **(extra or {}))
     start = time.perf_counter()
     conn.request("POST", path, json.dumps(body), {"content-type": "application/json"})
     resp = conn.getresponse()
@@ -287,7 +294,7 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
     if tokens and tokens > 1 and first is not None and last > first:
         tok_s = (tokens - 1) / (last - first)
     return {"text": "".join(text), "tokens": tokens, "ttft_ms": ttft, "tok_s": tok_s, "finish_reason": finish,
-            "speculation": speculation}
+            "speculation": speculation, "wall_s": None if last is None else last - start}
 
 
 def _get(conn, path: str) -> bytes:

@@ -63,10 +63,11 @@ class SessionConfig:
     send_delay_ms: float = 0.0
     cache_dir: str = DEFAULT_CACHE_DIR
     local_model: str | None = None  # a member's own copy of the model (used when the digest matches)
+    draft_path: str | None = None  # a draft model this member runs when it is the head (--speculate draft)
     # the host's
     model_path: str | None = None
     expect: int = 0  # session size, host included (0: plan on Enter)
-    context: int = 2048
+    context: int | None = None  # None: 2048, or the model's own context if shorter (host.session_context)
     concurrency: int = 4
     speculate: str = "off"  # the head's drafter (speculate.SPECULATE_MODES), sent in the session
     policy: str = "kafila"
@@ -456,6 +457,21 @@ class Participant:
         cands = getattr(info, "candidates", None) or ()
         return f"{name} ({cands[0][0]})" if cands else name
 
+    async def _drafter(self, context: int):
+        """(draft.ModelDrafter, "draft") at a head that has a draft model (--draft), else
+        (None, "ngram"): a head without one speculates with n-grams, and says so."""
+        if not self.cfg.draft_path:
+            self.say(f"{self.cfg.name}: the session drafts with a draft model but this head has none "
+                     "(kafila join --draft GGUF): drafting with n-grams instead")  # fmt: skip
+            return None, "ngram"
+        from kafila.session.draft import ModelDrafter, open_draft
+
+        draft = open_draft(self.cfg.draft_path, self.index)  # another vocabulary: one line
+        precision = self.state.session.get("precision", "serving")
+        drafter = await asyncio.to_thread(ModelDrafter.build, draft, self.cfg.backend, precision, context)
+        self.say(f"{self.cfg.name}: drafting with {draft.name} on {self.cfg.backend}")
+        return drafter, "draft"
+
     def _shard_check(self, manifest: Manifest):
         """For fetch_weights: once the copy's header is verified, the manifest must be exactly
         this member's shard of that model (weights.check_shard). Blocking. None without a plan
@@ -526,10 +542,13 @@ class Participant:
         limits = Limits(hidden=self.index.hparams.hidden, context=int(self.state.session["context"]),
                         slots=int(self.state.session["concurrency"]),
                         vocab=self.index.hparams.vocab)  # fmt: skip
+        speculate = _speculate_mode(self.state.session.get("speculate"))
+        drafter = None
+        if speculate == "draft" and me == role.head:
+            drafter, speculate = await self._drafter(limits.context)
         self.node = RingNode(me, role.head, role.ring, self.shard, limits,
                              eos_ids=frozenset(self.tokenizer.eos_ids),
-                             on_degraded=self._ring_broke,
-                             speculate=_speculate_mode(self.state.session.get("speculate")))  # fmt: skip
+                             on_degraded=self._ring_broke, speculate=speculate, drafter=drafter)  # fmt: skip
         if len(role.ring) == 1:
             self.node.start()
             return
@@ -634,7 +653,8 @@ class Participant:
                 "free_slots": node.scheduler.free_slots},
             # the head's finished requests together: drafted, accepted, acceptance, tokens a trip
             "speculation": None if node is None or node.scheduler is None else {
-                "mode": node.scheduler.speculate, **node.scheduler.spec.as_dict()},
+                "mode": node.scheduler.speculate, **node.scheduler.spec.as_dict(),
+                "trip_ms": node.scheduler.step_cost.as_dict()},
         }  # fmt: skip
 
     def _memory(self) -> dict:
