@@ -241,6 +241,29 @@ def test_ngram_on_a_mixed_openvino_mlx_chain_gives_the_ids_without_speculation(c
 
 
 @pytest.mark.model
+def test_concurrent_speculating_requests_each_get_their_solo_ids(chain_factory, prompt_ids, default_index):
+    """Four requests at once, speculating (each its own drafts, acceptance and masked positions in
+    its own slot), each equal to its plain solo run."""
+    chain = chain_factory("openvino", 3, "f32")
+    limits = Limits(hidden=default_index.hparams.hidden, context=1024, slots=4, vocab=default_index.hparams.vocab)
+
+    async def main():
+        nodes = _ring(chain.shards, limits, ())
+        try:
+            solo = [(await _generate(nodes[1], 1024, ids, 32, False))[0] for ids in prompt_ids[:4]]
+            together = await asyncio.gather(*(_generate(nodes[i % 3], 1024, ids, 32, True)
+                                              for i, ids in enumerate(prompt_ids[:4])))  # fmt: skip
+            return solo, together
+        finally:
+            for n in nodes:
+                await n.close()
+
+    solo, together = asyncio.run(main())
+    assert [t for t, _ in together] == solo
+    assert sum(st.extra["speculation"]["drafted"] for _, st in together) > 0
+
+
+@pytest.mark.model
 def test_a_draft_model_on_three_openvino_stages_gives_the_ids_without_speculation(chain_factory, prompt_ids,
                                                                                   default_index):  # fmt: skip
     """speculate="draft": the default model at serving precision drafts for itself at f32 (an
