@@ -146,3 +146,32 @@ def test_strings_that_are_not_utf8_are_replaced(tmp_path):
     path.write_bytes(gguf_bytes([GOOD_KV, kv("tokenizer.ggml.tokens", 9, struct.pack("<IQ", 8, 2) + s("a") + s(b"\xff"))],
                                 []))  # fmt: skip
     assert read_header(str(path)).metadata["tokenizer.ggml.tokens"] == ["a", "\ufffd"]
+
+
+@pytest.mark.parametrize("items", [
+    [],
+    [b""],
+    [b"", b"", b"a"],
+    [b"\xe2\x82", b"b", b"\xe2\x82\xac", b"\xf0"],  # a sequence cut at a string's end stays in that string
+    [b"a\x00b", b"c"],  # a NUL inside a string (the one-decode path's separator): decoded one by one
+    [bytes([i]) for i in range(1, 256)],
+])  # fmt: skip
+def test_string_arrays_decode_each_string_on_its_own(tmp_path, items):
+    path = tmp_path / "v.gguf"
+    body = struct.pack("<IQ", 8, len(items)) + b"".join(s(x) for x in items)
+    path.write_bytes(gguf_bytes([GOOD_KV, kv("tokenizer.ggml.tokens", 9, body), kv("x.after", 4, b"\x07\0\0\0")], []))
+    md = read_header(str(path)).metadata
+    assert md["tokenizer.ggml.tokens"] == [x.decode("utf-8", "replace") for x in items]
+    assert md["x.after"] == 7
+
+
+def test_open_model_walks_past_the_vocabulary_until_it_is_asked_for(tmp_path):
+    from kafila.models import load_tokenizer, open_model
+    from kafila.models.gguf_index import VOCABULARY_KEYS
+
+    path = write_llama_gguf(tmp_path / "m.gguf", blocks=1)
+    index = open_model(path)
+    assert not VOCABULARY_KEYS & set(index.lean_metadata)  # never decoded by the open
+    assert set(index.lean_metadata) == set(read_header(path).metadata) - VOCABULARY_KEYS
+    assert index.metadata == read_header(path, tensors=False).metadata  # every key, on first use
+    assert load_tokenizer(index).encode("abc") == load_tokenizer(open_model(path)).encode("abc")

@@ -72,6 +72,11 @@ class Hyperparams:
     qk_norm: bool = False  # RMSNorm of each q and k head (weights [D]) after projection, before RoPE
 
 
+# the tokenizer's per-token arrays: open_model walks past them (ModelIndex.metadata reads them)
+VOCABULARY_KEYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
+                             "tokenizer.ggml.token_type"})  # fmt: skip
+
+
 @dataclass(frozen=True)
 class ModelIndex:
     path: str
@@ -79,7 +84,14 @@ class ModelIndex:
     file_bytes: int
     hparams: Hyperparams
     tensors: dict[str, TensorInfo]
-    metadata: dict[str, object] = field(repr=False)
+    lean_metadata: dict[str, object] = field(repr=False)  # every key but VOCABULARY_KEYS
+
+    @cached_property
+    def metadata(self) -> dict[str, object]:
+        """Every metadata key, the vocabulary arrays too: read from the file on first use (the
+        tokenizer, `kafila inspect`). open_model skips VOCABULARY_KEYS: on Llama 3's tokenizer
+        they are 408k strings, most of the time an open took."""
+        return read_header(self.path, tensors=False).metadata
 
     def block_tensors(self, block: int) -> list[TensorInfo]:
         prefix = f"blk.{block}."
@@ -167,7 +179,8 @@ class ModelIndex:
 
 def open_model(path: str) -> ModelIndex:
     """Index a GGUF file, refusing with BadInput anything Kafila cannot serve exactly."""
-    header = read_header(path)  # BadInput when missing, not a GGUF, damaged or truncated
+    # BadInput when missing, not a GGUF, damaged or truncated
+    header = read_header(path, lambda key: key not in VOCABULARY_KEYS)
     file_bytes, metadata = header.file_bytes, header.metadata
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -224,7 +237,7 @@ def open_model(path: str) -> ModelIndex:
     _check_arch(path, arch, hp, tensors, hparams)
     name = os.path.basename(path).removesuffix(".gguf")
     return ModelIndex(path=os.path.abspath(path), name=name, file_bytes=file_bytes,
-                      hparams=hparams, tensors=tensors, metadata=metadata)
+                      hparams=hparams, tensors=tensors, lean_metadata=metadata)
 
 
 def _check_complete(path: str, tensors: dict[str, TensorInfo], h: Hyperparams) -> None:
