@@ -315,7 +315,14 @@ class Participant:
         while True:
             ev = await self.net.recv()
             if isinstance(ev, MemberLeft):
-                self._degrade(f"the host {host} left the session ({ev.reason})")
+                reason = f"the host {host} left the session ({ev.reason})"
+                self._degrade(reason)  # every request waiting here ends with the reason
+                if not str(ev.reason).startswith("signaling lost"):
+                    # the host is gone, not only our line to the rendezvous: nothing can come back
+                    self.say(f"{cfg.name}: {reason}: the session is over")
+                    self.event("ended", reason=reason)
+                    await asyncio.sleep(0.2)  # let the API stream the failure to clients first
+                    return 0
             elif isinstance(ev, Message) and isinstance(ev.body, dict):
                 self._on_host_message(ev.body)
 

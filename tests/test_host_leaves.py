@@ -1,0 +1,48 @@
+"""The host leaving ends the session on every member with a clear message, no hang (issue 14,
+item 1's last part): a 3-member session of separate processes; SIGINT to the host; every member
+says the session is over and exits 0 within seconds, and a request that was streaming at a
+member ends with an error naming the host instead of hanging."""
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+
+from kafila.session.launch import LocalSession, Refused, stream_chat
+from tests.default_model import needs_default_model
+
+pytestmark = [pytest.mark.session, pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(300),
+              needs_default_model]
+
+
+def test_the_hosts_exit_ends_every_member_cleanly(tmp_path):
+    s = LocalSession(members=3, log_dir=str(tmp_path), cache_root=str(tmp_path / "cache"), latency_ms=20)
+    s.start(timeout_s=240)
+    try:
+        outcome: dict = {}
+
+        def ask() -> None:
+            try:
+                outcome["answer"] = stream_chat(s.api("m3"), "Count from one to two hundred.", 400)
+            except Refused as exc:
+                outcome["error"] = str(exc)
+
+        t = threading.Thread(target=ask)
+        t.start()
+        time.sleep(3.0)  # streaming by now (20 ms a hop: a few tokens a second)
+        host = s.procs[0]
+        os.killpg(host.popen.pid, signal.SIGINT)
+        t0 = time.monotonic()
+        codes = {p.name: p.popen.wait(timeout=30) for p in s.procs}
+        took = time.monotonic() - t0
+        t.join(30)
+        assert codes == {"m1": 0, "m2": 0, "m3": 0}, codes
+        assert took < 15, took
+        assert "m1" in outcome.get("error", ""), outcome  # the stream ended naming the host
+        for p in s.procs[1:]:
+            log = open(p.log_path).read()
+            assert "the session is over" in log and "Traceback" not in log, log[-2000:]
+    finally:
+        s.stop()
