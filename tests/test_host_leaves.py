@@ -46,3 +46,31 @@ def test_the_hosts_exit_ends_every_member_cleanly(tmp_path):
             assert "the session is over" in log and "Traceback" not in log, log[-2000:]
     finally:
         s.stop()
+
+
+def test_status_keeps_the_membership_history(tmp_path):
+    """Who joined and left, when and why (issue 14 item 5): the host's /status and, through its
+    status messages, every member's; `kafila status` prints it."""
+    from kafila.commands.status import history_line
+    from kafila.session.launch import get_json
+
+    s = LocalSession(members=3, log_dir=str(tmp_path), cache_root=str(tmp_path / "cache"))
+    s.start(timeout_s=240)
+    try:
+        os.killpg(s.procs[2].popen.pid, signal.SIGKILL)  # m3 vanishes
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:
+            host = get_json(s.api("m1"), "/status")["history"]
+            member = get_json(s.api("m2"), "/status")["history"]
+            if any(h["event"] == "left" for h in host) and any(h["event"] == "left" for h in member):
+                break
+            time.sleep(0.5)
+        events = [(h["event"], h.get("name")) for h in host]
+        assert ("joined", "m2") in events and ("joined", "m3") in events, events
+        assert ("left", "m3") in events and "plan" in dict(events) and "serving" in dict(events), events
+        left = next(h for h in host if h["event"] == "left")
+        assert left["reason"] and left["at"].endswith("Z")
+        assert any(h["event"] == "left" and h.get("name") == "m3" for h in member), member
+        assert "left m3" in history_line(left)
+    finally:
+        s.stop()

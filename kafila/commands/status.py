@@ -145,7 +145,18 @@ def render(st: dict) -> Group:
     if mem.get("rss_bytes"):
         parts.append(Text(f"memory here: {mem['rss_bytes'] / 1e6:.0f} MB resident for a "
                           f"{(mem.get('planned_bytes') or 0) / 1e6:.1f} MB shard + KV"))  # fmt: skip
+    history = [h for h in st.get("history") or [] if isinstance(h, dict)]
+    if history:
+        parts.append(Text("history: " + "; ".join(history_line(h) for h in history[-8:])))
     return Group(*parts)
+
+
+def history_line(h: dict) -> str:
+    """One membership event from /status: when, what, who, the ring it planned, why."""
+    ring = f": ring {' → '.join(map(str, h['ring']))}" if h.get("ring") else ""
+    who = f" {h['name']}" if h.get("name") else ""
+    why = f" ({h['reason']})" if h.get("reason") else ""
+    return f"{h.get('at', '?')} {h.get('event', '?')}{who}{ring}{why}"
 
 
 def handle(args) -> int:

@@ -17,6 +17,8 @@ from kafila.session.member import READY_TIMEOUT_S, STATUS_EVERY_S, Participant, 
 from kafila.session.preview import plan_summary, plan_table, predicted_tok_s  # noqa: F401 (re-exported)
 from kafila.session.weights import TransferProgress
 
+HISTORY_STATUS = 30  # membership events the host's status message carries to every member
+
 log = logging.getLogger(__name__)
 
 
@@ -259,6 +261,7 @@ class HostParticipant(Participant):
             ev = await self.net.recv()
             if isinstance(ev, MemberLeft):
                 self.state.members.pop(ev.name, None)
+                self.event("left", name=ev.name, reason=ev.reason)
                 if ev.name in plan["ring"]:
                     self._degrade(f"member {ev.name} left the session ({ev.reason})")
                     for n in self.net.roster():
@@ -387,7 +390,8 @@ class HostParticipant(Participant):
                 if n != self.cfg.name:
                     with contextlib.suppress(Exception):
                         await self.net.send(n, {"t": "status", "edges": edges, "members": self.state.members,
-                                                "measured": [list(p) for p in measured]})
+                                                "measured": [list(p) for p in measured],
+                                                "history": self.state.history[-HISTORY_STATUS:]})
 
 
 def _lan_ip() -> str:

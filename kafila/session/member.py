@@ -124,6 +124,22 @@ class State:
     members: dict = field(default_factory=dict)  # name → {nat, rtt_ms, ...}
     degraded: str | None = None
     started: float = field(default_factory=time.monotonic)
+    history: list = field(default_factory=list)  # membership events, oldest first (HISTORY_MAX)
+
+
+HISTORY_KINDS = ("joined", "left", "plan", "serving", "degraded", "ended")  # what /status keeps
+HISTORY_MAX = 100
+
+
+def history_entry(kind: str, fields: dict) -> dict:
+    """One membership event as /status shows it: when (UTC), what, who and why, in short."""
+    entry = {"at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), "event": kind}
+    for key in ("name", "reason"):
+        if isinstance(fields.get(key), str):
+            entry[key] = fields[key][:300]
+    if kind == "plan" and isinstance(fields.get("plan"), dict):
+        entry["ring"] = list(fields["plan"].get("ring", []))[:64]
+    return entry
 
 
 class Participant:
@@ -167,6 +183,9 @@ class Participant:
         self.console.print(text, highlight=False, soft_wrap=True)  # commands and URLs stay whole to copy
 
     def event(self, kind: str, **fields) -> None:
+        if kind in HISTORY_KINDS:
+            self.state.history.append(history_entry(kind, fields))
+            del self.state.history[:-HISTORY_MAX]
         if self.cfg.json_events:
             import json
 
@@ -330,6 +349,7 @@ class Participant:
         t = body.get("t")
         if t == "gone":
             self._degrade(f"member {body.get('member')} left the session ({body.get('reason')})")
+            self.event("left", name=str(body.get("member"))[:64], reason=str(body.get("reason"))[:300])
         elif t == "degraded":
             self._degrade(str(body.get("reason"))[:500])
         elif t == "status":
@@ -342,6 +362,8 @@ class Participant:
                 self.state.edges.update(body["edges"])
             if isinstance(body.get("members"), dict):
                 self.state.members = body["members"]
+            if isinstance(body.get("history"), list):  # the host's: who joined and left, when, why
+                self.state.history = [h for h in body["history"][-HISTORY_MAX:] if isinstance(h, dict)]
 
     def _ring_broke(self, reason: str) -> None:
         """This member's ring noticed a break itself (a stage failed, an edge closed, a bad
@@ -662,6 +684,7 @@ class Participant:
             "speculation": None if node is None or node.scheduler is None else {
                 "mode": node.scheduler.speculate, **node.scheduler.spec.as_dict(),
                 "trip_ms": node.scheduler.step_cost.as_dict()},
+            "history": list(s.history),  # membership: joined, left, planned, serving, degraded
         }  # fmt: skip
 
     def _memory(self) -> dict:

@@ -166,6 +166,20 @@ function drawMembers(st) {
   }
 }
 
+function historyText(h) {
+  const who = h.name ? ` ${h.name}` : "";
+  const ring = h.ring ? `: ring ${h.ring.join(" → ")}` : "";
+  const why = h.reason ? ` (${h.reason})` : "";
+  return `${h.at} ${h.event}${who}${ring}${why}`;
+}
+
+function drawHistory(st) {
+  const list = $("history");
+  if (!list) return;
+  const items = (st.history || []).slice(-30).reverse();  // the newest first
+  list.replaceChildren(...items.map((h) => el("li", {"data-event": h.event}, historyText(h))));
+}
+
 function drawFigures(st) {
   const s = st.session || {};
   $("model").textContent = s.model || "";
@@ -241,6 +255,7 @@ async function poll() {
     drawFigures(st);
     drawRing(st);
     drawMembers(st);
+    drawHistory(st);
     document.body.dataset.updated = String(Date.now());
   } catch (err) {
     $("state").textContent = "unreachable";
