@@ -71,11 +71,14 @@ def _demo(*args: str) -> dict:
 @pytest.mark.session
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_a_session_drafting_with_a_draft_model_answers_as_without(tmp_path):
-    """`kafila demo --speculate draft --draft smollm2-135m` (the model drafting for itself: an
-    upper bound on acceptance) at f32 answers exactly what `--speculate off` answers."""
+@pytest.mark.parametrize("mode", ["ngram", "draft"])
+def test_a_speculating_session_answers_as_without(mode, tmp_path):
+    """`kafila demo --speculate ngram` and `--speculate draft --draft smollm2-135m` (the model
+    drafting for itself: an upper bound on acceptance), 3 processes at f32, answer exactly what
+    `--speculate off` answers."""
     plain = _demo("--speculate", "off", "--cache-dir", str(tmp_path / "a"))
-    spec = _demo("--speculate", "draft", "--draft", "smollm2-135m", "--cache-dir", str(tmp_path / "b"))
+    extra = ["--draft", "smollm2-135m"] if mode == "draft" else []
+    spec = _demo("--speculate", mode, *extra, "--cache-dir", str(tmp_path / "b"))
     assert spec["text"] == plain["text"] and spec["tokens"] == plain["tokens"]
     s = spec["speculation"]
     assert s["drafted"] > 0 and s["accepted"] > 0, s
