@@ -234,13 +234,15 @@ class RingNode:
         """fn(*args) on the stage's worker thread, watched: past stage_hang_s the ring degrades
         naming this member (a hung thread cannot be stopped, but nobody waits on it for ever)."""
         fut = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
-        try:
-            return await asyncio.wait_for(asyncio.shield(fut), self.stage_hang_s)
-        except asyncio.TimeoutError:
+        # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation that
+        # arrives as the work finishes (then close() waited for ever on a task that went on)
+        done, _ = await asyncio.wait({fut}, timeout=self.stage_hang_s)
+        if not done:
             reason = (f"member {self.name}'s stage did not finish a step within {self.stage_hang_s:.0f} s "
                       "(its compute hangs)")  # fmt: skip
             self.degrade(reason)
-            raise StageHung(reason) from None
+            raise StageHung(reason)
+        return fut.result()
 
     async def _watch_trips(self) -> None:
         """The head's watchdog over whole trips: a step not back round the ring within twice a
