@@ -219,8 +219,10 @@ def test_the_page_in_a_real_browser_during_a_session(session, tmp_path):
         plan = get(api, "/status")["plan"]
         assert ring["m"] == plan["ring"]  # drawn in plan order
         assert set(ring["e"]) <= {"direct", "relay"}
-        labels = driver.execute_script(
-            "return [...document.querySelectorAll('#ring g.edge text')].map(t => t.textContent)")
+        # the NAT classes come with the host's next status message (every few seconds)
+        labels = wait_for(driver, "the NAT classes at both ends of an edge", """
+            const t = [...document.querySelectorAll('#ring g.edge text')].map(t => t.textContent);
+            return t.some(s => s.includes('→') && !s.includes('?')) ? t : null;""", timeout_s=30)
         assert any(re.match(r"(direct|relay) · [\d.]+ ms", t) for t in labels), labels
         assert any("→" in t and "?" not in t for t in labels), labels  # NAT classes at both ends
         rows = wait_for(driver, "predicted and measured stage ms for every member", """
