@@ -67,11 +67,14 @@ def _pump(proc: Proc) -> None:
         line = line.strip()
         if line.startswith("{"):
             try:
-                proc.events.put(json.loads(line))
+                ev = json.loads(line)
             except ValueError:
-                pass
+                continue
+            if isinstance(ev, dict):
+                ev.setdefault("at_s", time.monotonic())  # when it was printed, for timings (bench/churn.py)
+                proc.events.put(ev)
         elif line:
-            proc.events.put({"event": "line", "text": line})
+            proc.events.put({"event": "line", "text": line, "at_s": time.monotonic()})
     proc.events.put({"event": "exit"})
 
 
@@ -96,6 +99,7 @@ class LocalSession:
     plan: dict | None = None
     rendezvous_port: int = 0
     debug: bool = False
+    auto_replan: bool = False  # kafila host --auto-replan: a late joiner (join()) is planned in at once
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -168,6 +172,7 @@ class LocalSession:
                 *(["--context", str(self.context)] if self.context is not None else []),
                 "--concurrency", str(self.concurrency),
                 "--speculate", self.speculate, "--precision", self.precision,
+                *(["--auto-replan"] if self.auto_replan else []),
             ], ports[1])  # fmt: skip
             self.code = self._wait(host, "code", deadline)["code"]
             for name, port in zip(self.names[1:], ports[2:]):
@@ -178,6 +183,18 @@ class LocalSession:
             self.stop()
             raise
         return self
+
+    def join(self, name: str) -> Proc:
+        """Start one more member that joins the running session (a late joiner)."""
+        port = free_ports(1)[0]
+        self.names.append(name)
+        return self._spawn(name, ["join", self.code, "--rendezvous", f"127.0.0.1:{self.rendezvous_port}"], port)
+
+    def signal(self, name: str, sig: int = signal.SIGINT) -> None:
+        """Send `sig` to one member (SIGINT: it leaves gracefully) and wait for it to exit."""
+        p = self.proc(name)
+        with_suppress(os.killpg, p.popen.pid, sig)
+        p.popen.wait(timeout=STOP_GRACE_S)
 
     def api(self, name: str) -> str:
         return next(p.api for p in self.procs if p.name == name)
