@@ -258,7 +258,8 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
     """One streamed chat completion (or a raw completion) from `api`, timed at the client;
     `extra`: more fields of the request body (e.g. {"speculate": False}).
 
-    Returns {"text", "tokens", "ttft_ms", "tok_s", "wall_s", "finish_reason", "speculation"};
+    Returns {"text", "tokens", "ttft_ms", "tok_s", "wall_s", "finish_reason", "speculation",
+    "max_gap_s" (the longest wait between two pieces), "started_s", "last_s" (perf_counter)};
     raises Refused with the server's error message on an HTTP error."""
     import http.client
     from urllib.parse import urlsplit
@@ -283,6 +284,8 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
             message = data[:300]
         raise Refused(f"the session answered HTTP {resp.status}: {message}")
     text, first, last, tokens, finish = [], None, None, None, None
+    max_gap = 0.0  # the longest wait between two pieces of the answer (a resume shows here)
+    times: list[float] = []  # perf_counter of every piece after the first
     speculation = None
     for line in resp:
         line = line.strip()
@@ -301,6 +304,9 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
             piece = (choice.get("delta") or {}).get("content") if not raw else choice.get("text")
             if piece:
                 now = time.perf_counter()
+                if last is not None:
+                    max_gap = max(max_gap, now - last)
+                times.append(now)
                 first = first or now
                 last = now
                 text.append(piece)
@@ -311,7 +317,8 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
     if tokens and tokens > 1 and first is not None and last > first:
         tok_s = (tokens - 1) / (last - first)
     return {"text": "".join(text), "tokens": tokens, "ttft_ms": ttft, "tok_s": tok_s, "finish_reason": finish,
-            "speculation": speculation, "wall_s": None if last is None else last - start}
+            "speculation": speculation, "wall_s": None if last is None else last - start,
+            "max_gap_s": max_gap, "started_s": start, "last_s": last, "times": times}
 
 
 def _get(conn, path: str) -> bytes:

@@ -343,10 +343,11 @@ class Participant:
                     if not served:
                         raise Refused(f"the host {host} left the session before it was ready ({ev.reason})")
                     reason = f"the host {host} left the session ({ev.reason})"
-                    self._degrade(reason)  # every request waiting here ends with the reason
-                    if not str(ev.reason).startswith("signaling lost"):
-                        # the host is gone, not only our line to the rendezvous: nothing can come back
-                        self.engine.end(reason)
+                    over = not str(ev.reason).startswith("signaling lost")
+                    if over:  # the host is gone, not only our line to the rendezvous: nothing comes back
+                        self.engine.end(reason)  # every request here ends with the reason, none waits
+                    self._degrade(reason)
+                    if over:
                         self.say(f"{cfg.name}: {reason}: the session is over")
                         self.event("ended", reason=reason)
                         await asyncio.sleep(0.2)  # let the API stream the failure to clients first
