@@ -209,6 +209,7 @@ class HostParticipant(Participant):
 
         cfg, loop = self.cfg, asyncio.get_running_loop()
         replan = reason is not None
+        self._joined_waiting.clear()  # the plan below takes everyone in the roster
         self._plans_made += 1  # (not self.epoch + 1: a replan cut short never set self.epoch)
         epoch = self._plans_made
         plan = self._plan(self._index)
