@@ -228,7 +228,7 @@ class HostParticipant(Participant):
             if replan:
                 why = f"{reason}, and the members left cannot hold the model ({short} short): the session is over"
             await self._refuse_all(why)
-            self.engine.end(why)
+            self._end_engine(why)
             raise Refused(why)
         self._ready = set()
         for n in plan["ring"]:

@@ -332,7 +332,7 @@ class Participant:
                         reason = describe_error(exc)
                         with contextlib.suppress(Exception):
                             await self.net.send(host, {"t": "failed", "reason": reason[:300], "epoch": epoch})
-                        self.engine.end(reason)
+                        self._end_engine(reason)
                         if isinstance(exc, KafilaError):
                             raise exc
                         raise Refused(reason) from exc
@@ -345,7 +345,7 @@ class Participant:
                     reason = f"the host {host} left the session ({ev.reason})"
                     over = not str(ev.reason).startswith("signaling lost")
                     if over:  # the host is gone, not only our line to the rendezvous: nothing comes back
-                        self.engine.end(reason)  # every request here ends with the reason, none waits
+                        self._end_engine(reason)  # every request here ends with the reason, none waits
                     self._degrade(reason)
                     if over:
                         self.say(f"{cfg.name}: {reason}: the session is over")
@@ -371,7 +371,7 @@ class Participant:
                     served = True
                 elif t == "refused":
                     reason = f"the host refused the session: {body.get('reason')}"
-                    self.engine.end(reason)
+                    self._end_engine(reason)
                     if served:
                         await asyncio.sleep(0.2)  # let the API stream the failure to clients first
                     raise Refused(reason)
@@ -428,6 +428,11 @@ class Participant:
 
     def ring_broke_at(self, member: str, reason: str, epoch: int) -> None:
         """The host's: a member's ring broke (it replans)."""
+
+    def _end_engine(self, reason: str) -> None:
+        """The session is over: requests waiting at this member's API for a ring fail now."""
+        if self.engine is not None:
+            self.engine.end(reason)
 
     async def broadcast(self, body: dict) -> None:
         for n in list(self.net.roster()) if self.net is not None else []:
