@@ -209,19 +209,22 @@ def test_ring_hello_must_name_the_authenticated_peer_and_the_planned_predecessor
         early = asyncio.ensure_future(p._on_edge(_Edge("m3", Hello("m3", "ring"))))  # before the plan
         await asyncio.sleep(0.01)
         assert not early.done()
-        p.role = role_of(plan, "m2")
-        p._planned.set()
+        p._set_plan(1, plan, {})
         await early
         for edge in (_Edge("m3", Hello("m1", "ring")),  # m3 claiming to be m1
                      _Edge("m1", Hello("m3", "ring"))):  # the right peer with a wrong Hello
             await p._on_edge(edge)
             assert edge.closed
-        assert p._pred_stream is None
+        assert 1 not in p._pred_streams
         good = _Edge("m1", Hello("m1", "ring"))
         await p._on_edge(good)
-        assert not good.closed and p._pred_stream.result()[0] is good
+        assert not good.closed and p._pred_streams[1].result()[0] is good
+        stale = _Edge("m1", Hello("m1", "ring", 1))  # a replan to plan 2 (m1 stays the predecessor)
+        p._set_plan(2, plan, {})
+        await p._on_edge(stale)
+        assert stale.closed and 2 not in p._pred_streams
 
     with caplog.at_level(logging.DEBUG):
         asyncio.run(main())
     dropped = [r for r in caplog.records if "ring stream from" in r.getMessage()]
-    assert len(dropped) == 3 and not any(r.exc_info for r in caplog.records)
+    assert len(dropped) == 4 and not any(r.exc_info for r in caplog.records)

@@ -1,7 +1,7 @@
 """End to end: a 3-member session of separate processes on 127.0.0.1 with the default model.
 
 One session for the whole module (forming it costs tens of seconds); the member-gone test
-runs last because it breaks the session."""
+runs last because it changes the session (a replan to two members)."""
 
 import json
 import threading
@@ -177,12 +177,17 @@ def test_bad_requests_get_clear_errors_and_the_session_goes_on(session):
     assert chat(api, PROMPTS[3], 4)[1] >= 1  # still serving
 
 
-def test_member_gone_mid_generation_fails_in_flight_requests_within_5_s(session):
+def test_member_gone_mid_generation_replans_and_the_request_completes(session, local):
+    """Issue 14: m3 killed mid-answer → the host replans among m1 and m2 (the default model fits
+    them), the ring re-forms and the answer streaming at m2 goes on where it stopped: one answer,
+    the same tokens at the end (the module's session serves at its default precision: a replayed
+    prefill could differ at a near-tie, so only the completion is asserted); later requests are
+    served and the status says who left."""
     import http.client
 
     api = session.api("m2")
     model = status(api)["session"]["model"]
-    conn = http.client.HTTPConnection("127.0.0.1", int(api.rsplit(":", 1)[1]), timeout=30)
+    conn = http.client.HTTPConnection("127.0.0.1", int(api.rsplit(":", 1)[1]), timeout=60)
     conn.request("POST", "/v1/chat/completions", json.dumps({
         "model": model, "stream": True, "max_tokens": 200, "temperature": 0,
         "messages": [{"role": "user", "content": "Count from one to two hundred in words."}]}),
@@ -192,15 +197,13 @@ def test_member_gone_mid_generation_fails_in_flight_requests_within_5_s(session)
     assert resp.readline()  # the stream has begun
     killed = time.monotonic()
     session.kill("m3")
-    tail = resp.read().decode()  # the server ends the stream: no hang
-    elapsed = time.monotonic() - killed
-    assert elapsed < 5.0, elapsed
-    assert "m3" in tail and "error" in tail, tail[-500:]
+    tail = resp.read().decode()  # the stream goes on to its end: no error, no hang
+    assert time.monotonic() - killed < 120
+    assert '"error"' not in tail and "[DONE]" in tail, tail[-500:]
     for name in ("m1", "m2"):
-        deadline = time.monotonic() + 5
-        while status(session.api(name))["session"]["state"] != "degraded":
-            assert time.monotonic() < deadline, f"{name} never reported degraded"
+        deadline = time.monotonic() + 30
+        while (st := status(session.api(name)))["session"]["state"] != "serving" or "m3" in st["plan"]["ring"]:
+            assert time.monotonic() < deadline, f"{name} never served again: {st['session']}"
             time.sleep(0.2)
-        assert "m3" in status(session.api(name))["session"]["degraded"]
-    code, body = post(api, "/v1/chat/completions", {"model": model, "messages": [{"role": "user", "content": "hi"}]})
-    assert code == 503, body
+        assert any(h["event"] == "left" and h.get("name") == "m3" for h in st["history"]), st["history"]
+    assert chat(api, PROMPTS[0]) == local(PROMPTS[0])

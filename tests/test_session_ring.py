@@ -202,3 +202,75 @@ def test_sampling_is_seeded_and_travels_with_the_request():
             await n.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
+
+
+class Stack:
+    """Several fake stages as one shard (what a member holds after a replan gives it more blocks)."""
+
+    def __init__(self, layers):
+        self.layers, self.slots, self.n = layers, {}, 200
+
+    def open_slot(self):
+        self.n += 1
+        self.slots[self.n] = [l.open_slot() for l in self.layers]
+        return self.n
+
+    def close_slot(self, s):
+        for l, ls in zip(self.layers, self.slots.pop(s)):
+            l.close_slot(ls)
+
+    def forward(self, slot, x, pos, mask):
+        for l, ls in zip(self.layers, self.slots[slot]):
+            x = l.forward(ls, x, pos, mask)
+        return x
+
+    def logits(self, h):
+        return self.layers[0].logits(h)
+
+
+def test_a_request_resumes_on_the_replanned_ring_with_the_same_tokens():
+    """m3 dies mid-answer; the origin m2 keeps the stream, waits for the new ring (m1 + m2 holding
+    m3's blocks too) and replays prompt + what it received: the client sees one answer, the same."""
+
+    async def main():
+        solo = await solo_tokens()
+        nodes, pipes = ring(3)
+        e = engine(nodes[1])
+        e.resume_wait_s = 10.0
+        gen = e.generate(GenerationRequest(tuple(PROMPTS[0]), 12), GenerationStats())
+        got = [await anext(gen), await anext(gen)]
+        pipes[2].close()  # m3 → m1 edge gone: m3 died
+        rest = asyncio.ensure_future(_drain(gen))
+        await asyncio.sleep(0.2)
+        assert not rest.done()  # waiting for a ring, not failed
+        for n in nodes:
+            await n.close()
+        layers = shards(3)
+        new = [RingNode("m1", "m1", ["m1", "m2"], layers[0], LIM, eos_ids=frozenset({0})),
+               RingNode("m2", "m1", ["m1", "m2"], Stack(layers[1:]), LIM, eos_ids=frozenset({0}))]
+        a, b = Pipe(), Pipe()
+        new[0].start(b.reader, a)
+        new[1].start(a.reader, b)
+        e.set_node(new[1])
+        got += await asyncio.wait_for(rest, 10)
+        assert got == solo[0] and e.resumed == 1
+        # a ring that never comes back: the wait is bounded and says so
+        e2 = engine(new[0])
+        e2.resume_wait_s = 0.3
+        gen2 = e2.generate(GenerationRequest((3, 4), 40, stop_at_eos=False), GenerationStats())
+        await anext(gen2)
+        b.close()
+        with pytest.raises(EngineError, match="did not come back"):
+            await _drain(gen2)
+        # the session ending fails what waits at once, naming why
+        e.end("the host left")
+        with pytest.raises(EngineError, match="the host left"):
+            await collect(e, [1])
+        for n in new:
+            await n.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+async def _drain(gen):
+    return [t async for t in gen]

@@ -31,6 +31,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="every stage's compute: serving (the backend's fast defaults: bf16 and a u8 KV "
                         "cache where the CPU has them) or f32 (slower; greedy answers do not depend on "
                         "how steps are batched, e.g. by --speculate)")
+    p.add_argument("--auto-replan", action="store_true",
+                   help="add a machine that joins the serving session at once (a replan: requests in "
+                        "flight pause and resume); without it, joiners are added when a member leaves")
     p.add_argument("--code-file", metavar="F", help="also write the code to F, mode 0600 (for scripts: "
                    "`kafila join --code-file F`)")
     p.add_argument("--words", type=int, choices=(3, 4), default=3,
@@ -56,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     check_backend(args.backend)
     cfg = common_config(args, host=True)
     cfg = replace(cfg, model_path=resolve_model(args.model), expect=args.expect, context=args.context,
-                  concurrency=args.concurrency, speculate=args.speculate, precision=args.precision, policy=args.policy, code_file=args.code_file, code_words=args.words,
+                  concurrency=args.concurrency, speculate=args.speculate, precision=args.precision, policy=args.policy, code_file=args.code_file, auto_replan=args.auto_replan, code_words=args.words,
                   embedded_listen=parse_host_port(args.listen))  # fmt: skip
     index = open_model(cfg.model_path)  # a missing or bad model: one line, exit 2, before anything starts
     session_context(args.context, index.hparams.context_length, index.name)  # so is a --context it lacks

@@ -89,6 +89,7 @@ class Hello:
 
     name: str
     purpose: str  # "ring" | "weights"
+    epoch: int = 1  # a ring stream's plan generation (a replan opens new edges: stale ones are dropped)
 
 
 @dataclass(frozen=True)
@@ -229,7 +230,7 @@ def encode(frame: Frame, limits: Limits | None = None) -> bytes:
                       "status": frame.status, "stats": [list(t) for t in frame.stats],
                       "hops": frame.hops})  # fmt: skip
     if isinstance(frame, Hello):
-        return _pack({"k": "hello", "name": frame.name, "purpose": frame.purpose})
+        return _pack({"k": "hello", "name": frame.name, "purpose": frame.purpose, "epoch": frame.epoch})
     if isinstance(frame, Free):
         return _pack({"k": "free", "slot": frame.slot})
     if isinstance(frame, Cancel):
@@ -331,6 +332,8 @@ def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
         _str(h, "name")
         if h.get("purpose") not in PURPOSES:
             raise FrameError(f"unknown stream purpose {h.get('purpose')!r}")
+        if "epoch" in h:
+            _int(h, "epoch", 0, 1 << 31)
     elif kind == "wget":
         _int(h, "off", 0, 1 << 48)
         _int(h, "len", 1, WEIGHT_CHUNK_BYTES)
@@ -425,7 +428,7 @@ def build_frame(h: dict, payload: bytes) -> Frame:
         return Tokens(h["rid"], h["dst"], tuple(h["ids"]), h["done"], h["finish"], h["error"], h["status"], stats,
                       h.get("hops", 0))
     if kind == "hello":
-        return Hello(h["name"], h["purpose"])
+        return Hello(h["name"], h["purpose"], h.get("epoch", 1))
     if kind == "free":
         return Free(h["slot"])
     if kind == "cancel":

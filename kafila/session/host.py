@@ -13,10 +13,11 @@ from rich.table import Table
 
 from kafila.errors import BadInput, Refused, describe_error
 from kafila.net.codefile import write_private
-from kafila.session.member import READY_TIMEOUT_S, STATUS_EVERY_S, Participant, stdin_is_terminal
+from kafila.session.member import READY_TIMEOUT_S, STATUS_EVERY_S, Participant, plan_epoch, stdin_is_terminal
 from kafila.session.preview import plan_summary, plan_table, predicted_tok_s  # noqa: F401 (re-exported)
 from kafila.session.weights import TransferProgress
 
+BREAK_GRACE_S = 1.0  # a reported ring break waits this long for the rendezvous to say who left
 HISTORY_STATUS = 30  # membership events the host's status message carries to every member
 
 log = logging.getLogger(__name__)
@@ -73,6 +74,11 @@ class HostParticipant(Participant):
         self._transfers: dict[str, TransferProgress] = {}  # member → the weights it was sent
         self._bars = None  # rich Progress: one bar per member while the session forms (a terminal)
         self._bar_ids: dict[str, int] = {}
+        self._plans_made = 0  # epochs handed out
+        self._ring_members: set[str] = set()  # the serving plan's ring
+        self._joined_waiting: set[str] = set()  # joined while serving: in the next plan
+        self._break: tuple[str, float] | None = None  # a reported ring break: (why, replan at)
+        self._break_event = asyncio.Event()
 
     async def close_extra(self) -> None:
         self._hash_cancel.set()
@@ -177,37 +183,70 @@ class HostParticipant(Participant):
                  f"{d.seconds:.1f} s ({d.cache_path or 'not cached'})")  # fmt: skip
         self.event("digests", hashed=d.hashed, seconds=round(d.seconds, 3), cache=d.cache_path)
 
-        # --- plan ----------------------------------------------------------------------------------
-        plan = self._plan(index)
+        # --- plan, distribute, build, ring; then serve, and replan when members come and go --------
+        self._index = index
+        self.session = {"context": cfg.context, "concurrency": cfg.concurrency, "precision": cfg.precision,
+                        "speculate": cfg.speculate,
+                        "model": index.name, "sha256": self.digests.sha256}  # fmt: skip
+        await self._form(None)
+        await self._start_serving()
+        self.spawn(self._broadcast_status(), "status")
+        while True:
+            reason = await self._next_replan()
+            while reason is not None:  # a member that leaves while we replan: plan again
+                reason = await self._form(reason)
+            self._serving_again()
+
+    # --- forming and replanning ----------------------------------------------------------------
+
+    async def _form(self, reason: str | None) -> str | None:
+        """Plan among the members in the roster (epoch + 1), send each its plan and manifest,
+        prepare the host's own stage, wait until every ring member is ready and say serving.
+        `reason` None: the session's first plan, where a member that leaves or fails ends the
+        session; otherwise a replan, where a member that leaves makes another (its reason is
+        returned). Refused (after telling every member) when the plan cannot be served."""
+        from kafila.net import MemberJoined, MemberLeft, Message
+
+        cfg, loop = self.cfg, asyncio.get_running_loop()
+        replan = reason is not None
+        self._joined_waiting.clear()  # the plan below takes everyone in the roster
+        self._plans_made += 1  # (not self.epoch + 1: a replan cut short never set self.epoch)
+        epoch = self._plans_made
+        plan = self._plan(self._index)
         ranges, first = {}, 0
         for n in plan["ring"]:
             ranges[n] = (first, first + plan["blocks"][n])
             first += plan["blocks"][n]
+        if replan:
+            self.say(f"{cfg.name}: replanning (plan {epoch}): {reason}")
         self.console.print(plan_table(plan, ranges))
         self.say(f"{cfg.name}: plan preview: {plan_summary(plan)}")  # before anything is sent
-        self.event("plan", plan=plan)
+        self.event("plan", plan=plan, epoch=epoch, reason=reason)
         if not plan["feasible"]:
             short = ", ".join(f"{r['device']} (short by {r['short_bytes'] / 1e6:.1f} MB)" for r in plan["refused"])
-            reason = f"the model does not fit: {short} cannot hold its share"
-            for n in self.net.roster():
-                if n != cfg.name:
-                    with contextlib.suppress(Exception):
-                        await self.net.send(n, {"t": "refused", "reason": reason})
-            raise Refused(reason)
-        session = {"context": cfg.context, "concurrency": cfg.concurrency, "precision": cfg.precision,
-                   "speculate": cfg.speculate,
-                   "model": index.name, "sha256": self.digests.sha256}  # fmt: skip
+            why = f"the model does not fit: {short} cannot hold its share"
+            if replan:
+                why = f"{reason}, and the members left cannot hold the model ({short} short): the session is over"
+            await self._refuse_all(why)
+            self._end_engine(why)
+            raise Refused(why)
+        self._ready = set()
         for n in plan["ring"]:
             if n == cfg.name:
                 continue
             a, b = ranges[n]
             manifest = self.digests.manifest(a, b, n == plan["head"])
             self._transfers[n] = TransferProgress(manifest.header_len + manifest.tensor_bytes, loop.time())
-            await self.net.send(n, {"t": "plan", "plan": plan, "session": session, "manifest": manifest.to_json()})
-
-        # --- distribute, build, ring -----------------------------------------------------------------
+            await self.net.send(n, {"t": "plan", "epoch": epoch, "reason": reason, "plan": plan,
+                                    "session": self.session, "manifest": manifest.to_json()})  # fmt: skip
+        for n in self.net.roster():  # a member the plan leaves out (the planner found it no help)
+            if n != cfg.name and n not in plan["ring"]:
+                with contextlib.suppress(Exception):
+                    await self.net.send(n, {"t": "wait", "reason": f"plan {epoch} leaves {n} out; "
+                                            "it waits for the next replan"})  # fmt: skip
         # the host's own stage: a task this loop owns (awaits, or cancels when it leaves)
-        own = asyncio.create_task(self._prepare({"plan": plan, "session": session}, None), name="prepare")
+        msg = {"plan": plan, "session": self.session, "epoch": epoch, "reason": reason}
+        own = asyncio.create_task(self._prepare(msg, None), name="prepare")
         others = {n for n in plan["ring"] if n != cfg.name}
         loop_deadline = loop.time() + READY_TIMEOUT_S
         self._show_transfers()
@@ -218,30 +257,37 @@ class HostParticipant(Participant):
                                              return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
                 if own in done and own.exception() is not None:
                     get.cancel()
-                    reason = f"the host {cfg.name} could not prepare its stage: {describe_error(own.exception())}"
-                    await self._refuse_all(reason)
-                    raise Refused(reason) from own.exception()
+                    why = f"the host {cfg.name} could not prepare its stage: {describe_error(own.exception())}"
+                    await self._refuse_all(why)
+                    raise Refused(why) from own.exception()
                 if get not in done:
                     get.cancel()
                     with contextlib.suppress(asyncio.CancelledError):
                         await get
                     if loop.time() >= loop_deadline:
                         late = ", ".join(sorted(others - self._ready)) or cfg.name
-                        reason = f"the session did not form within {READY_TIMEOUT_S:g} s: {late} not ready"
-                        await self._refuse_all(reason)
-                        raise Refused(reason)
+                        why = f"the session did not form within {READY_TIMEOUT_S:g} s: {late} not ready"
+                        await self._refuse_all(why)
+                        raise Refused(why)
                     continue
                 ev = get.result()
-                if isinstance(ev, MemberLeft) and ev.name in others:
-                    await self._refuse_all(f"member {ev.name} left while the session was forming")
-                    raise Refused(f"member {ev.name} left while the session was forming ({ev.reason})")
-                if isinstance(ev, Message) and isinstance(ev.body, dict):
-                    if ev.body.get("t") == "ready":
+                if isinstance(ev, MemberLeft):
+                    self._member_left(ev)
+                    if ev.name in others and not replan:
+                        await self._refuse_all(f"member {ev.name} left while the session was forming")
+                        raise Refused(f"member {ev.name} left while the session was forming ({ev.reason})")
+                    if ev.name in others:
+                        return f"member {ev.name} left the session while it replanned ({ev.reason})"
+                elif isinstance(ev, MemberJoined):
+                    self._member_joined(ev)  # added at the next replan (right after this one: --auto-replan)
+                elif isinstance(ev, Message) and isinstance(ev.body, dict):
+                    body = ev.body
+                    if body.get("t") == "ready" and plan_epoch(body) == epoch:
                         self._ready.add(ev.sender)
                         self._transfer_done(ev.sender)
                         self.say(f"member {ev.sender} is ready")
-                    elif ev.body.get("t") == "failed":
-                        why = str(ev.body.get("reason") or "it gave no reason")
+                    elif body.get("t") == "failed" and plan_epoch(body) == epoch:
+                        why = str(body.get("reason") or "it gave no reason")
                         await self._refuse_all(f"member {ev.sender} failed: {why}")
                         raise Refused(f"member {ev.sender} could not prepare its stage: {why}")
         finally:
@@ -251,37 +297,100 @@ class HostParticipant(Participant):
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await own
         own.result()
+        self.state.members = {r["name"]: r for r in self._rows("serving")}
         for n in others:
-            await self.net.send(n, {"t": "serving"})
-        await self._start_serving()
-        self.spawn(self._broadcast_status(), "status")
+            await self.net.send(n, {"t": "serving", "epoch": epoch})
+        self._ring_members = set(plan["ring"])
+        return None
 
-        # --- serve -------------------------------------------------------------------------------------
+    def _rows(self, state: str) -> list[dict]:
+        return [member_row(n, i, state) for n, i in self.net.roster().items()]
+
+    def _serving_again(self) -> None:
+        """The replanned ring serves: requests waiting at the host resume (the members' own
+        resume on the host's {"t": "serving"})."""
+        self.state.degraded = None
+        self.state.phase = "serving"
+        self.engine.set_node(self.node)
+        self.say(f"{self.cfg.name}: serving again (plan {self.epoch}, ring {' → '.join(self.role.ring)})")
+        self.event("serving", api=self.api.url if self.api is not None else None, name=self.cfg.name,
+                   epoch=self.epoch)  # fmt: skip
+
+    async def _next_replan(self) -> str:
+        """Serve until the session needs a new plan; returns why. A member that leaves the ring
+        replans at once; a ring break a member reports (its edge closed) waits BREAK_GRACE_S for
+        the rendezvous to say who left, then replans with whoever is still here."""
+        from kafila.net import MemberJoined, MemberLeft, Message
+
+        loop = asyncio.get_running_loop()
         while True:
-            ev = await self.net.recv()
+            if self._joined_waiting and self.cfg.auto_replan:
+                names = ", ".join(sorted(self._joined_waiting))
+                self._joined_waiting.clear()
+                return f"{names} joined (--auto-replan)"
+            timeout = None if self._break is None else max(0.0, self._break[1] - loop.time())
+            wake = asyncio.ensure_future(self._break_event.wait() if timeout is None else asyncio.sleep(timeout))
+            ev = await self.recv_unless(wake)
+            wake.cancel()
+            if ev is None:
+                if self._break is not None and loop.time() >= self._break[1]:
+                    reason, self._break = self._break[0], None
+                    return reason
+                continue
             if isinstance(ev, MemberLeft):
-                self.state.members.pop(ev.name, None)
-                self.event("left", name=ev.name, reason=ev.reason)
-                if ev.name in plan["ring"]:
-                    self._degrade(f"member {ev.name} left the session ({ev.reason})")
-                    for n in self.net.roster():
-                        if n != cfg.name:
-                            with contextlib.suppress(Exception):
-                                await self.net.send(n, {"t": "gone", "member": ev.name, "reason": ev.reason})
-            elif isinstance(ev, Message) and isinstance(ev.body, dict) and ev.body.get("t") == "edge":
-                if isinstance(ev.body.get("stats"), dict):
-                    self.state.edges[ev.sender] = ev.body["stats"]
-                measured = ev.body.get("measured")
-                if isinstance(measured, list) and self.node is not None and not self.node.is_head:
-                    with contextlib.suppress(TypeError, ValueError):
-                        self.node.measured.update_from(
-                            (str(k), float(v)) for k, v in measured[:64] if k != "tok_s")
-            elif isinstance(ev, Message) and isinstance(ev.body, dict) and ev.body.get("t") == "degraded":
-                reason = str(ev.body.get("reason"))[:500]
-                first = self.state.degraded is None
-                self._degrade(reason)  # (tells everyone through _ring_broke when first)
-                if first and self.node is None:
-                    await self.broadcast({"t": "degraded", "reason": reason})
+                self._member_left(ev)
+                if ev.name in self._ring_members:
+                    self._break = None
+                    return f"member {ev.name} left the session ({ev.reason})"
+            elif isinstance(ev, MemberJoined):
+                self._member_joined(ev)
+            elif isinstance(ev, Message) and isinstance(ev.body, dict):
+                body = ev.body
+                if body.get("t") == "edge":
+                    self._edge_report(ev.sender, body)
+                elif body.get("t") == "degraded":
+                    self.ring_broke_at(ev.sender, str(body.get("reason"))[:500], plan_epoch(body))
+
+    def ring_broke_at(self, member: str, reason: str, epoch: int) -> None:
+        """A ring break (at the host or reported by a member) of the current plan: replan soon."""
+        if epoch != self.epoch or self._break is not None:
+            return
+        self.say(f"{self.cfg.name}: the ring broke at {member}: {reason}")
+        self.event("degraded", reason=f"at {member}: {reason}")
+        self._break = (f"the ring broke at {member} ({reason})", asyncio.get_running_loop().time() + BREAK_GRACE_S)
+        self._break_event.set()
+        self._break_event = asyncio.Event()
+
+    def _member_left(self, ev) -> None:
+        self.state.members.pop(ev.name, None)
+        self._joined_waiting.discard(ev.name)
+        self.say(f"member {ev.name} left ({ev.reason})")
+        self.event("left", name=ev.name, reason=ev.reason)
+
+    def _member_joined(self, ev) -> None:
+        """A machine that joins a serving session is added at the next replan: at once with
+        --auto-replan, else when a member leaves; it is told so, and so is the host's terminal."""
+        r = member_row(ev.info.name, ev.info, "waiting")
+        self.state.members[r["name"]] = r
+        self.event("joined", **r)
+        self._joined_waiting.add(ev.info.name)
+        when = "now (--auto-replan)" if self.cfg.auto_replan else "at the next replan"
+        self.say(f"member {ev.info.name} joined the serving session: it is added {when}"
+                 + ("" if self.cfg.auto_replan else " (kafila host --auto-replan adds joiners at once)"))
+        self.spawn(self._tell(ev.info.name, {"t": "wait", "reason": f"the session of {self.cfg.name} is "
+                                             f"serving: this member is added {when}"}), "tell-wait")  # fmt: skip
+
+    async def _tell(self, name: str, body: dict) -> None:
+        with contextlib.suppress(Exception):
+            await self.net.send(name, body)
+
+    def _edge_report(self, sender: str, body: dict) -> None:
+        if isinstance(body.get("stats"), dict):
+            self.state.edges[sender] = body["stats"]
+        measured = body.get("measured")
+        if isinstance(measured, list) and self.node is not None and not self.node.is_head:
+            with contextlib.suppress(TypeError, ValueError):
+                self.node.measured.update_from((str(k), float(v)) for k, v in measured[:64] if k != "tok_s")
 
     async def _refuse_all(self, reason: str) -> None:
         for n in self.net.roster():

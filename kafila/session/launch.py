@@ -67,11 +67,14 @@ def _pump(proc: Proc) -> None:
         line = line.strip()
         if line.startswith("{"):
             try:
-                proc.events.put(json.loads(line))
+                ev = json.loads(line)
             except ValueError:
-                pass
+                continue
+            if isinstance(ev, dict):
+                ev.setdefault("at_s", time.monotonic())  # when it was printed, for timings (bench/churn.py)
+                proc.events.put(ev)
         elif line:
-            proc.events.put({"event": "line", "text": line})
+            proc.events.put({"event": "line", "text": line, "at_s": time.monotonic()})
     proc.events.put({"event": "exit"})
 
 
@@ -96,6 +99,7 @@ class LocalSession:
     plan: dict | None = None
     rendezvous_port: int = 0
     debug: bool = False
+    auto_replan: bool = False  # kafila host --auto-replan: a late joiner (join()) is planned in at once
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -168,6 +172,7 @@ class LocalSession:
                 *(["--context", str(self.context)] if self.context is not None else []),
                 "--concurrency", str(self.concurrency),
                 "--speculate", self.speculate, "--precision", self.precision,
+                *(["--auto-replan"] if self.auto_replan else []),
             ], ports[1])  # fmt: skip
             self.code = self._wait(host, "code", deadline)["code"]
             for name, port in zip(self.names[1:], ports[2:]):
@@ -178,6 +183,18 @@ class LocalSession:
             self.stop()
             raise
         return self
+
+    def join(self, name: str) -> Proc:
+        """Start one more member that joins the running session (a late joiner)."""
+        port = free_ports(1)[0]
+        self.names.append(name)
+        return self._spawn(name, ["join", self.code, "--rendezvous", f"127.0.0.1:{self.rendezvous_port}"], port)
+
+    def signal(self, name: str, sig: int = signal.SIGINT) -> None:
+        """Send `sig` to one member (SIGINT: it leaves gracefully) and wait for it to exit."""
+        p = self.proc(name)
+        with_suppress(os.killpg, p.popen.pid, sig)
+        p.popen.wait(timeout=STOP_GRACE_S)
 
     def api(self, name: str) -> str:
         return next(p.api for p in self.procs if p.name == name)
@@ -241,7 +258,8 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
     """One streamed chat completion (or a raw completion) from `api`, timed at the client;
     `extra`: more fields of the request body (e.g. {"speculate": False}).
 
-    Returns {"text", "tokens", "ttft_ms", "tok_s", "wall_s", "finish_reason", "speculation"};
+    Returns {"text", "tokens", "ttft_ms", "tok_s", "wall_s", "finish_reason", "speculation",
+    "max_gap_s" (the longest wait between two pieces), "started_s", "last_s" (perf_counter)};
     raises Refused with the server's error message on an HTTP error."""
     import http.client
     from urllib.parse import urlsplit
@@ -266,6 +284,8 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
             message = data[:300]
         raise Refused(f"the session answered HTTP {resp.status}: {message}")
     text, first, last, tokens, finish = [], None, None, None, None
+    max_gap = 0.0  # the longest wait between two pieces of the answer (a resume shows here)
+    times: list[float] = []  # perf_counter of every piece after the first
     speculation = None
     for line in resp:
         line = line.strip()
@@ -284,6 +304,9 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
             piece = (choice.get("delta") or {}).get("content") if not raw else choice.get("text")
             if piece:
                 now = time.perf_counter()
+                if last is not None:
+                    max_gap = max(max_gap, now - last)
+                times.append(now)
                 first = first or now
                 last = now
                 text.append(piece)
@@ -294,7 +317,8 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
     if tokens and tokens > 1 and first is not None and last > first:
         tok_s = (tokens - 1) / (last - first)
     return {"text": "".join(text), "tokens": tokens, "ttft_ms": ttft, "tok_s": tok_s, "finish_reason": finish,
-            "speculation": speculation, "wall_s": None if last is None else last - start}
+            "speculation": speculation, "wall_s": None if last is None else last - start,
+            "max_gap_s": max_gap, "started_s": start, "last_s": last, "times": times}
 
 
 def _get(conn, path: str) -> bytes:

@@ -11,7 +11,15 @@ members only ever talk to the host there):
     host → all    : {"t": "serving"} once every member is ready
     serving       : member → host {"t": "edge", stats} every STATUS_EVERY_S;
                     host → all {"t": "status", edges, members} every STATUS_EVERY_S;
-                    host → all {"t": "gone", member, reason} when one leaves: the ring is degraded
+                    member → host {"t": "degraded", reason, epoch} when its ring breaks
+    replan        : a member left (or broke the ring, or joined with --auto-replan): the host
+                    sends a new {"t": "plan", epoch: n+1, reason, ...}; every member tears its
+                    ring down, fetches what it lacks, keeps its shard when its blocks are the
+                    same, forms the new ring (Hellos carry the epoch) and says {"t": "ready",
+                    epoch}; {"t": "serving", epoch} resumes the requests waiting at their origins
+                    (engine.py). Messages of an older epoch are ignored. A plan the remaining
+                    members cannot hold: {"t": "refused", reason} and the session is over.
+    late joiner   : host → it {"t": "wait", reason} until the next replan includes it
 
 `Participant.run()` owns every task it starts; SIGINT/SIGTERM cancel the lifecycle and it leaves
 the session cleanly (API closed, ring closed, edges and signaling closed).
@@ -32,7 +40,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 
 from kafila.errors import BadInput, KafilaError, Refused, describe_error
-from kafila.session.engine import RingEngine
+from kafila.session.engine import RESUME_WAIT_S, RingEngine
 from kafila.session.frames import Hello, Limits, encode
 from kafila.session.ring import RingNode
 from kafila.session.streams import read_frame
@@ -72,6 +80,7 @@ class SessionConfig:
     speculate: str = "off"  # the head's drafter (speculate.SPECULATE_MODES), sent in the session
     policy: str = "kafila"
     code_file: str | None = None
+    auto_replan: bool = False  # a machine that joins a serving session is planned in at once
     code_words: int = 3  # words in the session code (4 for a long-lived session)
     embedded_listen: tuple[str, int] = ("0.0.0.0", 7473)
     json_events: bool = False  # print one JSON line per lifecycle event on stdout (scripts)
@@ -161,9 +170,14 @@ class Participant:
         self.model_path: str | None = None
         self.role: Role | None = None
         self._tasks: set[asyncio.Task] = set()
-        self._pred_stream: asyncio.Future | None = None
+        # plan generations: 1 for the first plan, +1 at every replan; a ring Hello names the
+        # generation it was opened for, and waits until this member knows that plan's roles
+        self.epoch = 0
+        self._epoch_changed = asyncio.Event()
+        self._pred_streams: dict[int, asyncio.Future] = {}  # epoch → (edge, reader, writer) from the predecessor
         self._planned = asyncio.Event()  # set once `role` is known: a ring Hello waits for it
         self._ring_edges: list = []
+        self._shard_key: tuple | None = None  # what self.shard was built for (reused when unchanged)
         self._serving = asyncio.Event()
 
     # --- helpers ---------------------------------------------------------------------------------
@@ -292,12 +306,24 @@ class Participant:
                     raise Refused(f"the host refused the session: {ev.body.get('reason')}")
                 if ev.body.get("t") == "plan":
                     break
-        msg = ev.body
+                if ev.body.get("t") == "wait":  # joined a serving session: the host's next replan adds us
+                    self.say(f"{cfg.name}: {str(ev.body.get('reason'))[:300]}")
+                    self.event("wait", reason=str(ev.body.get("reason"))[:300])
         self.host_name = host
-        # weights, shard and ring edges, while listening to the host: a session that cannot
-        # form (a member gone, the host gone) ends this member at once, not after a timeout
+        return await self._follow_plans(ev.body, host)
+
+    async def _follow_plans(self, msg: dict, host: str) -> int:
+        """Plan → weights → shard → ring → serving, and again at every replan the host sends.
+
+        Forming and a replan take the same path, while listening to the host: a newer plan
+        replaces the one being prepared; a failure goes to the host (which ends the session)
+        and ends this member; a session that cannot form (the host gone) ends it at once."""
+        from kafila.net import MemberLeft, Message
+
+        cfg = self.cfg
+        epoch = plan_epoch(msg)
         prep = asyncio.create_task(self._prepare(msg, fetch_from=host), name="prepare")
-        ready_sent = False
+        ready_sent = served = False
         try:
             while True:
                 if prep.done() and not ready_sent:
@@ -305,45 +331,60 @@ class Participant:
                     if exc is not None:
                         reason = describe_error(exc)
                         with contextlib.suppress(Exception):
-                            await self.net.send(host, {"t": "failed", "reason": reason[:300]})
+                            await self.net.send(host, {"t": "failed", "reason": reason[:300], "epoch": epoch})
+                        self._end_engine(reason)
                         if isinstance(exc, KafilaError):
                             raise exc
                         raise Refused(reason) from exc
-                    await self.net.send(host, {"t": "ready"})
+                    await self.net.send(host, {"t": "ready", "epoch": epoch})
                     ready_sent = True
                 ev = await (self.recv_unless() if ready_sent else self.recv_unless(prep))
-                if ev is None:
-                    continue
                 if isinstance(ev, MemberLeft):
-                    raise Refused(f"the host {host} left the session before it was ready ({ev.reason})")
-                if isinstance(ev, Message) and isinstance(ev.body, dict):
-                    t = ev.body.get("t")
-                    if t == "serving" and ready_sent:
-                        break
-                    if t in ("refused", "gone", "degraded"):
-                        why = (f"member {ev.body.get('member')} left" if t == "gone"
-                               else str(ev.body.get("reason") or "the host gave no reason"))  # fmt: skip
-                        raise Refused(f"the session could not form: {why}")
+                    if not served:
+                        raise Refused(f"the host {host} left the session before it was ready ({ev.reason})")
+                    reason = f"the host {host} left the session ({ev.reason})"
+                    over = not str(ev.reason).startswith("signaling lost")
+                    if over:  # the host is gone, not only our line to the rendezvous: nothing comes back
+                        self._end_engine(reason)  # every request here ends with the reason, none waits
+                    self._degrade(reason)
+                    if over:
+                        self.say(f"{cfg.name}: {reason}: the session is over")
+                        self.event("ended", reason=reason)
+                        await asyncio.sleep(0.2)  # let the API stream the failure to clients first
+                        return 0
+                    continue
+                if not (isinstance(ev, Message) and isinstance(ev.body, dict)):
+                    continue
+                body, t = ev.body, ev.body.get("t")
+                if t == "plan" and plan_epoch(body) > epoch:  # a replan: this one replaces ours
+                    epoch = plan_epoch(body)
+                    why = str(body.get("reason") or "the host replanned")[:300]
+                    self.say(f"{cfg.name}: replanning (plan {epoch}): {why}")
+                    self.event("replan", epoch=epoch, reason=why)
+                    await _cancelled(prep)
+                    prep = asyncio.create_task(self._prepare(body, fetch_from=host), name="prepare")
+                    ready_sent = False
+                elif t == "serving" and ready_sent and plan_epoch(body) == epoch:
+                    await self._serve_plan(first=not served)
+                    if not served:
+                        self.spawn(self._report_edges(), "report-edges")
+                    served = True
+                elif t == "refused":
+                    reason = f"the host refused the session: {body.get('reason')}"
+                    self._end_engine(reason)
+                    if served:
+                        await asyncio.sleep(0.2)  # let the API stream the failure to clients first
+                    raise Refused(reason)
+                elif t in ("gone", "degraded") and not served:
+                    why = (f"member {body.get('member')} left" if t == "gone"
+                           else str(body.get("reason") or "the host gave no reason"))  # fmt: skip
+                    raise Refused(f"the session could not form: {why}")
+                elif t == "wait":  # joined a serving session: added at the host's next replan
+                    self.say(f"{cfg.name}: {str(body.get('reason'))[:300]}")
+                else:
+                    self._on_host_message(body)
         finally:
-            if not prep.done():
-                prep.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await prep
-        await self._start_serving()
-        self.spawn(self._report_edges(), "report-edges")
-        while True:
-            ev = await self.net.recv()
-            if isinstance(ev, MemberLeft):
-                reason = f"the host {host} left the session ({ev.reason})"
-                self._degrade(reason)  # every request waiting here ends with the reason
-                if not str(ev.reason).startswith("signaling lost"):
-                    # the host is gone, not only our line to the rendezvous: nothing can come back
-                    self.say(f"{cfg.name}: {reason}: the session is over")
-                    self.event("ended", reason=reason)
-                    await asyncio.sleep(0.2)  # let the API stream the failure to clients first
-                    return 0
-            elif isinstance(ev, Message) and isinstance(ev.body, dict):
-                self._on_host_message(ev.body)
+            await _cancelled(prep)
 
     def _on_host_message(self, body: dict) -> None:
         t = body.get("t")
@@ -365,22 +406,33 @@ class Participant:
             if isinstance(body.get("history"), list):  # the host's: who joined and left, when, why
                 self.state.history = [h for h in body["history"][-HISTORY_MAX:] if isinstance(h, dict)]
 
-    def _ring_broke(self, reason: str) -> None:
+    def _ring_broke(self, reason: str, epoch: int | None = None) -> None:
         """This member's ring noticed a break itself (a stage failed, an edge closed, a bad
-        frame): the host tells everyone, so requests waiting anywhere fail now."""
+        frame): the host hears of it at once and replans (a member gone) or ends the session.
+        A break of an older plan's ring (torn down for a replan) is no news."""
+        if epoch is not None and epoch != self.epoch:
+            return
         if self.state.degraded is None:
             self.state.degraded = reason
             self.state.phase = "degraded"
-            self.say(f"[red]{self.cfg.name}: session degraded: {reason}[/red]")
+            self.say(f"[red]{self.cfg.name}: the ring broke: {reason}[/red]")
             self.event("degraded", reason=reason)
-        self.spawn(self._tell_host_degraded(reason), "tell-degraded")
+        self.spawn(self._tell_host_degraded(reason, self.epoch), "tell-degraded")
 
-    async def _tell_host_degraded(self, reason: str) -> None:
+    async def _tell_host_degraded(self, reason: str, epoch: int) -> None:
         if self.net is not None and not self.is_host:
             with contextlib.suppress(Exception):
-                await self.net.send(self.host_name, {"t": "degraded", "reason": reason[:500]})
+                await self.net.send(self.host_name, {"t": "degraded", "reason": reason[:500], "epoch": epoch})
         elif self.is_host:
-            await self.broadcast({"t": "degraded", "reason": reason[:500]})
+            self.ring_broke_at(self.cfg.name, reason, epoch)
+
+    def ring_broke_at(self, member: str, reason: str, epoch: int) -> None:
+        """The host's: a member's ring broke (it replans)."""
+
+    def _end_engine(self, reason: str) -> None:
+        """The session is over: requests waiting at this member's API for a ring fail now."""
+        if self.engine is not None:
+            self.engine.end(reason)
 
     async def broadcast(self, body: dict) -> None:
         for n in list(self.net.roster()) if self.net is not None else []:
@@ -404,10 +456,9 @@ class Participant:
         from kafila.models import load_tokenizer, open_model
 
         cfg = self.cfg
-        plan, session = msg["plan"], msg["session"]
-        self.state.plan, self.state.session = plan, session
-        self.role = role = role_of(plan, cfg.name)
-        self._planned.set()
+        await self._teardown_ring(f"the session is replanning ({msg.get('reason') or 'a new plan'})")
+        self._set_plan(int(msg.get("epoch", 1)), msg["plan"], msg["session"])
+        role, session = self.role, self.state.session
         self.state.phase = "fetching"
         if fetch_from is None:
             self.model_path = cfg.model_path
@@ -421,15 +472,22 @@ class Participant:
         self.state.phase = "building"
         is_head = role.head == cfg.name
         what = f"blocks [{role.first}, {role.last}){' + head' if is_head else ''} on {cfg.backend}"
-        self.say(f"{cfg.name}: building {what}")
+
+        key = (self.model_path, role.first, role.last, is_head, session["precision"])
 
         async def build() -> None:
+            self.shard = self._shard_key = None  # the old shard's memory goes before the new one's
             self.index = await asyncio.to_thread(open_model, self.model_path)
             self.tokenizer = await asyncio.to_thread(load_tokenizer, self.index)
             spec = ShardSpec(self.model_path, role.first, role.last, embed=is_head, head=is_head)
             self.shard = await asyncio.to_thread(load_shard, cfg.backend, spec, session["precision"])
+            self._shard_key = key
 
-        await _step(f"{cfg.name} could not build {what}", build())
+        if key == self._shard_key:  # a replan that left this member's blocks as they were
+            self.say(f"{cfg.name}: keeping {what}")
+        else:
+            self.say(f"{cfg.name}: building {what}")
+            await _step(f"{cfg.name} could not build {what}", build())
         self.state.phase = "ring"
         await self._form_ring()
 
@@ -542,11 +600,10 @@ class Participant:
                 log.warning("ring stream from %s dropped: %s", edge.peer, why)
                 await edge.close()
                 return
-            if self._pred_stream is None:
-                self._pred_stream = asyncio.get_running_loop().create_future()
-            if not self._pred_stream.done():
+            fut = self._pred_future(hello.epoch)
+            if not fut.done():
                 self._ring_edges.append(edge)
-                self._pred_stream.set_result((edge, reader, writer))
+                fut.set_result((edge, reader, writer))
                 return
             await edge.close()
         else:
@@ -554,19 +611,56 @@ class Participant:
 
     async def _ring_refusal(self, hello: Hello, edge) -> str | None:
         """Why a ring Hello may not become the predecessor stream (None: it may), once the plan
-        says who the predecessor is (a Hello may come first)."""
-        try:
-            await asyncio.wait_for(self._planned.wait(), READY_TIMEOUT_S)
-        except TimeoutError:
-            return "no plan arrived"
+        it was opened for says who the predecessor is (a Hello may come before that plan: at a
+        replan the predecessor may learn the new plan first)."""
+        deadline = asyncio.get_running_loop().time() + READY_TIMEOUT_S
+        while self.epoch < hello.epoch or not self._planned.is_set():
+            left = deadline - asyncio.get_running_loop().time()
+            if left <= 0:
+                return f"no plan {hello.epoch} arrived"
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._epoch_changed.wait(), left)
+        if hello.epoch < self.epoch:
+            return f"it was opened for plan {hello.epoch}; this member is on plan {self.epoch}"
         assert self.role is not None
         return ring_hello_refusal(hello.name, edge.peer, self.role.predecessor(self.cfg.name))
+
+    def _pred_future(self, epoch: int) -> asyncio.Future:
+        if epoch not in self._pred_streams:
+            self._pred_streams[epoch] = asyncio.get_running_loop().create_future()
+        return self._pred_streams[epoch]
+
+    def _set_plan(self, epoch: int, plan: dict, session: dict) -> None:
+        """This member's role in plan `epoch`; ring Hellos waiting for it go on."""
+        self.state.plan, self.state.session = plan, session
+        self.role = role_of(plan, self.cfg.name)
+        self.epoch = epoch
+        for old in [e for e in self._pred_streams if e < epoch]:
+            self._pred_streams.pop(old)
+        self._planned.set()
+        self._epoch_changed.set()
+        self._epoch_changed = asyncio.Event()
+
+    async def _teardown_ring(self, reason: str) -> None:
+        """Before a replan: this member's ring node and ring edges go (its shard and weights stay).
+        Requests typed here wait in RingEngine and resume on the next ring."""
+        node, self.node = self.node, None
+        if node is not None:
+            node.on_degraded = None  # a break we make is no news to the host
+            node.degrade(reason)
+            with contextlib.suppress(Exception):
+                await node.close()
+        edges, self._ring_edges = self._ring_edges, []
+        for edge in edges:
+            with contextlib.suppress(Exception):
+                await edge.close()
+        self.succ_edge = None
 
     async def serve_weights(self, edge, reader, writer) -> None:
         await edge.close()  # only the host serves weights
 
     async def _form_ring(self) -> None:
-        role, me = self.role, self.cfg.name
+        role, me, epoch = self.role, self.cfg.name, self.epoch
         assert role is not None
         limits = Limits(hidden=self.index.hparams.hidden, context=int(self.state.session["context"]),
                         slots=int(self.state.session["concurrency"]),
@@ -577,19 +671,19 @@ class Participant:
             drafter, speculate = await self._drafter(limits.context)
         self.node = RingNode(me, role.head, role.ring, self.shard, limits,
                              eos_ids=frozenset(self.tokenizer.eos_ids),
-                             on_degraded=self._ring_broke, speculate=speculate, drafter=drafter)  # fmt: skip
+                             on_degraded=lambda why: self._ring_broke(why, epoch),
+                             speculate=speculate, drafter=drafter)  # fmt: skip
         if len(role.ring) == 1:
             self.node.start()
             return
-        if self._pred_stream is None:
-            self._pred_stream = asyncio.get_running_loop().create_future()
+        pred_stream = self._pred_future(epoch)
         succ = role.successor(me)
 
         async def edge_to_successor():
             edge = await self.net.connect(succ)
             self._ring_edges.append(edge)
             _, writer = await edge.open_stream()
-            writer.write(encode(Hello(me, "ring")))
+            writer.write(encode(Hello(me, "ring", epoch)))
             await writer.drain()
             return edge, writer
 
@@ -597,7 +691,7 @@ class Participant:
                                              edge_to_successor(), RING_EDGE_TIMEOUT_S)  # fmt: skip
         try:
             # the predecessor opens its edge once its own weights and shard are ready
-            _, reader, _ = await asyncio.wait_for(self._pred_stream, READY_TIMEOUT_S)
+            _, reader, _ = await asyncio.wait_for(pred_stream, READY_TIMEOUT_S)
         except TimeoutError:
             raise Refused(f"the ring edge from {self._who(role.predecessor(me))} to {me} was not up "
                           f"within {READY_TIMEOUT_S:g} s") from None  # fmt: skip
@@ -605,7 +699,7 @@ class Participant:
 
     async def _start_api(self) -> None:
         """The API is up from the start (503 while forming), so a busy port fails at once."""
-        self.engine = RingEngine("", 0, None, self.status)
+        self.engine = RingEngine("", 0, None, self.status, resume_wait_s=RESUME_WAIT_S)
         if self.cfg.api is not None:
             from kafila.api import start_api
 
@@ -624,7 +718,7 @@ class Participant:
         engine.model_name = self.state.session.get("model") or self.index.name
         engine.context_length = int(self.state.session["context"])
         engine._tokenizer = self.tokenizer
-        engine.node = self.node
+        engine.set_node(self.node)
         if self.state.degraded:
             self.node.degrade(self.state.degraded)
         self.state.phase = "serving" if not self.state.degraded else "degraded"
@@ -634,6 +728,20 @@ class Participant:
         else:
             self.say(f"{cfg.name}: serving")
             self.event("serving", api=None, name=cfg.name)
+
+    async def _serve_plan(self, first: bool) -> None:
+        """Every member is ready on the current plan: the first time the API starts serving;
+        after a replan the new ring takes over and requests waiting in RingEngine resume."""
+        if first:
+            await self._start_serving()
+            return
+        self.state.degraded = None
+        self.state.phase = "serving"
+        self.engine.context_length = int(self.state.session["context"])
+        self.engine.set_node(self.node)
+        self.say(f"{self.cfg.name}: serving again (plan {self.epoch}, ring {' → '.join(self.role.ring)})")
+        self.event("serving", api=self.api.url if self.api is not None else None, name=self.cfg.name,
+                   epoch=self.epoch)  # fmt: skip
 
     async def _report_edges(self) -> None:
         while True:
@@ -704,6 +812,19 @@ class Participant:
     @code.setter
     def code(self, value: str) -> None:
         self._code = value
+
+
+def plan_epoch(body: dict) -> int:
+    """A plan message's generation (1: the first plan, as a host from before replans sends it)."""
+    e = body.get("epoch", 1)
+    return e if isinstance(e, int) and not isinstance(e, bool) and e >= 1 else 1
+
+
+async def _cancelled(task: asyncio.Task) -> None:
+    if not task.done():
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
 
 
 async def _step(what: str, coro, timeout_s: float | None = None):

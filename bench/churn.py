@@ -1,0 +1,158 @@
+"""Churn benchmark: what resuming costs when a member leaves a serving session (issue 14).
+
+    .venv/bin/python -m bench.churn [--members 4] [--max-tokens 64] [--precision f32] [--model M]
+
+A LocalSession of --members processes on 127.0.0.1; 4 concurrent streaming requests, each at a
+member other than the one that leaves, run once undisturbed (the reference), then again while
+one member is killed (SIGKILL) mid-generation, then again while another leaves with SIGINT.
+Reported per leave: detection (kill → the host's "left"), replan (→ every member serving again),
+the longest fetch of missing tensors at a member (and MB moved in all), replay (serving again →
+the first resumed token at an origin), the longest gap between two tokens of any request, and
+whether every answer matched its reference token for token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import queue
+import signal
+import tempfile
+import threading
+import time
+
+PROMPTS = [
+    "Count from one to forty in words.",
+    "Write a short story about a lighthouse keeper.",
+    "List ten fruits and their colours.",
+    "Explain how a bicycle works, step by step.",
+]
+
+
+def drain(s) -> list[dict]:
+    out = []
+    for p in s.procs:
+        while True:
+            try:
+                ev = p.events.get_nowait()
+            except queue.Empty:
+                break
+            out.append({**ev, "who": p.name})
+    return out
+
+
+def ask_all(s, origins: list[str], prompts: list[str], max_tokens: int) -> tuple[list[threading.Thread], list]:
+    from kafila.session.launch import stream_chat
+
+    results: list = [None] * len(prompts)
+
+    def one(i: int) -> None:
+        try:
+            results[i] = stream_chat(s.api(origins[i]), prompts[i], max_tokens, timeout_s=300)
+        except Exception as exc:  # the test reports it with the others
+            results[i] = {"error": str(exc)}
+
+    threads = [threading.Thread(target=one, args=(i,), daemon=True) for i in range(len(prompts))]
+    for t in threads:
+        t.start()
+    return threads, results
+
+
+def wait_decoding(s, n: int, timeout_s: float = 120.0, after_s: float = 1.0) -> None:
+    """Until the head holds `n` requests, then `after_s` more (they decode by then)."""
+    from kafila.session.launch import get_json
+
+    deadline = time.monotonic() + timeout_s
+    host = s.procs[0].name
+    while time.monotonic() < deadline:
+        st = get_json(s.api(host), "/status")
+        head = st["plan"]["head"]
+        req = get_json(s.api(head), "/status").get("requests") or {}
+        if req.get("active", 0) >= n:
+            time.sleep(after_s)
+            return
+        time.sleep(0.1)
+    raise TimeoutError(f"the head never held {n} requests at once")
+
+
+def leave_round(s, victim: str, origins: list[str], prompts: list[str], max_tokens: int, sig: int) -> dict:
+    """Ask every prompt at once, make `victim` leave with `sig` mid-generation, wait for every
+    answer; returns the answers and the timings."""
+    threads, results = ask_all(s, origins, prompts, max_tokens)
+    wait_decoding(s, len(prompts))
+    drain(s)
+    t_leave, pc_leave = time.monotonic(), time.perf_counter()
+    if sig == signal.SIGKILL:
+        s.kill(victim)
+    else:
+        s.signal(victim, sig)
+    for t in threads:
+        t.join(300)
+    events = drain(s)
+    host = s.procs[0].name
+    left = next((e["at_s"] for e in events if e["who"] == host and e.get("event") == "left"), None)
+    serving = [e["at_s"] for e in events if e.get("event") == "serving" and e.get("epoch")]
+    weights = [e for e in events if e.get("event") == "weights"]
+    back = max(serving) if serving else None
+    # replay: from serving again to each origin's first token after it (perf_counter ↔ monotonic
+    # share a clock on Linux; both are offsets from the leave here)
+    replay = None
+    if back is not None:
+        back_pc = pc_leave + (back - t_leave)
+        firsts = [next((t for t in r.get("times", []) if t > back_pc), None) for r in results if r]
+        firsts = [t - back_pc for t in firsts if t is not None]
+        replay = min(firsts) if firsts else None
+    return {
+        "results": results,
+        "detect_s": None if left is None else left - t_leave,
+        "replan_s": None if back is None or left is None else back - left,
+        "fetch_s": max((w.get("seconds", 0.0) for w in weights), default=0.0),
+        "fetched_mb": sum(w.get("received_bytes", 0) for w in weights) / 1e6,
+        "fetched_tensors": sum(w.get("fetched_tensors", 0) for w in weights),
+        "replay_s": replay,
+        "max_gap_s": max((r.get("max_gap_s", 0.0) for r in results if r), default=None),
+    }
+
+
+def main() -> None:
+    from kafila.session.launch import LocalSession, get_json
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--members", type=int, default=4)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--precision", default="f32", choices=("f32", "serving"))
+    ap.add_argument("--model", default="smollm2-135m")
+    args = ap.parse_args()
+    names = [f"m{i + 1}" for i in range(args.members)]
+    s = LocalSession(members=args.members, model=args.model, precision=args.precision, context=512,
+                     log_dir=tempfile.mkdtemp(prefix="kafila-churn-logs-"),
+                     cache_root=tempfile.mkdtemp(prefix="kafila-churn-cache-"))  # fmt: skip
+    s.start(timeout_s=600)
+    try:
+        rows = []
+        for sig, label in ((signal.SIGKILL, "kill -9"), (signal.SIGINT, "SIGINT")):
+            ring = get_json(s.api(names[0]), "/status")["plan"]["ring"]
+            victim = next(n for n in reversed(ring) if n != names[0])
+            live = [p.name for p in s.procs if p.popen.poll() is None and p.name != victim]
+            origins = [live[i % len(live)] for i in range(len(PROMPTS))]
+            threads, ref = ask_all(s, origins, PROMPTS, args.max_tokens)
+            for t in threads:
+                t.join(300)
+            r = leave_round(s, victim, origins, PROMPTS, args.max_tokens, sig)
+            same = all(a and b and "text" in a and a["text"] == b.get("text") for a, b in zip(ref, r["results"]))
+            rows.append((label, victim, len(ring), r, same))
+        print(f"\n{args.model}, {args.members} members, --precision {args.precision}, "
+              f"{len(PROMPTS)} concurrent requests of {args.max_tokens} tokens\n")
+        print("| leave | member | ring before | detection s | replan s | fetch s (MB, tensors) | replay s "
+              "| longest token gap s | answers identical |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        f = lambda v: "?" if v is None else f"{v:.2f}"
+        for label, victim, n, r, same in rows:
+            print(f"| {label} | {victim} | {n} | {f(r['detect_s'])} | {f(r['replan_s'])} | {f(r['fetch_s'])} "
+                  f"({r['fetched_mb']:.1f} MB, {r['fetched_tensors']}) | {f(r['replay_s'])} | "
+                  f"{f(r['max_gap_s'])} | {'yes' if same else 'NO'} |")
+    finally:
+        s.stop()
+
+
+if __name__ == "__main__":
+    main()
