@@ -33,20 +33,26 @@ RING_TARGET_MS = 1000.0
 REPEATS = 5
 
 
-def random_fleet(rng: random.Random, members: int, blocks: int) -> Fleet:
+def _fleet(rng: random.Random, members: int, blocks: int, rtt_of, nat_of) -> Fleet:
+    """Random devices; rtt_of(i) and nat_of(i) are drawn in each device's turn (keyword
+    arguments evaluate in order, so the draws stay those of the runs in docs/BENCHMARKS.md)."""
     devices = tuple(
         Device(
             name=f"d{i}",
             memory_gb=rng.choice([8, 12, 16, 24, 32, 48, 80]),
             bandwidth_gbps=rng.uniform(80, 1400),
             overhead_us=rng.uniform(10, 60),
-            rtt_ms=float(rng.randint(5, 300)),
-            nat=rng.choice(list(Nat)),
+            rtt_ms=rtt_of(i),
+            nat=nat_of(i),
         )
         for i in range(members)
     )
     model = Model("bench", blocks, 0.5e9, 1.5e9, 4096)
     return Fleet(4096, 2, "d0", model, devices)
+
+
+def random_fleet(rng: random.Random, members: int, blocks: int) -> Fleet:
+    return _fleet(rng, members, blocks, lambda i: float(rng.randint(5, 300)), lambda i: rng.choice(list(Nat)))
 
 
 def distinct_rtt_fleet(
@@ -54,19 +60,8 @@ def distinct_rtt_fleet(
 ) -> Fleet:
     """Distinct RTTs (no two equal, to 0.01 ms) and the given NAT classes (None: random ones)."""
     rtts = rng.sample(range(500, 30_000), members)  # 5.00 .. 299.99 ms
-    devices = tuple(
-        Device(
-            name=f"d{i}",
-            memory_gb=rng.choice([8, 12, 16, 24, 32, 48, 80]),
-            bandwidth_gbps=rng.uniform(80, 1400),
-            overhead_us=rng.uniform(10, 60),
-            rtt_ms=rtts[i] / 100.0,
-            nat=rng.choice(list(Nat)) if nats is None else nats[i],
-        )
-        for i in range(members)
-    )
-    model = Model("bench", blocks, 0.5e9, 1.5e9, 4096)
-    return Fleet(4096, 2, "d0", model, devices)
+    return _fleet(rng, members, blocks, lambda i: rtts[i] / 100.0,
+                  lambda i: rng.choice(list(Nat)) if nats is None else nats[i])  # fmt: skip
 
 
 def time_ms(work: Callable[[], object], repeats: int) -> tuple[float, float]:

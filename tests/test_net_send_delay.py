@@ -14,21 +14,11 @@ import pytest
 
 from kafila.net import Member, MemberJoined, Message
 from rendezvous.service import Rendezvous
+from tests.test_net_loopback import _event, run
 
 LOOP = "127.0.0.1"
 DELAY_MS = 300.0
 pytestmark = pytest.mark.timeout(60)
-
-
-def run(coro):
-    return asyncio.run(asyncio.wait_for(coro, 45))
-
-
-async def _event(member: Member, kind: type, timeout: float = 5.0):
-    while True:
-        event = await asyncio.wait_for(member.recv(), timeout)
-        if isinstance(event, kind):
-            return event
 
 
 async def _delivered_s(sender: Member, receiver: Member, body: dict) -> float:
