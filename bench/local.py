@@ -9,9 +9,10 @@ from its own perf metrics). A row's ratio is the median over rounds of its tok/s
 tok/s in the same round. Precision: every row uses the CPU plugin's defaults (bf16 inference where
 the CPU has it, u8 KV cache, dynamic quantization) — what LLMPipeline compiles with.
 
-Memory (separate processes, one per chain and one for the peer): resident-set growth from
-building it and decoding NEW_TOKENS, measured from a baseline taken with the CPU plugin already
-started, over the model's GGUF tensor bytes plus its KV cache at that length.
+Memory (a separate process per chain): resident-set growth from building it and decoding
+NEW_TOKENS, measured from a baseline taken with the CPU plugin already started, over the model's
+GGUF tensor bytes plus its KV cache at that length. The peer's memory, against the 1-stage chain
+from the same baseline in the same run, is bench/memory_local.py's.
 
 Rows are (name, run) pairs, `run()` returning the token timestamps of one generation; other
 modules add rows through `extra_rows(index, prompt_text, prompt_ids, new_tokens)` — bench/local_mlx.py
@@ -126,25 +127,20 @@ def _plugin_up() -> None:
 
 
 def memory_child(model: str, stages: int, new_tokens: int) -> dict:
-    """Run in a fresh process: RSS growth of building a chain (stages > 0) or the peer (stages 0)
-    and decoding, over the model's GGUF tensor bytes + its KV cache at that length (u8 values)."""
+    """Run in a fresh process: RSS growth of building a `stages`-stage chain and decoding, over the
+    model's GGUF tensor bytes + its KV cache at that length (u8 values). The peer is measured
+    against the 1-stage chain, from one baseline in the same run, by bench.memory_local (the old
+    peer child here read its RSS after the pipeline had been freed)."""
     from kafila.local import LocalChain
     from kafila.models import load_tokenizer, open_model, resolve_model
 
     index = open_model(resolve_model(model))
-    if stages:
-        _plugin_up()
-        tok = load_tokenizer(index)
-        prompt = tok.encode(tok.render_chat([{"role": "user", "content": PROMPT}]))
-        before = _rss()
-        chain = LocalChain.build(index.path, stages, "openvino", "serving", index=index)
-        list(chain.generate(prompt, new_tokens))
-    else:  # the peer, alone (an OpenVINO Core started first or our tokenizer beside it hang it here)
-        import openvino_genai  # noqa: F401
-
-        before = _rss()
-        genai_row(index.path, PROMPT, new_tokens).run()
-        prompt = PROMPT.split()  # only its length matters below: about the same token count
+    _plugin_up()
+    tok = load_tokenizer(index)
+    prompt = tok.encode(tok.render_chat([{"role": "user", "content": PROMPT}]))
+    before = _rss()
+    chain = LocalChain.build(index.path, stages, "openvino", "serving", index=index)
+    list(chain.generate(prompt, new_tokens))
     grown = _rss() - before
     tokens = len(prompt) + new_tokens
     kv = index.hparams.n_blocks * tokens * index.kv_bytes_per_token_per_block(bytes_per_value=1)
@@ -154,7 +150,7 @@ def memory_child(model: str, stages: int, new_tokens: int) -> dict:
 
 def memory(model: str, stages: tuple[int, ...], new_tokens: int) -> list[dict]:
     out = []
-    for k in stages:  # (the peer's own figure is in docs/BENCHMARKS.md, OpenVINO section: its child process hangs here)
+    for k in stages:  # (the peer against the 1-stage chain, same baseline, same run: bench.memory_local)
         proc = subprocess.run([sys.executable, "-m", "bench.local", "--memory-child", str(k), "--model", model,
                                "--tokens", str(new_tokens)], capture_output=True, text=True, check=True)
         out.append(json.loads(proc.stdout.strip().splitlines()[-1]))
@@ -174,7 +170,7 @@ def table(samples: dict[str, list[float]], same: dict[str, str], mem: list[dict]
     if mem:
         lines += ["", "| process | RSS growth (MB) | GGUF bytes (MB) | KV (MB) | RSS / (GGUF + KV) |", "|---|---:|---:|---:|---:|"]
         for m in mem:
-            name = f"kafila OpenVINO {m['stages']}-stage" if m["stages"] else PEER
+            name = f"kafila OpenVINO {m['stages']}-stage"
             lines.append(f"| {name} | {m['rss_growth'] / 1e6:.1f} | {m['gguf_bytes'] / 1e6:.1f} | "
                          f"{m['kv_bytes'] / 1e6:.2f} | {m['ratio']:.2f} |")
     return "\n".join(lines)
@@ -190,7 +186,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true", help="skip the memory rows")
     parser.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.memory_child:
+    if args.memory_child is not None:
         print(json.dumps(memory_child(args.model, args.memory_child, args.tokens)))
         return 0
 
