@@ -36,14 +36,13 @@ pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed (the 
 NEW_TOKENS = 32
 KAFILA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "kafila")
 
-# On the Q4_1 file, measured 2026-12-01 (AMD EPYC, AVX2; llama-cpp-python 0.3.36, f32 KV), first
-# differing index per prompt: f32 [27, 1, 20, 2, 14, 21, 32, 32], serving [27, 1, 20, 2, 11, 21, 32, 32]
-# — 2 of 8 identical, every prompt's first token agrees. The floors below are those measurements;
-# llama.cpp's Q8_1 activations, not Kafila, decide where the rest part (see the docstring), so the
-# strict check is the F32 one. MAX_Q4_1_LOGIT_DELTA bounds the activation-rounding error (measured
-# ≤ 1.8): a real bug (RoPE, norm, a wrong scale) moves logits by far more.
-MIN_COMMON_PREFIX = {"f32": 1, "serving": 1}  # every prompt agrees for at least this many tokens
-MIN_IDENTICAL = {"f32": 2, "serving": 2}  # and at least this many of the 8 sequences agree in full
+# On the Q4_1 file, measured 2026-12-01, first differing index per prompt: on an AMD EPYC with AVX2
+# f32 [27, 1, 20, 2, 14, 21, 32, 32]; on one with AVX-512-VNNI the third prompt parts at token 0 —
+# llama.cpp's Q8_1 dot products round differently per ISA, so where the sequences part is the
+# CPU's, not Kafila's. What must hold everywhere: each first difference is a near-tie in Kafila's
+# own logits (llama.cpp's token within MAX_Q4_1_LOGIT_DELTA of Kafila's top logit at that step),
+# and the strict check is the F32 one. MAX_Q4_1_LOGIT_DELTA bounds the activation-rounding error
+# (measured ≤ 1.8): a real bug (RoPE, norm, a wrong scale) moves logits by far more.
 MAX_Q4_1_LOGIT_DELTA = 3.0  # after the prompt (prefill), max over the vocabulary
 F32_LOGIT_DELTA = 1e-3  # same weights in F32: measured ≤ 1e-4
 
@@ -124,9 +123,17 @@ def test_greedy_ids_against_llamacpp(chain_factory, prompt_ids, llamacpp_runs, p
               for ids, (_, logits) in zip(prompt_ids, llamacpp_runs)]
     print(f"max |Δlogit| after each prompt: {' '.join(f'{d:.2f}' for d in deltas)}")
     assert all(len(a) == NEW_TOKENS for a in ours)
-    assert min(parts) >= MIN_COMMON_PREFIX[precision], parts
-    assert sum(at == NEW_TOKENS for at in parts) >= MIN_IDENTICAL[precision], parts
     assert max(deltas) <= MAX_Q4_1_LOGIT_DELTA, deltas
+    gaps = []  # at each first difference: Kafila's top logit minus its logit for llama.cpp's token
+    for ids, a, (theirs, _), at in zip(prompt_ids, ours, llamacpp_runs, parts):
+        if at < NEW_TOKENS:
+            logits = prefill_logits(chain, list(ids) + a[:at])
+            gaps.append(float(logits[a[at]] - logits[theirs[at]]))
+    print(f"logit gap at each first difference: {' '.join(f'{g:.2f}' for g in gaps)}")
+    # |gap|: at serving precision the re-fed prefix computes in another batching than the decode
+    # steps did (bf16, u8 KV), so Kafila's own top may itself move at such a near-tie
+    assert all(abs(g) <= MAX_Q4_1_LOGIT_DELTA for g in gaps), (parts, gaps)
+    assert sum(at == NEW_TOKENS for at in parts) >= 1, parts  # and not everything parts
 
 
 def test_run_json_prompt_ids_are_llamacpp_tokens(default_model_path, default_tokenizer, prompt_ids):
