@@ -13,7 +13,14 @@ from rich.table import Table
 
 from kafila.errors import BadInput, Refused, describe_error
 from kafila.net.codefile import write_private
-from kafila.session.member import READY_TIMEOUT_S, STATUS_EVERY_S, Participant, plan_epoch, stdin_is_terminal
+from kafila.session.member import (
+    READY_TIMEOUT_S,
+    STATUS_EVERY_S,
+    Participant,
+    cancel_and_wait,
+    plan_epoch,
+    stdin_is_terminal,
+)
 from kafila.session.preview import plan_summary, plan_table, predicted_tok_s  # noqa: F401 (re-exported)
 from kafila.session.weights import TransferProgress
 
@@ -191,9 +198,9 @@ class HostParticipant(Participant):
         await self._form(None)
         await self._start_serving()
         self.spawn(self._broadcast_status(), "status")
-        while True:
+        while not self.leaving:
             reason = await self._next_replan()
-            while reason is not None:  # a member that leaves while we replan: plan again
+            while reason is not None and not self.leaving:  # a member left while we replanned: again
                 reason = await self._form(reason)
             self._serving_again()
 
@@ -261,9 +268,7 @@ class HostParticipant(Participant):
                     await self._refuse_all(why)
                     raise Refused(why) from own.exception()
                 if get not in done:
-                    get.cancel()
-                    with contextlib.suppress(asyncio.CancelledError):
-                        await get
+                    await cancel_and_wait(get)
                     if loop.time() >= loop_deadline:
                         late = ", ".join(sorted(others - self._ready)) or cfg.name
                         why = f"the session did not form within {READY_TIMEOUT_S:g} s: {late} not ready"
@@ -292,10 +297,7 @@ class HostParticipant(Participant):
                         raise Refused(f"member {ev.sender} could not prepare its stage: {why}")
         finally:
             self._hide_transfers()
-            if not own.done():
-                own.cancel()
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await own
+            await cancel_and_wait(own)
         own.result()
         self.state.members = {r["name"]: r for r in self._rows("serving")}
         for n in others:

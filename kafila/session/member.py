@@ -179,17 +179,17 @@ class Participant:
         self._ring_edges: list = []
         self._shard_key: tuple | None = None  # what self.shard was built for (reused when unchanged)
         self._serving = asyncio.Event()
+        self.leaving = False  # SIGINT/SIGTERM: the lifecycle is being cancelled
 
     # --- helpers ---------------------------------------------------------------------------------
 
     async def recv_unless(self, *others: asyncio.Future):
         """The next session event, or None when one of `others` finishes first."""
         get = asyncio.ensure_future(self.net.recv())
-        await asyncio.wait({get, *others}, return_when=asyncio.FIRST_COMPLETED)
-        if not get.done():
-            get.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await get
+        try:
+            await asyncio.wait({get, *others}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            await cancel_and_wait(get)
         # an event that arrived while the recv was being cancelled is still returned, not lost
         return get.result() if get.done() and not get.cancelled() else None
 
@@ -242,6 +242,7 @@ class Participant:
             if life in done:
                 return life.result() or 0
             self.say(f"{self.cfg.name}: leaving the session")
+            self.leaving = True  # nothing new starts (a replan), whatever the lifecycle is in
             life.cancel()
             with contextlib.suppress(asyncio.CancelledError, KafilaError):
                 await life
@@ -361,7 +362,7 @@ class Participant:
                     why = str(body.get("reason") or "the host replanned")[:300]
                     self.say(f"{cfg.name}: replanning (plan {epoch}): {why}")
                     self.event("replan", epoch=epoch, reason=why)
-                    await _cancelled(prep)
+                    await cancel_and_wait(prep)
                     prep = asyncio.create_task(self._prepare(body, fetch_from=host), name="prepare")
                     ready_sent = False
                 elif t == "serving" and ready_sent and plan_epoch(body) == epoch:
@@ -384,7 +385,7 @@ class Participant:
                 else:
                     self._on_host_message(body)
         finally:
-            await _cancelled(prep)
+            await cancel_and_wait(prep)
 
     def _on_host_message(self, body: dict) -> None:
         t = body.get("t")
@@ -820,11 +821,15 @@ def plan_epoch(body: dict) -> int:
     return e if isinstance(e, int) and not isinstance(e, bool) and e >= 1 else 1
 
 
-async def _cancelled(task: asyncio.Task) -> None:
+async def cancel_and_wait(task: asyncio.Future) -> None:
+    """Cancel `task` and wait until it has ended. asyncio.wait, not `await task` under
+    suppress(CancelledError): that also swallowed a cancellation of the caller arriving then
+    (a host told to leave went on to replan, and was killed at the grace deadline)."""
     if not task.done():
         task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # retrieved: an error of a task we gave up on is not news
 
 
 async def _step(what: str, coro, timeout_s: float | None = None):
