@@ -127,6 +127,7 @@ class _Request:
     speculate: bool = False
     zeros: list[int] = field(default_factory=list)  # masked-out physical positions
     draft: tuple[int, ...] = ()  # the drafts of the step in flight
+    want_draft: int = 0  # speculate="draft": the drafts asked of the head's drafter (attach_draft)
     spec: SpecStats = field(default_factory=SpecStats)
     acceptance: Acceptance = field(default_factory=Acceptance)
 
@@ -197,7 +198,7 @@ class Scheduler:
             if done < len(req.prompt):  # prefill, one chunk at a time
                 feed = req.prompt[done : done + self.chunk_tokens]
             elif self.speculate == "draft" and (k := self._draft_k(req)):
-                req.in_flight = 1  # the step is the head's until attach_draft
+                req.in_flight, req.want_draft = 1, k  # the step is the head's until attach_draft
                 out.append(self._step(req, (req.generated[-1],), want_draft=k))
                 continue
             else:
@@ -218,7 +219,8 @@ class Scheduler:
         if req is None or req.in_flight != 1:
             return None  # it failed meanwhile: nothing of it may go round
         # a request cancelled meanwhile still sends its plain step: it ends when the step is back
-        req.draft = () if req.cancelled else tuple(int(t) for t in draft)[: self._draft_k(req)]
+        req.draft = () if req.cancelled else tuple(int(t) for t in draft)[: req.want_draft]
+        req.want_draft = 0
         if not req.draft:
             req.acceptance.idle()
         req.in_flight = 1 + len(req.draft)
@@ -226,7 +228,10 @@ class Scheduler:
 
     def history(self, rid: str) -> tuple[int, ...]:
         """A request's prompt and the tokens it has been given so far."""
-        req = self._requests[rid]
+        return self._history(self._requests[rid])
+
+    @staticmethod
+    def _history(req: _Request) -> tuple[int, ...]:
         return req.prompt + tuple(req.generated)
 
     def _draft_k(self, req: _Request) -> int:
@@ -246,7 +251,7 @@ class Scheduler:
     def _draft(self, req: _Request) -> tuple[int, ...]:
         """The n-gram drafts of `req`'s next decode step (at most _draft_k of them)."""
         k = self._draft_k(req)
-        draft = ngram_draft(req.prompt + tuple(req.generated), k) if k >= 1 else ()
+        draft = ngram_draft(self._history(req), k) if k >= 1 else ()
         if not draft:
             req.acceptance.idle()
         return draft
