@@ -38,6 +38,10 @@ PENDING_TIMEOUT_S = 30.0  # a pending id the host has not admitted by then is dr
 PENDING_BODIES_MAX = 4  # bodies a pending id may send to the host (PAKE, hello)
 PENDING_BYTES_MAX = 96 * 1024  # in all: the hello carries the member's descriptor (<= 64 KiB)
 MAX_RELAY_EDGES_PER_MEMBER = 64  # edges one member may have asked for at once
+# resume: a session re-created after a restart gives new joiners ids from here, above any id the
+# old rendezvous handed out (it counts from 1), so a member that resumes later never collides
+RESUMED_RID_BASE = 500_000
+EDGE_CLAIM_TTL_S = 60.0  # one end's EdgeResume waits this long for the other end's
 
 # UDP: STUN and relay
 MAX_DATAGRAM_BYTES = 1600  # larger datagrams are dropped unread (QUIC uses <= 1500)

@@ -14,10 +14,20 @@ Roles: a host sends `Open` and gets `Opened`; a member sends `Join` and gets `Jo
 are assigned by the rendezvous per session; the host is always rid 0. Members may `Send` only to
 the host; the host may `Send` to anyone. A joined id is *pending* until the host sends `Admit`
 for it (after a confirmed PAKE): a pending id may send only a few small bodies to the host.
+
+Resume (signaling that survives a rendezvous restart or a dropped connection): the host's `Open`
+carries a resume key it drew itself; the host hands each admitted member, inside the sealed
+welcome, `resume_proof(key, nameplate, rid)`. A member whose connection ended sends `Resume` on a
+new one (the host proves itself with the key), and a rendezvous that restarted and knows nothing
+re-creates the session from the host's `Resume` and checks each member's proof against that key,
+so only members the host admitted get back in. `EdgeResume` from both ends re-allocates a relay
+edge the restarted relay lost.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import struct
 from dataclasses import dataclass, fields
 from typing import ClassVar
@@ -33,6 +43,7 @@ EDGE_ID_BYTES = 8
 RELAY_TOKEN_BYTES = 16
 MAX_REASON_CHARS = 200
 PROTOCOL_VERSION = 1
+RESUME_KEY_BYTES = 32
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,7 @@ class Open:
 
     TAG: ClassVar[int] = 1
     version: int = PROTOCOL_VERSION
+    resume_key: bytes = b""  # RESUME_KEY_BYTES the host drew; empty: the session cannot resume
 
 
 @dataclass(frozen=True)
@@ -174,15 +186,54 @@ class SessionClosed:
     reason: str
 
 
+@dataclass(frozen=True)
+class Resume:
+    """member -> rendezvous, on a new connection: I am rid of this session again. proof is the
+    host's resume key (rid 0) or resume_proof(key, nameplate, rid); relay_token is the one I had."""
+
+    TAG: ClassVar[int] = 17
+    nameplate: int
+    rid: int
+    proof: bytes
+    relay_token: bytes
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """rendezvous -> member: you are back in the session (as an admitted member)."""
+
+    TAG: ClassVar[int] = 18
+    stun_port2: int
+
+
+@dataclass(frozen=True)
+class EdgeResume:
+    """member -> rendezvous, after Resumed: I had relay edge edge_id with member `peer`; when both
+    ends say so, a relay that lost the edge allocates it again under the same id."""
+
+    TAG: ClassVar[int] = 19
+    edge_id: bytes
+    peer: int
+
+
+def resume_proof(key: bytes, nameplate: int, rid: int) -> bytes:
+    """What member rid shows to resume: a MAC under the host's key (the host's own proof is the key)."""
+    if rid == 0:
+        return key
+    return hmac.new(key, f"kafila-resume|{nameplate}|{rid}".encode(), hashlib.sha256).digest()
+
+
 Message = (
     Open | Opened | Join | Joined | Send | Deliver | PeerLeft | EdgeRequest | EdgeAllocated
-    | Kick | CloseNameplate | Heartbeat | Bye | Error | SessionClosed | Admit
+    | Kick | CloseNameplate | Heartbeat | Bye | Error | SessionClosed | Admit | Resume | Resumed
+    | EdgeResume
 )
 _BY_TAG: dict[int, type] = {
     cls.TAG: cls
     for cls in (
         Open, Opened, Join, Joined, Send, Deliver, PeerLeft, EdgeRequest, EdgeAllocated,
-        Kick, CloseNameplate, Heartbeat, Bye, Error, SessionClosed, Admit,
+        Kick, CloseNameplate, Heartbeat, Bye, Error, SessionClosed, Admit, Resume, Resumed,
+        EdgeResume,
     )
 }
 
@@ -202,6 +253,8 @@ _BOUNDS: dict[str, tuple[type, int]] = {
     "initiator": (bool, 1),
     "reason": (str, MAX_REASON_CHARS),
     "code": (str, 40),
+    "resume_key": (bytes, RESUME_KEY_BYTES),
+    "proof": (bytes, -RESUME_KEY_BYTES),
 }
 
 

@@ -20,17 +20,27 @@ and the host's `Kick` of an id that is already gone does nothing.
     unassigned --Join(live nameplate, room)--> pending --Admit--> member
     pending/member --disconnect/Bye/silence/Kick/fatal refusal--> gone (PeerLeft to host)
     pending --PENDING_TIMEOUT_S, a quota, anything but Send-to-host/Heartbeat/Bye--> gone
-    unassigned --anything else / bad Join--> Error, closed
+    unassigned --Resume(nameplate, rid, proof)--> member again (admitted), or the host of a
+                  session re-created at that nameplate (a restarted rendezvous)
+    unassigned --anything else / bad Join / bad Resume--> Error, closed
+
+Resume (messages.py): a session remembers the resume key its host drew. A member's `Resume`
+carries `resume_proof(key, nameplate, rid)`, which only the host can have given it (in the sealed
+welcome, after admission), so a resumed id is admitted at once. A rendezvous that restarted knows
+no session: the host's `Resume` re-creates it with the key it proves, and members then resume
+into it. Relay edges the restarted relay lost come back when both ends send `EdgeResume`.
 """
 
 from __future__ import annotations
 
+import hmac
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rendezvous import messages as m
 from rendezvous.limits import (
+    EDGE_CLAIM_TTL_S,
     HELLO_TIMEOUT_S,
     HOST_SIGNAL_BURST_BYTES,
     HOST_SIGNAL_BURST_FRAMES,
@@ -50,6 +60,7 @@ from rendezvous.limits import (
     PENDING_BODIES_MAX,
     PENDING_BYTES_MAX,
     PENDING_TIMEOUT_S,
+    RESUMED_RID_BASE,
     SIGNAL_BURST_FRAMES,
     SIGNAL_FRAME_COST_BYTES,
 )
@@ -95,6 +106,9 @@ class _Session:
     pending: set[int] = field(default_factory=set)  # rids not admitted yet
     tokens: dict[int, bytes] = field(default_factory=dict)  # rid -> relay token
     next_rid: int = 1
+    resume_key: bytes = b""  # the host's (Open); empty: nobody can resume into this session
+    edge_claims: dict[bytes, tuple[int, int, float]] = field(default_factory=dict)  # EdgeResume: edge -> (rid, peer, at)
+    gone: set[int] = field(default_factory=set)  # ids the host was told left: they cannot resume
 
 
 class Registry:
@@ -163,9 +177,11 @@ class Registry:
             return self._refuse(conn, "rate-limited", "too many signaling messages", fatal=True)
         if state.session is None:
             if isinstance(message, m.Open):
-                return self._open(state)
+                return self._open(state, message)
             if isinstance(message, m.Join):
                 return self._join(state, message, now)
+            if isinstance(message, m.Resume):
+                return self._resume(state, message, now)
             return self._refuse(conn, "not-joined", "open or join a session first", fatal=True)
         session = self._sessions[state.session]
         if isinstance(message, m.Heartbeat):
@@ -184,6 +200,8 @@ class Registry:
             return [SendTo(target, m.Deliver(state.rid, message.body))]  # type: ignore[arg-type]
         if isinstance(message, m.EdgeRequest):
             return self._edge(state, session, message.peer, now)
+        if isinstance(message, m.EdgeResume):
+            return self._edge_resume(state, session, message, now)
         if is_host and isinstance(message, m.Kick):
             target = session.members.get(message.rid)
             kicked = self._conns.get(target) if target is not None else None
@@ -217,6 +235,9 @@ class Registry:
             elif state.session is not None and not state.admitted and now - state.joined_at > PENDING_TIMEOUT_S:
                 actions.append(SendTo(state.conn, m.Error("not-admitted", "the host did not admit you in time")))
                 actions += self._drop(state, "not admitted in time", "not admitted")
+        for session in self._sessions.values():
+            for edge_id in [e for e, (_, _, at) in session.edge_claims.items() if now - at > EDGE_CLAIM_TTL_S]:
+                del session.edge_claims[edge_id]
         self.relay.expire(now)
         return actions
 
@@ -253,9 +274,11 @@ class Registry:
         assert state.rid is not None
         return [SendTo(session.host_conn, m.Deliver(state.rid, message.body))]
 
-    def _open(self, state: _Conn) -> list[Action]:
+    def _open(self, state: _Conn, message: m.Open) -> list[Action]:
         if len(self._sessions) >= self.max_sessions:
             return self._refuse(state.conn, "full", "the rendezvous is full", fatal=True)
+        if message.resume_key and len(message.resume_key) != m.RESUME_KEY_BYTES:
+            return self._refuse(state.conn, "malformed", "a resume key must be 32 bytes", fatal=True)
         nameplate = 0
         for _ in range(100):
             candidate = 1 + self._random_below(MAX_NAMEPLATE)
@@ -264,14 +287,92 @@ class Registry:
                 break
         if not nameplate:
             return self._refuse(state.conn, "full", "no free nameplate", fatal=True)
-        session = _Session(nameplate, state.conn)
+        session = _Session(nameplate, state.conn, resume_key=message.resume_key)
         self._sessions[nameplate] = session
         token = self._add_member(session, state, 0)
+        self._admit_host(state, session, token)
+        return [SendTo(state.conn, m.Opened(nameplate, 0, token, self.stun_port2))]
+
+    def _admit_host(self, state: _Conn, session: _Session, token: bytes) -> None:
         state.admitted = True
         state.bucket = TokenBucket(HOST_SIGNAL_FRAMES_PER_S, HOST_SIGNAL_BURST_FRAMES)
         state.byte_bucket = TokenBucket(HOST_SIGNAL_BYTES_PER_S, HOST_SIGNAL_BURST_BYTES)
-        self.relay.add_member(token, nameplate, 0)
-        return [SendTo(state.conn, m.Opened(nameplate, 0, token, self.stun_port2))]
+        self.relay.add_member(token, session.nameplate, 0)
+
+    def _resume(self, state: _Conn, message: m.Resume, now: float) -> list[Action]:
+        """A member (or the host) back on a new connection; see the module's docstring."""
+        session = self._sessions.get(message.nameplate)
+        if self.relay.has_token(message.relay_token) and (
+                session is None or session.tokens.get(message.rid) != message.relay_token):
+            return self._refuse(state.conn, "bad-resume", "that relay token belongs to someone else", fatal=True)
+        if message.rid == 0:
+            if session is None:  # a restarted rendezvous: the host re-creates its session
+                if len(self._sessions) >= self.max_sessions:
+                    return self._refuse(state.conn, "full", "the rendezvous is full", fatal=True)
+                session = _Session(message.nameplate, state.conn, resume_key=message.proof,
+                                   next_rid=RESUMED_RID_BASE)  # fmt: skip
+                self._sessions[message.nameplate] = session
+            elif not (session.resume_key and hmac.compare_digest(session.resume_key, message.proof)):
+                return self._refuse(state.conn, "bad-resume", f"nameplate {message.nameplate} is another "
+                                    "session's now", fatal=True)  # fmt: skip
+            closed = self._replace_conn(session, 0, message.relay_token)
+            session.host_conn = state.conn
+            self._attach(session, state, 0, message.relay_token)
+            self._admit_host(state, session, message.relay_token)
+            return [*closed, SendTo(state.conn, m.Resumed(self.stun_port2))]
+        if session is None:  # the host has not resumed yet (or the session is over): ask again
+            return self._refuse(state.conn, "unknown-nameplate",
+                                f"no session with nameplate {message.nameplate}", fatal=True)
+        expected = m.resume_proof(session.resume_key, session.nameplate, message.rid)
+        if not session.resume_key or not hmac.compare_digest(expected, message.proof):
+            return self._refuse(state.conn, "bad-resume", "that resume proof is not this session's", fatal=True)
+        if message.rid in session.gone:
+            return self._refuse(state.conn, "left", "the host was told you left the session", fatal=True)
+        if message.rid in session.pending:
+            return self._refuse(state.conn, "bad-resume", f"id {message.rid} is another joiner's", fatal=True)
+        if len(session.members) >= MAX_MEMBERS_PER_SESSION and message.rid not in session.members:
+            return self._refuse(state.conn, "full", "the session is full", fatal=True)
+        closed = self._replace_conn(session, message.rid, message.relay_token)
+        self._attach(session, state, message.rid, message.relay_token)
+        state.admitted = True
+        self.relay.add_member(message.relay_token, session.nameplate, message.rid)
+        return [*closed, SendTo(state.conn, m.Resumed(self.stun_port2))]
+
+    def _replace_conn(self, session: _Session, rid: int, token: bytes) -> list[Action]:
+        """An older connection of a member that just proved it is rid again ends quietly (no
+        PeerLeft: the member has not left); its relay binding and edges stay if the token does."""
+        old = session.members.pop(rid, None)
+        previous = session.tokens.pop(rid, None)
+        if previous is not None and previous != token:
+            self.relay.remove_member(previous)
+        if old is None or self._conns.pop(old, None) is None:
+            return []
+        return [CloseConn(old, "resumed on another connection")]
+
+    def _attach(self, session: _Session, state: _Conn, rid: int, token: bytes) -> None:
+        state.session, state.rid = session.nameplate, rid
+        session.members[rid] = state.conn
+        session.tokens[rid] = token
+
+    def _edge_resume(self, state: _Conn, session: _Session, message: m.EdgeResume, now: float) -> list[Action]:
+        """One end of a relay edge the relay may have lost; the other end's claim allocates it."""
+        assert state.rid is not None
+        if self.relay.has_edge(message.edge_id) or message.peer == state.rid:
+            return []  # the relay still has it (it never restarted), or nonsense: nothing to do
+        claim = session.edge_claims.get(message.edge_id)
+        if claim is None:
+            if len(session.edge_claims) >= MAX_RELAY_EDGES_PER_SESSION:
+                return self._refuse(state.conn, "full", "too many relay edges in this session")
+            session.edge_claims[message.edge_id] = (state.rid, message.peer, now)
+            return []
+        rid, peer, _ = claim
+        if (rid, peer) != (message.peer, state.rid):
+            return self._refuse(state.conn, "no-such-edge", "that edge was not between you two")
+        del session.edge_claims[message.edge_id]
+        if rid not in session.tokens or self.relay.edges_in(session.nameplate) >= MAX_RELAY_EDGES_PER_SESSION:
+            return []
+        self.relay.allocate(message.edge_id, session.nameplate, session.tokens[rid], session.tokens[state.rid], now)
+        return []
 
     def _join(self, state: _Conn, message: m.Join, now: float) -> list[Action]:
         session = self._sessions.get(message.nameplate)
@@ -297,9 +398,7 @@ class Registry:
     def _add_member(self, session: _Session, state: _Conn, rid: int) -> bytes:
         """The relay learns the token only on admission (the host: at once)."""
         token = self._random_bytes(m.RELAY_TOKEN_BYTES)
-        state.session, state.rid = session.nameplate, rid
-        session.members[rid] = state.conn
-        session.tokens[rid] = token
+        self._attach(session, state, rid, token)
         return token
 
     def _edge(self, state: _Conn, session: _Session, peer: int, now: float) -> list[Action]:
@@ -331,6 +430,7 @@ class Registry:
         if token is not None:
             self.relay.remove_member(token)
         if state.rid != 0:
+            session.gone.add(state.rid)
             if session.host_conn in self._conns:
                 return [SendTo(session.host_conn, m.PeerLeft(state.rid, reason[:m.MAX_REASON_CHARS]))]
             return []

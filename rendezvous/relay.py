@@ -111,7 +111,9 @@ class RelayTable:
 
     # membership (driven by the registry)
     def add_member(self, token: bytes, session: int, rid: int) -> None:
-        self._bindings[token] = _Binding(token, session, rid)
+        binding = self._bindings.get(token)
+        if binding is None or (binding.session, binding.rid) != (session, rid):  # a resume keeps its address
+            self._bindings[token] = _Binding(token, session, rid)
 
     def remove_member(self, token: bytes) -> None:
         binding = self._bindings.pop(token, None)
@@ -149,6 +151,9 @@ class RelayTable:
         """The nonce a BIND from src must echo: a MAC of token and address under our secret."""
         message = token + f"{src[0]}|{src[1]}".encode()
         return hmac.new(self._secret, message, hashlib.sha256).digest()[: frames.BIND_NONCE_BYTES]
+
+    def has_token(self, token: bytes) -> bool:
+        return token in self._bindings
 
     def has_edge(self, edge_id: bytes) -> bool:
         return edge_id in self._edges

@@ -83,6 +83,10 @@ class SealedChannel:
         self._send_seq = 0
         self._recv_seq = 0
         self.dead = False
+        # After a signaling resume, messages the old rendezvous had taken but not forwarded are
+        # gone: the next message may skip ahead once (never back: a replay stays refused).
+        self.gap_allowed = False
+        self.lost = 0  # messages skipped so
 
     @property
     def opened(self) -> int:
@@ -116,7 +120,8 @@ class SealedChannel:
         if body[:1] != SEALED or len(body) < 1 + _SEQ.size + 16:
             raise ProtocolError("malformed", "expected a sealed signaling message")
         (seq,) = _SEQ.unpack_from(body, 1)
-        if seq != self._recv_seq:
+        skipped = seq > self._recv_seq and self.gap_allowed
+        if seq != self._recv_seq and not skipped:
             raise ProtocolError(
                 "replay",
                 f"signaling message number {seq} arrived where {self._recv_seq} was due "
@@ -132,7 +137,10 @@ class SealedChannel:
                 "auth-failed",
                 "a signaling message failed authentication (wrong code, or altered in transit)",
             ) from None
-        self._recv_seq += 1
+        if skipped:
+            self.lost += seq - self._recv_seq
+        self.gap_allowed = False
+        self._recv_seq = seq + 1
         try:
             message = msgpack.unpackb(plaintext, raw=False, strict_map_key=True)
         except Exception as exc:

@@ -61,6 +61,12 @@ EARLY_EDGES_MAX = 16
 EARLY_DATAGRAMS_PER_EDGE_MAX = 32
 EARLY_DATAGRAM_TTL_S = 5.0
 GROUP_KEY_BYTES = 32
+# signaling lost (the rendezvous restarted, or our line to it dropped): ask it to take us back,
+# first after RESUME_RETRY_S, doubling to RESUME_RETRY_MAX_S, for RESUME_WINDOW_S in all; the ring
+# keeps serving meanwhile (its edges do not go through signaling)
+RESUME_RETRY_S = 0.25
+RESUME_RETRY_MAX_S = 4.0
+RESUME_WINDOW_S = 120.0
 
 
 def _local_candidates(bind_host: str, port: int, toward: Address) -> list[Address]:
@@ -167,6 +173,14 @@ class Member:
         self._early: dict[bytes, list[tuple[float, str, bytes, Address]]] = {}
         self._relay_token = b""
         self._relay_bound = asyncio.Event()
+        self._rebind = asyncio.Event()  # set: send a relay BIND now (after a resume)
+        self._send_delay_ms = 0.0
+        self._resume_key = b""  # the host's: proves it to a (restarted) rendezvous
+        self._resume_proof = b""  # a member's: messages.resume_proof, from the host's welcome
+        self._resumable = True  # False once kicked or the session closed: nothing to resume
+        self._signal_ready = asyncio.Event()  # clear while signaling is down (send() waits)
+        self._departed: set[int] = set()  # the host's: ids that left; a resumed one is kicked
+        self.resumes = 0  # signaling connections this member got back
         self._roster_changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
@@ -184,7 +198,8 @@ class Member:
         self = cls()
         await self._open(rendezvous, name, descriptor, bind_host, send_delay_ms, is_host=True)
         try:
-            self._signal.send(m.Open())
+            self._resume_key = os.urandom(m.RESUME_KEY_BYTES)
+            self._signal.send(m.Open(resume_key=self._resume_key))
             opened = await self._signal.expect(m.Opened, what="no answer to opening the session")
             assert isinstance(opened, m.Opened)
             self.nameplate, self.rid, self._relay_token = opened.nameplate, 0, opened.relay_token
@@ -259,6 +274,8 @@ class Member:
             host, port = rendezvous
             raise Refused(f"cannot reach the rendezvous at {host}:{port}: {exc or 'timeout'}") from None
         self._signal = _Signal(reader, delayed_writer(writer, send_delay_ms))  # WAN emulation too
+        self._send_delay_ms = send_delay_ms
+        self._signal_ready.set()
 
     async def _join(self, nameplate: int, code: str) -> None:
         self._signal.send(m.Join(nameplate))
@@ -305,6 +322,8 @@ class Member:
             if not valid_name(name):
                 raise ProtocolError("malformed", "bad name in the welcome")
             self.name = name
+            proof = welcome.get("resume", b"")
+            self._resume_proof = proof if isinstance(proof, bytes) and len(proof) == m.RESUME_KEY_BYTES else b""
             self._set_roster(welcome.get("members"))
         except ProtocolError as exc:
             raise Refused(
@@ -358,7 +377,12 @@ class Member:
         while not self._closed:
             self._sock.sendto(frames.encode_bind(self._relay_token, nonce=self._bind_nonce), self._rendezvous)
             delay = RELAY_BIND_REFRESH_S if self._relay_bound.is_set() else RELAY_BIND_RETRY_S
-            await asyncio.sleep(delay)
+            self._rebind.clear()
+            waiter = asyncio.ensure_future(self._rebind.wait())
+            try:  # asyncio.wait, not wait_for: a cancellation of this task always gets through
+                await asyncio.wait({waiter}, timeout=delay)
+            finally:
+                waiter.cancel()
 
     async def _heartbeat(self) -> None:
         while not self._closed:
@@ -366,23 +390,85 @@ class Member:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def _signal_loop(self) -> None:
-        try:
-            while not self._closed:
-                message = await self._signal.next()
-                try:
-                    self._handle(message)
-                except Exception as exc:  # one bad message never stops the signaling task
-                    self.handler_errors += 1
-                    log.warning("%s: a %s could not be handled (%s: %s); ignored", self.name,
-                                type(message).__name__, type(exc).__name__, exc)
-        except (ConnectionError, OSError, ProtocolError) as exc:
-            reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
-            if not self._closed and self.signaling_up:
+        while not self._closed:
+            try:
+                while not self._closed:
+                    message = await self._signal.next()
+                    try:
+                        self._handle(message)
+                    except Exception as exc:  # one bad message never stops the signaling task
+                        self.handler_errors += 1
+                        log.warning("%s: a %s could not be handled (%s: %s); ignored", self.name,
+                                    type(message).__name__, type(exc).__name__, exc)
+            except (ConnectionError, OSError, ProtocolError) as exc:
+                reason = getattr(exc, "reason", None) or str(exc) or type(exc).__name__
+                if self._closed or not self.signaling_up:
+                    return
+                failure = await self._resume_signaling(reason)
+                if failure is None:
+                    continue
                 self.signaling_up = False
-                log.warning("%s: signaling lost: %s", self.name, reason)
+                log.warning("%s: signaling lost: %s", self.name, failure)
                 if not self.is_host:
                     host = self._names.get(0, "host")
-                    self._events.put_nowait(MemberLeft(host, f"signaling lost: {reason}"))
+                    self._events.put_nowait(MemberLeft(host, f"signaling lost: {failure}"))
+                return
+
+    async def _resume_signaling(self, reason: str) -> str | None:
+        """Signaling dropped: reconnect to the rendezvous (restarted, or our line back) and prove
+        we are still this member (messages.Resume); None once back, else why not. The host comes
+        back first; a member asked "which session?" before that asks again."""
+        proof = self._resume_key if self.is_host else self._resume_proof
+        if not proof or not self._resumable:
+            return reason
+        self._signal_ready.clear()
+        self._signal.writer.close()
+        log.warning("%s: signaling lost (%s); asking the rendezvous to take us back", self.name, reason)
+        loop = asyncio.get_running_loop()
+        deadline, pause = loop.time() + RESUME_WINDOW_S, RESUME_RETRY_S
+        while not self._closed:
+            signal = None
+            try:
+                reader, writer = await asyncio.wait_for(asyncio.open_connection(*self._rendezvous), SIGNAL_TIMEOUT_S)
+                signal = _Signal(reader, delayed_writer(writer, self._send_delay_ms))
+                signal.send(m.Resume(self.nameplate, self.rid, proof, self._relay_token))
+                await signal.expect(m.Resumed, what="no answer to resuming")
+            except RendezvousRefused as exc:
+                signal.writer.close()
+                if exc.code != "unknown-nameplate":  # anything else will not change by asking again
+                    return f"{reason}; {exc}"
+            except (OSError, TimeoutError, Refused, ProtocolError) as exc:
+                if signal is not None:
+                    signal.writer.close()
+                log.debug("%s: resume attempt failed: %s", self.name, exc)
+            except asyncio.CancelledError:  # closing while we ask
+                if signal is not None:
+                    signal.writer.close()
+                raise
+            else:
+                self._signaling_back(signal)
+                return None
+            if loop.time() + pause > deadline:
+                return f"{reason}; the rendezvous did not take us back within {RESUME_WINDOW_S:g} s"
+            await asyncio.sleep(pause)
+            pause = min(2 * pause, RESUME_RETRY_MAX_S)
+        return reason
+
+    def _signaling_back(self, signal: _Signal) -> None:
+        """Resumed: messages lost with the old connection may leave one gap on each channel; the
+        relay binding and our relay edges are claimed again (a restarted relay lost them)."""
+        self._signal = signal
+        self.resumes += 1
+        for channel in self._channels.values():
+            channel.gap_allowed = True
+        self._relay_bound.clear()
+        self._rebind.set()
+        for edge in list(self._edges.values()):
+            info = self._roster.get(edge.peer)
+            if info is not None and not edge.closed:
+                signal.send(m.EdgeResume(edge.edge_id, info.peer_id))
+        self._signal_ready.set()
+        log.warning("%s: signaling is back (resume %d)", self.name, self.resumes)
 
     def _handle(self, message: m.Message) -> None:
         if isinstance(message, m.Deliver):
@@ -394,10 +480,12 @@ class Member:
                 self._admit_actions(self._admission.left(message.rid, asyncio.get_running_loop().time()))
             self._member_gone(message.rid, message.reason)
         elif isinstance(message, m.SessionClosed) and not self.is_host:
-            self.signaling_up = False  # the rendezvous closes the connection next: expected
+            self.signaling_up = self._resumable = False  # the rendezvous closes the connection next: expected
             self._events.put_nowait(MemberLeft(self._names.get(0, "host"), message.reason))
         elif isinstance(message, m.Error):
             log.warning("%s: rendezvous error: %s", self.name, message.reason)
+            if message.code == "kicked":
+                self._resumable = False
             for waiters in self._pending_edges.values():
                 if waiters and message.code in ("no-such-member", "full"):
                     waiters.popleft().set_exception(Refused(f"edge refused: {message.reason}"))
@@ -405,6 +493,9 @@ class Member:
 
     def _deliver(self, message: m.Deliver) -> None:
         body, rid = message.body, message.sender
+        if self.is_host and rid in self._departed:  # it left, then resumed into a restarted rendezvous
+            self._signal.send(m.Kick(rid))
+            return
         if self.is_host and rid not in self._channels:  # not admitted: a PAKE, or its hello
             if self._admission is not None:
                 self._admit_actions(self._admission.receive(rid, body, asyncio.get_running_loop().time()))
@@ -490,12 +581,14 @@ class Member:
         self._roster[info.name] = info
         self._signal.send(m.Admit(rid))  # before the welcome: it may open edges once welcomed
         self._signal.send(m.Send(rid, channel.seal(
-            {"t": "welcome", "key": self._group_key, "name": name, "members": self._roster_wire()})))
+            {"t": "welcome", "key": self._group_key, "name": name, "members": self._roster_wire(),
+             "resume": m.resume_proof(self._resume_key, self.nameplate, rid)})))
         self._broadcast_roster(exclude=rid)
         self._roster_changed.set()
         self._events.put_nowait(MemberJoined(info))
 
     def _member_gone(self, rid: int, reason: str) -> None:
+        self._departed.add(rid)
         self._channels.pop(rid, None)
         self._pieces.pop(rid, None)
         name = self._names.pop(rid, None)
@@ -551,6 +644,14 @@ class Member:
         channel = self._channels.get(info.peer_id)
         if channel is None:
             raise Refused(f"no signaling channel to {to}")
+        if not self._signal_ready.is_set():  # resuming: seal once it is back (no gap on the channel)
+            waiter = asyncio.ensure_future(self._signal_ready.wait())
+            try:
+                await asyncio.wait({waiter}, timeout=RESUME_WINDOW_S)
+            finally:
+                waiter.cancel()
+            if not self._signal_ready.is_set() or self._closed:
+                raise Refused(f"signaling to the rendezvous is down; cannot reach {to}")
         if len(packed) <= PIECE_BYTES:
             self._signal.send(m.Send(info.peer_id, channel.seal({"t": "app", "body": message})))
         else:  # no await until every piece is written: pieces of two messages never interleave

@@ -100,6 +100,10 @@ class LocalSession:
     rendezvous_port: int = 0
     debug: bool = False
     auto_replan: bool = False  # kafila host --auto-replan: a late joiner (join()) is planned in at once
+    # "embedded": the host's own rendezvous (--listen); "process": a `kafila rendezvous` process
+    # every member (the host too) reaches with --rendezvous, which restart_rendezvous() can kill
+    rendezvous: str = "embedded"
+    rendezvous_proc: Proc | None = None
 
     def __post_init__(self) -> None:
         if not self.names:
@@ -166,9 +170,12 @@ class LocalSession:
         try:
             ports = free_ports(len(self.names) + 1)
             self.rendezvous_port = ports[0]
+            where = ["--listen", f"127.0.0.1:{self.rendezvous_port}"]
+            if self.rendezvous == "process":
+                self.start_rendezvous(deadline)
+                where = ["--rendezvous", f"127.0.0.1:{self.rendezvous_port}"]
             host = self._spawn(self.names[0], [
-                "host", "--model", self.model, "--expect", str(len(self.names)),
-                "--listen", f"127.0.0.1:{self.rendezvous_port}", "--policy", self.policy,
+                "host", "--model", self.model, "--expect", str(len(self.names)), *where, "--policy", self.policy,
                 *(["--context", str(self.context)] if self.context is not None else []),
                 "--concurrency", str(self.concurrency),
                 "--speculate", self.speculate, "--precision", self.precision,
@@ -183,6 +190,32 @@ class LocalSession:
             self.stop()
             raise
         return self
+
+    def start_rendezvous(self, deadline: float) -> Proc:
+        """A `kafila rendezvous` process on rendezvous_port (rendezvous="process")."""
+        cmd = [sys.executable, "-m", "kafila", "rendezvous", "--listen", f"127.0.0.1:{self.rendezvous_port}"]
+        log_path = os.path.join(self.log_dir, "rendezvous.log")
+        with open(log_path, "a") as err:
+            popen = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=err, stdin=subprocess.DEVNULL, text=True,
+                                     start_new_session=True, preexec_fn=_die_with_parent)  # fmt: skip
+        proc = Proc("rendezvous", popen, log_path=log_path)
+        threading.Thread(target=_pump, args=(proc,), daemon=True).start()
+        self.rendezvous_proc = proc
+        while True:  # it prints one line once it listens
+            ev = proc.events.get(timeout=max(0.1, deadline - time.monotonic()))
+            if ev.get("event") == "line" and "listening" in ev.get("text", ""):
+                return proc
+            if ev.get("event") == "exit":
+                raise Refused(f"the rendezvous exited with {popen.wait()}: {proc.stderr_tail()}")
+
+    def restart_rendezvous(self, down_s: float = 1.0, sig: int = signal.SIGKILL) -> None:
+        """Stop the rendezvous process (SIGKILL: a crash), wait down_s, start a new one on the
+        same port: it knows nothing of the session."""
+        assert self.rendezvous_proc is not None, "rendezvous='process' only"
+        with_suppress(os.killpg, self.rendezvous_proc.popen.pid, sig)
+        self.rendezvous_proc.popen.wait(timeout=STOP_GRACE_S)
+        time.sleep(down_s)
+        self.start_rendezvous(time.monotonic() + 30)
 
     def join(self, name: str) -> Proc:
         """Start one more member that joins the running session (a late joiner)."""
@@ -223,6 +256,12 @@ class LocalSession:
                 codes[p.name] = p.popen.wait()
             if p.quota is not None:
                 p.quota.remove()
+        if self.rendezvous_proc is not None and self.rendezvous_proc.popen.poll() is None:
+            with_suppress(os.killpg, self.rendezvous_proc.popen.pid, signal.SIGINT)
+            try:
+                self.rendezvous_proc.popen.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                with_suppress(os.killpg, self.rendezvous_proc.popen.pid, signal.SIGKILL)
         return codes
 
     def __enter__(self) -> LocalSession:

@@ -344,16 +344,18 @@ class Participant:
                     if not served:
                         raise Refused(f"the host {host} left the session before it was ready ({ev.reason})")
                     reason = f"the host {host} left the session ({ev.reason})"
-                    over = not str(ev.reason).startswith("signaling lost")
-                    if over:  # the host is gone, not only our line to the rendezvous: nothing comes back
-                        self._end_engine(reason)  # every request here ends with the reason, none waits
+                    if str(ev.reason).startswith("signaling lost"):
+                        # only our line to the rendezvous, for good: the ring does not use it and
+                        # keeps serving (a replan cannot reach us now; a ring break still shows)
+                        self.say(f"{cfg.name}: {ev.reason}; the ring keeps serving")
+                        self.event("signaling-lost", reason=str(ev.reason)[:300])
+                        continue
+                    self._end_engine(reason)  # the host is gone: every request here ends, none waits
                     self._degrade(reason)
-                    if over:
-                        self.say(f"{cfg.name}: {reason}: the session is over")
-                        self.event("ended", reason=reason)
-                        await asyncio.sleep(0.2)  # let the API stream the failure to clients first
-                        return 0
-                    continue
+                    self.say(f"{cfg.name}: {reason}: the session is over")
+                    self.event("ended", reason=reason)
+                    await asyncio.sleep(0.2)  # let the API stream the failure to clients first
+                    return 0
                 if not (isinstance(ev, Message) and isinstance(ev.body, dict)):
                     continue
                 body, t = ev.body, ev.body.get("t")
