@@ -85,7 +85,8 @@ def test_defaults_without_a_terminal_127_joins_0000(processes):
 
 
 def test_host_in_a_terminal_lists_members_and_plans_on_enter(processes):
-    """The host in a pty: the printed join command, the live table, Enter, serving."""
+    """The host in a pty: the printed join command, the live table, Enter, serving; then a late
+    joiner, which the person at the host adds with Enter (churn issue: the host confirms)."""
     master, slave = pty.openpty()
     fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 140, 0, 0))
     host = processes(_kafila("host"), stdin=slave, stdout=slave, stderr=slave)
@@ -101,6 +102,15 @@ def test_host_in_a_terminal_lists_members_and_plans_on_enter(processes):
         host_api = host_out.wait_for(API_LINE, SERVING_TIMEOUT_S, "the host serving", everyone).group(2)
         for name, out in joiners.items():
             out.wait_for(API_LINE, SERVING_TIMEOUT_S, f"{name} serving", everyone)
+        _answered(ask(host_api))
+        # a machine that joins the serving session waits until the person at the host says so
+        late = processes(_kafila("join", printed.group(1), "--rendezvous", printed.group(2), "--name", "desk"))
+        late_out = Output(lambda: os.read(late.stderr.fileno(), 4096))
+        everyone.append(late_out)
+        host_out.wait_for(r"desk joined the serving session[\s\S]*?press Enter here", 180, "the host asking", everyone)
+        os.write(master, b"\r")  # Enter: replan with it
+        host_out.wait_for(r"desk joined \(Enter at the host\)", 180, "the replan", everyone)
+        late_out.wait_for(API_LINE, SERVING_TIMEOUT_S, "desk serving", everyone)
         _answered(ask(host_api))
     finally:  # leave as a person does (Ctrl-C), then close the terminal
         host.send_signal(signal.SIGINT)

@@ -86,8 +86,28 @@ class HostParticipant(Participant):
         self._joined_waiting: set[str] = set()  # joined while serving: in the next plan
         self._break: tuple[str, float] | None = None  # a reported ring break: (why, replan at)
         self._break_event = asyncio.Event()
+        self._enter_pressed = False  # Enter at the host's terminal while serving: replan with joiners
+
+    def _wake(self) -> None:
+        """Wake the serving loop (_next_replan) to look again."""
+        self._break_event.set()
+        self._break_event = asyncio.Event()
+
+    def _on_enter(self) -> None:
+        import sys
+
+        if not sys.stdin.readline():  # the terminal went away: nobody presses Enter now
+            asyncio.get_running_loop().remove_reader(sys.stdin.fileno())
+            return
+        self._enter_pressed = True
+        self._wake()
 
     async def close_extra(self) -> None:
+        if stdin_is_terminal():
+            import sys
+
+            with contextlib.suppress(Exception):
+                asyncio.get_running_loop().remove_reader(sys.stdin.fileno())
         self._hash_cancel.set()
         if self.rendezvous_service is not None:
             with contextlib.suppress(Exception):
@@ -198,6 +218,10 @@ class HostParticipant(Participant):
         await self._form(None)
         await self._start_serving()
         self.spawn(self._broadcast_status(), "status")
+        if stdin_is_terminal():  # Enter confirms a late joiner (see _member_joined)
+            import sys
+
+            asyncio.get_running_loop().add_reader(sys.stdin.fileno(), self._on_enter)
         while not self.leaving:
             reason = await self._next_replan()
             while reason is not None and not self.leaving:  # a member left while we replanned: again
@@ -326,10 +350,11 @@ class HostParticipant(Participant):
 
         loop = asyncio.get_running_loop()
         while True:
-            if self._joined_waiting and self.cfg.auto_replan:
+            entered, self._enter_pressed = self._enter_pressed, False
+            if self._joined_waiting and (self.cfg.auto_replan or entered):
                 names = ", ".join(sorted(self._joined_waiting))
                 self._joined_waiting.clear()
-                return f"{names} joined (--auto-replan)"
+                return f"{names} joined ({'--auto-replan' if self.cfg.auto_replan else 'Enter at the host'})"
             timeout = None if self._break is None else max(0.0, self._break[1] - loop.time())
             wake = asyncio.ensure_future(self._break_event.wait() if timeout is None else asyncio.sleep(timeout))
             ev = await self.recv_unless(wake)
@@ -360,8 +385,7 @@ class HostParticipant(Participant):
         self.say(f"{self.cfg.name}: the ring broke at {member}: {reason}")
         self.event("degraded", reason=f"at {member}: {reason}")
         self._break = (f"the ring broke at {member} ({reason})", asyncio.get_running_loop().time() + BREAK_GRACE_S)
-        self._break_event.set()
-        self._break_event = asyncio.Event()
+        self._wake()
 
     def _member_left(self, ev) -> None:
         self.state.members.pop(ev.name, None)
@@ -377,8 +401,9 @@ class HostParticipant(Participant):
         self.event("joined", **r)
         self._joined_waiting.add(ev.info.name)
         when = "now (--auto-replan)" if self.cfg.auto_replan else "at the next replan"
-        self.say(f"member {ev.info.name} joined the serving session: it is added {when}"
-                 + ("" if self.cfg.auto_replan else " (kafila host --auto-replan adds joiners at once)"))
+        how = ("" if self.cfg.auto_replan else ": press Enter here to replan with it now" if stdin_is_terminal()
+               else " (kafila host --auto-replan adds joiners at once)")  # fmt: skip
+        self.say(f"member {ev.info.name} joined the serving session: it is added {when}{how}")
         self.spawn(self._tell(ev.info.name, {"t": "wait", "reason": f"the session of {self.cfg.name} is "
                                              f"serving: this member is added {when}"}), "tell-wait")  # fmt: skip
 
