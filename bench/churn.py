@@ -1,6 +1,7 @@
 """Churn benchmark: what resuming costs when a member leaves a serving session (issue 14).
 
     .venv/bin/python -m bench.churn [--members 4] [--max-tokens 64] [--precision f32] [--model M]
+        [--rendezvous-restart]
 
 A LocalSession of --members processes on 127.0.0.1; 4 concurrent streaming requests, each at a
 member other than the one that leaves, run once undisturbed (the reference), then again while
@@ -8,7 +9,10 @@ one member is killed (SIGKILL) mid-generation, then again while another leaves w
 Reported per leave: detection (kill → the host's "left"), replan (→ every member serving again),
 the longest fetch of missing tensors at a member (and MB moved in all), replay (serving again →
 the first resumed token at an origin), the longest gap between two tokens of any request, and
-whether every answer matched its reference token for token.
+whether every answer matched its reference token for token. With --rendezvous-restart the
+session's rendezvous is a separate process, and a first round kills it (-9) mid-generation and
+starts a new one on the same port: reported are each member's signaling outage (its /status),
+the longest token gap and whether the answers matched.
 """
 
 from __future__ import annotations
@@ -113,6 +117,28 @@ def leave_round(s, victim: str, origins: list[str], prompts: list[str], max_toke
     }
 
 
+def restart_round(s, origins: list[str], prompts: list[str], max_tokens: int, down_s: float = 1.0) -> dict:
+    """Ask every prompt at once, kill the rendezvous mid-generation and start a fresh one after
+    down_s; returns the answers, each member's signaling outage and the longest token gap."""
+    from kafila.session.launch import get_json
+
+    threads, results = ask_all(s, origins, prompts, max_tokens)
+    wait_decoding(s, len(prompts), after_s=0.3)
+    s.restart_rendezvous(down_s=down_s)
+    for t in threads:
+        t.join(300)
+    outage: dict[str, float | None] = {}
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        sig = {n: get_json(s.api(n), "/status").get("signaling") or {} for n in s.names}
+        outage = {n: v.get("last_outage_s") for n, v in sig.items()}
+        if all(v.get("up") and v.get("resumes") for v in sig.values()):
+            break
+        time.sleep(0.2)
+    return {"results": results, "outage_s": outage,
+            "max_gap_s": max((r.get("max_gap_s", 0.0) for r in results if r), default=None)}
+
+
 def main() -> None:
     from kafila.session.launch import LocalSession, get_json
 
@@ -121,13 +147,25 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--precision", default="f32", choices=("f32", "serving"))
     ap.add_argument("--model", default="smollm2-135m")
+    ap.add_argument("--rendezvous-restart", action="store_true",
+                    help="first restart the rendezvous (a separate process) under the serving session")
     args = ap.parse_args()
     names = [f"m{i + 1}" for i in range(args.members)]
     s = LocalSession(members=args.members, model=args.model, precision=args.precision, context=512,
                      log_dir=tempfile.mkdtemp(prefix="kafila-churn-logs-"),
-                     cache_root=tempfile.mkdtemp(prefix="kafila-churn-cache-"))  # fmt: skip
+                     cache_root=tempfile.mkdtemp(prefix="kafila-churn-cache-"),
+                     rendezvous="process" if args.rendezvous_restart else "embedded")  # fmt: skip
     s.start(timeout_s=600)
     try:
+        restart = None
+        if args.rendezvous_restart:
+            origins = [names[i % len(names)] for i in range(len(PROMPTS))]
+            threads, ref = ask_all(s, origins, PROMPTS, args.max_tokens)
+            for t in threads:
+                t.join(300)
+            restart = restart_round(s, origins, PROMPTS, args.max_tokens)
+            restart["same"] = all(a and b and "text" in a and a["text"] == b.get("text")
+                                  for a, b in zip(ref, restart["results"]))  # fmt: skip
         rows = []
         for sig, label in ((signal.SIGKILL, "kill -9"), (signal.SIGINT, "SIGINT")):
             ring = get_json(s.api(names[0]), "/status")["plan"]["ring"]
@@ -150,6 +188,12 @@ def main() -> None:
             print(f"| {label} | {victim} | {n} | {f(r['detect_s'])} | {f(r['replan_s'])} | {f(r['fetch_s'])} "
                   f"({r['fetched_mb']:.1f} MB, {r['fetched_tensors']}) | {f(r['replay_s'])} | "
                   f"{f(r['max_gap_s'])} | {'yes' if same else 'NO'} |")
+        if restart is not None:
+            print("\n| event | signaling outage s per member | longest token gap s | answers identical |")
+            print("|---|---|---|---|")
+            outages = ", ".join(f"{n} {f(v)}" for n, v in restart["outage_s"].items())
+            print(f"| rendezvous kill -9, new one after 1 s | {outages} | {f(restart['max_gap_s'])} | "
+                  f"{'yes' if restart['same'] else 'NO'} |")
     finally:
         s.stop()
 

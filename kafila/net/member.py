@@ -181,6 +181,8 @@ class Member:
         self._signal_ready = asyncio.Event()  # clear while signaling is down (send() waits)
         self._departed: set[int] = set()  # the host's: ids that left; a resumed one is kicked
         self.resumes = 0  # signaling connections this member got back
+        self.last_outage_s: float | None = None  # how long signaling was down the last time
+        self._lost_at = 0.0
         self._roster_changed = asyncio.Event()
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
@@ -425,6 +427,7 @@ class Member:
         self._signal.writer.close()
         log.warning("%s: signaling lost (%s); asking the rendezvous to take us back", self.name, reason)
         loop = asyncio.get_running_loop()
+        self._lost_at = loop.time()
         deadline, pause = loop.time() + RESUME_WINDOW_S, RESUME_RETRY_S
         while not self._closed:
             signal = None
@@ -459,6 +462,7 @@ class Member:
         relay binding and our relay edges are claimed again (a restarted relay lost them)."""
         self._signal = signal
         self.resumes += 1
+        self.last_outage_s = round(asyncio.get_running_loop().time() - self._lost_at, 3)
         for channel in self._channels.values():
             channel.gap_allowed = True
         self._relay_bound.clear()
@@ -468,7 +472,7 @@ class Member:
             if info is not None and not edge.closed:
                 signal.send(m.EdgeResume(edge.edge_id, info.peer_id))
         self._signal_ready.set()
-        log.warning("%s: signaling is back (resume %d)", self.name, self.resumes)
+        log.warning("%s: signaling is back after %.1f s (resume %d)", self.name, self.last_outage_s, self.resumes)
 
     def _handle(self, message: m.Message) -> None:
         if isinstance(message, m.Deliver):
@@ -619,6 +623,11 @@ class Member:
         self._roster_changed.set()
 
     # public API
+    def signaling(self) -> dict:
+        """For /status: is signaling up now, how often it came back, the last outage."""
+        return {"up": self.signaling_up and self._signal_ready.is_set(), "resumes": self.resumes,
+                "last_outage_s": self.last_outage_s}
+
     def roster(self) -> dict[str, MemberInfo]:
         """name -> MemberInfo: the host's view, or the roster the host last sent."""
         return dict(self._roster)

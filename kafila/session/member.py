@@ -796,6 +796,7 @@ class Participant:
                 "mode": node.scheduler.speculate, **node.scheduler.spec.as_dict(),
                 "trip_ms": node.scheduler.step_cost.as_dict()},
             "history": list(s.history),  # membership: joined, left, planned, serving, degraded
+            "signaling": None if self.net is None else self.net.signaling(),  # to the rendezvous
         }  # fmt: skip
 
     def _memory(self) -> dict:
