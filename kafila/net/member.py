@@ -65,7 +65,7 @@ GROUP_KEY_BYTES = 32
 # first after RESUME_RETRY_S, doubling to RESUME_RETRY_MAX_S, for RESUME_WINDOW_S in all; the ring
 # keeps serving meanwhile (its edges do not go through signaling)
 RESUME_RETRY_S = 0.25
-RESUME_RETRY_MAX_S = 4.0
+RESUME_RETRY_MAX_S = 2.0
 RESUME_WINDOW_S = 120.0
 
 
