@@ -226,7 +226,7 @@ def trace_unrouted_quic(member_cls) -> None:
             cid, initial = quic_destination_cid(data)
         except Exception:  # noqa: BLE001 - diagnosis only
             cid, initial = b"?", None
-        edge = self._cids.get(cid)
+        edge = self._table._cids.get(cid)  # noqa: SLF001 - diagnosis only
         if edge is None:
             print(
                 f"TRACE dropped QUIC from {src}: unknown cid {cid.hex()} initial={initial}",

@@ -24,6 +24,7 @@ from kafila.net.admission import HostAdmission
 from kafila.net.certs import Identity
 from kafila.net.code import make_code, parse_code
 from kafila.net.edge import Edge, quic_destination_cid
+from kafila.net.edge_table import EdgeTable
 from kafila.net.handshake import Pake, SealedChannel, reject, rejection_reason
 from kafila.net.natcheck import RESTRICTIVE, NatReport, predict_edge_kind
 from kafila.net.pieces import MAX_HOST_MESSAGE_BYTES, MAX_MEMBER_MESSAGE_BYTES, PIECE_BYTES, Assembler, split, unpack
@@ -56,10 +57,6 @@ RELAY_BIND_RETRY_S = 0.2
 RELAY_BIND_REFRESH_S = 20.0
 UNKNOWN_PEER_WAIT_S = 3.0  # an edge from a member the roster does not show yet
 MAX_APP_MESSAGE_BYTES = 64 * 1024  # a member's descriptor (it rides in the hello, in one piece)
-# datagrams for an edge whose EdgeAllocated has not arrived yet (UDP can beat TCP): kept briefly
-EARLY_EDGES_MAX = 16
-EARLY_DATAGRAMS_PER_EDGE_MAX = 32
-EARLY_DATAGRAM_TTL_S = 5.0
 GROUP_KEY_BYTES = 32
 # signaling lost (the rendezvous restarted, or our line to it dropped): ask it to take us back,
 # first after RESUME_RETRY_S, doubling to RESUME_RETRY_MAX_S, for RESUME_WINDOW_S in all; the ring
@@ -166,11 +163,9 @@ class Member:
         self._pieces: dict[int, Assembler] = {}  # rid -> a message in pieces from it (pieces.py)
         self._names: dict[int, str] = {}  # rid -> name
         self._events: asyncio.Queue[SessionEvent] = asyncio.Queue()
-        self._edges: dict[bytes, Edge] = {}
-        self._cids: dict[bytes, Edge] = {}
+        self._table = EdgeTable()  # which edge each datagram of our socket is for (edge_table.py)
         self._pending_edges: dict[int, collections.deque[asyncio.Future[bytes]]] = {}
         self._accepted: asyncio.Queue[Edge] = asyncio.Queue()
-        self._early: dict[bytes, list[tuple[float, str, bytes, Address]]] = {}
         self._relay_token = b""
         self._relay_bound = asyncio.Event()
         self._rebind = asyncio.Event()  # set: send a relay BIND now (after a resume)
@@ -187,7 +182,19 @@ class Member:
         self._tasks: set[asyncio.Task] = set()
         self._closed = False
         self.signaling_up = True
-        self.allow_direct = True  # False: every edge stays on the relay (tests, diagnostics)
+
+    @property
+    def allow_direct(self) -> bool:
+        """False: every edge stays on the relay (tests, diagnostics)."""
+        return self._table.allow_direct
+
+    @allow_direct.setter
+    def allow_direct(self, value: bool) -> None:
+        self._table.allow_direct = value
+
+    @property
+    def _edges(self) -> dict[bytes, Edge]:
+        return self._table.edges  # type: ignore[return-value]
 
     # construction
     @classmethod
@@ -717,23 +724,17 @@ class Member:
             edge_id=edge_id, peer=info.name, peer_fingerprint=info.fingerprint,
             peer_candidates=list(info.candidates), predicted=predicted, is_client=is_client,
             identity=self.identity, group_key=self._group_key, sock=self._sock,
-            relay_addr=self._rendezvous, register_cid=self._register_cid,
+            relay_addr=self._rendezvous, register_cid=self._table.register_cid,
             on_closed=self._edge_closed,
             on_authed=None if is_client else self._accepted.put_nowait,
             punch_rounds=0 if not self.allow_direct else
             1 if self.nat.nat == info.nat == RESTRICTIVE else 3,
         )
-        self._edges[edge_id] = edge
+        self._table.add(edge, asyncio.get_running_loop().time())
         return edge
 
-    def _register_cid(self, cid: bytes, edge: Edge | None) -> None:
-        if edge is None:
-            self._cids.pop(cid, None)
-        else:
-            self._cids[cid] = edge
-
     def _edge_closed(self, edge: Edge) -> None:
-        self._edges.pop(edge.edge_id, None)
+        self._table.remove(edge)
 
     def _edge_allocated(self, message: m.EdgeAllocated) -> None:
         if message.initiator:
@@ -754,28 +755,7 @@ class Member:
         if name is None or name == self.name:
             log.warning("edge offered by unknown member %d: ignored", message.peer)
             return
-        edge = self._new_edge(message.edge_id, self._roster[name], is_client=False)
-        now = loop.time()
-        for stamp, kind, data, src in self._early.pop(message.edge_id, []):
-            if now - stamp > EARLY_DATAGRAM_TTL_S or edge.closed:
-                continue
-            if kind == frames.KIND_RELAY:
-                edge.datagram(data)
-            elif self.allow_direct:
-                edge.punch_frame(data, src)
-
-    def _keep_early(self, edge_id: bytes, kind: str, data: bytes, src: Address) -> None:
-        """Hold a datagram for an edge we have not heard of yet (its allocation may be late)."""
-        now = asyncio.get_running_loop().time()
-        for key in [k for k, v in self._early.items() if now - v[-1][0] > EARLY_DATAGRAM_TTL_S]:
-            del self._early[key]
-        queue = self._early.get(edge_id)
-        if queue is None:
-            if len(self._early) >= EARLY_EDGES_MAX:
-                return
-            queue = self._early[edge_id] = []
-        if len(queue) < EARLY_DATAGRAMS_PER_EDGE_MAX:
-            queue.append((now, kind, data, src))
+        self._new_edge(message.edge_id, self._roster[name], is_client=False)
 
     # datagrams from the member socket
     def _on_relay(self, data: bytes, src: Address) -> None:
@@ -792,39 +772,17 @@ class Member:
                 self._sock.sendto(frames.encode_bind(token, nonce=nonce), self._rendezvous)
             return
         edge_id, payload = frames.decode_data(data)
-        edge = self._edges.get(edge_id)
-        if edge is None:
-            if payload:
-                self._keep_early(edge_id, frames.KIND_RELAY, payload, src)
-        elif payload:
-            edge.datagram(payload)
+        self._table.relay(edge_id, payload, asyncio.get_running_loop().time())
 
     def _on_punch(self, data: bytes, src: Address) -> None:
-        if not self.allow_direct:
-            return
-        edge_id = edge_id_of(data)
-        edge = self._edges.get(edge_id)
-        if edge is not None:
-            edge.punch_frame(data, src)
-        else:
-            self._keep_early(edge_id, frames.KIND_PUNCH, data, src)
+        self._table.punch(edge_id_of(data), data, src, asyncio.get_running_loop().time())
 
     def _on_quic(self, data: bytes, src: Address) -> None:
         try:
             cid, initial = quic_destination_cid(data)
         except ProtocolError:
             return
-        edge = self._cids.get(cid)
-        if edge is None and initial:
-            # a retransmitted Initial that took the direct path before we saw the first one:
-            # the server edge waiting for its connection, punched from this address
-            edge = next((e for e in self._edges.values() if e.awaiting_initial
-                         and (src == e.puncher.direct or src in e.puncher.candidates)), None)
-        if edge is None:
-            return
-        if src != edge.puncher.direct and src not in edge.puncher.candidates:
-            return  # QUIC from an address this edge never punched: not ours to accept
-        edge.datagram(data)
+        self._table.quic(cid, initial, data, src)
 
     async def _teardown(self) -> None:
         self._closed = True
