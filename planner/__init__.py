@@ -24,6 +24,11 @@ Decisions the issue leaves open, taken here:
 Modules, one part of §V each: `cost` (eq. 2, lim), `partition` (Algorithm 1), `head`
 (rotation with margin µ), `ring` (ordering), `admission` (tiers and the memory check),
 `baselines` (GPipe, exo), `plan` (the order of work), `fleet` (input validation).
+
+`dipsd` and `dipsd_milp` (import them by name; not re-exported): DiP-SD offline, the number of
+verification batches, user-to-batch assignment and draft lengths for distributed speculative
+decoding, by Dinkelbach over a MILP (pyscipopt, imported only when solving) with the paper's
+baselines (`kafila plan dipsd`).
 """
 
 from planner.admission import Refusal, choose_tier, refusals

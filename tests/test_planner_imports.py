@@ -27,10 +27,28 @@ def test_planner_modules_import_nothing_impure() -> None:
             assert not roots & FORBIDDEN, f"{path.name} imports {roots & FORBIDDEN}"
 
 
+def test_planner_imports_the_milp_solver_only_inside_functions() -> None:
+    """pyscipopt (SCIP) is a heavy native library: planner.dipsd_milp imports it where it
+    solves, so importing the planner (or planner.dipsd) never loads it."""
+    files = sorted(PLANNER.glob("*.py"))
+    assert {"dipsd.py", "dipsd_milp.py"} <= {p.name for p in files}
+    for path in files:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in tree.body:  # module level only
+            if isinstance(node, ast.Import):
+                roots = {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom):
+                roots = {(node.module or "").split(".")[0]}
+            else:
+                continue
+            assert "pyscipopt" not in roots, f"{path.name} imports pyscipopt at module level"
+
+
 def test_importing_the_planner_loads_no_network_or_event_loop() -> None:
     code = (
-        "import sys; import planner; "
-        "bad = [m for m in ('socket', 'asyncio', 'ssl') if m in sys.modules]; print(bad)"
+        "import sys; import planner, planner.dipsd, planner.dipsd_milp; "
+        "bad = [m for m in ('socket', 'asyncio', 'ssl', 'pyscipopt') if m in sys.modules]; "
+        "print(bad)"
     )
     out = subprocess.run(
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=60

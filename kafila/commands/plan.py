@@ -2,6 +2,7 @@
 
     kafila plan --fleet FLEET.json [--model NAME] [--policy kafila|uniform|memory]
                 [--json] [--compare]
+    kafila plan dipsd --users USERS.json [--json]      (DiP-SD offline: plan_dipsd.py)
 
 Exit 0 when the plan is feasible, 3 when it is refused (the plan is still printed, with the
 devices that cannot hold their share), 2 on bad input.
@@ -28,14 +29,19 @@ def register(subparsers: Any) -> None:
         help="divide a model's blocks among measured devices",
         description="Plan a session: ring order, head, block division and admission.",
     )
-    parser.add_argument("--fleet", required=True, type=Path, help="fleet description (JSON)")
+    # --fleet is required unless the `dipsd` subcommand is given (checked in run, with
+    # argparse's own message, so `kafila plan` without it fails exactly as it always has).
+    parser.add_argument("--fleet", type=Path, help="fleet description (JSON)")
     parser.add_argument("--model", help='the fleet\'s "models" entry to plan')
     parser.add_argument("--policy", choices=POLICIES, default="kafila", help="division policy")
     parser.add_argument("--json", action="store_true", help="print the plan as JSON")
     parser.add_argument(
         "--compare", action="store_true", help="compare the planner against both baselines"
     )
-    parser.set_defaults(handler=run)
+    parser.set_defaults(handler=run, plan_parser=parser)
+    from kafila.commands import plan_dipsd
+
+    plan_dipsd.register(parser.add_subparsers(dest="plan_command", metavar="{dipsd}"))
 
 
 def load_fleet(path: Path, model: str | None) -> Any:
@@ -63,6 +69,8 @@ def load_fleet(path: Path, model: str | None) -> Any:
 def run(args: argparse.Namespace) -> int:
     from planner import Policy, compare, make_plan
 
+    if args.fleet is None:
+        args.plan_parser.error("the following arguments are required: --fleet")  # exits 2
     fleet = load_fleet(args.fleet, args.model)
     if args.compare:
         plans = compare(fleet)
