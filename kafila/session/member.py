@@ -415,10 +415,9 @@ class Participant:
 
     def _take_loads(self, loads, head_load) -> None:
         """Every stage's load and the head's queue, as the host passed them on (validated)."""
-        ring = set((self.state.plan or {}).get("ring") or ())
-        if isinstance(loads, dict):
-            for name, raw in list(loads.items())[: len(ring)]:
-                if name in ring and (stage := clean_stage(raw)) is not None:
+        if isinstance(loads, dict):  # only the plan's stages are looked up: nothing else is kept
+            for name in (self.state.plan or {}).get("ring") or ():
+                if (stage := clean_stage(loads.get(name))) is not None:
                     self.state.loads[name] = stage
         if head_load is not None:
             self.state.head_load = clean_head(head_load)
@@ -794,6 +793,7 @@ class Participant:
                         "model": s.session.get("model"),
                         "backend": self.cfg.backend,
                         "context": s.session.get("context"), "concurrency": s.session.get("concurrency"),
+                        "concurrency_from": s.session.get("concurrency_from"),  # "memory" (auto) or "--concurrency"
                         "uptime_s": round(time.monotonic() - s.started, 1)},
             "members": s.members,
             "plan": s.plan,
