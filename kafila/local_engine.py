@@ -112,7 +112,8 @@ class LocalEngine:
     ) -> AsyncIterator[int]:
         self._check(request)
         if self.queued >= self.max_queued:
-            raise EngineError(f"{self.queued} requests are already waiting; try again shortly", 503)
+            # 429 (Too Many Requests, with Retry-After), as the session's head answers a full queue
+            raise EngineError(f"{self.queued} requests are already waiting; try again shortly", 429)
         if self._slots is None:
             self._slots = asyncio.Semaphore(self.max_slots)
         loop = asyncio.get_running_loop()

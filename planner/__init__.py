@@ -33,7 +33,15 @@ baselines (`kafila plan dipsd`).
 
 from planner.admission import Refusal, choose_tier, refusals
 from planner.baselines import memory_proportional_counts, uniform_counts
-from planner.cost import StageCost, Tier, block_limit, bytes_per_block, short_bytes, stage_cost
+from planner.cost import (
+    StageCost,
+    Tier,
+    block_limit,
+    bytes_per_block,
+    short_bytes,
+    slots_that_fit,
+    stage_cost,
+)
 from planner.errors import PlanInputError
 from planner.fleet import BYTES_PER_GB, Device, Fleet, Model, Nat, parse_fleet
 from planner.head import HEAD_MARGIN, HeadChoice, partition_with_head, place_head
@@ -87,6 +95,7 @@ __all__ = [
     "relay_count",
     "ring_edges",
     "short_bytes",
+    "slots_that_fit",
     "stage_cost",
     "uniform_counts",
 ]

@@ -14,11 +14,16 @@ overhead and no head term: per(i) = 2·β_block / (tflops·1e12) s. Its numbers 
 meaningful relative to each other (they rank devices, they do not predict ms).
 
     lim(i) = floor((memory_i − [i = head]·β_head) / (β_block + kv·context·concurrency))
+
+and, for a division already chosen (n_i blocks each), the slots its memory leaves room for:
+
+    slots(i) = floor((memory_i − [i = head]·β_head − n_i·β_block) / (n_i·kv·context))
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
@@ -30,6 +35,7 @@ __all__ = [
     "block_limit",
     "bytes_per_block",
     "short_bytes",
+    "slots_that_fit",
     "stage_cost",
 ]
 
@@ -97,3 +103,25 @@ def short_bytes(device: Device, fleet: Fleet, blocks: int, is_head: bool) -> int
     """Bytes `device` lacks to hold `blocks` blocks (and the head); 0 when it fits."""
     needed = blocks * bytes_per_block(fleet) + (fleet.model.head_bytes if is_head else 0.0)
     return max(0, math.ceil(needed - device.memory_bytes))
+
+
+def slots_that_fit(fleet: Fleet, blocks: Mapping[str, int], head: str, most: int) -> int:
+    """The most concurrent requests (KV slots at the declared context, one per request on every
+    stage) that every member can hold beside the weights of its `blocks`, capped at `most`:
+    min_i slots(i). 0 when some member cannot hold even one. A model without KV bytes (or a
+    member with no blocks) costs nothing per slot, so it allows `most`."""
+    if most < 1:
+        raise ValueError("most must be at least 1")
+    model = fleet.model
+    fit = most
+    for device in fleet.devices:
+        n = blocks.get(device.name, 0)
+        if n <= 0:
+            continue
+        room = device.memory_bytes - (model.head_bytes if device.name == head else 0.0) - n * model.block_bytes
+        per_slot = n * model.kv_bytes_per_token_per_block * fleet.context
+        if room < per_slot:
+            return 0
+        if per_slot > 0:
+            fit = min(fit, math.floor(room / per_slot))
+    return fit

@@ -281,7 +281,7 @@ def test_too_many_requests_in_flight_is_429(tokenizer):  # noqa: F811
         async with http.post("/v1/chat/completions", json=req) as first:
             await first.content.readline()
             async with http.post("/v1/chat/completions", json=req) as second:
-                assert second.status == 429
+                assert second.status == 429 and second.headers["Retry-After"] == "2"
                 assert (await second.json())["error"]["type"] == "rate_limit_error"
             await sse_events(first)
         async with http.post("/v1/chat/completions", json=req) as third:

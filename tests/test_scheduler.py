@@ -118,9 +118,12 @@ def test_decode_steps_track_positions():
 
 
 def test_queue_bound():
+    """max_queue counts the requests waiting for a slot, not one a free slot is about to take."""
     s = Scheduler(slots=1, context=64, max_queue=2)
-    s.submit("a", "m", [1], 1)
+    s.submit("a", "m", [1], 1)  # takes the free slot at the next steps()
     s.submit("b", "m", [1], 1)
+    s.submit("c", "m", [1], 1)
     with pytest.raises(SchedulerError) as e:
-        s.submit("c", "m", [1], 1)
-    assert e.value.status == 503
+        s.submit("d", "m", [1], 1)
+    assert e.value.status == 429  # the API answers Too Many Requests, with Retry-After
+    assert s.queued == 3 and [st.rid for st in s.steps()] == ["a"]

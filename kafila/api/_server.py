@@ -49,6 +49,9 @@ SSE_HEADERS = {
     "X-Accel-Buffering": "no",
 }
 NOT_READY_RETRY_S = 5
+# a full queue (429): a slot frees when any request ends, which on a home ring is seconds away
+QUEUE_FULL_RETRY_S = 2
+RETRY_AFTER_S = {503: NOT_READY_RETRY_S, 429: QUEUE_FULL_RETRY_S}
 def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     """The token ids of a chat: the model's template, then the tokenizer (as `kafila run` does)."""
     return tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True))
@@ -89,7 +92,8 @@ def _json(body: dict, status: int = 200, headers: dict | None = None) -> web.Res
 def _error_response(
     status: int, code: str, message: str, param: str | None = None, ollama: bool = False
 ) -> web.Response:
-    headers = {"Retry-After": str(NOT_READY_RETRY_S)} if status == 503 else None
+    retry = RETRY_AFTER_S.get(status)
+    headers = {"Retry-After": str(retry)} if retry is not None else None
     body = {"error": message} if ollama else error_body(status, code, message, param)
     return _json(body, status=status, headers=headers)
 
@@ -434,7 +438,8 @@ class ApiServer:
         except ApiError as exc:
             return _error_response(exc.status, exc.code, exc.message, exc.param, ollama)
         except EngineError as exc:
-            return _error_response(exc.status, "generation_failed", str(exc), None, ollama)
+            code = "queue_full" if exc.status == 429 else "generation_failed"
+            return _error_response(exc.status, code, str(exc), None, ollama)
         except web.HTTPException as exc:
             if exc.status < 400:
                 raise

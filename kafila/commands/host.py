@@ -20,7 +20,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--context", type=int, default=None, metavar="N",
                    help="positions per request, prompt and answer (default 2048, or the model's own "
                         "context if shorter)")
-    p.add_argument("--concurrency", type=int, default=4, help="requests served at once (default 4)")
+    p.add_argument("--concurrency", default="auto", metavar="N|auto",
+                   help="requests served at once, each with a KV slot on every member: N (1..64), or auto "
+                        "(default): as many as the members' memory holds at the context, at most 32")
+    p.add_argument("--max-queued", default="64", metavar="N",
+                   help="requests that may wait for a slot (default 64); one more is answered HTTP 429 "
+                        "with Retry-After")
     p.add_argument("--speculate", choices=("off", "ngram", "draft"), default="off",
                    help="speculative decoding: off, ngram (drafts looked up in the request's own prompt "
                         "and output) or draft (a draft model, --draft, at the head); drafts are verified "
@@ -53,13 +58,16 @@ def run(args: argparse.Namespace) -> int:
     from kafila.models import open_model, resolve_model
     from kafila.session.host import HostParticipant, session_context
     from kafila.session.member import stdin_is_terminal
+    from kafila.session.slots import parse_concurrency, parse_max_queued
 
     if args.expect < 0:
         raise BadInput("--expect N: N is the session size, the host included (1 or more)")
     check_backend(args.backend)
+    concurrency = parse_concurrency(args.concurrency)  # 0, negative, not a number: one line, exit 2
+    max_queued = parse_max_queued(args.max_queued)
     cfg = common_config(args, host=True)
     cfg = replace(cfg, model_path=resolve_model(args.model), expect=args.expect, context=args.context,
-                  concurrency=args.concurrency, speculate=args.speculate, precision=args.precision, policy=args.policy, code_file=args.code_file, auto_replan=args.auto_replan, code_words=args.words,
+                  concurrency=concurrency, max_queued=max_queued, speculate=args.speculate, precision=args.precision, policy=args.policy, code_file=args.code_file, auto_replan=args.auto_replan, code_words=args.words,
                   embedded_listen=parse_host_port(args.listen))  # fmt: skip
     index = open_model(cfg.model_path)  # a missing or bad model: one line, exit 2, before anything starts
     session_context(args.context, index.hparams.context_length, index.name)  # so is a --context it lacks

@@ -132,6 +132,7 @@ def render(st: dict) -> Group:
     api = st.get("api") or {}
     live = f"requests: {req['active']} active, {req['queued']} queued" if req else "requests: scheduled by the head"
     parts.append(Text(f"{live}; {api.get('inflight_requests', 0)} in flight at this API ({api.get('url', '?')})"))
+    parts.extend(load_parts(st.get("load"), ring))
     w = st.get("weights") or {}
     if w.get("total_bytes") is not None:  # live figures (while fetching, and kept once done)
         parts.append(Text(f"weights: {transfer_line(w)} from {w.get('source')}"))
@@ -149,6 +150,36 @@ def render(st: dict) -> Group:
     if history:
         parts.append(Text("history: " + "; ".join(history_line(h) for h in history[-8:])))
     return Group(*parts)
+
+
+def load_parts(load: dict | None, ring: list[str]) -> list:
+    """GET /status `load`: a line for the queue, a table of every stage's active requests and
+    rows in its last forward, and one of the requests the head holds with their tok/s."""
+    if not isinstance(load, dict):
+        return []
+    parts: list = []
+    if load.get("slots") is not None:
+        parts.append(Text(f"slots: {load.get('active')} of {load['slots']} busy, {load.get('queued')} queued "
+                          f"(at most {load.get('max_queued')} wait; one more is answered 429)"))  # fmt: skip
+    stages = load.get("stages") or {}
+    if any(stages.get(n) for n in ring):
+        t = Table(title="load per stage", title_justify="left")
+        for col in ("member", "active requests", "rows in last forward", "forwards"):
+            t.add_column(col, justify="left" if col == "member" else "right")
+        for name in ring:
+            stg = stages.get(name) or {}
+            t.add_row(name, *(str(stg[k]) if stg.get(k) is not None else "–" for k in ("active", "batch_rows", "steps")))
+        parts.append(t)
+    requests = load.get("requests") or []
+    if requests:
+        t = Table(title="requests at the head", title_justify="left")
+        for col in ("request", "from", "state", "tokens", "tok/s"):
+            t.add_column(col, justify="right" if col in ("tokens", "tok/s") else "left")
+        for r in requests:
+            t.add_row(str(r.get("id")), str(r.get("origin")), str(r.get("state")),
+                      f"{r.get('tokens')} / {r.get('max_tokens')}", _f(r.get("tok_s")))  # fmt: skip
+        parts.append(t)
+    return parts
 
 
 def history_line(h: dict) -> str:

@@ -21,7 +21,9 @@ from kafila.session.member import (
     plan_epoch,
     stdin_is_terminal,
 )
+from kafila.session.load import MAX_REPORTED_REQUESTS, clean_head, clean_stage
 from kafila.session.preview import plan_summary, plan_table, predicted_tok_s  # noqa: F401 (re-exported)
+from kafila.session.slots import auto_slots, parse_concurrency, parse_max_queued
 from kafila.session.weights import TransferProgress
 
 BREAK_GRACE_S = 1.0  # a reported ring break waits this long for the rendezvous to say who left
@@ -127,8 +129,8 @@ class HostParticipant(Participant):
         if capped:
             self.say(f"{cfg.name}: {capped}")
         self.cfg = cfg = replace(cfg, context=context)
-        if cfg.concurrency < 1 or cfg.concurrency > 64:
-            raise BadInput(f"--concurrency {cfg.concurrency}: choose 1..64")
+        parse_concurrency(cfg.concurrency)  # (the CLI checked already; a SessionConfig built in code too)
+        parse_max_queued(cfg.max_queued)
         self.say(f"{cfg.name}: measuring this device and indexing {index.name}…")
         desc_task = asyncio.create_task(asyncio.to_thread(self.descriptor))
         # hashing a big file takes tens of seconds: in a worker, while members join (never on
@@ -212,8 +214,10 @@ class HostParticipant(Participant):
 
         # --- plan, distribute, build, ring; then serve, and replan when members come and go --------
         self._index = index
-        self.session = {"context": cfg.context, "concurrency": cfg.concurrency, "precision": cfg.precision,
-                        "speculate": cfg.speculate,
+        # "concurrency" is each plan's (auto: what its memory holds, set in _form)
+        self.session = {"context": cfg.context, "concurrency": cfg.concurrency or 1, "precision": cfg.precision,
+                        "speculate": cfg.speculate, "max_queued": cfg.max_queued,
+                        "concurrency_from": "memory" if cfg.concurrency is None else "--concurrency",
                         "model": index.name, "sha256": self.digests.sha256}  # fmt: skip
         await self._form(None)
         await self._start_serving()
@@ -243,7 +247,8 @@ class HostParticipant(Participant):
         self._joined_waiting.clear()  # the plan below takes everyone in the roster
         self._plans_made += 1  # (not self.epoch + 1: a replan cut short never set self.epoch)
         epoch = self._plans_made
-        plan = self._plan(self._index)
+        plan, slots = self._plan(self._index)
+        self.session["concurrency"] = slots  # every member's slots and the head's scheduler follow it
         ranges, first = {}, 0
         for n in plan["ring"]:
             ranges[n] = (first, first + plan["blocks"][n])
@@ -252,6 +257,9 @@ class HostParticipant(Participant):
             self.say(f"{cfg.name}: replanning (plan {epoch}): {reason}")
         self.console.print(plan_table(plan, ranges))
         self.say(f"{cfg.name}: plan preview: {plan_summary(plan)}")  # before anything is sent
+        if plan["feasible"]:
+            how = "as many as memory holds" if cfg.concurrency is None else "--concurrency"
+            self.say(f"{cfg.name}: {slots} requests at once ({how}), {cfg.max_queued} more may wait")
         self.event("plan", plan=plan, epoch=epoch, reason=reason)
         if not plan["feasible"]:
             short = ", ".join(f"{r['device']} (short by {r['short_bytes'] / 1e6:.1f} MB)" for r in plan["refused"])
@@ -414,6 +422,10 @@ class HostParticipant(Participant):
     def _edge_report(self, sender: str, body: dict) -> None:
         if isinstance(body.get("stats"), dict):
             self.state.edges[sender] = body["stats"]
+        if (stage := clean_stage(body.get("load"))) is not None:
+            self.state.loads[sender] = stage
+        if body.get("head_load") is not None and self.role is not None and sender == self.role.head:
+            self.state.head_load = clean_head(body["head_load"])
         measured = body.get("measured")
         if isinstance(measured, list) and self.node is not None and not self.node.is_head:
             with contextlib.suppress(TypeError, ValueError):
@@ -425,7 +437,9 @@ class HostParticipant(Participant):
                 with contextlib.suppress(Exception):
                     await self.net.send(n, {"t": "refused", "reason": reason})
 
-    def _plan(self, index) -> dict:
+    def _plan(self, index) -> tuple[dict, int]:
+        """The plan among the roster and the slots it serves: --concurrency, or with auto the
+        plan made for one request and as many slots as its memory then holds (slots.py)."""
         from planner import PlanInputError, plan_fleet
 
         devices = []
@@ -437,10 +451,13 @@ class HostParticipant(Participant):
                 if d.get(k) is not None:
                     dev[k] = d[k]
             devices.append(dev)
-        fleet = {"context": self.cfg.context, "concurrency": self.cfg.concurrency,
+        fleet = {"context": self.cfg.context, "concurrency": self.cfg.concurrency or 1,
                  "anchor": self.cfg.name, "model": index.planner_model(), "devices": devices}  # fmt: skip
         try:
-            return plan_fleet(fleet, None, self.cfg.policy).to_json()
+            plan = plan_fleet(fleet, None, self.cfg.policy).to_json()
+            if self.cfg.concurrency is not None:
+                return plan, self.cfg.concurrency
+            return plan, (auto_slots(fleet, plan) if plan["feasible"] else 1)
         except PlanInputError as exc:
             raise Refused(f"cannot plan this session: {exc}") from None
 
@@ -522,12 +539,19 @@ class HostParticipant(Participant):
                 edges[self.cfg.name] = edge_stats(own)
                 self.state.edges[self.cfg.name] = edges[self.cfg.name]
             measured = self.node.measured.as_pairs() if self.node is not None else ()
+            loads = dict(self.state.loads)
+            head_load = self.state.head_load
+            if self.node is not None:
+                loads[self.cfg.name] = self.node.stage_load()
+                if self.node.is_head:
+                    head_load = self.node.head_load(MAX_REPORTED_REQUESTS)
             for n in list(self.net.roster()):
                 if n != self.cfg.name:
                     with contextlib.suppress(Exception):
                         await self.net.send(n, {"t": "status", "edges": edges, "members": self.state.members,
                                                 "measured": [list(p) for p in measured],
-                                                "history": self.state.history[-HISTORY_STATUS:]})
+                                                "history": self.state.history[-HISTORY_STATUS:],
+                                                "loads": loads, "head_load": head_load})
 
 
 def _lan_ip() -> str:

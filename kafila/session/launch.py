@@ -85,7 +85,8 @@ class LocalSession:
     backend: str = "openvino"
     policy: str = "kafila"
     context: int | None = None  # None: the host's default (2048, or the model's own context if shorter)
-    concurrency: int = 4
+    concurrency: int | str = "auto"  # kafila host --concurrency: N, or auto (as many as memory holds)
+    max_queued: int | None = None  # kafila host --max-queued (None: its default)
     latency_ms: float = 0.0
     speculate: str = "off"  # the head's drafter: "off" | "ngram" (kafila host --speculate)
     precision: str = "serving"  # every stage's compute (kafila host --precision)
@@ -178,6 +179,7 @@ class LocalSession:
                 "host", "--model", self.model, "--expect", str(len(self.names)), *where, "--policy", self.policy,
                 *(["--context", str(self.context)] if self.context is not None else []),
                 "--concurrency", str(self.concurrency),
+                *(["--max-queued", str(self.max_queued)] if self.max_queued is not None else []),
                 "--speculate", self.speculate, "--precision", self.precision,
                 *(["--auto-replan"] if self.auto_replan else []),
             ], ports[1])  # fmt: skip

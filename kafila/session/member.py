@@ -42,7 +42,9 @@ from rich.console import Console
 from kafila.errors import BadInput, KafilaError, Refused, describe_error
 from kafila.session.engine import RESUME_WAIT_S, RingEngine
 from kafila.session.frames import Hello, Limits, encode
+from kafila.session.load import MAX_REPORTED_REQUESTS, clean_head, clean_stage, ring_load
 from kafila.session.ring import RingNode
+from kafila.session.slots import DEFAULT_MAX_QUEUED, MAX_QUEUED_LIMIT, session_value
 from kafila.session.streams import read_frame
 from kafila.session.weights import (
     Manifest,
@@ -76,7 +78,8 @@ class SessionConfig:
     model_path: str | None = None
     expect: int = 0  # session size, host included (0: plan on Enter)
     context: int | None = None  # None: 2048, or the model's own context if shorter (host.session_context)
-    concurrency: int = 4
+    concurrency: int | None = None  # requests served at once; None: as many as memory holds (slots.py)
+    max_queued: int = DEFAULT_MAX_QUEUED  # requests that may wait for a slot (one more: 429)
     speculate: str = "off"  # the head's drafter (speculate.SPECULATE_MODES), sent in the session
     policy: str = "kafila"
     code_file: str | None = None
@@ -134,6 +137,8 @@ class State:
     degraded: str | None = None
     started: float = field(default_factory=time.monotonic)
     history: list = field(default_factory=list)  # membership events, oldest first (HISTORY_MAX)
+    loads: dict = field(default_factory=dict)  # stage name → its load as last reported (load.clean_stage)
+    head_load: dict | None = None  # the head's queue and requests as last reported (load.clean_head)
 
 
 HISTORY_KINDS = ("joined", "left", "plan", "serving", "degraded", "ended")  # what /status keeps
@@ -408,6 +413,16 @@ class Participant:
                 self.state.members = body["members"]
             if isinstance(body.get("history"), list):  # the host's: who joined and left, when, why
                 self.state.history = [h for h in body["history"][-HISTORY_MAX:] if isinstance(h, dict)]
+            self._take_loads(body.get("loads"), body.get("head_load"))
+
+    def _take_loads(self, loads, head_load) -> None:
+        """Every stage's load and the head's queue, as the host passed them on (validated)."""
+        if isinstance(loads, dict):  # only the plan's stages are looked up: nothing else is kept
+            for name in (self.state.plan or {}).get("ring") or ():
+                if (stage := clean_stage(loads.get(name))) is not None:
+                    self.state.loads[name] = stage
+        if head_load is not None:
+            self.state.head_load = clean_head(head_load)
 
     def _ring_broke(self, reason: str, epoch: int | None = None) -> None:
         """This member's ring noticed a break itself (a stage failed, an edge closed, a bad
@@ -675,7 +690,9 @@ class Participant:
         self.node = RingNode(me, role.head, role.ring, self.shard, limits,
                              eos_ids=frozenset(self.tokenizer.eos_ids),
                              on_degraded=lambda why: self._ring_broke(why, epoch),
-                             speculate=speculate, drafter=drafter)  # fmt: skip
+                             speculate=speculate, drafter=drafter,
+                             max_queued=session_value(self.state.session, "max_queued", DEFAULT_MAX_QUEUED,
+                                                      0, MAX_QUEUED_LIMIT))  # fmt: skip
         if len(role.ring) == 1:
             self.node.start()
             return
@@ -751,8 +768,11 @@ class Participant:
             edge = getattr(self, "succ_edge", None)
             if edge is not None and self.net is not None:
                 body = {"t": "edge", "stats": edge_stats(edge)}
+                if self.node is not None:
+                    body["load"] = self.node.stage_load()
                 if self.node is not None and self.node.is_head:  # the head times every stage
                     body["measured"] = [list(p) for p in self.node.measured.as_pairs()]
+                    body["head_load"] = self.node.head_load(MAX_REPORTED_REQUESTS)
                 with contextlib.suppress(Exception):
                     await self.net.send(self.host_name, body)
             await asyncio.sleep(STATUS_EVERY_S)
@@ -775,6 +795,7 @@ class Participant:
                         "model": s.session.get("model"),
                         "backend": self.cfg.backend,
                         "context": s.session.get("context"), "concurrency": s.session.get("concurrency"),
+                        "concurrency_from": s.session.get("concurrency_from"),  # "memory" (auto) or "--concurrency"
                         "uptime_s": round(time.monotonic() - s.started, 1)},
             "members": s.members,
             "plan": s.plan,
@@ -797,6 +818,11 @@ class Participant:
                 "trip_ms": node.scheduler.step_cost.as_dict()},
             "history": list(s.history),  # membership: joined, left, planned, serving, degraded
             "signaling": None if self.net is None else self.net.signaling(),  # to the rendezvous
+            # per stage: requests holding a KV slot, rows in its last forward; the head's queue and
+            # its requests with their tok/s (load.py: live here, relayed from the others)
+            "load": ring_load(ring, self.cfg.name, None if node is None else node.stage_load(), s.loads,
+                              (node.head_load(MAX_REPORTED_REQUESTS) if node is not None and node.is_head
+                               else s.head_load)),
         }  # fmt: skip
 
     def _memory(self) -> dict:

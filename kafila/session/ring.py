@@ -57,6 +57,7 @@ from kafila.session.scheduler import (
     prefill_chunk_tokens,
 )  # fmt: skip
 from kafila.sampling import sample_token
+from kafila.session.slots import DEFAULT_MAX_QUEUED
 from kafila.session.speculate import DRAFT_K, verify
 from kafila.session.streams import FrameWriter, StreamClosed, read_frame
 
@@ -150,14 +151,15 @@ class RingNode:
                  on_degraded: Callable[[str], None] | None = None,
                  prefill_chunk: int | None = None, speculate: str = "off",
                  draft_k: int = DRAFT_K, adaptive_k: bool = True, drafter=None,
-                 stage_hang_s: float = STAGE_HANG_S) -> None:  # fmt: skip
+                 stage_hang_s: float = STAGE_HANG_S, max_queued: int = DEFAULT_MAX_QUEUED) -> None:  # fmt: skip
         """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
         hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
         frames over the limit: only tests set it, to exercise the per-request error.
         `speculate`: "off" or "ngram" (the head's drafter, speculate.py), at most `draft_k`
         drafts a trip (chosen online unless `adaptive_k` is False: see Scheduler). `drafter`:
         the head's draft model (draft.ModelDrafter) for speculate="draft". `stage_hang_s`: the
-        watchdog's bound on one step of this stage (twice it for a trip round the ring)."""
+        watchdog's bound on one step of this stage (twice it for a trip round the ring).
+        `max_queued`: the head's requests that may wait for a slot (one more: 429)."""
         self.name = name
         self.head = head
         self.ring = ring
@@ -173,12 +175,17 @@ class RingNode:
         self.measured = Measured()
         chunk = prefill_chunk or prefill_chunk_tokens(limits.hidden, limits.frame_bytes)
         self.speculate = speculate
-        self.scheduler = (Scheduler(limits.slots, limits.context, eos_ids, chunk_tokens=chunk,
-                                    speculate=speculate, draft_k=draft_k, adaptive_k=adaptive_k)
+        self.scheduler = (Scheduler(limits.slots, limits.context, eos_ids, max_queue=max_queued,
+                                    chunk_tokens=chunk, speculate=speculate, draft_k=draft_k,
+                                    adaptive_k=adaptive_k)
                           if self.is_head else None)  # fmt: skip
         self._events: asyncio.Queue = asyncio.Queue()
         self._step_started: dict[str, float] = {}
-        self._first_token: dict[str, float] = {}
+        self._pace: dict[str, tuple[float, float, int]] = {}  # head: rid → (first token, last token, tokens)
+        # this stage's own load (/status): rows in its last forward (one request's step each, for
+        # now: batched decode rows will put several requests' rows in one) and forwards run
+        self.batch_rows = 0
+        self.forwards = 0
         self._tasks: list[asyncio.Task] = []
         self._counter = 0
         self._sampling: dict[str, tuple] = {}  # head: rid → (temperature, top_p, rng) when not greedy
@@ -373,6 +380,7 @@ class RingNode:
             t0 = time.perf_counter()
             slot = self.slots.get(act.slot, act.cache_len == 0)
             h = self.shard.forward(slot, act.hidden, act.positions(), act.mask())
+            self._ran(1)
             return h, int((time.perf_counter() - t0) * 1e6)
 
         hidden, us = await self._compute(run)
@@ -496,7 +504,34 @@ class RingNode:
             mask[list(step.zeros)] = 0
         positions = np.arange(step.pos0, step.pos0 + n, dtype=np.int64)
         h = self.shard.forward(slot, step.tokens, positions, mask)
+        self._ran(1)
         return h, int((time.perf_counter() - t0) * 1e6)
+
+    def _ran(self, rows: int) -> None:
+        """A forward of `rows` requests' steps finished on this stage (its worker thread)."""
+        self.batch_rows = rows
+        self.forwards += 1
+
+    # --- load, for /status -----------------------------------------------------------------------
+
+    def stage_load(self) -> dict:
+        """This member's stage: requests holding a KV slot here, rows in its last forward, forwards run."""
+        return {"active": len(self.slots.slots), "batch_rows": self.batch_rows, "steps": self.forwards}
+
+    def head_load(self, most: int) -> dict | None:
+        """The head's queue and the requests it holds (at most `most`, oldest first), each with
+        its decode rate so far; None on any other member."""
+        sched = self.scheduler
+        if sched is None:
+            return None
+        requests = []
+        for v in sched.views()[:most]:
+            first, last, n = self._pace.get(v.rid, (0.0, 0.0, 0))
+            tok_s = round((n - 1) / (last - first), 2) if n >= 2 and last > first else None
+            requests.append({"id": v.rid, "origin": v.origin, "state": v.state, "prompt_tokens": v.prompt_tokens,
+                             "tokens": v.generated, "max_tokens": v.max_new, "tok_s": tok_s})  # fmt: skip
+        return {"slots": sched.slots, "active": sched.active, "queued": sched.queued,
+                "max_queued": sched.max_queue, "requests": requests}  # fmt: skip
 
     def _account(self, act: Activation) -> None:
         started = self._step_started.pop(act.rid, None)
@@ -517,10 +552,14 @@ class RingNode:
     async def _emit(self, events) -> None:
         for ev in events:
             if isinstance(ev, TokenOut):
+                now = time.perf_counter()
+                first, _, n = self._pace.get(ev.rid, (now, now, 0))
+                self._pace[ev.rid] = (first, now, n + 1)
                 await self._to_origin(Tokens(ev.rid, ev.origin, (ev.token,)))
             elif isinstance(ev, Finished):
                 self._step_started.pop(ev.rid, None)
                 self._sampling.pop(ev.rid, None)
+                self._pace.pop(ev.rid, None)
                 if self.drafter is not None:
                     self.drafter.release(ev.rid)
                 if ev.finish == "cancelled":

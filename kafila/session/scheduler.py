@@ -22,6 +22,10 @@ request's `zeros`, so every stage masks them out from the next step on. Drafting
 physical room that a request never runs out of context earlier than it would without it.
 
 States of a request: QUEUED → ACTIVE (has a slot) ⇄ IN_FLIGHT → DONE; cancel or fail from any.
+Fairness: slots go to queued requests in arrival order, and every active request without a step
+in flight gets one each time steps() runs, so none waits behind another's whole answer. A
+request submitted while `max_queue` others already wait for a slot is refused with status 429
+(QUEUE_FULL_STATUS): nothing of it was taken, and the requests admitted before are untouched.
 No I/O, no clocks: the caller feeds events and carries out the returned actions.
 """
 
@@ -45,6 +49,7 @@ from kafila.session.speculate import (
 )  # fmt: skip
 
 F32_BYTES = 4
+QUEUE_FULL_STATUS = 429  # the queue is full: the API answers Too Many Requests with Retry-After
 # A stage's transient working set while it runs n positions: the residual, its norm, q/k/v/o and
 # the FFN's gate/up/act/down intermediates are about PREFILL_WORK_WIDTHS hidden-wide float32 rows
 # per position (FFN ≈ 3.5 × hidden, three of them). PREFILL_WORK_BYTES bounds that working set.
@@ -148,6 +153,8 @@ class Scheduler:
         self.spec = SpecStats()  # every finished request's counts
         self.step_cost = StepCost()  # decode trips' measured ms by position count
         self.acceptance = Acceptance()  # every request's trips: a new request's prior
+        if max_queue < 0:
+            raise ValueError("max_queue cannot be negative")
         if slots < 1 or context < 2:
             raise ValueError("a scheduler needs at least one slot and a context of two positions")
         if chunk_tokens < 1:
@@ -177,8 +184,10 @@ class Scheduler:
             )
         if max_new < 1:
             raise SchedulerError("max_new_tokens must be at least 1")
-        if len(self._queue) >= self.max_queue:
-            raise SchedulerError(f"{len(self._queue)} requests are already waiting: try again later", 503)
+        # queued requests not yet given a free slot (steps() admits them) do not count as waiting
+        if len(self._queue) + 1 > self.max_queue + len(self._free):
+            raise SchedulerError(f"all {self.slots} slots are busy and {len(self._queue)} requests are "
+                                 "already waiting: try again shortly", QUEUE_FULL_STATUS)  # fmt: skip
         max_new = min(max_new, self.context - len(prompt))
         self._requests[rid] = _Request(rid, origin, tuple(int(t) for t in prompt), max_new, stop_at_eos,
                                        speculate=bool(speculate) and self.speculate != "off" and self.draft_k > 0,
@@ -373,3 +382,26 @@ class Scheduler:
 
     def in_flight(self) -> list[str]:
         return [r.rid for r in self._requests.values() if r.in_flight]
+
+    def views(self) -> list[RequestView]:
+        """Every request the head holds, in arrival order (for /status)."""
+        return [RequestView(r.rid, r.origin, _state(r), len(r.prompt), len(r.generated), r.max_new)
+                for r in self._requests.values()]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class RequestView:
+    """One request as /status shows it: `state` is queued, prefill or decode."""
+
+    rid: str
+    origin: str
+    state: str
+    prompt_tokens: int
+    generated: int
+    max_new: int
+
+
+def _state(req: _Request) -> str:
+    if req.slot is None:
+        return "queued"
+    return "prefill" if req.cache_len < len(req.prompt) else "decode"

@@ -1,0 +1,163 @@
+"""Many users at once on a 3-member session: aggregate tok/s and per-user time per token.
+
+    .venv/bin/python -m bench.multiuser [--users 1,2,4,8,16] [--latency 0,20] [--max-tokens 48]
+                                        [--rounds 2] [--json]
+
+One loopback session of separate processes (kafila demo's launcher, `--concurrency auto`) per
+hop latency. For each number of users n, n greedy chat requests (different prompts, typed at
+m1, m2, m3 in turn, as a household would) start together and stream; each round of each n runs
+back to back with the others, 1 user first and 1 user again last (the machine's load drifts: the
+single-user figure is the mean of both). Reported per n, median over --rounds:
+- aggregate tok/s: every user's tokens ÷ the wall time from the first request sent to the last
+  token received (prefill included: what the household sees), and its ratio to one user's;
+- per-user TPOT (time per output token: first to last token ÷ tokens after the first), the
+  median user's and the slowest user's, as ratios to one user's.
+A number of users above the session's slots (its `/status` concurrency) is left out and said so.
+Nothing here batches rows: every stage runs one request's step per forward (issue 13 part 2 is
+what would amortise the weight reads when the ring is compute-bound).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import threading
+import time
+
+from bench.llamacpp_speed import machine
+
+PROMPTS = [
+    "Write a long story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain in detail how a steam engine works.",
+    "Describe a walk through a busy market in a city you like.",
+    "Write a long letter to a friend about your summer holiday.",
+    "Explain how plants turn sunlight into food, step by step.",
+    "Tell the story of a cat who wants to learn to fly.",
+    "Describe how to bake bread at home, from flour to loaf.",
+    "Write a long poem about the mountains in winter.",
+    "Explain why the seasons change through the year.",
+    "Write a story about two robots who become friends.",
+    "Describe the life of a honeybee from egg to adult.",
+    "Explain how a computer stores numbers and text.",
+    "Write a long diary entry of a sailor crossing the ocean.",
+    "Describe the history of the bicycle in a few paragraphs.",
+    "Tell a fairy tale about a brave girl and a dragon.",
+    "Explain how rain forms and falls from the clouds.",
+]
+
+
+def one_level(session, users: int, max_tokens: int) -> dict:
+    """`users` requests started together; their timings as seen by each client."""
+    from kafila.session.launch import stream_chat
+
+    results: list = [None] * users
+    start = threading.Barrier(users)
+
+    def user(i: int) -> None:
+        api = session.api(session.names[i % len(session.names)])
+        start.wait()
+        results[i] = stream_chat(api, PROMPTS[i % len(PROMPTS)], max_tokens)
+
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    if any(r is None for r in results):
+        raise RuntimeError(f"{sum(r is None for r in results)} of {users} users got no answer (see the logs)")
+    tokens = sum(r["tokens"] or 0 for r in results)
+    wall = max(r["last_s"] for r in results) - min(r["started_s"] for r in results)
+    tpots = [1000.0 / r["tok_s"] for r in results if r["tok_s"]]
+    return {"users": users, "tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall,
+            "tpot_ms_median": statistics.median(tpots), "tpot_ms_max": max(tpots),
+            "ttft_ms_median": statistics.median(r["ttft_ms"] for r in results),
+            "short_answers": sum((r["tokens"] or 0) < max_tokens for r in results)}  # fmt: skip
+
+
+def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: int, model: str) -> dict:
+    from kafila.session.launch import LocalSession, get_json, stream_chat
+
+    s = LocalSession(members=3, model=model, latency_ms=latency_ms,
+                     log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
+                     cache_root=tempfile.mkdtemp(prefix="kafila-bench-cache-"))  # fmt: skip
+    t0 = time.monotonic()
+    s.start(timeout_s=600)
+    try:
+        st = get_json(s.api("m1"), "/status")
+        slots = st["session"]["concurrency"]
+        head = st["plan"]["head"]
+        for name in s.names:  # warm-up: first steps of each shape compile kernels
+            stream_chat(s.api(name), PROMPTS[0], 8)
+        served = [n for n in levels if n <= slots]
+        runs: dict[int, list[dict]] = {n: [] for n in served}
+        solo_after: list[dict] = []
+        for _ in range(rounds):
+            for n in served:
+                runs[n].append(one_level(s, n, max_tokens))
+            if 1 in runs:
+                solo_after.append(one_level(s, 1, max_tokens))
+        load = get_json(s.api(head), "/status")["load"]
+    finally:
+        s.stop()
+    med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+    solo_rows = runs.get(1, []) + solo_after
+    solo_agg, solo_tpot = med(solo_rows, "aggregate_tok_s"), med(solo_rows, "tpot_ms_median")
+    table = []
+    for n in served:
+        rows = runs[n]
+        table.append({"users": n, "aggregate_tok_s": med(rows, "aggregate_tok_s"),
+                      "aggregate_ratio": med(rows, "aggregate_tok_s") / solo_agg,
+                      "tpot_ms": med(rows, "tpot_ms_median"), "tpot_ratio": med(rows, "tpot_ms_median") / solo_tpot,
+                      "tpot_max_ratio": med(rows, "tpot_ms_max") / solo_tpot, "ttft_ms": med(rows, "ttft_ms_median"),
+                      "short_answers": sum(r["short_answers"] for r in rows), "rounds": rows})  # fmt: skip
+    return {"latency_ms": latency_ms, "slots": slots, "plan": st["plan"], "left_out": [n for n in levels if n > slots],
+            "solo_tok_s": solo_agg, "solo_tpot_ms": solo_tpot, "table": table,
+            "head_stage_batch_rows": (load["stages"].get(head) or {}).get("batch_rows"),
+            "session_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.multiuser", description=__doc__.split("\n\n")[0])
+    p.add_argument("--users", default="1,2,4,8,16", help="numbers of concurrent users, comma-separated")
+    p.add_argument("--latency", default="0,20", help="hop latencies in ms, comma-separated")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens each user asks for")
+    p.add_argument("--rounds", type=int, default=2, help="times each number of users is measured (median)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        levels = sorted({int(x) for x in args.users.split(",")} | {1})
+        latencies = [float(x) for x in args.latency.split(",")]
+    except ValueError:
+        print("bench.multiuser: --users and --latency take comma-separated numbers", file=sys.stderr)
+        return 2
+    if min(levels) < 1 or not 1 <= args.max_tokens <= 1024 or not 1 <= args.rounds <= 20:
+        print("bench.multiuser: users ≥ 1, --max-tokens 1..1024, --rounds 1..20", file=sys.stderr)
+        return 2
+    print(machine(), flush=True)
+    print(f"3 members on loopback, {args.model}, {args.max_tokens} tokens per user, median of {args.rounds} "
+          "rounds; aggregate = all users' tokens / (first request sent → last token)", flush=True)  # fmt: skip
+    out = {}
+    for ms in latencies:
+        r = out[ms] = run_latency(ms, levels, args.max_tokens, args.rounds, args.model)
+        print(f"\n{ms:g} ms/hop: {r['slots']} slots (auto), ring {' → '.join(r['plan']['ring'])}, "
+              f"1 user {r['solo_tok_s']:.1f} tok/s, TPOT {r['solo_tpot_ms']:.1f} ms", flush=True)
+        print(f"{'users':>5} {'aggregate tok/s':>16} {'÷ 1 user':>9} {'TPOT ms':>8} {'÷ solo':>7} "
+              f"{'slowest ÷ solo':>15} {'TTFT ms':>8}")
+        for row in r["table"]:
+            print(f"{row['users']:>5} {row['aggregate_tok_s']:>16.1f} {row['aggregate_ratio']:>8.2f}× "
+                  f"{row['tpot_ms']:>8.1f} {row['tpot_ratio']:>6.2f}× {row['tpot_max_ratio']:>14.2f}× "
+                  f"{row['ttft_ms']:>8.0f}" + (f"  ({row['short_answers']} answers ended early)"
+                                               if row["short_answers"] else ""), flush=True)  # fmt: skip
+        if r["left_out"]:
+            print(f"  left out (more users than slots): {r['left_out']}")
+    if args.json:
+        print(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
