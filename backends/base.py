@@ -8,11 +8,14 @@ Positions are logical and the mask is physical, as in the OpenVINO paper's mask-
 `mask` covers every physical cache position of the slot, past and new (length cache_len + n),
 1 where the position is visible and 0 where it was rejected; `positions` are the logical
 position ids of the n new tokens. Every stage of a ring receives the same mask and positions.
+`forward_batch` runs several slots' feeds as one (batched decode rows), each row with its own
+positions and mask, so the weights are read once for all rows.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import numpy as np
@@ -43,6 +46,21 @@ class Shard(Protocol):
         x: int64 [n] token ids when spec.embed, else float32 [n, hidden].
         positions: int64 [n] logical positions. mask: int64 [cache_len + n] over physical positions.
         Returns float32 [n, hidden], the hidden states after block last-1.
+        """
+
+    def forward_batch(
+        self,
+        slots: Sequence[int],
+        xs: Sequence[np.ndarray],
+        positions: Sequence[np.ndarray],
+        masks: Sequence[np.ndarray],
+    ) -> list[np.ndarray]:
+        """`forward` on several distinct slots as one computation (batched decode rows): row r is
+        (slots[r], xs[r], positions[r], masks[r]), each with its own n ≥ 1, its own logical
+        positions and its own mask over its own cache_len + n physical positions. Returns each
+        row's float32 [n, hidden], what `forward` on that slot alone returns (to f32 rounding),
+        while the shard's weights are read once for all rows. Slots keep working with every
+        other call in between (how cheaply depends on the backend: see its module).
         """
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:

@@ -166,6 +166,10 @@ class ReferenceShard:
     def forward(self, slot: int, x: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
         return self.forward_exact(slot, x, positions, mask).astype(np.float32)
 
+    def forward_batch(self, slots, xs, positions, masks) -> list[np.ndarray]:
+        """Row by row: the yardstick has no weights to share, only results to match."""
+        return [self.forward(*row) for row in zip(slots, xs, positions, masks)]
+
     def logits_exact(self, hidden: np.ndarray) -> np.ndarray:
         if not self.spec.head:
             raise ValueError(f"shard [{self.spec.first}, {self.spec.last}) holds no head")

@@ -14,6 +14,12 @@ for it), qwen2/qwen3 rotate halves (i, i + D/2). Angle of pair i at position p:
 `mx.fast.rope` as `freqs` = base^(2i/D)·factor_i). Qwen3 normalizes each q/k head before RoPE.
 
 Everything is lazy: a forward builds one graph over all blocks, evaluated once by the caller.
+
+Batched rows (`block_rows`): several slots' new tokens are laid one row after another along the
+token axis, so each projection is one matmul over all of them (weights read once); only RoPE,
+the cache write and the attention loop over the rows, each on its own SlotCache. No padding, no
+shared cache layout: a row joins or leaves a batch at no cost, and its attention is the very
+computation `block` does for it alone.
 """
 
 from __future__ import annotations
@@ -142,21 +148,65 @@ def block(
     dims: Dims,
 ) -> mx.array:
     """One Llama block on x [1, n, hidden]; writes the n new keys/values at cache.length."""
+    q, k, v = _qkv(x, w, dims)
+    o = _attend(q, k, v, cache, layer, positions, mask, dims)  # [1, n, H·D]
+    return _finish(x, o, w, dims)
+
+
+def block_rows(
+    x: mx.array,
+    w: BlockWeights,
+    caches: list[SlotCache],
+    layer: int,
+    positions: list[int | mx.array],
+    masks: list[mx.array | str | None],
+    ns: list[int],
+    dims: Dims,
+) -> mx.array:
+    """`block` on several slots' rows at once: x [1, T, hidden] holds row r's n_r new tokens after
+    row r−1's (T = Σ n_r). Every projection runs once on all T tokens (the weights are read once);
+    RoPE, the KV write and the attention run per row, on its own cache, positions and mask, the
+    same ops `block` runs for that slot alone."""
+    q, k, v = _qkv(x, w, dims)  # [1, T, H, D], [1, T, Hkv, D] ×2
+    outs, start = [], 0
+    for cache, pos, mask, n in zip(caches, positions, masks, ns):
+        rows = slice(start, start + n)
+        outs.append(_attend(q[:, rows], k[:, rows], v[:, rows], cache, layer, pos, mask, dims))  # [1, n, H·D]
+        start += n
+    return _finish(x, mx.concatenate(outs, axis=1), w, dims)  # [1, T, hidden]
+
+
+def _qkv(x: mx.array, w: BlockWeights, dims: Dims) -> tuple[mx.array, mx.array, mx.array]:
+    """RMSNorm → q, k, v [1, n, H|Hkv, D] (qwen3: each q/k head normalized)."""
     _, n, _ = x.shape
     H, Hkv, D = dims.n_heads, dims.n_kv_heads, dims.head_dim
-    start, end = cache.length, cache.length + n
-
     h = mx.fast.rms_norm(x, w.attn_norm, dims.rms_eps)  # [1, n, hidden]
     q = w.q(h).reshape(1, n, H, D)  # [1, n, H, D]
     k = w.k(h).reshape(1, n, Hkv, D)  # [1, n, Hkv, D]
     if w.q_norm is not None:  # qwen3: RMSNorm over each head's D values
         q = mx.fast.rms_norm(q, w.q_norm, dims.rms_eps)
         k = mx.fast.rms_norm(k, w.k_norm, dims.rms_eps)
-    q = q.transpose(0, 2, 1, 3)  # [1, H, n, D]
-    k = k.transpose(0, 2, 1, 3)  # [1, Hkv, n, D]
-    v = w.v(h).reshape(1, n, Hkv, D).transpose(0, 2, 1, 3)  # [1, Hkv, n, D]
-    q = rope(q, positions, dims)
-    k = rope(k, positions, dims)
+    v = w.v(h).reshape(1, n, Hkv, D)  # [1, n, Hkv, D]
+    return q, k, v
+
+
+def _attend(
+    q: mx.array,
+    k: mx.array,
+    v: mx.array,
+    cache: SlotCache,
+    layer: int,
+    positions: int | mx.array,
+    mask: mx.array | str | None,
+    dims: Dims,
+) -> mx.array:
+    """One slot's attention: RoPE at its positions, its n new keys/values written at
+    cache.length, attention over its cache with its mask → [1, n, H·D]."""
+    _, n, H, D = q.shape
+    start, end = cache.length, cache.length + n
+    q = rope(q.transpose(0, 2, 1, 3), positions, dims)  # [1, H, n, D]
+    k = rope(k.transpose(0, 2, 1, 3), positions, dims)  # [1, Hkv, n, D]
+    v = v.transpose(0, 2, 1, 3)  # [1, Hkv, n, D]
 
     keys, values = cache.keys[layer], cache.values[layer]  # [1, Hkv, capacity, D]
     keys[:, :, start:end] = k.astype(keys.dtype)
@@ -165,9 +215,12 @@ def block(
     o = mx.fast.scaled_dot_product_attention(
         q, keys[:, :, :end], values[:, :, :end], scale=D**-0.5, mask=mask
     )  # [1, H, n, D], GQA handled by the kernel
-    o = o.transpose(0, 2, 1, 3).reshape(1, n, H * D)  # [1, n, H·D]
-    x = x + w.o(o)  # [1, n, hidden]
+    return o.transpose(0, 2, 1, 3).reshape(1, n, H * D)  # [1, n, H·D]
 
+
+def _finish(x: mx.array, o: mx.array, w: BlockWeights, dims: Dims) -> mx.array:
+    """o_proj → residual → RMSNorm → SwiGLU → residual: [1, n, hidden]."""
+    x = x + w.o(o)  # [1, n, hidden]
     h = mx.fast.rms_norm(x, w.ffn_norm, dims.rms_eps)
     return x + w.down(nn_silu(w.gate(h)) * w.up(h))  # [1, n, hidden]
 

@@ -4,19 +4,25 @@ One KV cache per slot (model.SlotCache). Every forward is one lazy graph over al
 blocks, evaluated once together with the updated caches, then handed back as float32 numpy, the
 form hidden states take between backends.
 
+`forward_batch` runs several slots' steps as one graph: their new tokens one after another
+along the token axis, each projection one matmul over all of them, the attention per slot on its
+own cache (backends/mlx/model.py, `block_rows`); it needs no shared cache, so rows join and leave
+freely.
+
 Precision: "f32" converts the f16 quantization scales and biases to f32 (exact) so every product
 is f32; "serving" keeps them f16 as they are in the file (activations and KV stay f32 on CPU).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
 from backends.base import ShardSpec
-from backends.mlx.model import Dims, SlotCache, attention_mask, block
+from backends.mlx.model import Dims, SlotCache, attention_mask, block, block_rows
 from backends.mlx.weights import load_shard_weights, weight_bytes
 from kafila.errors import BadInput
 from kafila.models import ModelIndex, open_model
@@ -110,6 +116,53 @@ class MLXShard:
         self, slot: int, x: np.ndarray, positions: np.ndarray, mask: np.ndarray
     ) -> np.ndarray:
         cache = self._cache(slot)
+        n, pos, visible = self._row_inputs(slot, cache, x, positions, mask)
+        h = self._embed(x, n)[None]  # [1, n, hidden]
+
+        cache.reserve(n)
+        for layer, w in enumerate(self.weights.blocks):
+            h = block(h, w, cache, layer, pos, visible, self.dims)
+        cache.length += n
+        mx.eval(h, cache.arrays())  # one evaluation: the hidden states and every block's KV
+        return np.array(h[0], dtype=np.float32)  # [n, hidden]
+
+    def forward_batch(
+        self,
+        slots: Sequence[int],
+        xs: Sequence[np.ndarray],
+        positions: Sequence[np.ndarray],
+        masks: Sequence[np.ndarray],
+    ) -> list[np.ndarray]:
+        """`forward` on several slots at once, as one graph (see backends.base.Shard)."""
+        slots = list(slots)
+        if not (len(slots) == len(xs) == len(positions) == len(masks)) or not slots:
+            raise ValueError(
+                "forward_batch needs one x, positions and mask per slot, and at least one slot"
+            )
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"forward_batch got a slot twice: {slots}")
+        caches = [self._cache(s) for s in slots]
+        rows = [self._row_inputs(*a) for a in zip(slots, caches, xs, positions, masks)]
+        ns = [n for n, _, _ in rows]
+        h = mx.concatenate([self._embed(x, n) for x, n in zip(xs, ns)])[None]  # [1, T, hidden]
+
+        for cache, n in zip(caches, ns):
+            cache.reserve(n)
+        pos, visible = [p for _, p, _ in rows], [v for _, _, v in rows]
+        for layer, w in enumerate(self.weights.blocks):
+            h = block_rows(h, w, caches, layer, pos, visible, ns, self.dims)
+        arrays = []
+        for cache, n in zip(caches, ns):
+            cache.length += n
+            arrays += cache.arrays()
+        mx.eval(h, arrays)
+        out = np.array(h[0], dtype=np.float32)  # [T, hidden]
+        return np.split(out, np.cumsum(ns)[:-1])  # [n, hidden] per row
+
+    def _row_inputs(
+        self, slot: int, cache: SlotCache, x: np.ndarray, positions: np.ndarray, mask: np.ndarray
+    ) -> tuple[int, int | mx.array, mx.array | str | None]:
+        """n, the RoPE positions (the first when consecutive) and the visibility of one slot's feed."""
         n = len(x)
         positions = np.asarray(positions, dtype=np.int64).reshape(-1)
         mask = np.asarray(mask).reshape(-1)
@@ -121,7 +174,13 @@ class MLXShard:
             raise ValueError(
                 f"mask covers {mask.shape[0]} positions; slot {slot} needs cache_len + n = {cache.length + n}"
             )
+        first = int(positions[0])
+        consecutive = bool((positions == first + np.arange(n)).all())
+        pos: int | mx.array = first if consecutive else mx.array(positions.astype(np.int32))
+        return n, pos, attention_mask(mask, cache.length, n)
 
+    def _embed(self, x: np.ndarray, n: int) -> mx.array:
+        """Token ids (embed shard) or hidden states → f32 [n, hidden]."""
         if self.spec.embed:
             h = self.weights.embedding.rows(
                 mx.array(np.asarray(x, dtype=np.int32).reshape(n))
@@ -130,19 +189,7 @@ class MLXShard:
             h = mx.array(
                 np.asarray(x, dtype=np.float32).reshape(n, self.dims.hidden)
             )  # [n, hidden]
-        h = h.astype(mx.float32)[None]  # [1, n, hidden]
-
-        first = int(positions[0])
-        consecutive = bool((positions == first + np.arange(n)).all())
-        pos: int | mx.array = first if consecutive else mx.array(positions.astype(np.int32))
-        visible = attention_mask(mask, cache.length, n)
-
-        cache.reserve(n)
-        for layer, w in enumerate(self.weights.blocks):
-            h = block(h, w, cache, layer, pos, visible, self.dims)
-        cache.length += n
-        mx.eval(h, cache.arrays())  # one evaluation: the hidden states and every block's KV
-        return np.array(h[0], dtype=np.float32)  # [n, hidden]
+        return h.astype(mx.float32)
 
     def _logits(self, hidden: np.ndarray) -> mx.array:
         if not self.spec.head:

@@ -5,13 +5,15 @@ Stage graph (blocks [first, last), optionally the token embedding in front):
     input_ids i64 [B, L] (embed) | hidden_states f32 [B, L, H]
     attention_mask i64 [B, S]   physical positions past + new (S = past + L), 0 = masked out
     position_ids i64 [B, L]     logical positions of the new tokens (RoPE)
-    beam_idx i32 [B]            KV reorder; always [0] (the pattern the plugins' KV fusion needs)
+    beam_idx i32 [B]            KV rows to keep, in order: [0] for a slot's own request (the pattern
+                                the plugins' KV fusion needs); a row group's rows (rows.py)
     → hidden_states f32 [B, L, H] after block last − 1
 
 Head graph: hidden f32 [N, H] → final RMSNorm → lm_head → logits f32 [N, V], plus
 token i64 [1], the greedy top-1 of the last row (so a decode step reads one id, not V floats).
-A shard holding both the last block and the head folds norm + lm_head + top-1 of the last row
-into its stage graph as a second output `token` (one inference per decode step).
+A shard holding both the last block and the head folds norm + lm_head + top-1 of the last
+position into its stage graph as a second output `token` i64 [B], one per batch row (one
+inference per decode step, also for batched rows).
 
 Each block is Llama's: RMSNorm → q/k/v (+ Qwen2 biases) → (Qwen3: RMSNorm per q/k head) → RoPE
 (rotate_half) → KV per layer as ReadValue → Gather(beam_idx, 0) → Concat(axis 2) → Assign →
@@ -169,7 +171,8 @@ class StageBuilder:
     def stage(self, first: int, last: int, embed: bool, top1: bool = False) -> ov.Model:
         """The model of blocks [first, last) (with the embedding when `embed`). With `top1` (the
         shard also holds the head and the last block) a second output `token` i64 [1] is the
-        greedy top-1 after the last row: a decode step is then one inference."""
+        greedy top-1 after the last position of each batch row, i64 [B]: a decode step is then one
+        inference (for batched rows, backends/openvino/rows.py, one token per row)."""
         if embed:
             x_in = ops.parameter([-1, -1], I64, name="input_ids")
             x = self.embedding(x_in.output(0))  # [B, L, H]
@@ -196,7 +199,7 @@ class StageBuilder:
         results = [out]
         if top1:
             last_row = ops.reshape(ops.gather(x, _i64(-1), _i64(1)), _i64(-1, self.h.hidden), False)  # [B, H]
-            r_token = ops.result(self._top1(self._lm_head(last_row.output(0))), name="token")
+            r_token = ops.result(self._top1_rows(self._lm_head(last_row.output(0))), name="token")
             r_token.output(0).set_names({"token"})
             results.append(r_token)
         params = [x_in, attention_mask, position_ids, beam_idx]
@@ -215,6 +218,12 @@ class StageBuilder:
         last = ops.gather(logits, _i64(-1), _i64(0))  # [1, V]
         topk = ops.topk(last, ops.constant(np.int64(1)), axis=-1, mode="max", sort="none", index_element_type=I64)
         return ops.reshape(topk.output(1), _i64(1), False).output(0)  # [1]
+
+    @staticmethod
+    def _top1_rows(logits: ov.Output) -> ov.Output:
+        """The greedy token i64 [B] of every row of logits [B, V] (one per batch row: [1] for one)."""
+        topk = ops.topk(logits, ops.constant(np.int64(1)), axis=-1, mode="max", sort="none", index_element_type=I64)
+        return ops.reshape(topk.output(1), _i64(-1), False).output(0)  # [B]
 
     def head(self) -> ov.Model:
         """Final norm + lm_head: hidden [N, H] → logits [N, V] and the last row's top-1 token [1]."""

@@ -7,19 +7,28 @@ repacked them, their pages are dropped from the resident set (`release_weight_pa
 shard's memory is about the plugin's own copy of the weights, not twice the model.
 Inputs are wrapped as shared-memory tensors and outputs read in place, so a decode
 step costs one `infer()` per shard plus a few microseconds of Python.
+
+`forward_batch` runs several slots' steps as one inference with a batch dimension, on a row
+group: one more InferRequest whose state holds those slots' KV as batch rows (design, costs and
+exactness in backends/openvino/rows.py). A slot that is a row of a group has the group as its
+home; the solo methods (`forward`, `capture`, `restore`) take its row out first, so they behave
+exactly as before, and a slot never in a group costs one dict lookup more per forward.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import openvino as ov
 
 from backends.base import ShardSpec
+from backends.openvino import rows as rowmod
 from backends.openvino.graph import StageBuilder
+from backends.openvino.rows import Row, RowGroup
 from backends.openvino.weights import WeightBank
 from kafila.models import ModelIndex, open_model
 
@@ -75,16 +84,19 @@ class OpenVINOShard:
         if spec.head and not self._fold:
             self._head_request()
         self._last: tuple[np.ndarray, int] | None = None  # (hidden returned by forward, its greedy token)
+        self._last_rows: list[tuple[np.ndarray, int]] = []  # the same for forward_batch's rows
         # Constants point into these buffers; the compiled models may too. Keep them alive. They
         # live in a spill file whose pages are dropped from the resident set once the plugin has
         # repacked the weights (after the first forwards, RELEASE_AFTER), see WeightBank.spill.
         self._bank = bank
         self._forwards = 0
+        self._batch_forwards = 0
         _trim_heap()
         self._reqs: dict[int, ov.InferRequest] = {}
         self._spare: list[ov.InferRequest] = []
         self._beam = ov.Tensor(np.zeros(1, dtype=np.int32))
         self._x_dtype = np.int64 if spec.embed else np.float32
+        self._group_of: dict[int, RowGroup] = {}  # slots that are rows of a group → it
 
     # --- slots -------------------------------------------------------------------------
 
@@ -97,21 +109,96 @@ class OpenVINOShard:
         return slot
 
     def close_slot(self, slot: int) -> None:
+        if slot in self._group_of:
+            self._leave_group(slot)
         req = self._reqs.pop(slot)
         req.reset_state()
         self._spare.append(req)
 
     def capture(self, slot: int) -> Any:
         """{variable name: a copy of its state} (the plugin hands states back at their own precision)."""
+        group = self._group_of.get(slot)
+        if group is not None:  # its row, in the caller's physical layout
+            p = group.position(slot)
+            return rowmod.row_kv(rowmod.read_states(group.req), p, group.rows[p].index)
         return {s.name: s.state.data.copy() for s in self._reqs[slot].query_state()}
 
     def restore(self, slot: int, state: Any) -> None:
+        if slot in self._group_of:
+            self._leave_group(slot)  # its row is replaced: nothing to copy out
         for s in self._reqs[slot].query_state():
             s.state = ov.Tensor(np.ascontiguousarray(state[s.name]))
+
+    # --- row groups (backends/openvino/rows.py) -----------------------------------------
+
+    def _leave_group(self, slot: int) -> None:
+        """Drop the slot's row from its group (lazily: the group's next step leaves it out)."""
+        group = self._group_of.pop(slot)
+        group.drop(slot)
+        if not group.live():
+            group.req.reset_state()
+            self._spare.append(group.req)
+
+    def _take_out(self, slot: int) -> None:
+        """Make the slot's solo request its home again: copy its row there, then drop the row."""
+        group = self._group_of[slot]
+        p = group.position(slot)
+        index = group.rows[p].index
+        req = self._reqs[slot]
+        if len(index):
+            states = rowmod.read_states(group.req)
+            rowmod.set_states(req, rowmod.row_kv(states, p, index), {n: t.element_type for n, t in states.items()})
+        else:
+            req.reset_state()
+        self._leave_group(slot)
+
+    def _group_for(self, slots: list[int]) -> RowGroup:
+        """The group whose live rows are exactly `slots`, or a new one built from the rows'
+        current homes (one copy of their KV; the groups they leave keep their other rows)."""
+        group = self._group_of.get(slots[0])
+        if group is not None and sorted(group.live()) == sorted(slots):
+            return group
+        read: dict[int, dict[str, ov.Tensor]] = {}  # id(request) → its states, read once
+        kvs, lengths, types = [], [], {}
+        for slot in slots:
+            home = self._group_of.get(slot)
+            req = home.req if home is not None else self._reqs[slot]
+            states = read.get(id(req))
+            if states is None:
+                states = read[id(req)] = rowmod.read_states(req)
+            if home is not None:
+                p = home.position(slot)
+                index = home.rows[p].index
+                n = len(index)
+                kv = rowmod.row_kv(states, p, index) if n else None
+            else:
+                n = min(t.shape[2] if len(t.shape) == 4 else 0 for t in states.values())
+                kv = rowmod.row_kv(states, 0, None) if n else None
+            if n:
+                types = {name: t.element_type for name, t in states.items()}
+                template = states
+            kvs.append(kv)
+            lengths.append(n)
+        for slot in slots:
+            if slot in self._group_of:
+                self._leave_group(slot)
+        req = self._spare.pop() if self._spare else self.compiled.create_infer_request()
+        req.reset_state()
+        length = max(lengths)
+        if length:
+            arrays, length = rowmod.assemble(kvs, lengths, template)
+            rowmod.set_states(req, arrays, types)
+        rows = [Row(s, np.arange(length - n, length, dtype=np.int64)) for s, n in zip(slots, lengths)]
+        group = RowGroup(req, rows, length)
+        for slot in slots:
+            self._group_of[slot] = group
+        return group
 
     # --- compute -----------------------------------------------------------------------
 
     def forward(self, slot: int, x: np.ndarray, positions: np.ndarray, mask: np.ndarray) -> np.ndarray:
+        if slot in self._group_of:
+            self._take_out(slot)
         req = self._reqs[slot]
         x = np.ascontiguousarray(x, dtype=self._x_dtype)[None]  # [1, n] ids or [1, n, H]
         req.set_input_tensor(0, ov.Tensor(x, shared_memory=True))
@@ -125,6 +212,39 @@ class OpenVINOShard:
         if self._fold:
             self._last = (hidden, int(req.get_output_tensor(1).data[0]))
         return hidden
+
+    def forward_batch(self, slots: Sequence[int], xs: Sequence[np.ndarray], positions: Sequence[np.ndarray],
+                      masks: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """`forward` on several slots at once, as one inference (see backends.base.Shard)."""
+        slots = list(slots)
+        if not (len(slots) == len(xs) == len(positions) == len(masks)) or not slots:
+            raise ValueError("forward_batch needs one x, positions and mask per slot, and at least one slot")
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"forward_batch got a slot twice: {slots}")
+        for slot in slots:
+            if slot not in self._reqs:
+                raise ValueError(f"slot {slot} is not open")
+        if len(slots) == 1 and slots[0] not in self._group_of:
+            return [self.forward(slots[0], xs[0], positions[0], masks[0])]
+        group = self._group_for(slots)
+        step = rowmod.step_inputs(group, slots, xs, positions, masks, self._x_dtype, self.index.hparams.hidden)
+        req = group.req
+        req.set_input_tensor(0, ov.Tensor(step.x, shared_memory=True))
+        req.set_input_tensor(1, ov.Tensor(step.mask, shared_memory=True))
+        req.set_input_tensor(2, ov.Tensor(step.positions, shared_memory=True))
+        req.set_input_tensor(3, ov.Tensor(step.beam, shared_memory=True))
+        req.infer()
+        L = step.x.shape[1]
+        rowmod.advance(group, slots, step.n, L)
+        if self._batch_forwards < RELEASE_AFTER:  # the batched shapes' first inferences repack too
+            self._batch_forwards += 1
+            self.release_weight_pages()
+        out = req.get_output_tensor(0).data  # [B, L, H]
+        hiddens = [out[b, :n].copy() for b, n in enumerate(step.n)]  # [n, H] each
+        if self._fold:  # the graph's token is after position L − 1: a row's own only when n = L
+            tokens = req.get_output_tensor(1).data  # [B]
+            self._last_rows = [(h, int(tokens[b])) for b, (h, n) in enumerate(zip(hiddens, step.n)) if n == L]
+        return hiddens
 
     def release_weight_pages(self) -> None:
         """Drop the constants' file pages from the resident set (they come back if read)."""
@@ -142,6 +262,9 @@ class OpenVINOShard:
         `hidden` is the array the last `forward` returned on a folded shard, no inference runs."""
         if self._last is not None and hidden is self._last[0]:
             return self._last[1]
+        for h, token in self._last_rows:
+            if hidden is h:
+                return token
         head = self._head_request()
         last = np.ascontiguousarray(hidden[-1:], dtype=np.float32)  # [1, H]
         head.set_input_tensor(0, ov.Tensor(last, shared_memory=True))
