@@ -1,7 +1,7 @@
 """Many users at once on a 3-member session: aggregate tok/s and per-user time per token.
 
     .venv/bin/python -m bench.multiuser [--users 1,2,4,8,16] [--latency 0,20] [--max-tokens 48]
-                                        [--rounds 2] [--json]
+                                        [--rounds 2] [--batch-rows on,off] [--json]
 
 One loopback session of separate processes (kafila demo's launcher, `--concurrency auto`) per
 hop latency. For each number of users n, n greedy chat requests (different prompts, typed at
@@ -13,8 +13,9 @@ single-user figure is the mean of both). Reported per n, median over --rounds:
 - per-user TPOT (time per output token: first to last token ÷ tokens after the first), the
   median user's and the slowest user's, as ratios to one user's.
 A number of users above the session's slots (its `/status` concurrency) is left out and said so.
-Nothing here batches rows: every stage runs one request's step per forward (issue 13 part 2 is
-what would amortise the weight reads when the ring is compute-bound).
+--batch-rows on,off runs a session with batched decode rows (`kafila host --batch-rows on`, the
+default: ready decode steps go round as micro-batches, one forward per stage) and one without,
+one after the other at each latency, and prints on ÷ off per number of users.
 """
 
 from __future__ import annotations
@@ -77,10 +78,11 @@ def one_level(session, users: int, max_tokens: int) -> dict:
             "short_answers": sum((r["tokens"] or 0) < max_tokens for r in results)}  # fmt: skip
 
 
-def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: int, model: str) -> dict:
+def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: int, model: str,
+                batch_rows: bool = True) -> dict:  # fmt: skip
     from kafila.session.launch import LocalSession, get_json, stream_chat
 
-    s = LocalSession(members=3, model=model, latency_ms=latency_ms,
+    s = LocalSession(members=3, model=model, latency_ms=latency_ms, batch_rows=batch_rows,
                      log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
                      cache_root=tempfile.mkdtemp(prefix="kafila-bench-cache-"))  # fmt: skip
     t0 = time.monotonic()
@@ -113,7 +115,7 @@ def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: i
                       "tpot_ms": med(rows, "tpot_ms_median"), "tpot_ratio": med(rows, "tpot_ms_median") / solo_tpot,
                       "tpot_max_ratio": med(rows, "tpot_ms_max") / solo_tpot, "ttft_ms": med(rows, "ttft_ms_median"),
                       "short_answers": sum(r["short_answers"] for r in rows), "rounds": rows})  # fmt: skip
-    return {"latency_ms": latency_ms, "slots": slots, "plan": st["plan"], "left_out": [n for n in levels if n > slots],
+    return {"latency_ms": latency_ms, "batch_rows": batch_rows, "slots": slots, "plan": st["plan"], "left_out": [n for n in levels if n > slots],
             "solo_tok_s": solo_agg, "solo_tpot_ms": solo_tpot, "table": table,
             "head_stage_batch_rows": (load["stages"].get(head) or {}).get("batch_rows"),
             "session_s": round(time.monotonic() - t0, 1)}  # fmt: skip
@@ -126,8 +128,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-tokens", type=int, default=48, help="tokens each user asks for")
     p.add_argument("--rounds", type=int, default=2, help="times each number of users is measured (median)")
     p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--batch-rows", default="on", help="on, off or on,off (both, side by side)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
+    modes = [m.strip() for m in args.batch_rows.split(",")]
+    if not modes or any(m not in ("on", "off") for m in modes):
+        print("bench.multiuser: --batch-rows takes on, off or on,off", file=sys.stderr)
+        return 2
     try:
         levels = sorted({int(x) for x in args.users.split(",")} | {1})
         latencies = [float(x) for x in args.latency.split(",")]
@@ -141,9 +148,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"3 members on loopback, {args.model}, {args.max_tokens} tokens per user, median of {args.rounds} "
           "rounds; aggregate = all users' tokens / (first request sent → last token)", flush=True)  # fmt: skip
     out = {}
-    for ms in latencies:
-        r = out[ms] = run_latency(ms, levels, args.max_tokens, args.rounds, args.model)
-        print(f"\n{ms:g} ms/hop: {r['slots']} slots (auto), ring {' → '.join(r['plan']['ring'])}, "
+    for ms, mode in [(ms, mode) for ms in latencies for mode in modes]:
+        r = out[f"{ms:g} ms, rows {mode}"] = run_latency(ms, levels, args.max_tokens, args.rounds, args.model,
+                                                         mode == "on")  # fmt: skip
+        print(f"\n{ms:g} ms/hop, batched rows {mode}: {r['slots']} slots (auto), ring {' → '.join(r['plan']['ring'])}, "
               f"1 user {r['solo_tok_s']:.1f} tok/s, TPOT {r['solo_tpot_ms']:.1f} ms", flush=True)
         print(f"{'users':>5} {'aggregate tok/s':>16} {'÷ 1 user':>9} {'TPOT ms':>8} {'÷ solo':>7} "
               f"{'slowest ÷ solo':>15} {'TTFT ms':>8}")
@@ -154,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
                                                if row["short_answers"] else ""), flush=True)  # fmt: skip
         if r["left_out"]:
             print(f"  left out (more users than slots): {r['left_out']}")
+        other = out.get(f"{ms:g} ms, rows on") if mode == "off" else None
+        if other is not None:
+            ratios = ", ".join(f"{a['users']}: {a['aggregate_tok_s'] / b['aggregate_tok_s']:.2f}×"
+                               for a, b in zip(other["table"], r["table"]))  # fmt: skip
+            print(f"  aggregate tok/s, rows on ÷ off, by users: {ratios}", flush=True)
     if args.json:
         print(json.dumps(out, indent=1, default=str))
     return 0

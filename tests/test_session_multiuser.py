@@ -88,13 +88,13 @@ def wait_for(what: str, check, timeout_s: float = 30.0):
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module")
-def session(tmp_path_factory):
+@pytest.fixture(scope="module", params=["batch-rows-on", "batch-rows-off"])
+def session(request, tmp_path_factory):
     from kafila.session.launch import LocalSession
 
     # --concurrency auto (LocalSession's default, as kafila host's): context 512 makes a slot small
-    s = LocalSession(members=3, context=512, cache_root=str(tmp_path_factory.mktemp("caches")),
-                     log_dir=str(tmp_path_factory.mktemp("logs")))  # fmt: skip
+    s = LocalSession(members=3, context=512, precision="f32", cache_root=str(tmp_path_factory.mktemp("caches")),
+                     log_dir=str(tmp_path_factory.mktemp("logs")), batch_rows=request.param.endswith("on"))  # fmt: skip
     s.start(timeout_s=300)
     yield s
     codes = s.stop()
@@ -116,7 +116,7 @@ def test_eight_concurrent_requests_from_three_members_get_their_solo_answers(ses
     asks = [(session.names[i % 3], p) for i, p in enumerate(PROMPTS)]
     solo = [answer(session.api(name), prompt) for name, prompt in asks]
     head = status(session.api("m1"))["plan"]["head"]
-    seen = {"active": 0, "tok_s": 0.0}
+    seen = {"active": 0, "tok_s": 0.0, "rows": 0}
     done = threading.Event()
 
     def watch():  # what the head's /status shows while they run
@@ -125,6 +125,7 @@ def test_eight_concurrent_requests_from_three_members_get_their_solo_answers(ses
             seen["active"] = max(seen["active"], load["active"])
             rates = [r["tok_s"] for r in load["requests"] if r["tok_s"]]
             seen["tok_s"] = max([seen["tok_s"], *rates])
+            seen["rows"] = max([seen["rows"], *(s["batch_rows"] or 0 for s in load["stages"].values())])
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch)
@@ -137,6 +138,8 @@ def test_eight_concurrent_requests_from_three_members_get_their_solo_answers(ses
     for (name, prompt), alone, got in zip(asks, solo, together):
         assert got == alone, (name, prompt)
     assert seen["active"] >= 2 and seen["tok_s"] > 0, seen  # they ran side by side, and it showed
+    # batched decode rows: several requests' steps in one forward (and never when off)
+    assert (seen["rows"] > 1) == session.batch_rows, seen
     for name in session.names:  # no slot left behind on any stage
         assert own_stage(session, name)["active"] == 0, name
 

@@ -274,3 +274,90 @@ def test_a_request_resumes_on_the_replanned_ring_with_the_same_tokens():
 
 async def _drain(gen):
     return [t async for t in gen]
+
+
+class BatchingShard(FakeShard):
+    """FakeShard with forward_batch (row by row: the ring's protocol is under test, not speed)."""
+
+    batches: list
+
+    def forward_batch(self, slots, xs, positions, masks):
+        self.batches = getattr(self, "batches", [])
+        self.batches.append(len(slots))
+        assert len(set(slots)) == len(slots)
+        return [self.forward(s, x, p, m) for s, x, p, m in zip(slots, xs, positions, masks)]
+
+
+def batching_ring(batch_rows: bool, slots: int = 4):
+    names = ["m1", "m2", "m3"]
+    lim = Limits(hidden=H, context=64, slots=slots, vocab=V)
+    layers = [BatchingShard(i, embed=i == 0, head=i == 0) for i in range(3)]
+    nodes = [RingNode(nm, "m1", names, s, lim, eos_ids=frozenset({0}), batch_rows=batch_rows)
+             for nm, s in zip(names, layers)]  # fmt: skip
+    pipes = [Pipe() for _ in range(3)]
+    for i, node in enumerate(nodes):
+        node.start(pipes[i - 1].reader, pipes[i])
+    return nodes, layers
+
+
+@pytest.mark.parametrize("batch_rows", [True, False])
+def test_micro_batches_go_round_the_ring_together_and_answer_as_solo(batch_rows):
+    """Concurrent requests' decode steps travel as micro-batches (one forward_batch per stage);
+    every answer is its solo answer, with batching on and off."""
+    async def main():
+        solo = await solo_tokens()
+        nodes, layers = batching_ring(batch_rows)
+        engines = [engine(n) for n in nodes]
+        results = await asyncio.gather(*(collect(engines[i % 3], p) for i, p in enumerate(PROMPTS)))
+        assert [r[0] for r in results] == solo
+        sizes = [getattr(shard, "batches", []) for shard in layers]
+        if batch_rows:  # the same micro-batches at every stage, several rows each
+            assert max(sizes[0]) > 1 and sizes[0] == sizes[1] == sizes[2], sizes
+        else:
+            assert sizes == [[], [], []]
+        for _ in range(100):
+            if all(not n.slots.slots for n in nodes):
+                break
+            await asyncio.sleep(0.01)
+        assert all(not n.slots.slots for n in nodes), "every stage freed its slots"
+        for n in nodes:
+            await n.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_request_cancelled_inside_a_micro_batch_leaves_the_others_whole():
+    async def main():
+        solo = await solo_tokens()
+        nodes, layers = batching_ring(True)
+        engines = [engine(n) for n in nodes]
+        gone = engines[1].generate(GenerationRequest((5, 6, 7), 40, stop_at_eos=False), GenerationStats())
+        others = asyncio.gather(*(collect(engines[i % 3], p) for i, p in enumerate(PROMPTS[:3])))
+        await anext(gone)
+        await anext(gone)
+        await gone.aclose()  # the client hung up mid-answer
+        assert [r[0] for r in await others] == solo[:3]
+        for _ in range(100):
+            if all(not n.slots.slots for n in nodes) and nodes[0].scheduler.free_slots == 4:
+                break
+            await asyncio.sleep(0.01)
+        assert all(not n.slots.slots for n in nodes) and nodes[0].scheduler.free_slots == 4
+        assert max(layers[1].batches) > 1
+        for n in nodes:
+            await n.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+def test_a_micro_batch_out_of_order_is_a_malformed_frame():
+    from kafila.session.frames import Activation, FrameError
+
+    async def main():
+        nodes, _ = batching_ring(True)
+        row = Activation("m1:1", 0, 3, 3, (), np.zeros((1, H), np.float32), (), 3, 1)
+        with pytest.raises(FrameError, match="row 1 of a micro-batch of 3"):
+            nodes[1]._collect(row)
+        for n in nodes:
+            await n.close()
+
+    asyncio.run(asyncio.wait_for(main(), 10))

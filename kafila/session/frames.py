@@ -44,6 +44,7 @@ MAX_NAME_CHARS = 64
 MAX_TOKENS_PER_FRAME = 256
 MAX_ERROR_CHARS = 500
 MAX_TRACE_ENTRIES = 64
+MAX_BATCH_ROWS = 32  # activations of one micro-batch (the head's slots are at most 32)
 MAX_TEMPERATURE = 100.0
 MAX_HOPS = 255  # the wire's bound on a routed frame's hops; the ring's own is len(ring) + 1
 WEIGHT_CHUNK_BYTES = 4 << 20
@@ -107,6 +108,10 @@ class Activation:
     zeros: tuple[int, ...]
     hidden: np.ndarray  # float32 [n, hidden]
     trace: tuple[tuple[str, int], ...] = ()  # (stage, compute µs) appended by every stage
+    # a micro-batch (batched decode rows): `rows` activations written back to back, this one
+    # row `row` of them; every stage runs them as one forward and passes them on together
+    rows: int = 1
+    row: int = 0
 
     @property
     def n(self) -> int:
@@ -212,7 +217,8 @@ def encode(frame: Frame, limits: Limits | None = None) -> bytes:
         return _pack(
             {"k": "act", "rid": frame.rid, "slot": frame.slot, "cache": frame.cache_len,
              "pos0": frame.pos0, "zeros": list(frame.zeros), "dtype": "f32",
-             "shape": list(x.shape), "trace": [list(t) for t in frame.trace]},
+             "shape": list(x.shape), "trace": [list(t) for t in frame.trace],
+             **({"rows": frame.rows, "row": frame.row} if frame.rows > 1 else {})},
             x.data.cast("B"), MAX_FRAME_BYTES if limits is None else limits.frame_bytes,
         )  # fmt: skip
     if isinstance(frame, Request):
@@ -364,6 +370,9 @@ def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
         ):
             raise FrameError("mask zeros must be physical positions inside the slot")
         _pairs(h, "trace", int)
+        if "rows" in h:
+            rows = _int(h, "rows", 2, MAX_BATCH_ROWS)
+            _int(h, "row", 0, rows - 1)
         size = n * hidden * 4
         if size > limits.frame_bytes:
             raise FrameError(f"activation of {size} bytes exceeds this ring's frame limit {limits.frame_bytes}")
@@ -418,7 +427,8 @@ def build_frame(h: dict, payload: bytes) -> Frame:
         # a writable copy of 4·hidden·n bytes: runtimes may share (and need to own) the buffer
         x = np.frombuffer(bytearray(payload), dtype="<f4").reshape(h["shape"])
         trace = tuple((a, b) for a, b in h.get("trace", []))
-        return Activation(h["rid"], h["slot"], h["cache"], h["pos0"], tuple(h["zeros"]), x, trace)
+        return Activation(h["rid"], h["slot"], h["cache"], h["pos0"], tuple(h["zeros"]), x, trace,
+                          h.get("rows", 1), h.get("row", 0))
     if kind == "req":
         p = np.frombuffer(payload, dtype="<i4")
         return Request(h["rid"], h["origin"], h["dst"], h["max_new"], h["eos"], p,

@@ -216,7 +216,7 @@ class HostParticipant(Participant):
         self._index = index
         # "concurrency" is each plan's (auto: what its memory holds, set in _form)
         self.session = {"context": cfg.context, "concurrency": cfg.concurrency or 1, "precision": cfg.precision,
-                        "speculate": cfg.speculate, "max_queued": cfg.max_queued,
+                        "speculate": cfg.speculate, "max_queued": cfg.max_queued, "batch_rows": cfg.batch_rows,
                         "concurrency_from": "memory" if cfg.concurrency is None else "--concurrency",
                         "model": index.name, "sha256": self.digests.sha256}  # fmt: skip
         await self._form(None)

@@ -87,6 +87,7 @@ class LocalSession:
     context: int | None = None  # None: the host's default (2048, or the model's own context if shorter)
     concurrency: int | str = "auto"  # kafila host --concurrency: N, or auto (as many as memory holds)
     max_queued: int | None = None  # kafila host --max-queued (None: its default)
+    batch_rows: bool = True  # kafila host --batch-rows on|off
     latency_ms: float = 0.0
     speculate: str = "off"  # the head's drafter: "off" | "ngram" (kafila host --speculate)
     precision: str = "serving"  # every stage's compute (kafila host --precision)
@@ -180,6 +181,7 @@ class LocalSession:
                 *(["--context", str(self.context)] if self.context is not None else []),
                 "--concurrency", str(self.concurrency),
                 *(["--max-queued", str(self.max_queued)] if self.max_queued is not None else []),
+                "--batch-rows", "on" if self.batch_rows else "off",
                 "--speculate", self.speculate, "--precision", self.precision,
                 *(["--auto-replan"] if self.auto_replan else []),
             ], ports[1])  # fmt: skip

@@ -80,6 +80,7 @@ class SessionConfig:
     context: int | None = None  # None: 2048, or the model's own context if shorter (host.session_context)
     concurrency: int | None = None  # requests served at once; None: as many as memory holds (slots.py)
     max_queued: int = DEFAULT_MAX_QUEUED  # requests that may wait for a slot (one more: 429)
+    batch_rows: bool = True  # kafila host --batch-rows: ready decode steps travel as one micro-batch
     speculate: str = "off"  # the head's drafter (speculate.SPECULATE_MODES), sent in the session
     policy: str = "kafila"
     code_file: str | None = None
@@ -692,7 +693,8 @@ class Participant:
                              on_degraded=lambda why: self._ring_broke(why, epoch),
                              speculate=speculate, drafter=drafter,
                              max_queued=session_value(self.state.session, "max_queued", DEFAULT_MAX_QUEUED,
-                                                      0, MAX_QUEUED_LIMIT))  # fmt: skip
+                                                      0, MAX_QUEUED_LIMIT),
+                             batch_rows=self.state.session.get("batch_rows", True) is not False)  # fmt: skip
         if len(role.ring) == 1:
             self.node.start()
             return

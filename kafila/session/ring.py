@@ -37,6 +37,7 @@ from dataclasses import dataclass, field, replace
 import numpy as np
 
 from kafila.session.frames import (
+    MAX_BATCH_ROWS,
     Activation,
     Cancel,
     EncodeError,
@@ -47,6 +48,7 @@ from kafila.session.frames import (
     Request,
     Tokens,
 )  # fmt: skip
+from kafila.session.microbatch import MicroBatches
 from kafila.session.scheduler import (
     Finished,
     Scheduler,
@@ -151,7 +153,8 @@ class RingNode:
                  on_degraded: Callable[[str], None] | None = None,
                  prefill_chunk: int | None = None, speculate: str = "off",
                  draft_k: int = DRAFT_K, adaptive_k: bool = True, drafter=None,
-                 stage_hang_s: float = STAGE_HANG_S, max_queued: int = DEFAULT_MAX_QUEUED) -> None:  # fmt: skip
+                 stage_hang_s: float = STAGE_HANG_S, max_queued: int = DEFAULT_MAX_QUEUED,
+                 batch_rows: bool = True) -> None:  # fmt: skip
         """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
         hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
         frames over the limit: only tests set it, to exercise the per-request error.
@@ -159,7 +162,10 @@ class RingNode:
         drafts a trip (chosen online unless `adaptive_k` is False: see Scheduler). `drafter`:
         the head's draft model (draft.ModelDrafter) for speculate="draft". `stage_hang_s`: the
         watchdog's bound on one step of this stage (twice it for a trip round the ring).
-        `max_queued`: the head's requests that may wait for a slot (one more: 429)."""
+        `max_queued`: the head's requests that may wait for a slot (one more: 429).
+        `batch_rows`: the head sends the decode steps that are ready together as one micro-batch,
+        which every stage runs as one forward (the shard's forward_batch: weights read once for
+        all rows); off, every step travels alone."""
         self.name = name
         self.head = head
         self.ring = ring
@@ -191,6 +197,10 @@ class RingNode:
         self._sampling: dict[str, tuple] = {}  # head: rid → (temperature, top_p, rng) when not greedy
         self.drafter = drafter
         self.stage_hang_s = stage_hang_s
+        # micro-batches need every stage's forward_batch, and do not mix with drafts (yet)
+        self.batch = batch_rows and hasattr(shard, "forward_batch") and speculate == "off"
+        self._batches = MicroBatches(groups=len(ring), max_rows=MAX_BATCH_ROWS)
+        self._rows_in: list[Activation] = []  # a micro-batch arriving, row by row
 
     # --- wiring ------------------------------------------------------------------------------
 
@@ -351,10 +361,15 @@ class RingNode:
             log.debug("a %s for %r after %d hops: dropped", type(frame).__name__, frame.dst, frame.hops)
             return
         if isinstance(frame, Activation):
+            rows = self._collect(frame)
+            if rows is None:
+                return  # more rows of its micro-batch follow
             if self.is_head:
-                self._events.put_nowait(("back", frame))
+                self._events.put_nowait(("back", rows))
+            elif len(rows) == 1:
+                await self._stage(rows[0])
             else:
-                await self._stage(frame)
+                await self._stage_rows(rows)
         elif isinstance(frame, Free):
             if not self.is_head:  # back at the head it is over (the head freed its own at once)
                 await self._compute(self.slots.free, frame.slot)
@@ -375,6 +390,35 @@ class RingNode:
             elif self.is_head:
                 self._events.put_nowait(("cancel", frame.rid))
 
+    def _collect(self, act: Activation) -> list[Activation] | None:
+        """A micro-batch's rows come back to back: the whole batch once its last row is in."""
+        if act.rows == 1 and not self._rows_in:
+            return [act]
+        if act.row != len(self._rows_in) or (self._rows_in and act.rows != self._rows_in[0].rows):
+            raise FrameError(f"row {act.row} of a micro-batch of {act.rows} arrived after "
+                             f"{len(self._rows_in)} rows")  # fmt: skip
+        self._rows_in.append(act)
+        if len(self._rows_in) < act.rows:
+            return None
+        rows, self._rows_in = self._rows_in, []
+        return rows
+
+    async def _stage_rows(self, acts: list[Activation]) -> None:
+        """Run a micro-batch as one forward and pass it on as one."""
+        def run():
+            t0 = time.perf_counter()
+            slots = [self.slots.get(a.slot, False) for a in acts]
+            hs = self.shard.forward_batch(slots, [a.hidden for a in acts], [a.positions() for a in acts],
+                                          [a.mask() for a in acts])  # fmt: skip
+            self._ran(len(acts))
+            return hs, int((time.perf_counter() - t0) * 1e6)
+
+        if len({a.slot for a in acts}) != len(acts) or any(a.cache_len == 0 for a in acts):
+            raise FrameError("a micro-batch must hold distinct slots' decode steps")
+        hiddens, us = await self._compute(run)
+        self._measure(self.name, us)
+        await self._send(*(replace(a, hidden=h, trace=a.trace + ((self.name, us),)) for a, h in zip(acts, hiddens)))
+
     async def _stage(self, act: Activation) -> None:
         def run():
             t0 = time.perf_counter()
@@ -389,10 +433,11 @@ class RingNode:
         await self._send(Activation(act.rid, act.slot, act.cache_len, act.pos0, act.zeros, hidden,
                                     act.trace + ((self.name, us),)))  # fmt: skip
 
-    async def _send(self, frame: Frame) -> None:
+    async def _send(self, *frames: Frame) -> None:
+        """Frames to the successor, written back to back (a micro-batch's rows stay together)."""
         if self.out is None:
             raise StreamClosed("this member has no successor")
-        await self.out.send(frame)
+        await self.out.send(*frames)
 
     def _deliver(self, frame: Tokens) -> None:
         if frame.stats:
@@ -435,19 +480,19 @@ class RingNode:
                         await self._to_origin(Tokens(req.rid, req.origin, (), True, "error", str(exc)[:500], exc.status))
                 elif kind == "cancel":
                     await self._emit(sched.cancel(ev[1]))
-                elif kind == "back":
-                    act: Activation = ev[1]
-                    sampling = self._sampling.get(act.rid)
-                    if not sched.wants_token(act.rid):  # a prefill chunk before the prompt's last
-                        token = None
-                    elif draft := sched.draft_of(act.rid):  # a verifying step: a row per position
-                        token = await self._compute(verify_rows, self.shard, act.hidden, draft, sampling)
-                    elif sampling is None:
-                        token = await self._compute(greedy, self.shard, act.hidden)
-                    else:
-                        token = await self._compute(sample, self.shard, act.hidden, *sampling)
-                    self._account(act)
-                    await self._emit(sched.complete(act.rid, token))
+                elif kind == "back":  # one step, or a micro-batch's rows: all done before the next pump
+                    for act in ev[1]:
+                        sampling = self._sampling.get(act.rid)
+                        if not sched.wants_token(act.rid):  # a prefill chunk before the prompt's last
+                            token = None
+                        elif draft := sched.draft_of(act.rid):  # a verifying step: a row per position
+                            token = await self._compute(verify_rows, self.shard, act.hidden, draft, sampling)
+                        elif sampling is None:
+                            token = await self._compute(greedy, self.shard, act.hidden)
+                        else:
+                            token = await self._compute(sample, self.shard, act.hidden, *sampling)
+                        self._account(act)
+                        await self._emit(sched.complete(act.rid, token))
                 await self._pump()
             except StreamClosed as exc:
                 self.degrade(f"the ring edge to the next member closed ({exc})")
@@ -462,7 +507,20 @@ class RingNode:
     async def _pump(self) -> None:
         if self.degraded:
             return
-        for step in self.scheduler.steps():
+        steps = self.scheduler.steps()
+        if self.batch:  # plain decode steps wait for their micro-batch; the rest go as they come
+            for step in steps:
+                if self._batchable(step):
+                    self._batches.ready(step)
+                else:
+                    self._batches.leave(step.rid)
+            steps = [s for s in steps if not self._batchable(s)]
+            for group in self._batches.due():
+                if len(group) == 1:
+                    steps.append(group[0])
+                else:
+                    await self._send_rows(group)
+        for step in steps:
             self._step_started[step.rid] = time.perf_counter()  # drafting is part of a trip's cost
             if step.want_draft:
                 step = self.scheduler.attach_draft(step.rid, await self._propose(step))
@@ -474,7 +532,7 @@ class RingNode:
             act = Activation(step.rid, step.slot, step.cache_len, step.pos0, step.zeros, hidden,
                              ((self.name, us),))  # fmt: skip
             if self.out is None:  # a ring of one: the activation is back at once
-                self._events.put_nowait(("back", act))
+                self._events.put_nowait(("back", [act]))
                 continue
             try:
                 await self._send(act)
@@ -482,6 +540,44 @@ class RingNode:
                 log.warning("request %s failed: %s", step.rid, exc)
                 await self._emit(self.scheduler.fail(
                     step.rid, f"this request's activations cannot be sent round the ring: {exc}", 500))
+
+    @staticmethod
+    def _batchable(step: Step) -> bool:
+        """A plain decode step (one token, no drafts): it may share a forward with others."""
+        return len(step.tokens) == 1 and step.cache_len > 0 and not step.drafted and not step.want_draft
+
+    async def _send_rows(self, steps: list[Step]) -> None:
+        """The ready decode steps as one micro-batch: one forward here, one trip round the ring."""
+        now = time.perf_counter()
+        for step in steps:
+            self._step_started[step.rid] = now
+        hiddens, us = await self._compute(self._head_forward_rows, steps)
+        self._measure(self.name, us)
+        acts = [Activation(st.rid, st.slot, st.cache_len, st.pos0, st.zeros, h, ((self.name, us),), len(steps), i)
+                for i, (st, h) in enumerate(zip(steps, hiddens))]  # fmt: skip
+        if self.out is None:  # a ring of one: back at once
+            self._events.put_nowait(("back", acts))
+            return
+        try:
+            await self._send(*acts)
+        except EncodeError as exc:  # nothing was written: these requests alone fail
+            for st in steps:
+                await self._emit(self.scheduler.fail(
+                    st.rid, f"this request's activations cannot be sent round the ring: {exc}", 500))
+
+    def _head_forward_rows(self, steps: list[Step]):
+        t0 = time.perf_counter()
+        slots = [self.slots.get(st.slot, False) for st in steps]
+        masks = []
+        for st in steps:
+            mask = np.ones(st.cache_len + 1, dtype=np.int64)
+            if st.zeros:
+                mask[list(st.zeros)] = 0
+            masks.append(mask)
+        positions = [np.array([st.pos0], dtype=np.int64) for st in steps]
+        hs = self.shard.forward_batch(slots, [st.tokens for st in steps], positions, masks)
+        self._ran(len(steps))
+        return hs, int((time.perf_counter() - t0) * 1e6)
 
     async def _propose(self, step: Step) -> tuple[int, ...]:
         """The draft model's proposals for `step` (none without a drafter or when it fails: a
@@ -557,6 +653,7 @@ class RingNode:
                 self._pace[ev.rid] = (first, now, n + 1)
                 await self._to_origin(Tokens(ev.rid, ev.origin, (ev.token,)))
             elif isinstance(ev, Finished):
+                self._batches.leave(ev.rid)
                 self._step_started.pop(ev.rid, None)
                 self._sampling.pop(ev.rid, None)
                 self._pace.pop(ev.rid, None)

@@ -1,0 +1,83 @@
+"""Sans-I/O grouping of the head's decode steps into micro-batches (batched decode rows).
+
+A micro-batch is a set of requests whose decode steps travel round the ring together, each stage
+running them as one forward (`Shard.forward_batch`: the weights read once for all rows). Two
+things make it pay, and both are decided here:
+
+- Membership is stable. A backend keeps a batch's KV rows together (OpenVINO: one state whose
+  rows are the slots), so a row that joins costs a copy of its KV and one that leaves costs
+  nothing: a request is put in a group once, and stays in it until it ends.
+- The ring stays full. With G groups on a ring of G stages, each stage works on one group while
+  the others are elsewhere (pipelining); more requests make the groups bigger, not more numerous.
+  A request is added to the smallest group (a new one while there are fewer than `groups`).
+
+A group leaves when every member's step is ready, which happens when the group comes back round
+the ring; a member that joined while its group was away waits for it (once, at most one trip).
+
+    ready(step)   a plain decode step of request rid (its group is chosen on its first)
+    leave(rid)    the request ended, or its next step cannot share a forward (a prefill, drafts)
+    due()         the groups to send now: [[step, ...], ...] (every member ready)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass
+class _Group:
+    members: list[str] = field(default_factory=list)  # in joining order: the rows' order
+    ready: dict[str, Any] = field(default_factory=dict)  # rid -> its step
+
+
+class MicroBatches:
+    def __init__(self, groups: int, max_rows: int) -> None:
+        self.groups = max(1, groups)
+        self.max_rows = max(1, max_rows)
+        self._groups: dict[int, _Group] = {}
+        self._of: dict[str, int] = {}
+        self._next = 0
+
+    def ready(self, step: Any) -> None:
+        gid = self._of.get(step.rid)
+        if gid is None:
+            gid = self._place()
+            self._groups[gid].members.append(step.rid)
+            self._of[step.rid] = gid
+        self._groups[gid].ready[step.rid] = step
+
+    def _place(self) -> int:
+        open_groups = [g for g, grp in self._groups.items() if len(grp.members) < self.max_rows]
+        if len(self._groups) < self.groups or not open_groups:
+            self._next += 1
+            self._groups[self._next] = _Group()
+            return self._next
+        return min(open_groups, key=lambda g: (len(self._groups[g].members), g))
+
+    def leave(self, rid: str) -> Any | None:
+        """Take rid out of its group; returns its step if one was waiting (the caller sends it)."""
+        gid = self._of.pop(rid, None)
+        if gid is None:
+            return None
+        group = self._groups[gid]
+        group.members.remove(rid)
+        step = group.ready.pop(rid, None)
+        if not group.members:
+            del self._groups[gid]
+        return step
+
+    def due(self) -> list[list[Any]]:
+        out = []
+        for group in self._groups.values():
+            if group.members and len(group.ready) == len(group.members):
+                out.append([group.ready[rid] for rid in group.members])
+                group.ready.clear()
+        return out
+
+    def group_of(self, rid: str) -> int | None:
+        return self._of.get(rid)
+
+    @property
+    def sizes(self) -> list[int]:
+        return [len(g.members) for g in self._groups.values()]
