@@ -361,3 +361,21 @@ def test_a_micro_batch_out_of_order_is_a_malformed_frame():
             await n.close()
 
     asyncio.run(asyncio.wait_for(main(), 10))
+
+
+@pytest.mark.parametrize("machines, rtt_ms, depth", [
+    ({"m1": "a", "m2": "b", "m3": "c"}, 0.0, 3),  # three machines: one micro-batch on each
+    ({"m1": "a", "m2": "a", "m3": "a"}, 0.0, 1),  # one machine's cores: one batch, the biggest rows
+    ({"m1": "a", "m2": "a", "m3": "a"}, 40.0, 3),  # 20 ms a hop: batches to fill the wire's wait
+])  # fmt: skip
+def test_micro_batches_in_flight_follow_the_machines_and_the_wire(machines, rtt_ms, depth):
+    async def main():
+        lim = Limits(hidden=H, context=64, slots=4, vocab=V)
+        node = RingNode("m1", "m1", ["m1", "m2", "m3"], BatchingShard(0, embed=True, head=True), lim,
+                        machines=machines, edge_rtts=lambda: {n: rtt_ms for n in machines})  # fmt: skip
+        assert node._pipeline_depth() == len(set(machines.values()))  # before any step is measured
+        node.measured.stage_ms.update({"m1": 10.0, "m2": 10.0, "m3": 10.0})
+        assert node._pipeline_depth() == depth
+        await node.close()
+
+    asyncio.run(asyncio.wait_for(main(), 10))

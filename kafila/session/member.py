@@ -222,13 +222,21 @@ class Participant:
         if not task.cancelled() and task.exception() is not None:
             log.warning("task %s failed: %r", task.get_name(), task.exception())
 
+    def _edge_rtts(self) -> dict:
+        """Ring member → its successor edge's RTT (ms): the host's last status, and our own edge."""
+        out = {n: e.get("rtt_ms") for n, e in self.state.edges.items() if isinstance(e, dict)}
+        own = getattr(self, "succ_edge", None)
+        if own is not None:
+            out[self.cfg.name] = edge_stats(own).get("rtt_ms")
+        return out
+
     def descriptor(self) -> dict:
         from kafila.probe import probe_device
 
         p = probe_device(quick=True, backend=self.cfg.backend)  # measured on what it will serve on
         return {"backend": self.cfg.backend, "probed_on": p.backend, "memory_gb": round(p.memory_gb, 3),
                 "bandwidth_gbps": p.bandwidth_gbps, "overhead_us": p.overhead_us,
-                "tflops": p.tflops}  # fmt: skip
+                "tflops": p.tflops, "machine": machine_id()}  # fmt: skip
 
     # --- running ---------------------------------------------------------------------------------
 
@@ -688,7 +696,12 @@ class Participant:
         drafter = None
         if speculate == "draft" and me == role.head:
             drafter, speculate = await self._drafter(limits.context)
-        self.node = RingNode(me, role.head, role.ring, self.shard, limits,
+        # stages on one machine share its cores: they do not run side by side, so the head keeps
+        # one micro-batch per machine of the ring (pipelining), not one per stage
+        roster = self.net.roster() if self.net is not None else {}
+        machines = {n: str((roster[n].descriptor or {}).get("machine") or n) if n in roster else n for n in role.ring}
+        self.node = RingNode(me, role.head, role.ring, self.shard, limits, machines=machines,
+                             edge_rtts=self._edge_rtts,
                              eos_ids=frozenset(self.tokenizer.eos_ids),
                              on_degraded=lambda why: self._ring_broke(why, epoch),
                              speculate=speculate, drafter=drafter,
@@ -844,6 +857,24 @@ class Participant:
     @code.setter
     def code(self, value: str) -> None:
         self._code = value
+
+
+def machine_id() -> str:
+    """A short hash naming this machine (its kernel's boot id: containers and network namespaces
+    of one host share it, as they share its cores), so a head can tell members that share one."""
+    import hashlib
+
+    for path in ("/proc/sys/kernel/random/boot_id", "/etc/machine-id"):
+        try:
+            with open(path) as f:
+                raw = f.read().strip()
+        except OSError:
+            continue
+        if raw:
+            return hashlib.sha256(f"kafila-machine|{raw}".encode()).hexdigest()[:16]
+    import socket
+
+    return hashlib.sha256(f"kafila-machine|{socket.gethostname()}".encode()).hexdigest()[:16]
 
 
 def plan_epoch(body: dict) -> int:

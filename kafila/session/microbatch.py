@@ -7,8 +7,10 @@ things make it pay, and both are decided here:
 - Membership is stable. A backend keeps a batch's KV rows together (OpenVINO: one state whose
   rows are the slots), so a row that joins costs a copy of its KV and one that leaves costs
   nothing: a request is put in a group once, and stays in it until it ends.
-- The ring stays full. With G groups on a ring of G stages, each stage works on one group while
-  the others are elsewhere (pipelining); more requests make the groups bigger, not more numerous.
+- The ring stays full. With G groups on a ring of G machines, each machine works on one group
+  while the others are elsewhere (pipelining); more requests make the groups bigger, not more
+  numerous. Stages that share a machine share its cores and do not run side by side, so they
+  count once (a loopback session of 3 stages on one machine keeps one group: the biggest rows).
   A request is added to the smallest group (a new one while there are fewer than `groups`).
 
 A group leaves when every member's step is ready, which happens when the group comes back round

@@ -154,7 +154,8 @@ class RingNode:
                  prefill_chunk: int | None = None, speculate: str = "off",
                  draft_k: int = DRAFT_K, adaptive_k: bool = True, drafter=None,
                  stage_hang_s: float = STAGE_HANG_S, max_queued: int = DEFAULT_MAX_QUEUED,
-                 batch_rows: bool = True) -> None:  # fmt: skip
+                 batch_rows: bool = True, machines: dict[str, str] | None = None,
+                 edge_rtts: Callable[[], dict] | None = None) -> None:  # fmt: skip
         """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
         hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
         frames over the limit: only tests set it, to exercise the per-request error.
@@ -165,7 +166,10 @@ class RingNode:
         `max_queued`: the head's requests that may wait for a slot (one more: 429).
         `batch_rows`: the head sends the decode steps that are ready together as one micro-batch,
         which every stage runs as one forward (the shard's forward_batch: weights read once for
-        all rows); off, every step travels alone."""
+        all rows); off, every step travels alone. How many micro-batches to keep in flight comes
+        from `machines` (ring member → the machine it runs on: stages of one machine share its
+        cores) and `edge_rtts()` (ring member → its successor edge's RTT in ms); see
+        _pipeline_depth."""
         self.name = name
         self.head = head
         self.ring = ring
@@ -197,9 +201,12 @@ class RingNode:
         self._sampling: dict[str, tuple] = {}  # head: rid → (temperature, top_p, rng) when not greedy
         self.drafter = drafter
         self.stage_hang_s = stage_hang_s
-        # micro-batches need every stage's forward_batch, and do not mix with drafts (yet)
-        self.batch = batch_rows and hasattr(shard, "forward_batch") and speculate == "off"
-        self._batches = MicroBatches(groups=len(ring), max_rows=MAX_BATCH_ROWS)
+        # micro-batches need every stage's forward_batch; a draft model's steps go alone (the
+        # drafter runs between the scheduler's step and its send), n-gram drafts ride in rows
+        self.batch = batch_rows and hasattr(shard, "forward_batch") and speculate != "draft"
+        self.machines = machines or {n: n for n in ring}
+        self.edge_rtts = edge_rtts
+        self._batches = MicroBatches(groups=len(set(self.machines.values())), max_rows=MAX_BATCH_ROWS)
         self._rows_in: list[Activation] = []  # a micro-batch arriving, row by row
 
     # --- wiring ------------------------------------------------------------------------------
@@ -493,6 +500,7 @@ class RingNode:
                             token = await self._compute(sample, self.shard, act.hidden, *sampling)
                         self._account(act)
                         await self._emit(sched.complete(act.rid, token))
+                    self._batches.groups = self._pipeline_depth()
                 await self._pump()
             except StreamClosed as exc:
                 self.degrade(f"the ring edge to the next member closed ({exc})")
@@ -541,10 +549,26 @@ class RingNode:
                 await self._emit(self.scheduler.fail(
                     step.rid, f"this request's activations cannot be sent round the ring: {exc}", 500))
 
+    def _pipeline_depth(self) -> int:
+        """Micro-batches worth keeping in flight: a trip's time over the busiest machine's share
+        of it (three stages on three machines and a fast network: 3; the same three on one
+        machine: 1, since they cannot run side by side; 20 ms a hop adds as many as fill it)."""
+        stage_ms = self.measured.stage_ms
+        if not all(stage_ms.get(n) for n in self.ring):
+            return self._batches.groups  # not measured yet: one per machine
+        busy: dict[str, float] = {}
+        for n in self.ring:
+            busy[self.machines.get(n, n)] = busy.get(self.machines.get(n, n), 0.0) + stage_ms[n]
+        rtts = self.edge_rtts() if self.edge_rtts is not None else {}
+        net = sum(float(rtts.get(n) or 0.0) / 2 for n in self.ring) if len(self.ring) > 1 else 0.0
+        trip = sum(stage_ms[n] for n in self.ring) + net
+        return max(1, min(MAX_BATCH_ROWS, round(trip / max(busy.values()))))
+
     @staticmethod
     def _batchable(step: Step) -> bool:
-        """A plain decode step (one token, no drafts): it may share a forward with others."""
-        return len(step.tokens) == 1 and step.cache_len > 0 and not step.drafted and not step.want_draft
+        """A decode step (its last token, and drafts to verify if any; not a prefill, not a step
+        still waiting for a drafter): it may share a forward with others."""
+        return step.cache_len > 0 and len(step.tokens) == 1 + step.drafted and not step.want_draft
 
     async def _send_rows(self, steps: list[Step]) -> None:
         """The ready decode steps as one micro-batch: one forward here, one trip round the ring."""
@@ -570,11 +594,11 @@ class RingNode:
         slots = [self.slots.get(st.slot, False) for st in steps]
         masks = []
         for st in steps:
-            mask = np.ones(st.cache_len + 1, dtype=np.int64)
+            mask = np.ones(st.cache_len + len(st.tokens), dtype=np.int64)
             if st.zeros:
                 mask[list(st.zeros)] = 0
             masks.append(mask)
-        positions = [np.array([st.pos0], dtype=np.int64) for st in steps]
+        positions = [np.arange(st.pos0, st.pos0 + len(st.tokens), dtype=np.int64) for st in steps]
         hs = self.shard.forward_batch(slots, [st.tokens for st in steps], positions, masks)
         self._ran(len(steps))
         return hs, int((time.perf_counter() - t0) * 1e6)
