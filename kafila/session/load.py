@@ -68,7 +68,9 @@ def clean_head(raw) -> dict | None:
     if any(v is None for v in out.values()) or not out["slots"]:
         return None
     requests = [clean_request(r) for r in raw["requests"][:MAX_REPORTED_REQUESTS]]
-    return {**out, "requests": [r for r in requests if r is not None]}
+    batches = raw.get("micro_batches")
+    batches = [b for b in batches[:MAX_SLOTS] if _count(b, MAX_SLOTS)] if isinstance(batches, list) else []
+    return {**out, "requests": [r for r in requests if r is not None], "micro_batches": batches}
 
 
 def ring_load(ring: list[str], me: str, own: dict | None, reported: dict, head: dict | None) -> dict:
@@ -79,4 +81,5 @@ def ring_load(ring: list[str], me: str, own: dict | None, reported: dict, head: 
     head = head or {}
     return {"slots": head.get("slots"), "active": head.get("active"), "queued": head.get("queued"),
             "max_queued": head.get("max_queued"), "stages": stages,
+            "micro_batches": list(head.get("micro_batches") or []),  # requests in each, batched rows on
             "requests": list(head.get("requests") or [])}  # fmt: skip

@@ -105,6 +105,16 @@ def greedy(shard, hidden: np.ndarray) -> int:
     return int(np.argmax(shard.logits(hidden[-1:])[-1]))
 
 
+def greedy_rows(shard, hiddens: list[np.ndarray]) -> list[int]:
+    """The top-1 token after each hidden's last row, from one lm_head over all of them."""
+    if not hiddens:
+        return []
+    if len(hiddens) == 1:
+        return [greedy(shard, hiddens[0])]
+    logits = shard.logits(np.concatenate([h[-1:] for h in hiddens]))
+    return [int(t) for t in np.argmax(logits, axis=-1)]
+
+
 def verify_rows(shard, hidden: np.ndarray, draft: tuple[int, ...], sampling) -> tuple[int, ...]:
     """The tokens a verifying step yields from its rows (speculate.verify)."""
     return verify(draft, shard.logits(hidden), sampling)
@@ -488,9 +498,16 @@ class RingNode:
                 elif kind == "cancel":
                     await self._emit(sched.cancel(ev[1]))
                 elif kind == "back":  # one step, or a micro-batch's rows: all done before the next pump
-                    for act in ev[1]:
+                    acts = ev[1]
+                    plain = [a for a in acts if sched.wants_token(a.rid) and not sched.draft_of(a.rid)
+                             and a.rid not in self._sampling] if len(acts) > 1 else []  # fmt: skip
+                    tokens = dict(zip((a.rid for a in plain),
+                                      await self._compute(greedy_rows, self.shard, [a.hidden for a in plain])))
+                    for act in acts:
                         sampling = self._sampling.get(act.rid)
-                        if not sched.wants_token(act.rid):  # a prefill chunk before the prompt's last
+                        if act.rid in tokens:  # a micro-batch's greedy rows: one lm_head for all
+                            token = tokens[act.rid]
+                        elif not sched.wants_token(act.rid):  # a prefill chunk before the prompt's last
                             token = None
                         elif draft := sched.draft_of(act.rid):  # a verifying step: a row per position
                             token = await self._compute(verify_rows, self.shard, act.hidden, draft, sampling)
@@ -651,7 +668,8 @@ class RingNode:
             requests.append({"id": v.rid, "origin": v.origin, "state": v.state, "prompt_tokens": v.prompt_tokens,
                              "tokens": v.generated, "max_tokens": v.max_new, "tok_s": tok_s})  # fmt: skip
         return {"slots": sched.slots, "active": sched.active, "queued": sched.queued,
-                "max_queued": sched.max_queue, "requests": requests}  # fmt: skip
+                "max_queued": sched.max_queue, "requests": requests,
+                "micro_batches": self._batches.sizes if self.batch else []}  # fmt: skip
 
     def _account(self, act: Activation) -> None:
         started = self._step_started.pop(act.rid, None)
