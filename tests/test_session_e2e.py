@@ -160,8 +160,8 @@ def test_concurrent_requests_from_several_members_get_their_solo_tokens(session,
         t.join(120)
     for (name, prompt), got in zip(asks, results):
         assert got == local(prompt), name
-    head = status(session.api("m1"))["requests"]
-    assert head == {"active": 0, "queued": 0, "free_slots": 4}  # no slot leaked
+    head = status(session.api("m1"))["plan"]["head"]  # where the planner put it (probes differ)
+    assert status(session.api(head))["requests"] == {"active": 0, "queued": 0, "free_slots": 4}  # no slot leaked
 
 
 def test_bad_requests_get_clear_errors_and_the_session_goes_on(session):
