@@ -144,23 +144,27 @@ class RecordSealer:
         self.counter = 0
         self.closed = False
 
-    def _record(self, plaintext) -> bytes:
+    def _record(self, plaintext) -> bytearray:
         if self.closed:
             raise BulkError("this bulk lane direction is closed")
         if self.counter >= 1 << 64:
             raise BulkError("record counter exhausted")
-        prefix = RECORD_PREFIX.pack(len(plaintext) + TAG_BYTES)
-        sealed = self._aead.encrypt(_COUNTER.pack(self.counter), plaintext, prefix)
+        record = bytearray(RECORD_PREFIX.size + len(plaintext) + TAG_BYTES)
+        RECORD_PREFIX.pack_into(record, 0, len(plaintext) + TAG_BYTES)
+        prefix = bytes(record[:RECORD_PREFIX.size])
+        # sealed in place after its prefix: no copy of a MiB to join them
+        self._aead.encrypt_into(_COUNTER.pack(self.counter), plaintext, prefix,
+                                memoryview(record)[RECORD_PREFIX.size:])  # fmt: skip
         self.counter += 1
-        return prefix + sealed
+        return record
 
-    def seal(self, data) -> list[bytes]:
+    def seal(self, data) -> list[bytearray]:
         """Records carrying `data` (nothing for empty data: an empty record means the end)."""
         view = memoryview(data)
         return [self._record(view[i:i + MAX_RECORD_PLAINTEXT_BYTES])
                 for i in range(0, len(view), MAX_RECORD_PLAINTEXT_BYTES)]  # fmt: skip
 
-    def close(self) -> bytes:
+    def close(self) -> bytearray:
         """The end-of-stream record; nothing may be sealed after it."""
         out = self._record(b"")
         self.closed = True

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 import time
@@ -94,7 +95,7 @@ async def fetch_weights(reader, writer, name: str, manifest: Manifest, path: str
                     raise WeightError(f"unexpected {type(frame).__name__} frame during the weight transfer")
                 received += 16 + len(frame.data)  # prefix + a small header: the bytes that crossed
                 offset, data, verify = fetcher.received(frame)
-                await disk.write(offset, data, verify)
+                await disk.write(offset, data, fetcher.chunk_tensor, verify is not None)
                 if verify is None and header and offset == fetcher.header_last_offset:
                     await disk.settle()
                     if await asyncio.to_thread(sha256_range, path, 0, manifest.header_len) != manifest.header_sha256:
@@ -122,20 +123,23 @@ DISK_BACKLOG_CHUNKS = 4  # chunks received and not yet written (and verified): b
 
 
 class _Disk:
-    """The sparse copy's writes, and each tensor's SHA-256 once its last chunk is written, in
-    arrival order on one worker thread, so the loop goes on receiving meanwhile. At most
+    """The sparse copy's writes, in arrival order on one worker thread, so the loop goes on
+    receiving meanwhile; each tensor's SHA-256 is taken over its chunks as they are written (a
+    tensor's chunks arrive in order, on one stream) and checked once its last one is. At most
     DISK_BACKLOG_CHUNKS wait; a failed digest raises WeightError when its turn is awaited."""
 
     def __init__(self, path: str) -> None:
         self.path = path
         self._pool: ThreadPoolExecutor | None = None
         self._jobs: deque[tuple[asyncio.Future, TensorRange | None]] = deque()
+        self._hashes: dict[str, hashlib._Hash] = {}  # tensor → the digest of its chunks so far
 
-    async def write(self, offset: int, data: bytes, verify: TensorRange | None) -> None:
+    async def write(self, offset: int, data: bytes, tensor: TensorRange | None, last: bool) -> None:
+        """Queue chunk `data` at `offset` (of `tensor`; None: the header); `last`: its last chunk."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(1, thread_name_prefix="kafila-fetch")
-        job = asyncio.get_running_loop().run_in_executor(self._pool, _write_and_hash, self.path, offset, data, verify)
-        self._jobs.append((job, verify))
+        job = asyncio.get_running_loop().run_in_executor(self._pool, self._write, offset, data, tensor, last)
+        self._jobs.append((job, tensor if last else None))
         while len(self._jobs) > DISK_BACKLOG_CHUNKS:
             await self._next()
 
@@ -163,9 +167,14 @@ class _Disk:
             self._pool = None
 
 
-def _write_and_hash(path: str, offset: int, data: bytes, verify: TensorRange | None) -> str | None:
-    write_at(path, offset, data)
-    return None if verify is None else sha256_range(path, verify.offset, verify.n_bytes)
+    def _write(self, offset: int, data: bytes, tensor: TensorRange | None, last: bool) -> str | None:
+        """Blocking, on the worker: write, hash (hashlib lets the loop run meanwhile)."""
+        write_at(self.path, offset, data)
+        if tensor is None:
+            return None
+        h = self._hashes.setdefault(tensor.name, hashlib.sha256())
+        h.update(data)
+        return self._hashes.pop(tensor.name).hexdigest() if last else None
 
 
 async def _take_offer(reader, lanes: Lanes) -> tuple[tuple | None, asyncio.Task | None]:

@@ -363,6 +363,7 @@ class Fetcher:
         self.total_bytes = sum(c.length for c in self._todo)
         self.done_bytes = 0
         self.wire_bytes = 0  # compressed header + raw tensor bytes as they arrived
+        self.chunk_tensor: TensorRange | None = None  # the tensor of the chunk `received` last (None: header)
 
     @property
     def finished(self) -> bool:
@@ -406,6 +407,7 @@ class Fetcher:
         if len(data) != c.length:
             raise WeightError(f"weight chunk at {c.offset} has {len(data)} bytes, expected {c.length}")
         self.done_bytes += c.length
+        self.chunk_tensor = c.tensor
         return c.offset, data, (c.tensor if c.last else None)
 
 
