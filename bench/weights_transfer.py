@@ -2,6 +2,7 @@
 the CPU both ends spend on it.
 
     .venv/bin/python -m bench.weights_transfer [--shape llama-3.2-1b] [--members 2] [--backend openvino]
+                                               [--quic-members N]
 
 A `kafila demo`-style session (kafila.session.launch.LocalSession: the host and its members as
 separate processes on 127.0.0.1) on a tests/big_gguf shape, every member's weight cache empty,
@@ -11,6 +12,11 @@ While it forms, a sampler polls every member's /status (its live transfer figure
 are all in (its peak so far: process start, probe and the transfer; the shard build comes after),
 and the CPU seconds the member and the host used during the transfer. MB/s = bytes that crossed
 the edge / the member's fetch seconds (kafila.session.transfer.fetch_weights' own figures).
+
+Each member fetches over the bulk lane (TCP, kafila.session.bulk) when the host offers it, as
+in any session; `--quic-members N` makes the last N members fetch over the QUIC stream only
+(`kafila join --weights-lane quic`), so both lanes run side by side in one run. The `lane`
+column is what each member's /status says carried its weights.
 """
 
 from __future__ import annotations
@@ -87,21 +93,37 @@ class Sampler(threading.Thread):
             time.sleep(POLL_S)
 
 
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
+    except OSError:
+        import platform
+
+        return platform.processor() or "?"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama-3.2-1b", help="a tests/big_gguf shape")
     ap.add_argument("--members", type=int, default=2, help="session size, host included")
     ap.add_argument("--backend", default="openvino")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="for the session to form")
+    ap.add_argument("--quic-members", type=int, default=0, metavar="N",
+                    help="the last N members fetch over the QUIC stream only (the other lane, side by side)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
     from kafila.session.launch import LocalSession
     from tests.big_gguf import big_model, cache_dir
 
+    if not 0 <= args.quic_members <= args.members - 1:
+        ap.error(f"--quic-members: choose 0..{args.members - 1}")
     model = big_model(args.shape)
     caches = tempfile.mkdtemp(prefix="weights-transfer-", dir=cache_dir())  # a real disk, not tmpfs
+    names = [f"m{i + 1}" for i in range(args.members)]
+    quic = {n: "quic" for n in names[len(names) - args.quic_members:]} if args.quic_members else {}
     session = LocalSession(members=args.members, model=model, backend=args.backend, context=512, concurrency=1,
-                           cache_root=caches)  # fmt: skip
+                           cache_root=caches, weights_lane=quic)  # fmt: skip
     sampler = Sampler(session)
     sampler.start()
     failed: list[BaseException] = []
@@ -129,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
             w = _weights(_api_port(p)) or {}
             s = sampler.rows.get(p.name, {})
             mb = w.get("received_bytes", 0) / 1e6
-            rows.append({"member": p.name, "blocks": session.plan["blocks"][p.name] if session.plan else None,
+            rows.append({"member": p.name, "lane": w.get("lane", "?"), "blocks": session.plan["blocks"][p.name] if session.plan else None,
                          "tensor_mb": w.get("tensor_bytes", 0) / 1e6, "received_mb": mb,
                          "seconds": w.get("seconds"), "mb_s": mb / max(w.get("seconds") or 1e-9, 1e-9),
                          "peak_rss_mb": s.get("peak_rss", 0) / 1e6, "hwm_mb": s.get("hwm", 0) / 1e6,
@@ -140,13 +162,14 @@ def main(argv: list[str] | None = None) -> int:
         session.stop()
         starter.join(timeout=30)
         shutil.rmtree(caches, ignore_errors=True)
-    print(f"{args.shape} ({os.path.getsize(model) / 1e6:.1f} MB), {args.members} members, loopback")
-    print("| member | blocks | tensors MB | received MB | s | MB/s | peak RSS receiving MB | VmHWM at end MB "
+    print(f"{args.shape} ({os.path.getsize(model) / 1e6:.1f} MB), {args.members} members, loopback, "
+          f"CPU {_cpu_model()} ({os.cpu_count()} cores)")
+    print("| member | lane | blocks | tensors MB | received MB | s | MB/s | peak RSS receiving MB | VmHWM at end MB "
           "| member CPU s | host CPU s |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         f = lambda v, d=1: "?" if v is None else f"{v:.{d}f}"  # noqa: E731
-        print(f"| {r['member']} | {r['blocks']} | {f(r['tensor_mb'])} | {f(r['received_mb'])} | {f(r['seconds'])} "
+        print(f"| {r['member']} | {r['lane']} | {r['blocks']} | {f(r['tensor_mb'])} | {f(r['received_mb'])} | {f(r['seconds'])} "
               f"| {f(r['mb_s'])} | {f(r['peak_rss_mb'], 0)} | {f(r['hwm_mb'], 0)} | {f(r['member_cpu_s'])} "
               f"| {f(r['host_cpu_s'])} |")  # fmt: skip
     if args.json:

@@ -30,6 +30,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
                    help="delay every datagram this member sends by L ms (WAN emulation)")
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help=f"where fetched weights live (default {DEFAULT_CACHE_DIR})")
     p.add_argument("--json-events", action="store_true", help="one JSON line per lifecycle event on stdout")
+    p.add_argument("--weights-lane", choices=("auto", "quic"), default="auto",
+                   help="auto (default): weights over TCP when the peer is reachable, else the QUIC "
+                   "edge; quic: the QUIC edge only")
     p.add_argument("--draft", metavar="GGUF", default=None,
                    help="a small model of the same vocabulary this member drafts with when it is the "
                         "head of a session started with --speculate draft")
@@ -59,7 +62,8 @@ def common_config(args: argparse.Namespace, host: bool):
     return SessionConfig(name=args.name or default_name(), rendezvous=rendezvous, backend=args.backend,
                          draft_path=draft,
                          api=api, api_tries=api_tries, bind_host=args.bind, send_delay_ms=args.latency_ms,
-                         cache_dir=os.path.abspath(args.cache_dir), json_events=args.json_events)  # fmt: skip
+                         cache_dir=os.path.abspath(args.cache_dir), json_events=args.json_events,
+                         weights_lane=args.weights_lane)  # fmt: skip
 
 
 def check_backend(name: str) -> None:

@@ -63,6 +63,8 @@ def transfer_line(t: dict) -> str:
     done, total = t.get("done_bytes") or 0, t.get("total_bytes") or 0
     pct = f" ({100 * done / total:.0f} %)" if total else ""
     rate = f", {t['mb_s']:.1f} MB/s" if t.get("mb_s") else ""
+    if t.get("lane") in ("tcp", "quic"):  # which lane carried them (kafila.session.bulk)
+        rate += " over TCP" if t["lane"] == "tcp" else " over QUIC"
     state = t.get("state")
     if state == "done":
         left = ", done" if done >= total else ", done (the member had the rest)"

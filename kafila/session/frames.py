@@ -21,6 +21,10 @@ edge (a long prompt's activations travel in chunks that fit: scheduler.prefill_c
 No I/O here: `FrameDecoder.feed(bytes) -> [frames]` drives the same steps for tests and any
 transport; `read_frame` (in ring.py) drives them over an asyncio stream.
 
+A weight stream may also carry one `BulkOffer` (the server's answer to a `Hello` with `bulk`:
+where and with which key to fetch over TCP instead, kafila.session.bulk); a peer from before
+that sends no such Hello and gets no offer.
+
 Frames that are not addressed to the member that reads them (requests, tokens, cancels) carry a
 destination `dst` and are forwarded along the ring: every control message travels in the ring's
 direction, like activations, so one stream per ring edge suffices (see ring.py). They count
@@ -31,6 +35,8 @@ that re-sends what it should not, or a ring whose names disagree).
 
 from __future__ import annotations
 
+import ipaddress
+import re
 import struct
 from dataclasses import dataclass
 
@@ -50,6 +56,8 @@ MAX_HOPS = 255  # the wire's bound on a routed frame's hops; the ring's own is l
 WEIGHT_CHUNK_BYTES = 4 << 20
 FINISH_REASONS = ("", "stop", "length", "error")
 PURPOSES = ("ring", "weights")
+MAX_BULK_HOSTS = 8  # addresses a bulk lane offer names
+MAX_HOST_CHARS = 45  # the longest IPv6 literal
 
 
 class FrameError(Exception):
@@ -91,6 +99,7 @@ class Hello:
     name: str
     purpose: str  # "ring" | "weights"
     epoch: int = 1  # a ring stream's plan generation (a replan opens new edges: stale ones are dropped)
+    bulk: bool = False  # a weights stream: the fetcher takes a BulkOffer (a peer from before ignores it)
 
 
 @dataclass(frozen=True)
@@ -192,7 +201,22 @@ class WeightData:
     data: bytes
 
 
-Frame = Hello | Activation | Free | Request | Tokens | Cancel | WeightGet | WeightData
+@dataclass(frozen=True)
+class BulkOffer:
+    """The serving peer's answer to a weights Hello with `bulk`: fetch over TCP from one of
+    `hosts` at `port`, proving `key` (kafila.net.bulk_records). Only ever sent on an edge's
+    stream (TLS 1.3, pinned certificates): the key is secret to the two peers."""
+
+    port: int = 0  # 0: a decline (no lane here: fetch on this stream), with no key and no hosts
+    key: bytes = b""  # 32 random bytes, one connection, expires unused (kafila.session.bulk)
+    hosts: tuple[str, ...] = ()  # IP literals of the serving machine
+
+    @property
+    def declined(self) -> bool:
+        return self.port == 0
+
+
+Frame = Hello | Activation | Free | Request | Tokens | Cancel | WeightGet | WeightData | BulkOffer
 
 
 # --- encoding ----------------------------------------------------------------------------
@@ -236,7 +260,8 @@ def encode(frame: Frame, limits: Limits | None = None) -> bytes:
                       "status": frame.status, "stats": [list(t) for t in frame.stats],
                       "hops": frame.hops})  # fmt: skip
     if isinstance(frame, Hello):
-        return _pack({"k": "hello", "name": frame.name, "purpose": frame.purpose, "epoch": frame.epoch})
+        h = {"k": "hello", "name": frame.name, "purpose": frame.purpose, "epoch": frame.epoch}
+        return _pack(h | {"bulk": True} if frame.bulk else h)
     if isinstance(frame, Free):
         return _pack({"k": "free", "slot": frame.slot})
     if isinstance(frame, Cancel):
@@ -248,6 +273,8 @@ def encode(frame: Frame, limits: Limits | None = None) -> bytes:
             {"k": "wdata", "off": frame.offset, "len": frame.length, "z": frame.compressed},
             frame.data,
         )
+    if isinstance(frame, BulkOffer):
+        return _pack({"k": "boffer", "port": frame.port, "key": frame.key.hex(), "hosts": list(frame.hosts)})
     raise TypeError(f"not a frame: {type(frame).__name__}")
 
 
@@ -264,6 +291,17 @@ def parse_prefix(prefix: bytes) -> tuple[int, int]:
     if plen > MAX_FRAME_BYTES:
         raise FrameError(f"payload length {plen} exceeds MAX_FRAME_BYTES {MAX_FRAME_BYTES}")
     return hlen, plen
+
+
+_KEY_RE = re.compile(r"[0-9a-f]{64}")
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True
 
 
 def _str(h: dict, key: str, limit: int = MAX_NAME_CHARS, empty: bool = False) -> str:
@@ -340,6 +378,8 @@ def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
             raise FrameError(f"unknown stream purpose {h.get('purpose')!r}")
         if "epoch" in h:
             _int(h, "epoch", 0, 1 << 31)
+        if "bulk" in h:
+            _bool(h, "bulk")
     elif kind == "wget":
         _int(h, "off", 0, 1 << 48)
         _int(h, "len", 1, WEIGHT_CHUNK_BYTES)
@@ -351,6 +391,17 @@ def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
         if not z and payload_len != length:
             raise FrameError(f"weight chunk of {payload_len} bytes declares {length}")
         size = payload_len  # compressed chunks: any size up to the bound; checked on inflate
+    elif kind == "boffer":
+        hosts = h.get("hosts")
+        if _int(h, "port", 0, 65535) == 0:
+            if h.get("key") != "" or hosts != []:
+                raise FrameError("a bulk decline (port 0) carries no key and no addresses")
+        elif not isinstance(h.get("key"), str) or not _KEY_RE.fullmatch(h["key"]):
+            raise FrameError("a bulk offer's key must be 64 hex digits")
+        elif not isinstance(hosts, list) or not 1 <= len(hosts) <= MAX_BULK_HOSTS or not all(
+            isinstance(a, str) and len(a) <= MAX_HOST_CHARS and _is_ip(a) for a in hosts
+        ):
+            raise FrameError(f"a bulk offer names 1..{MAX_BULK_HOSTS} IP addresses")
     elif limits is None:
         raise FrameError(f"frame kind {kind!r} not allowed before the plan")
     elif kind == "act":
@@ -438,7 +489,9 @@ def build_frame(h: dict, payload: bytes) -> Frame:
         return Tokens(h["rid"], h["dst"], tuple(h["ids"]), h["done"], h["finish"], h["error"], h["status"], stats,
                       h.get("hops", 0))
     if kind == "hello":
-        return Hello(h["name"], h["purpose"], h.get("epoch", 1))
+        return Hello(h["name"], h["purpose"], h.get("epoch", 1), h.get("bulk", False))
+    if kind == "boffer":
+        return BulkOffer(h["port"], bytes.fromhex(h["key"]), tuple(h["hosts"]))
     if kind == "free":
         return Free(h["slot"])
     if kind == "cancel":

@@ -81,6 +81,8 @@ class HostParticipant(Participant):
         self.host_name = cfg.name
         self._hash_cancel = threading.Event()  # stops a hashing worker when the host leaves
         self._transfers: dict[str, TransferProgress] = {}  # member → the weights it was sent
+        self._lanes: dict[str, str] = {}  # member → "tcp" | "quic": how its weights went
+        self._bulk = None  # kafila.session.bulk.BulkListener, opened with the first weight stream
         self._bars = None  # rich Progress: one bar per member while the session forms (a terminal)
         self._bar_ids: dict[str, int] = {}
         self._plans_made = 0  # epochs handed out
@@ -111,6 +113,10 @@ class HostParticipant(Participant):
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(sys.stdin.fileno())
         self._hash_cancel.set()
+        if self._bulk is not None:
+            with contextlib.suppress(Exception):
+                await self._bulk.close()
+            self._bulk = None
         if self.rendezvous_service is not None:
             with contextlib.suppress(Exception):
                 await self.rendezvous_service.close()
@@ -119,7 +125,7 @@ class HostParticipant(Participant):
     async def _lifecycle(self) -> int:
         from kafila.models import open_model
         from kafila.net import Member, MemberJoined, MemberLeft, Message
-        from kafila.session.weights import DigestCache
+        from kafila.session.weights import DigestCache, warm_header_cache
 
         cfg = self.cfg
         index = await asyncio.to_thread(open_model, cfg.model_path)
@@ -135,8 +141,12 @@ class HostParticipant(Participant):
         desc_task = asyncio.create_task(asyncio.to_thread(self.descriptor))
         # hashing a big file takes tens of seconds: in a worker, while members join (never on
         # this loop: heartbeats, the API and the signaling channel keep running)
-        digests_task = self.spawn(asyncio.to_thread(DigestCache.load, index, cfg.cache_dir, None,
-                                                    self._hash_cancel), "digests")  # fmt: skip
+        def digests() -> DigestCache:  # then the compressed header every member asks for first
+            d = DigestCache.load(index, cfg.cache_dir, None, self._hash_cancel)
+            warm_header_cache(cfg.model_path, index.file_bytes, d.header_len, self._weight_cache)
+            return d
+
+        digests_task = self.spawn(asyncio.to_thread(digests), "digests")
         desc = await desc_task
         rv = cfg.rendezvous
         if rv is None:
@@ -461,7 +471,8 @@ class HostParticipant(Participant):
         except PlanInputError as exc:
             raise Refused(f"cannot plan this session: {exc}") from None
 
-    async def serve_weights(self, edge, reader, writer) -> None:
+    async def serve_weights(self, edge, reader, writer, hello=None) -> None:
+        """Serve one member's weight stream (`hello`: its Hello, already read by _on_edge)."""
         from kafila.session.transfer import serve_weights
 
         clock = asyncio.get_running_loop().time
@@ -474,10 +485,14 @@ class HostParticipant(Participant):
                 prog.update(n, clock())
                 self._show_transfer(edge.peer)
 
+        def lane(kind: str) -> None:
+            self._lanes[edge.peer] = kind
+
+        self._lanes[edge.peer] = "quic"
         try:
             sent = await serve_weights(reader, writer, self.cfg.model_path, self.digests.index.file_bytes,
-                                       self._weight_cache, served)  # fmt: skip
-            log.info("served %d weight bytes to %s", sent, edge.peer)
+                                       self._weight_cache, served, await self._bulk_listener(), lane, hello)  # fmt: skip
+            log.info("served %d weight bytes to %s over %s", sent, edge.peer, self._lanes[edge.peer])
         except Exception as exc:
             log.warning("weight transfer to %s ended: %s", edge.peer, describe_error(exc))
         finally:
@@ -485,10 +500,28 @@ class HostParticipant(Participant):
             with contextlib.suppress(Exception):
                 await edge.close()
 
+    async def _bulk_listener(self):
+        """The bulk lane's TCP listener (one per process, opened with the first weight stream);
+        None with --weights-lane quic, or when it cannot listen (the QUIC stream serves then)."""
+        if self._bulk is None and self.cfg.weights_lane != "quic":
+            from kafila.session.bulk import BulkListener
+
+            own = self.net.roster().get(self.cfg.name) if self.net is not None else None
+            hosts = [h for h, _ in getattr(own, "candidates", None) or ()]
+            try:
+                self._bulk = await BulkListener.start(self.cfg.bind_host, hosts)
+            except OSError as exc:
+                self.say(f"{self.cfg.name}: no TCP lane for weights ({exc}); members fetch over QUIC")
+                self.cfg = replace(self.cfg, weights_lane="quic")
+                return None
+            log.info("bulk lane: listening on port %d for %s", self._bulk.port, ", ".join(self._bulk.hosts))
+        return self._bulk
+
     # --- each member's weights, as the host serves them -------------------------------------------
 
     def status(self) -> dict:
-        return {**super().status(), "transfers": {n: p.as_dict() for n, p in self._transfers.items()}}
+        return {**super().status(), "transfers": {n: {**p.as_dict(), "lane": self._lanes.get(n, "quic")}
+                                                  for n, p in self._transfers.items()}}  # fmt: skip
 
     def _transfer_done(self, name: str) -> None:
         """The member closed its weight stream or said it is ready (a local copy needs none)."""

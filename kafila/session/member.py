@@ -88,6 +88,9 @@ class SessionConfig:
     code_words: int = 3  # words in the session code (4 for a long-lived session)
     embedded_listen: tuple[str, int] = ("0.0.0.0", 7473)
     json_events: bool = False  # print one JSON line per lifecycle event on stdout (scripts)
+    # "auto": weights over the bulk lane (TCP, kafila.session.bulk) when the peer is reachable,
+    # else the QUIC stream; "quic": never offer or take the TCP lane
+    weights_lane: str = "auto"
 
 
 @dataclass
@@ -527,7 +530,8 @@ class Participant:
             TransferSpeedColumn,
         )  # fmt: skip
 
-        from kafila.session.transfer import check_local_file, fetch_weights
+        from kafila.session.bulk import dial
+        from kafila.session.transfer import Lanes, check_local_file, fetch_weights
 
         cfg = self.cfg
         if cfg.local_model and await asyncio.to_thread(check_local_file, cfg.local_model, manifest):
@@ -538,6 +542,14 @@ class Participant:
         self.state.weights = {"source": "host", "tensor_bytes": manifest.tensor_bytes, "done_bytes": 0,
                               "total_bytes": manifest.tensor_bytes, "state": "connecting"}  # fmt: skip
         edge = await self.net.connect(host)
+        # the TCP lane tries where the edge already reached the host first (its punched address)
+        direct = (getattr(edge, "stats", dict)() or {}).get("direct_address")
+        prefer = [direct.rpartition(":")[0]] if direct else []
+        lanes = None if cfg.weights_lane == "quic" else Lanes(lambda offer: dial(offer, prefer))
+
+        def lane() -> str:
+            return lanes.lane if lanes is not None else "quic"
+
         try:
             reader, writer = await edge.open_stream()
             with Progress("[progress.description]{task.description}", BarColumn(), DownloadColumn(),
@@ -550,19 +562,23 @@ class Participant:
                     bar.update(task, completed=done, total=total)
                     live.update(done, time.monotonic(), total)  # /status and the page, live
                     self.state.weights = {"source": "host", "tensor_bytes": manifest.tensor_bytes,
-                                          **live.as_dict()}  # fmt: skip
+                                          "lane": lane(), **live.as_dict()}  # fmt: skip
 
                 stats = await fetch_weights(reader, writer, cfg.name, manifest, path, progress,
-                                            self._shard_check(manifest))  # fmt: skip
+                                            self._shard_check(manifest), lanes)  # fmt: skip
         finally:
             await edge.close()
         live.finish(time.monotonic())
         mb = stats["received_bytes"] / 1e6
         secs = max(stats["seconds"], 1e-6)
+        how = ("over TCP" if stats["lane"] == "tcp" else
+               f"over the QUIC stream ({lanes.note})" if lanes is not None and lanes.note else "over the QUIC stream")
         self.say(f"{cfg.name}: weights ready: {stats['fetched_tensors']} of {len(manifest.tensors)} "
-                 f"tensors fetched, {mb:.1f} MB in {secs:.1f} s ({mb / secs:.1f} MB/s), SHA-256 verified")  # fmt: skip
+                 f"tensors fetched, {mb:.1f} MB in {secs:.1f} s ({mb / secs:.1f} MB/s {how}), SHA-256 verified")  # fmt: skip
         self.event("weights", **stats)
         self.state.weights = {**live.as_dict(), **stats, "source": "host"}
+        if lanes is not None and lanes.note:
+            self.state.weights["lane_note"] = lanes.note[:300]
         return path, self.state.weights
 
     def _who(self, name: str) -> str:
@@ -634,7 +650,7 @@ class Participant:
                 return
             await edge.close()
         else:
-            await self.serve_weights(edge, reader, writer)
+            await self.serve_weights(edge, reader, writer, hello)
 
     async def _ring_refusal(self, hello: Hello, edge) -> str | None:
         """Why a ring Hello may not become the predecessor stream (None: it may), once the plan
@@ -683,7 +699,7 @@ class Participant:
                 await edge.close()
         self.succ_edge = None
 
-    async def serve_weights(self, edge, reader, writer) -> None:
+    async def serve_weights(self, edge, reader, writer, hello: Hello | None = None) -> None:
         await edge.close()  # only the host serves weights
 
     async def _form_ring(self) -> None:

@@ -9,7 +9,9 @@ elsewhere. A backend opens it like the real file and reads only its own tensors,
 format is needed. Before fetching, the member checks what the copy already holds (each tensor's
 digest): an interrupted transfer resumes where it stopped, and a complete local file with the
 model's digest is used as it is. Chunks are requested with WeightGet frames, a few in flight at
-once, over one edge stream to the host; each tensor is verified as soon as its last chunk lands.
+once, over one edge stream to the host, or over the bulk lane (TCP sealed with a key the host
+sent on that stream, bulk.py) when the host is reachable; each tensor is verified as soon as
+its last chunk lands.
 No tensor is asked for before the header is verified and `check_shard` found that the manifest
 lists exactly the plan's tensors for this member at the ranges that header gives (a manifest's
 own bounds, MAX_MODEL_FILE_BYTES, hold only until then).
@@ -333,7 +335,8 @@ class _Chunk:
 class Fetcher:
     """Which chunks to ask for next, and what to do with each that arrives.
 
-    `requests()` hands out WeightGet frames keeping FETCH_WINDOW_CHUNKS in flight; `received`
+    `requests()` hands out WeightGet frames of at most `chunk_bytes`, keeping `window_chunks` in
+    flight (FETCH_CHUNK_BYTES, FETCH_WINDOW_CHUNKS; a faster lane may set more); `received`
     checks a chunk against what was asked (same order: one stream), inflates it, and returns
     (offset, bytes, tensor to verify or None) for the caller to write; the header is complete
     (to verify) once the chunk at `header_last_offset` was written. Tensor chunks are held back
@@ -346,30 +349,40 @@ class Fetcher:
         # pieces of at most one chunk each, verified once its last piece landed
         self.header_last_offset = None
         if header:
-            for off in range(0, manifest.header_len, WEIGHT_CHUNK_BYTES):
-                length = min(WEIGHT_CHUNK_BYTES, manifest.header_len - off)
+            for off, length in header_pieces(manifest.header_len):
                 self._todo.append(_Chunk(off, length, None, off + length == manifest.header_len))
                 self.header_last_offset = off
-        for t in tensors:
-            for off in range(t.offset, t.offset + t.n_bytes, FETCH_CHUNK_BYTES):
-                length = min(FETCH_CHUNK_BYTES, t.offset + t.n_bytes - off)
-                self._todo.append(_Chunk(off, length, t, off + length == t.offset + t.n_bytes))
+        for t in tensors:  # whole tensors, cut into chunks as they are asked for (`chunk_bytes`)
+            if t.n_bytes:
+                self._todo.append(_Chunk(t.offset, t.n_bytes, t, True))
         self._asked: deque[_Chunk] = deque()
+        # a fast lane (the TCP bulk lane) may ask for larger chunks, fewer at once
+        self.chunk_bytes = FETCH_CHUNK_BYTES
+        self.window_chunks = FETCH_WINDOW_CHUNKS
         self.held = header  # tensors wait for the header: it says which tensors the shard has
         self.total_bytes = sum(c.length for c in self._todo)
         self.done_bytes = 0
         self.wire_bytes = 0  # compressed header + raw tensor bytes as they arrived
+        self.chunk_tensor: TensorRange | None = None  # the tensor of the chunk `received` last (None: header)
 
     @property
     def finished(self) -> bool:
         return not self._todo and not self._asked
 
+    @property
+    def in_flight(self) -> int:
+        """Chunks asked for and not yet received (a lane switch waits for none)."""
+        return len(self._asked)
+
     def requests(self) -> list[WeightGet]:
         out = []
-        while self._todo and len(self._asked) < FETCH_WINDOW_CHUNKS:
+        while self._todo and len(self._asked) < self.window_chunks:
             if self.held and self._todo[0].tensor is not None:
                 break
             c = self._todo.popleft()
+            if c.tensor is not None and c.length > self.chunk_bytes:  # the rest of the tensor waits
+                self._todo.appendleft(_Chunk(c.offset + self.chunk_bytes, c.length - self.chunk_bytes, c.tensor, True))
+                c = _Chunk(c.offset, self.chunk_bytes, c.tensor, False)
             self._asked.append(c)
             out.append(WeightGet(c.offset, c.length, compress=c.tensor is None))
         return out
@@ -394,7 +407,21 @@ class Fetcher:
         if len(data) != c.length:
             raise WeightError(f"weight chunk at {c.offset} has {len(data)} bytes, expected {c.length}")
         self.done_bytes += c.length
+        self.chunk_tensor = c.tensor
         return c.offset, data, (c.tensor if c.last else None)
+
+
+def header_pieces(header_len: int) -> list[tuple[int, int]]:
+    """(offset, length) of the header's compressed pieces, as every member asks for them."""
+    return [(off, min(WEIGHT_CHUNK_BYTES, header_len - off)) for off in range(0, header_len, WEIGHT_CHUNK_BYTES)]
+
+
+def warm_header_cache(path: str, file_bytes: int, header_len: int, cache: dict) -> None:
+    """Blocking: compress the header's pieces into `cache` now (bzip2: ≈ 1 s for Llama 3's
+    7.8 MB tokenizer), before any member asks, so no transfer waits for it and two members
+    asking at once do not both compress it."""
+    for off, length in header_pieces(header_len):
+        serve_chunk(path, file_bytes, WeightGet(off, length, compress=True), cache)
 
 
 def serve_chunk(path: str, file_bytes: int, get: WeightGet, cache: dict | None = None) -> WeightData:
