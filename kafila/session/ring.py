@@ -29,6 +29,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -579,7 +580,8 @@ class RingNode:
         rtts = self.edge_rtts() if self.edge_rtts is not None else {}
         net = sum(float(rtts.get(n) or 0.0) / 2 for n in self.ring) if len(self.ring) > 1 else 0.0
         trip = sum(stage_ms[n] for n in self.ring) + net
-        return max(1, min(MAX_BATCH_ROWS, round(trip / max(busy.values()))))
+        # rounded up once past a quarter: a group too few leaves a machine idle for a whole share
+        return max(1, min(MAX_BATCH_ROWS, math.ceil(trip / max(busy.values()) - 0.25)))
 
     @staticmethod
     def _batchable(step: Step) -> bool:
