@@ -19,20 +19,12 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.default_model import needs_default_model
+from tests.test_session_e2e import PROMPTS as E2E_PROMPTS
 
 pytestmark = [pytest.mark.session, pytest.mark.model, pytest.mark.slow, needs_default_model]
 
 MAX_NEW = 24
-PROMPTS = [
-    "What is the capital of France?",
-    "Name three colors.",
-    "Write a haiku about the sea.",
-    "What is 12 times 12?",
-    "Give one tip for learning Python.",
-    "Why is the sky blue?",
-    "Say hello in Spanish.",
-    "List two planets.",
-]
+PROMPTS = E2E_PROMPTS  # the end-to-end test's eight
 
 
 def status(api: str) -> dict:

@@ -44,22 +44,28 @@ def register(subparsers: Any) -> None:
     plan_dipsd.register(parser.add_subparsers(dest="plan_command", metavar="{dipsd}"))
 
 
+def read_json(path: Path, what: str, hint: str = "") -> Any:
+    """The JSON in a file the person named; a missing, non-UTF-8 or invalid file is one BadInput
+    line naming `what` (e.g. "fleet file"), with `hint` (what the file should hold) appended."""
+    tail = f"; {hint}" if hint else ""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise BadInput(f"cannot read {what} {path}: {exc.strerror or exc}{tail}") from None
+    except UnicodeDecodeError:
+        raise BadInput(f"{what} {path} is not UTF-8 text{tail}") from None
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise BadInput(f"{what} {path} is not valid JSON: {exc.msg} at line {exc.lineno} "
+                       f"column {exc.colno}{tail}") from None  # fmt: skip
+
+
 def load_fleet(path: Path, model: str | None) -> Any:
     """Read and validate a fleet file; every problem becomes one BadInput line."""
     from planner import PlanInputError, parse_fleet
 
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise BadInput(f"cannot read fleet file {path}: {exc.strerror or exc}") from None
-    except UnicodeDecodeError:
-        raise BadInput(f"fleet file {path} is not UTF-8 text") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadInput(
-            f"fleet file {path} is not valid JSON: {exc.msg} at line {exc.lineno} column {exc.colno}"
-        ) from None
+    data = read_json(path, "fleet file")
     try:
         return parse_fleet(data, model)
     except PlanInputError as exc:

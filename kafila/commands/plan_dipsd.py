@@ -57,21 +57,9 @@ def load_users(path: Path) -> Any:
     from planner import PlanInputError
     from planner.dipsd import parse_dipsd
 
-    try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise BadInput(
-            f"cannot read users file {path}: {exc.strerror or exc}; {FORMAT_HINT}"
-        ) from None
-    except UnicodeDecodeError:
-        raise BadInput(f"users file {path} is not UTF-8 text; {FORMAT_HINT}") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise BadInput(
-            f"users file {path} is not valid JSON: {exc.msg} at line {exc.lineno} "
-            f"column {exc.colno}; {FORMAT_HINT}"
-        ) from None
+    from kafila.commands.plan import read_json
+
+    data = read_json(path, "users file", FORMAT_HINT)
     try:
         return parse_dipsd(data)
     except PlanInputError as exc:

@@ -52,7 +52,7 @@ class MemberInfo:
         for item in cands:  # type: ignore[union-attr]
             _need(isinstance(item, list) and len(item) == 2, "bad candidate")
             ip, port = item
-            _need(isinstance(ip, str) and _is_ip(ip), "bad candidate address")
+            _need(isinstance(ip, str) and is_ip(ip), "bad candidate address")
             _need(type(port) is int and 0 < port < 65536, "bad candidate port")
             candidates.append((ip, port))
         try:
@@ -68,7 +68,7 @@ def _need(ok: bool, what: str) -> None:
         raise ProtocolError("malformed", f"bad member entry ({what})")
 
 
-def _is_ip(text: str) -> bool:
+def is_ip(text: str) -> bool:
     try:
         ipaddress.ip_address(text)
     except ValueError:

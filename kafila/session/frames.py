@@ -35,13 +35,14 @@ that re-sends what it should not, or a ring whose names disagree).
 
 from __future__ import annotations
 
-import ipaddress
 import re
 import struct
 from dataclasses import dataclass
 
 import msgpack
 import numpy as np
+
+from kafila.net.roster import is_ip
 
 PREFIX = struct.Struct(">II")
 MAX_HEADER_BYTES = 64 << 10  # mask zeros and prompts' ids live in payloads or stay small
@@ -296,14 +297,6 @@ def parse_prefix(prefix: bytes) -> tuple[int, int]:
 _KEY_RE = re.compile(r"[0-9a-f]{64}")
 
 
-def _is_ip(text: str) -> bool:
-    try:
-        ipaddress.ip_address(text)
-    except ValueError:
-        return False
-    return True
-
-
 def _str(h: dict, key: str, limit: int = MAX_NAME_CHARS, empty: bool = False) -> str:
     v = h.get(key)
     if not isinstance(v, str) or len(v) > limit or (not v and not empty):
@@ -399,7 +392,7 @@ def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
         elif not isinstance(h.get("key"), str) or not _KEY_RE.fullmatch(h["key"]):
             raise FrameError("a bulk offer's key must be 64 hex digits")
         elif not isinstance(hosts, list) or not 1 <= len(hosts) <= MAX_BULK_HOSTS or not all(
-            isinstance(a, str) and len(a) <= MAX_HOST_CHARS and _is_ip(a) for a in hosts
+            isinstance(a, str) and len(a) <= MAX_HOST_CHARS and is_ip(a) for a in hosts
         ):
             raise FrameError(f"a bulk offer names 1..{MAX_BULK_HOSTS} IP addresses")
     elif limits is None:
