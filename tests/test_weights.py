@@ -117,6 +117,9 @@ class FakeNet:
     def roster(self):
         return {}
 
+    def signaling(self):
+        return {"up": True, "resumes": 0, "last_outage_s": None}
+
     async def connect(self, peer):
         return FakeEdge(peer, self.stream)
 

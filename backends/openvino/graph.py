@@ -11,9 +11,9 @@ Stage graph (blocks [first, last), optionally the token embedding in front):
 
 Head graph: hidden f32 [N, H] → final RMSNorm → lm_head → logits f32 [N, V], plus
 token i64 [1], the greedy top-1 of the last row (so a decode step reads one id, not V floats).
-A shard holding both the last block and the head folds norm + lm_head + top-1 of the last
-position into its stage graph as a second output `token` i64 [B], one per batch row (one
-inference per decode step, also for batched rows).
+A shard holding both the last block and the head folds norm + lm_head + top-1 of the last row
+into its stage graph as a second output `token` i64 [1] (one inference per decode step; batched
+rows take their tokens from the head graph).
 
 Each block is Llama's: RMSNorm → q/k/v (+ Qwen2 biases) → (Qwen3: RMSNorm per q/k head) → RoPE
 (rotate_half) → KV per layer as ReadValue → Gather(beam_idx, 0) → Concat(axis 2) → Assign →
@@ -171,8 +171,7 @@ class StageBuilder:
     def stage(self, first: int, last: int, embed: bool, top1: bool = False) -> ov.Model:
         """The model of blocks [first, last) (with the embedding when `embed`). With `top1` (the
         shard also holds the head and the last block) a second output `token` i64 [1] is the
-        greedy top-1 after the last position of each batch row, i64 [B]: a decode step is then one
-        inference (for batched rows, backends/openvino/rows.py, one token per row)."""
+        greedy top-1 after the last row: a decode step is then one inference."""
         if embed:
             x_in = ops.parameter([-1, -1], I64, name="input_ids")
             x = self.embedding(x_in.output(0))  # [B, L, H]
@@ -199,7 +198,10 @@ class StageBuilder:
         results = [out]
         if top1:
             last_row = ops.reshape(ops.gather(x, _i64(-1), _i64(1)), _i64(-1, self.h.hidden), False)  # [B, H]
-            r_token = ops.result(self._top1_rows(self._lm_head(last_row.output(0))), name="token")
+            # the last row's token only, as the head graph computes it: a TopK straight over all
+            # rows' logits made the CPU plugin compile this lm_head differently, and a one-stage
+            # chain's greedy tokens parted from a split chain's at serving precision
+            r_token = ops.result(self._top1(self._lm_head(last_row.output(0))), name="token")
             r_token.output(0).set_names({"token"})
             results.append(r_token)
         params = [x_in, attention_mask, position_ids, beam_idx]
@@ -218,12 +220,6 @@ class StageBuilder:
         last = ops.gather(logits, _i64(-1), _i64(0))  # [1, V]
         topk = ops.topk(last, ops.constant(np.int64(1)), axis=-1, mode="max", sort="none", index_element_type=I64)
         return ops.reshape(topk.output(1), _i64(1), False).output(0)  # [1]
-
-    @staticmethod
-    def _top1_rows(logits: ov.Output) -> ov.Output:
-        """The greedy token i64 [B] of every row of logits [B, V] (one per batch row: [1] for one)."""
-        topk = ops.topk(logits, ops.constant(np.int64(1)), axis=-1, mode="max", sort="none", index_element_type=I64)
-        return ops.reshape(topk.output(1), _i64(-1), False).output(0)  # [B]
 
     def head(self) -> ov.Model:
         """Final norm + lm_head: hidden [N, H] → logits [N, V] and the last row's top-1 token [1]."""

@@ -241,9 +241,9 @@ class OpenVINOShard:
             self.release_weight_pages()
         out = req.get_output_tensor(0).data  # [B, L, H]
         hiddens = [out[b, :n].copy() for b, n in enumerate(step.n)]  # [n, H] each
-        if self._fold:  # the graph's token is after position L − 1: a row's own only when n = L
-            tokens = req.get_output_tensor(1).data  # [B]
-            self._last_rows = [(h, int(tokens[b])) for b, (h, n) in enumerate(zip(hiddens, step.n)) if n == L]
+        # the stage graph's folded token is the last batch row's only (graph.py); a row's greedy
+        # token comes from the head graph (greedy), as on a shard that does not fold
+        self._last_rows = []
         return hiddens
 
     def release_weight_pages(self) -> None:

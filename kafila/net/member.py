@@ -64,6 +64,7 @@ GROUP_KEY_BYTES = 32
 RESUME_RETRY_S = 0.25
 RESUME_RETRY_MAX_S = 2.0
 RESUME_WINDOW_S = 120.0
+HOST_GONE = "the host's process is gone"
 
 
 def _local_candidates(bind_host: str, port: int, toward: Address) -> list[Address]:
@@ -175,6 +176,9 @@ class Member:
         self._resumable = True  # False once kicked or the session closed: nothing to resume
         self._signal_ready = asyncio.Event()  # clear while signaling is down (send() waits)
         self._departed: set[int] = set()  # the host's: ids that left; a resumed one is kicked
+        # the rendezvous lives in the host's process (the welcome says): one that refuses
+        # connections means the host has gone, not that a rendezvous is restarting
+        self._embedded_rendezvous = False
         self.resumes = 0  # signaling connections this member got back
         self.last_outage_s: float | None = None  # how long signaling was down the last time
         self._lost_at = 0.0
@@ -201,10 +205,13 @@ class Member:
     async def host(
         cls, rendezvous: tuple[str, int], name: str, descriptor: dict, *,
         bind_host: str = "0.0.0.0", send_delay_ms: float = 0.0, code_words: int = 3,
+        embedded_rendezvous: bool = False,
     ) -> Member:
         """Register a new session at the rendezvous; `.code` is the code to share (code_words
-        words: 3, or 4 for a session that stays open long)."""
+        words: 3, or 4 for a session that stays open long). `embedded_rendezvous`: the rendezvous
+        runs in the host's process (kafila host's own), so it ends with the host."""
         self = cls()
+        self._embedded_rendezvous = embedded_rendezvous
         await self._open(rendezvous, name, descriptor, bind_host, send_delay_ms, is_host=True)
         try:
             self._resume_key = os.urandom(m.RESUME_KEY_BYTES)
@@ -331,6 +338,7 @@ class Member:
             if not valid_name(name):
                 raise ProtocolError("malformed", "bad name in the welcome")
             self.name = name
+            self._embedded_rendezvous = welcome.get("embedded") is True
             proof = welcome.get("resume", b"")
             self._resume_proof = proof if isinstance(proof, bytes) and len(proof) == m.RESUME_KEY_BYTES else b""
             self._set_roster(welcome.get("members"))
@@ -420,7 +428,8 @@ class Member:
                 log.warning("%s: signaling lost: %s", self.name, failure)
                 if not self.is_host:
                     host = self._names.get(0, "host")
-                    self._events.put_nowait(MemberLeft(host, f"signaling lost: {failure}"))
+                    gone = failure.startswith(HOST_GONE)  # not only signaling: the host itself
+                    self._events.put_nowait(MemberLeft(host, failure if gone else f"signaling lost: {failure}"))
                 return
 
     async def _resume_signaling(self, reason: str) -> str | None:
@@ -447,6 +456,9 @@ class Member:
                 signal.writer.close()
                 if exc.code != "unknown-nameplate":  # anything else will not change by asking again
                     return f"{reason}; {exc}"
+            except ConnectionRefusedError:
+                if self._embedded_rendezvous and not self.is_host:
+                    return f"{HOST_GONE} (its rendezvous, in its process, refuses connections)"
             except (OSError, TimeoutError, Refused, ProtocolError) as exc:
                 if signal is not None:
                     signal.writer.close()
@@ -593,7 +605,8 @@ class Member:
         self._signal.send(m.Admit(rid))  # before the welcome: it may open edges once welcomed
         self._signal.send(m.Send(rid, channel.seal(
             {"t": "welcome", "key": self._group_key, "name": name, "members": self._roster_wire(),
-             "resume": m.resume_proof(self._resume_key, self.nameplate, rid)})))
+             "resume": m.resume_proof(self._resume_key, self.nameplate, rid),
+             "embedded": self._embedded_rendezvous})))
         self._broadcast_roster(exclude=rid)
         self._roster_changed.set()
         self._events.put_nowait(MemberJoined(info))

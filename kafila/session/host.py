@@ -161,7 +161,8 @@ class HostParticipant(Participant):
         else:
             shown = rv
         self.net = await Member.host(rv, cfg.name, desc, bind_host=cfg.bind_host,
-                                     send_delay_ms=cfg.send_delay_ms, code_words=cfg.code_words)  # fmt: skip
+                                     send_delay_ms=cfg.send_delay_ms, code_words=cfg.code_words,
+                                     embedded_rendezvous=self.rendezvous_service is not None)  # fmt: skip
         code = self.net.code
         if cfg.code_file:  # before the code is printed: whoever reads stdout may open the file next
             write_private(cfg.code_file, code + "\n")
