@@ -23,6 +23,7 @@ from kafila.session.member import (
 )
 from kafila.session.load import MAX_REPORTED_REQUESTS, clean_head, clean_stage
 from kafila.session.preview import plan_summary, plan_table, predicted_tok_s  # noqa: F401 (re-exported)
+from kafila.session.replans import ReplanPacer
 from kafila.session.slots import auto_slots, parse_concurrency, parse_max_queued
 from kafila.session.weights import TransferProgress
 
@@ -91,6 +92,7 @@ class HostParticipant(Participant):
         self._break: tuple[str, float] | None = None  # a reported ring break: (why, replan at)
         self._break_event = asyncio.Event()
         self._enter_pressed = False  # Enter at the host's terminal while serving: replan with joiners
+        self._pacer = ReplanPacer()
 
     def _wake(self) -> None:
         """Wake the serving loop (_next_replan) to look again."""
@@ -255,6 +257,14 @@ class HostParticipant(Participant):
 
         cfg, loop = self.cfg, asyncio.get_running_loop()
         replan = reason is not None
+        if replan:  # a member coming and going must not keep the ring replanning (replans.py)
+            wait = self._pacer.delay(loop.time())
+            if wait > 0:
+                self.say(f"{cfg.name}: {self._pacer.recent} replans within a minute: waiting {wait:.0f} s "
+                         "before the next, for the session to settle")  # fmt: skip
+                self.event("replan-wait", seconds=wait)
+                await asyncio.sleep(wait)
+            self._pacer.record(loop.time())
         self._joined_waiting.clear()  # the plan below takes everyone in the roster
         self._plans_made += 1  # (not self.epoch + 1: a replan cut short never set self.epoch)
         epoch = self._plans_made
