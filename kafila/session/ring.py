@@ -70,6 +70,7 @@ EMA = 0.2  # weight of the newest measurement in the moving averages
 # prompt's chunk on a slow member takes seconds, not minutes); a step that has not come back
 # round the ring in twice that is lost (a member frozen whole: its own watchdog cannot fire).
 STAGE_HANG_S = 120.0
+DEPTH_EVERY_S = 1.0  # how often the head re-estimates the micro-batches to keep in flight
 
 
 class StageHung(Exception):
@@ -218,6 +219,7 @@ class RingNode:
         self.machines = machines or {n: n for n in ring}
         self.edge_rtts = edge_rtts
         self._batches = MicroBatches(groups=len(set(self.machines.values())), max_rows=MAX_BATCH_ROWS)
+        self._depth_at = 0.0  # when the micro-batches in flight were last re-estimated
         self._rows_in: list[Activation] = []  # a micro-batch arriving, row by row
 
     # --- wiring ------------------------------------------------------------------------------
@@ -518,7 +520,9 @@ class RingNode:
                             token = await self._compute(sample, self.shard, act.hidden, *sampling)
                         self._account(act)
                         await self._emit(sched.complete(act.rid, token))
-                    self._batches.groups = self._pipeline_depth()
+                    if time.perf_counter() - self._depth_at > DEPTH_EVERY_S:  # not every trip: it reads edge stats
+                        self._depth_at = time.perf_counter()
+                        self._batches.groups = self._pipeline_depth()
                 await self._pump()
             except StreamClosed as exc:
                 self.degrade(f"the ring edge to the next member closed ({exc})")
@@ -576,7 +580,8 @@ class RingNode:
             return self._batches.groups  # not measured yet: one per machine
         busy: dict[str, float] = {}
         for n in self.ring:
-            busy[self.machines.get(n, n)] = busy.get(self.machines.get(n, n), 0.0) + stage_ms[n]
+            machine = self.machines.get(n, n)
+            busy[machine] = busy.get(machine, 0.0) + stage_ms[n]
         rtts = self.edge_rtts() if self.edge_rtts is not None else {}
         net = sum(float(rtts.get(n) or 0.0) / 2 for n in self.ring) if len(self.ring) > 1 else 0.0
         trip = sum(stage_ms[n] for n in self.ring) + net
@@ -611,14 +616,8 @@ class RingNode:
     def _head_forward_rows(self, steps: list[Step]):
         t0 = time.perf_counter()
         slots = [self.slots.get(st.slot, False) for st in steps]
-        masks = []
-        for st in steps:
-            mask = np.ones(st.cache_len + len(st.tokens), dtype=np.int64)
-            if st.zeros:
-                mask[list(st.zeros)] = 0
-            masks.append(mask)
-        positions = [np.arange(st.pos0, st.pos0 + len(st.tokens), dtype=np.int64) for st in steps]
-        hs = self.shard.forward_batch(slots, [st.tokens for st in steps], positions, masks)
+        hs = self.shard.forward_batch(slots, [st.tokens for st in steps], [st.positions() for st in steps],
+                                      [st.mask() for st in steps])  # fmt: skip
         self._ran(len(steps))
         return hs, int((time.perf_counter() - t0) * 1e6)
 
@@ -637,12 +636,7 @@ class RingNode:
     def _head_forward(self, step: Step):
         t0 = time.perf_counter()
         slot = self.slots.get(step.slot, step.cache_len == 0)
-        n = len(step.tokens)
-        mask = np.ones(step.cache_len + n, dtype=np.int64)
-        if step.zeros:
-            mask[list(step.zeros)] = 0
-        positions = np.arange(step.pos0, step.pos0 + n, dtype=np.int64)
-        h = self.shard.forward(slot, step.tokens, positions, mask)
+        h = self.shard.forward(slot, step.tokens, step.positions(), step.mask())
         self._ran(1)
         return h, int((time.perf_counter() - t0) * 1e6)
 

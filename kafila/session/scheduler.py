@@ -90,6 +90,17 @@ class Step:
     drafted: int = 0  # the last `drafted` tokens are drafts to verify (0: a plain step)
     want_draft: int = 0  # speculate="draft": the head asks its drafter for this many, then attach_draft
 
+    def positions(self) -> np.ndarray:
+        """The logical positions of the step's tokens (frames.Activation carries the same)."""
+        return np.arange(self.pos0, self.pos0 + len(self.tokens), dtype=np.int64)
+
+    def mask(self) -> np.ndarray:
+        """Ones over the slot's physical positions and the new ones, but the masked-out `zeros`."""
+        m = np.ones(self.cache_len + len(self.tokens), dtype=np.int64)
+        if self.zeros:
+            m[list(self.zeros)] = 0
+        return m
+
 
 @dataclass(frozen=True)
 class TokenOut:
