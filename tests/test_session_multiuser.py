@@ -1,6 +1,6 @@
 """Many users of one session, as separate processes on 127.0.0.1 with the default model.
 
-Isolation: 8 greedy requests typed at once at m1, m2, m3 in turn each get exactly the answer they
+Isolation, on OpenVINO and on MLX, with batched decode rows on and off: 8 greedy requests typed at once at m1, m2, m3 in turn each get exactly the answer they
 get alone; a request whose client hangs up mid-answer frees its KV slot on every stage (each
 member's /status shows its own stage live) and the next request is served. Admission: with one
 slot and a queue of one, the requests beyond them are answered 429 with Retry-After and an
@@ -19,6 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 
 from tests.default_model import needs_default_model
+from tests.mlx_chain import needs_mlx
 from tests.test_session_e2e import PROMPTS as E2E_PROMPTS
 
 pytestmark = [pytest.mark.session, pytest.mark.model, pytest.mark.slow, needs_default_model]
@@ -80,13 +81,18 @@ def wait_for(what: str, check, timeout_s: float = 30.0):
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="module", params=["batch-rows-on", "batch-rows-off"])
+@pytest.fixture(scope="module", params=[
+    "openvino-batch-rows-on", "openvino-batch-rows-off",
+    pytest.param("mlx-batch-rows-on", marks=needs_mlx), pytest.param("mlx-batch-rows-off", marks=needs_mlx),
+])  # fmt: skip
 def session(request, tmp_path_factory):
     from kafila.session.launch import LocalSession
 
+    backend = request.param.split("-")[0]
     # --concurrency auto (LocalSession's default, as kafila host's): context 512 makes a slot small
     s = LocalSession(members=3, context=512, precision="f32", cache_root=str(tmp_path_factory.mktemp("caches")),
-                     log_dir=str(tmp_path_factory.mktemp("logs")), batch_rows=request.param.endswith("on"))  # fmt: skip
+                     log_dir=str(tmp_path_factory.mktemp("logs")), batch_rows=request.param.endswith("on"),
+                     backend=backend)  # fmt: skip
     s.start(timeout_s=300)
     yield s
     codes = s.stop()
