@@ -1,7 +1,9 @@
-"""A session participant (host or member): signaling, PAKE, roster, and edges to other members.
+"""A session participant (host or member): signaling, admission, and edges to other members.
 
-The asyncio layer around the sans-I/O pieces: rendezvous.messages (signaling codec),
-handshake (SPAKE2 + SealedChannel), natcheck (via stunclient), punch and edge.
+The asyncio layer around the sans-I/O pieces: rendezvous.messages (signaling codec), admission
+(the host's HostSession: PAKEs, hellos, roster, kicks) and joining (the joiner's Joiner), which
+this class feeds with what the rendezvous delivers and `now`, and whose actions it carries out;
+natcheck (via stunclient), punch, edge_table and edge for the ring's edges.
 """
 
 from __future__ import annotations
@@ -9,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import logging
 import os
 import random
@@ -19,26 +20,19 @@ from typing import Any
 import msgpack
 
 from kafila.errors import BadInput, Refused
-from kafila.net import admission
-from kafila.net.admission import HostAdmission
+from kafila.net import admission as adm
+from kafila.net import joining
+from kafila.net.admission import HostAdmission, HostSession
 from kafila.net.certs import Identity
 from kafila.net.code import make_code, parse_code
 from kafila.net.edge import Edge, quic_destination_cid
 from kafila.net.edge_table import EdgeTable
-from kafila.net.handshake import Pake, SealedChannel, reject, rejection_reason
+from kafila.net.handshake import SealedChannel
+from kafila.net.joining import Joiner
 from kafila.net.natcheck import RESTRICTIVE, NatReport, predict_edge_kind
-from kafila.net.pieces import MAX_HOST_MESSAGE_BYTES, MAX_MEMBER_MESSAGE_BYTES, PIECE_BYTES, Assembler, split, unpack
+from kafila.net.pieces import MAX_HOST_MESSAGE_BYTES, MAX_MEMBER_MESSAGE_BYTES, PIECE_BYTES, split
 from kafila.net.punch import edge_id_of
-from kafila.net.roster import (
-    MemberInfo,
-    MemberJoined,
-    MemberLeft,
-    Message,
-    RosterUpdated,
-    SessionEvent,
-    distinct_name,
-    valid_name,
-)
+from kafila.net.roster import MemberInfo, MemberJoined, MemberLeft, RosterUpdated, SessionEvent, valid_name
 from kafila.net.sock import DelayedWriter, MemberSocket, delayed_writer
 from kafila.net.stunclient import check_nat, resolve
 from rendezvous import frames
@@ -154,15 +148,10 @@ class Member:
         self._signal: _Signal
         self._rendezvous: Address = ("", 0)
         self._bind_host = "0.0.0.0"
-        self._roster: dict[str, MemberInfo] = {}
-        self._group_key = b""
-        self._channels: dict[int, SealedChannel] = {}  # rid -> channel (the host: one per member)
-        self._admission: HostAdmission | None = None  # the host's: PAKEs of ids not admitted yet
+        self._core: HostSession | Joiner | None = None  # admission's machine: roster, channels, keys
         self._bind_nonce = frames.NO_NONCE  # the relay's return-routability challenge, echoed
         self.handler_errors = 0  # signaling messages whose handling failed (logged in one line)
         self.code_void = False  # the host's: a wrong code was tried, so this code admits nobody now
-        self._pieces: dict[int, Assembler] = {}  # rid -> a message in pieces from it (pieces.py)
-        self._names: dict[int, str] = {}  # rid -> name
         self._events: asyncio.Queue[SessionEvent] = asyncio.Queue()
         self._table = EdgeTable()  # which edge each datagram of our socket is for (edge_table.py)
         self._pending_edges: dict[int, collections.deque[asyncio.Future[bytes]]] = {}
@@ -175,7 +164,6 @@ class Member:
         self._resume_proof = b""  # a member's: messages.resume_proof, from the host's welcome
         self._resumable = True  # False once kicked or the session closed: nothing to resume
         self._signal_ready = asyncio.Event()  # clear while signaling is down (send() waits)
-        self._departed: set[int] = set()  # the host's: ids that left; a resumed one is kicked
         # the rendezvous lives in the host's process (the welcome says): one that refuses
         # connections means the host has gone, not that a rendezvous is restarting
         self._embedded_rendezvous = False
@@ -200,6 +188,27 @@ class Member:
     def _edges(self) -> dict[bytes, Edge]:
         return self._table.edges  # type: ignore[return-value]
 
+    # what admission's machine holds (empty until there is one)
+    @property
+    def _roster(self) -> dict[str, MemberInfo]:
+        return self._core.roster if self._core is not None else {}
+
+    @property
+    def _names(self) -> dict[int, str]:
+        return self._core.names if self._core is not None else {}
+
+    @property
+    def _channels(self) -> dict[int, SealedChannel]:
+        return self._core.channels if self._core is not None else {}
+
+    @property
+    def _group_key(self) -> bytes:
+        return self._core.group_key if self._core is not None else b""
+
+    @property
+    def _admission(self) -> HostAdmission | None:
+        return self._core.admission if isinstance(self._core, HostSession) else None
+
     # construction
     @classmethod
     async def host(
@@ -220,12 +229,11 @@ class Member:
             assert isinstance(opened, m.Opened)
             self.nameplate, self.rid, self._relay_token = opened.nameplate, 0, opened.relay_token
             self.code = make_code(opened.nameplate, words=code_words)
-            self._admission = HostAdmission(self.code, self.nameplate)
             self._start_relay_binding()
             self.nat = await self._nat_task
-            self._names[0] = name
-            self._roster[name] = self._own_info()
-            self._group_key = os.urandom(GROUP_KEY_BYTES)
+            self._core = HostSession(self.code, self.nameplate, self._own_info(),
+                                     group_key=os.urandom(GROUP_KEY_BYTES), resume_key=self._resume_key,
+                                     embedded=embedded_rendezvous)  # fmt: skip
             self._start_background()
         except BaseException:
             await self._teardown()
@@ -308,53 +316,14 @@ class Member:
         self._start_relay_binding()
         # NAT first: the host runs one PAKE at a time, so ours is confirmed one round trip later
         self.nat = await self._nat_task
-        pake = Pake(code)
-        self._signal.send(m.Send(0, pake.start()))
-        reply = await self._from_host()
-        reason = rejection_reason(reply)
-        if reason is not None:
-            raise Refused(f"the host refused: {reason}")
-        try:
-            key = pake.finish(reply)
-        except ProtocolError as exc:
-            raise Refused(f"session handshake failed: {exc.reason}") from None
-        channel = SealedChannel(key, is_host=False, nameplate=nameplate, rid=self.rid)
-        self._channels[0] = channel
-        own = self._own_info()
-        self._signal.send(m.Send(0, channel.seal({"t": "hello", "member": own.to_wire()})))
-        body = await self._from_host()
-        reason = rejection_reason(body)
-        if reason is not None:
-            raise Refused(f"wrong code: {reason}")
-        try:
-            welcome = channel.open(body)
-            if welcome.get("t") == "refuse":
-                raise Refused(f"the host refused: {welcome.get('reason')}")
-            if welcome.get("t") != "welcome" or not isinstance(welcome.get("key"), bytes):
-                raise ProtocolError("malformed", "expected the host's welcome")
-            self._group_key = welcome["key"]
-            # the host's name for us: ours, or `ours-2` when another member already has ours
-            name = welcome.get("name", self.name)
-            if not valid_name(name):
-                raise ProtocolError("malformed", "bad name in the welcome")
-            self.name = name
-            self._embedded_rendezvous = welcome.get("embedded") is True
-            proof = welcome.get("resume", b"")
-            self._resume_proof = proof if isinstance(proof, bytes) and len(proof) == m.RESUME_KEY_BYTES else b""
-            self._set_roster(welcome.get("members"))
-        except ProtocolError as exc:
-            raise Refused(
-                f"the host's reply failed authentication ({exc.reason}): wrong code, or the "
-                "rendezvous tampered with it"
-            ) from None
+        joiner = self._core = Joiner(code, nameplate, self.rid, self._own_info())
+        loop = asyncio.get_running_loop()
+        self._execute(joiner.start(loop.time()))
+        while joiner.state != joining.JOINED:  # each reply bounded by SIGNAL_TIMEOUT_S; Failed raises
+            deliver = await self._signal.expect(m.Deliver, what="no answer from the host")
+            assert isinstance(deliver, m.Deliver)
+            self._execute(joiner.receive(deliver.sender, deliver.body, loop.time()))
         self._start_background()
-
-    async def _from_host(self) -> bytes:
-        deliver = await self._signal.expect(m.Deliver, what="no answer from the host")
-        assert isinstance(deliver, m.Deliver)
-        if deliver.sender != 0:
-            raise Refused("the rendezvous delivered a message that is not from the host")
-        return deliver.body
 
     def _own_info(self) -> MemberInfo:
         mapped_ip, _, mapped_port = self.nat.mapped.rpartition(":")
@@ -379,16 +348,15 @@ class Member:
 
     def _start_background(self) -> None:
         self._spawn(self._signal_loop(), "signal")
-        if self._admission is not None:
-            self._spawn(self._admission_timer(), "admission")
+        if isinstance(self._core, HostSession):
+            self._spawn(self._admission_timer(self._core), "admission")
 
-    async def _admission_timer(self) -> None:
+    async def _admission_timer(self, core: HostSession) -> None:
         """Drop the id whose PAKE is not confirmed within admission.PAKE_TIMEOUT_S."""
-        assert self._admission is not None
         loop = asyncio.get_running_loop()
         while not self._closed:
             await asyncio.sleep(0.5)
-            self._admit_actions(self._admission.tick(loop.time()))
+            self._execute(core.tick(loop.time()))
 
     async def _relay_binding(self) -> None:
         while not self._closed:
@@ -494,14 +462,13 @@ class Member:
         log.warning("%s: signaling is back after %.1f s (resume %d)", self.name, self.last_outage_s, self.resumes)
 
     def _handle(self, message: m.Message) -> None:
-        if isinstance(message, m.Deliver):
-            self._deliver(message)
+        now = asyncio.get_running_loop().time()
+        if isinstance(message, m.Deliver) and self._core is not None:
+            self._execute(self._core.receive(message.sender, message.body, now))
         elif isinstance(message, m.EdgeAllocated):
             self._edge_allocated(message)
-        elif isinstance(message, m.PeerLeft) and self.is_host:
-            if self._admission is not None:
-                self._admit_actions(self._admission.left(message.rid, asyncio.get_running_loop().time()))
-            self._member_gone(message.rid, message.reason)
+        elif isinstance(message, m.PeerLeft) and isinstance(self._core, HostSession):
+            self._execute(self._core.left(message.rid, message.reason, now))
         elif isinstance(message, m.SessionClosed) and not self.is_host:
             self.signaling_up = self._resumable = False  # the rendezvous closes the connection next: expected
             self._events.put_nowait(MemberLeft(self._names.get(0, "host"), message.reason))
@@ -514,133 +481,37 @@ class Member:
                     waiters.popleft().set_exception(Refused(f"edge refused: {message.reason}"))
                     break
 
-    def _deliver(self, message: m.Deliver) -> None:
-        body, rid = message.body, message.sender
-        if self.is_host and rid in self._departed:  # it left, then resumed into a restarted rendezvous
-            self._signal.send(m.Kick(rid))
-            return
-        if self.is_host and rid not in self._channels:  # not admitted: a PAKE, or its hello
-            if self._admission is not None:
-                self._admit_actions(self._admission.receive(rid, body, asyncio.get_running_loop().time()))
-            return
-        channel = self._channels.get(rid)
-        if channel is None:
-            return
-        refusal = rejection_reason(body)
-        if refusal is not None and not self.is_host:
-            log.error("%s: the host removed us: %s", self.name, refusal)
-            self._events.put_nowait(MemberLeft(self._names.get(0, "host"), f"removed: {refusal}"))
-            return
-        try:
-            sealed = channel.open(body)
-            if sealed.get("t") == "app":
-                self._assembler(rid).whole()
-                self._events.put_nowait(Message(self._names.get(rid, str(rid)), sealed.get("body")))
-            elif sealed.get("t") == "part":
-                assembler = self._assembler(rid)
-                packed = assembler.feed(sealed)
-                if packed is not None:
-                    body = unpack(packed, assembler.max_bytes)
-                    self._events.put_nowait(Message(self._names.get(rid, str(rid)), body))
-            elif sealed.get("t") == "roster" and not self.is_host:
-                self._set_roster(sealed.get("members"))
-                self._events.put_nowait(RosterUpdated(self.roster()))
-        except ProtocolError as exc:
-            self._auth_failure(rid, exc)
-
-    def _assembler(self, rid: int) -> Assembler:
-        if rid not in self._pieces:  # the host sends plans and manifests; members send little
-            self._pieces[rid] = Assembler(MAX_MEMBER_MESSAGE_BYTES if self.is_host else MAX_HOST_MESSAGE_BYTES)
-        return self._pieces[rid]
-
-    def _auth_failure(self, rid: int, exc: ProtocolError) -> None:
-        if self.is_host:  # an admitted member (a joiner's failures are admission's business)
-            log.warning("member %d: %s; removing it", rid, exc.reason)
-            self._signal.send(m.Send(rid, reject(f"authentication failure: {exc.reason}")))
-            self._signal.send(m.Kick(rid))
-            self._channels.pop(rid, None)
-            self._member_gone(rid, f"authentication failure: {exc.reason}")
-        else:
-            log.error("%s: signaling from the host failed: %s; leaving", self.name, exc.reason)
-            self._events.put_nowait(MemberLeft(self._names.get(0, "host"),
-                                               f"authentication failure: {exc.reason}"))
-            self._closed = True
-            self._signal.writer.close()
-
-    def _admit_actions(self, actions: list[admission.Action]) -> None:
-        """Carry out what the admission machine decided (the host only)."""
+    def _execute(self, actions: list[adm.Action] | list[joining.Action]) -> None:
+        """Carry out what admission's machine decided: signaling sends, kicks, events."""
         for action in actions:
-            if isinstance(action, admission.SendBody):
+            if isinstance(action, adm.SendBody):
                 self._signal.send(m.Send(action.rid, action.body))
-            elif isinstance(action, admission.Drop):
+            elif isinstance(action, adm.Drop):
                 log.debug("joiner %d: %s; dropped", action.rid, action.reason)
                 self._signal.send(m.Kick(action.rid))
-            elif isinstance(action, admission.CloseNameplate):
+            elif isinstance(action, adm.Kick):
+                log.warning("member %d: %s; removing it", action.rid, action.reason)
+                self._signal.send(m.Kick(action.rid))
+            elif isinstance(action, adm.Admit):
+                self._signal.send(m.Admit(action.rid))
+            elif isinstance(action, adm.CloseNameplate):
                 log.warning("%s: %s", self.name, action.reason)
                 self._signal.send(m.CloseNameplate())
                 self.code_void = True
-            elif isinstance(action, admission.Confirmed):
-                self._host_hello(action.rid, action.channel, action.hello)
-
-    def _host_hello(self, rid: int, channel: SealedChannel, hello: dict) -> None:
-        """A joiner that confirmed the PAKE: a valid hello is admitted, under a distinct name
-        (`vm-2` when `vm` is taken: the welcome tells the joiner)."""
-        member = hello.get("member")
-        try:
-            if hello.get("t") != "hello" or not isinstance(member, dict):
-                raise ProtocolError("malformed", "expected a hello with a member entry")
-            info = MemberInfo.from_wire({**member, "rid": rid})
-        except ProtocolError as exc:
-            log.warning("member %d: a bad hello (%s); removing it", rid, exc.reason)
-            self._signal.send(m.Send(rid, channel.seal({"t": "refuse", "reason": f"bad hello: {exc.reason}"})))
-            self._signal.send(m.Kick(rid))
-            return
-        name = distinct_name(info.name, self._roster)
-        if name != info.name:
-            log.info("member %d: the name %r is taken; it joins as %r", rid, info.name, name)
-            info = dataclasses.replace(info, name=name)
-        self._channels[rid] = channel
-        self._names[rid] = info.name
-        self._roster[info.name] = info
-        self._signal.send(m.Admit(rid))  # before the welcome: it may open edges once welcomed
-        self._signal.send(m.Send(rid, channel.seal(
-            {"t": "welcome", "key": self._group_key, "name": name, "members": self._roster_wire(),
-             "resume": m.resume_proof(self._resume_key, self.nameplate, rid),
-             "embedded": self._embedded_rendezvous})))
-        self._broadcast_roster(exclude=rid)
-        self._roster_changed.set()
-        self._events.put_nowait(MemberJoined(info))
-
-    def _member_gone(self, rid: int, reason: str) -> None:
-        self._departed.add(rid)
-        self._channels.pop(rid, None)
-        self._pieces.pop(rid, None)
-        name = self._names.pop(rid, None)
-        if name is None:
-            return
-        self._roster.pop(name, None)
-        self._broadcast_roster()
-        self._events.put_nowait(MemberLeft(name, reason))
-
-    def _roster_wire(self) -> list[dict]:
-        return [info.to_wire() for info in self._roster.values()]
-
-    def _broadcast_roster(self, exclude: int | None = None) -> None:
-        members = self._roster_wire()
-        for rid, channel in self._channels.items():
-            if rid != exclude and rid in self._names:
-                self._signal.send(m.Send(rid, channel.seal({"t": "roster", "members": members})))
-
-    def _set_roster(self, members: object) -> None:
-        if not isinstance(members, list):
-            raise ProtocolError("malformed", "roster is not a list")
-        roster = {}
-        for item in members:
-            info = MemberInfo.from_wire(item)
-            roster[info.name] = info
-        self._roster = roster
-        self._names = {info.peer_id: info.name for info in roster.values()}
-        self._roster_changed.set()
+            elif isinstance(action, joining.Welcomed):
+                self.name, self._resume_proof = action.name, action.resume_proof
+                self._embedded_rendezvous = action.embedded
+                self._roster_changed.set()
+            elif isinstance(action, joining.Failed):
+                raise Refused(action.reason)
+            elif isinstance(action, joining.Close):
+                log.error("%s: signaling from the host failed: %s; leaving", self.name, action.reason)
+                self._closed = True
+                self._signal.writer.close()
+            elif isinstance(action, SessionEvent):
+                if isinstance(action, (MemberJoined, RosterUpdated)):
+                    self._roster_changed.set()  # an edge from a member we did not know may wait
+                self._events.put_nowait(action)
 
     # public API
     def signaling(self) -> dict:
