@@ -14,7 +14,6 @@ import contextlib
 import logging
 import os
 import random
-import socket
 from typing import Any
 
 import msgpack
@@ -33,7 +32,17 @@ from kafila.net.natcheck import RESTRICTIVE, NatReport, predict_edge_kind
 from kafila.net.pieces import MAX_HOST_MESSAGE_BYTES, MAX_MEMBER_MESSAGE_BYTES, PIECE_BYTES, split
 from kafila.net.punch import edge_id_of
 from kafila.net.roster import MemberInfo, MemberJoined, MemberLeft, RosterUpdated, SessionEvent, valid_name
-from kafila.net.sock import DelayedWriter, MemberSocket, delayed_writer
+from kafila.net.signaling import (
+    HOST_GONE,
+    RESUME_WINDOW_S,
+    SIGNAL_TIMEOUT_S,
+    Busy,
+    RendezvousRefused,
+    Signal,
+    local_candidates,
+    resume,
+)
+from kafila.net.sock import MemberSocket, delayed_writer
 from kafila.net.stunclient import check_nat, resolve
 from rendezvous import frames
 from rendezvous import messages as m
@@ -43,7 +52,6 @@ log = logging.getLogger("kafila.net")
 
 Address = tuple[str, int]
 HEARTBEAT_S = 1.0  # well under rendezvous.limits.MEMBER_SILENT_S (15 s): seconds of jitter are normal
-SIGNAL_TIMEOUT_S = 10.0  # a reply the rendezvous or host owes us
 JOIN_BUSY_RETRY_S = 1.0  # mean pause before asking a busy rendezvous again (randomised ±50 %)
 JOIN_BUSY_WAIT_S = 60.0  # how long a joiner keeps asking
 EDGE_ALLOCATE_TIMEOUT_S = 5.0
@@ -52,84 +60,6 @@ RELAY_BIND_REFRESH_S = 20.0
 UNKNOWN_PEER_WAIT_S = 3.0  # an edge from a member the roster does not show yet
 MAX_APP_MESSAGE_BYTES = 64 * 1024  # a member's descriptor (it rides in the hello, in one piece)
 GROUP_KEY_BYTES = 32
-# signaling lost (the rendezvous restarted, or our line to it dropped): ask it to take us back,
-# first after RESUME_RETRY_S, doubling to RESUME_RETRY_MAX_S, for RESUME_WINDOW_S in all; the ring
-# keeps serving meanwhile (its edges do not go through signaling)
-RESUME_RETRY_S = 0.25
-RESUME_RETRY_MAX_S = 2.0
-RESUME_WINDOW_S = 120.0
-HOST_GONE = "the host's process is gone"
-
-
-def _local_candidates(bind_host: str, port: int, toward: Address) -> list[Address]:
-    """This machine's address toward the rendezvous (and the bind address), with our port."""
-    hosts = []
-    if bind_host not in ("0.0.0.0", "::", ""):
-        hosts.append(bind_host)
-    else:
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            probe.connect(toward)  # no packet is sent: this only picks the route
-            hosts.append(probe.getsockname()[0])
-        except OSError:
-            pass
-        finally:
-            probe.close()
-    return [(h, port) for h in hosts]
-
-
-class _Busy(Exception):
-    """The rendezvous asked this joiner to come back in a moment (Member.join retries)."""
-
-
-class RendezvousRefused(Refused):
-    """The rendezvous answered with an Error; `code` says which (e.g. "busy": try again)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class _Signal:
-    """The TCP signaling connection: framed messages in, framed messages out."""
-
-    def __init__(self, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter | DelayedWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.frames = m.FrameReader()
-        self.pending: collections.deque[m.Message] = collections.deque()
-
-    def send(self, message: m.Message) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(m.encode(message))
-
-    async def next(self) -> m.Message:
-        while not self.pending:
-            data = await self.reader.read(64 * 1024)
-            if not data:
-                raise ConnectionError("the rendezvous closed the signaling connection")
-            self.pending.extend(self.frames.feed(data))
-        return self.pending.popleft()
-
-    async def expect(self, *kinds: type, what: str | None = None) -> m.Message:
-        """The next message, which must be one of kinds (an Error becomes Refused; none within
-        SIGNAL_TIMEOUT_S, a Refused that says `what` did not come, e.g. "no answer from the host")."""
-        while True:
-            try:
-                message = await asyncio.wait_for(self.next(), SIGNAL_TIMEOUT_S)
-            except TimeoutError:
-                extra = getattr(self.writer, "get_extra_info", None)
-                peer = extra("peername") if extra is not None else None
-                at = f" at {peer[0]}:{peer[1]}" if peer else ""
-                wanted = what or f"no {' or '.join(k.__name__ for k in kinds)}"
-                raise Refused(f"{wanted} came through the rendezvous{at} within {SIGNAL_TIMEOUT_S:g} s") from None
-            if isinstance(message, m.Error):
-                raise RendezvousRefused(message.code, f"rendezvous refused: {message.reason}")
-            if isinstance(message, m.Heartbeat):
-                continue
-            if isinstance(message, kinds):
-                return message
-            raise Refused(f"rendezvous sent an unexpected {type(message).__name__}")
 
 
 class Member:
@@ -145,7 +75,7 @@ class Member:
         self.rid = 0
         self.nameplate = 0
         self._sock: MemberSocket
-        self._signal: _Signal
+        self._signal: Signal
         self._rendezvous: Address = ("", 0)
         self._bind_host = "0.0.0.0"
         self._core: HostSession | Joiner | None = None  # admission's machine: roster, channels, keys
@@ -257,7 +187,7 @@ class Member:
             try:
                 await self._join(nameplate, normalized)
                 return self
-            except _Busy:
+            except Busy:
                 await self._teardown()
                 if asyncio.get_running_loop().time() >= deadline:
                     raise Refused(f"cannot join {normalized.split('-')[0]}-...: the rendezvous stayed "
@@ -297,7 +227,7 @@ class Member:
             self._sock.close()
             host, port = rendezvous
             raise Refused(f"cannot reach the rendezvous at {host}:{port}: {exc or 'timeout'}") from None
-        self._signal = _Signal(reader, delayed_writer(writer, send_delay_ms))  # WAN emulation too
+        self._signal = Signal(reader, delayed_writer(writer, send_delay_ms))  # WAN emulation too
         self._send_delay_ms = send_delay_ms
         self._signal_ready.set()
 
@@ -307,7 +237,7 @@ class Member:
             joined = await self._signal.expect(m.Joined, what="no answer to the join")
         except RendezvousRefused as exc:
             if exc.code == "busy":
-                raise _Busy() from None
+                raise Busy() from None
             raise Refused(f"cannot join {code.split('-')[0]}-...: {exc} (check the code)") from None
         except Refused as exc:
             raise Refused(f"cannot join {code.split('-')[0]}-...: {exc} (check the code)") from None
@@ -328,7 +258,7 @@ class Member:
     def _own_info(self) -> MemberInfo:
         mapped_ip, _, mapped_port = self.nat.mapped.rpartition(":")
         candidates = [(mapped_ip, int(mapped_port))]
-        for addr in _local_candidates(self._bind_host, self._sock.local_address[1], self._rendezvous):
+        for addr in local_candidates(self._bind_host, self._sock.local_address[1], self._rendezvous):
             if addr not in candidates:
                 candidates.append(addr)
         return MemberInfo(self.name, self.descriptor, self.nat.nat, self.nat.rtt_ms,
@@ -402,49 +332,23 @@ class Member:
 
     async def _resume_signaling(self, reason: str) -> str | None:
         """Signaling dropped: reconnect to the rendezvous (restarted, or our line back) and prove
-        we are still this member (messages.Resume); None once back, else why not. The host comes
-        back first; a member asked "which session?" before that asks again."""
+        we are still this member (signaling.resume); None once back, else why not."""
         proof = self._resume_key if self.is_host else self._resume_proof
         if not proof or not self._resumable:
             return reason
         self._signal_ready.clear()
         self._signal.writer.close()
         log.warning("%s: signaling lost (%s); asking the rendezvous to take us back", self.name, reason)
-        loop = asyncio.get_running_loop()
-        self._lost_at = loop.time()
-        deadline, pause = loop.time() + RESUME_WINDOW_S, RESUME_RETRY_S
-        while not self._closed:
-            signal = None
-            try:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(*self._rendezvous), SIGNAL_TIMEOUT_S)
-                signal = _Signal(reader, delayed_writer(writer, self._send_delay_ms))
-                signal.send(m.Resume(self.nameplate, self.rid, proof, self._relay_token))
-                await signal.expect(m.Resumed, what="no answer to resuming")
-            except RendezvousRefused as exc:
-                signal.writer.close()
-                if exc.code != "unknown-nameplate":  # anything else will not change by asking again
-                    return f"{reason}; {exc}"
-            except ConnectionRefusedError:
-                if self._embedded_rendezvous and not self.is_host:
-                    return f"{HOST_GONE} (its rendezvous, in its process, refuses connections)"
-            except (OSError, TimeoutError, Refused, ProtocolError) as exc:
-                if signal is not None:
-                    signal.writer.close()
-                log.debug("%s: resume attempt failed: %s", self.name, exc)
-            except asyncio.CancelledError:  # closing while we ask
-                if signal is not None:
-                    signal.writer.close()
-                raise
-            else:
-                self._signaling_back(signal)
-                return None
-            if loop.time() + pause > deadline:
-                return f"{reason}; the rendezvous did not take us back within {RESUME_WINDOW_S:g} s"
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, RESUME_RETRY_MAX_S)
-        return reason
+        self._lost_at = asyncio.get_running_loop().time()
+        back = await resume(self._rendezvous, m.Resume(self.nameplate, self.rid, proof, self._relay_token), reason,
+                            name=self.name, send_delay_ms=self._send_delay_ms, closed=lambda: self._closed,
+                            refused_means_host_gone=self._embedded_rendezvous and not self.is_host)  # fmt: skip
+        if isinstance(back, str):
+            return back
+        self._signaling_back(back)
+        return None
 
-    def _signaling_back(self, signal: _Signal) -> None:
+    def _signaling_back(self, signal: Signal) -> None:
         """Resumed: messages lost with the old connection may leave one gap on each channel; the
         relay binding and our relay edges are claimed again (a restarted relay lost them)."""
         self._signal = signal
