@@ -48,7 +48,7 @@ import logging
 from dataclasses import dataclass
 
 from kafila.net.handshake import PAKE, SEALED, Pake, SealedChannel, reject
-from kafila.net.pieces import MAX_MEMBER_MESSAGE_BYTES, Assembler, unpack
+from kafila.net.pieces import MAX_MEMBER_MESSAGE_BYTES, PIECE_BYTES, Assembler, split, unpack
 from kafila.net.roster import MemberInfo, MemberJoined, MemberLeft, Message, SessionEvent, distinct_name
 from rendezvous.errors import ProtocolError
 from rendezvous.messages import resume_proof
@@ -234,6 +234,15 @@ class HostAdmission:
             rid, body = self._queue.popleft()
             actions += self._start(rid, body, now)
         return actions
+
+
+def sealed_bodies(channel: SealedChannel, message: object, packed: bytes) -> list[bytes]:
+    """An application message (`packed`: it, msgpack'd) as sealed bodies: one "app", or its
+    pieces when larger than PIECE_BYTES (send them all before anything else: they never
+    interleave with another message's, so the receiver needs no message ids)."""
+    if len(packed) <= PIECE_BYTES:
+        return [channel.seal({"t": "app", "body": message})]
+    return [channel.seal(part) for part in split(packed)]
 
 
 def app_messages(pieces: Assembler, sender: str, sealed: dict) -> list[Message]:

@@ -29,9 +29,10 @@ from kafila.net.edge_table import EdgeTable
 from kafila.net.handshake import SealedChannel
 from kafila.net.joining import Joiner
 from kafila.net.natcheck import RESTRICTIVE, NatReport, predict_edge_kind
-from kafila.net.pieces import MAX_HOST_MESSAGE_BYTES, MAX_MEMBER_MESSAGE_BYTES, PIECE_BYTES, split
+from kafila.net.pieces import MAX_HOST_MESSAGE_BYTES, MAX_MEMBER_MESSAGE_BYTES
 from kafila.net.punch import edge_id_of
-from kafila.net.roster import MemberInfo, MemberJoined, MemberLeft, RosterUpdated, SessionEvent, valid_name
+from kafila.net.relay_link import RelayLink
+from kafila.net.roster import MemberInfo, MemberJoined, MemberLeft, RosterUpdated, SessionEvent, own_entry_problem
 from kafila.net.signaling import (
     HOST_GONE,
     RESUME_WINDOW_S,
@@ -42,7 +43,7 @@ from kafila.net.signaling import (
     local_candidates,
     resume,
 )
-from kafila.net.sock import MemberSocket, delayed_writer
+from kafila.net.sock import MemberSocket
 from kafila.net.stunclient import check_nat, resolve
 from rendezvous import frames
 from rendezvous import messages as m
@@ -55,10 +56,7 @@ HEARTBEAT_S = 1.0  # well under rendezvous.limits.MEMBER_SILENT_S (15 s): second
 JOIN_BUSY_RETRY_S = 1.0  # mean pause before asking a busy rendezvous again (randomised ±50 %)
 JOIN_BUSY_WAIT_S = 60.0  # how long a joiner keeps asking
 EDGE_ALLOCATE_TIMEOUT_S = 5.0
-RELAY_BIND_RETRY_S = 0.2
-RELAY_BIND_REFRESH_S = 20.0
 UNKNOWN_PEER_WAIT_S = 3.0  # an edge from a member the roster does not show yet
-MAX_APP_MESSAGE_BYTES = 64 * 1024  # a member's descriptor (it rides in the hello, in one piece)
 GROUP_KEY_BYTES = 32
 
 
@@ -79,16 +77,13 @@ class Member:
         self._rendezvous: Address = ("", 0)
         self._bind_host = "0.0.0.0"
         self._core: HostSession | Joiner | None = None  # admission's machine: roster, channels, keys
-        self._bind_nonce = frames.NO_NONCE  # the relay's return-routability challenge, echoed
         self.handler_errors = 0  # signaling messages whose handling failed (logged in one line)
         self.code_void = False  # the host's: a wrong code was tried, so this code admits nobody now
         self._events: asyncio.Queue[SessionEvent] = asyncio.Queue()
         self._table = EdgeTable()  # which edge each datagram of our socket is for (edge_table.py)
         self._pending_edges: dict[int, collections.deque[asyncio.Future[bytes]]] = {}
         self._accepted: asyncio.Queue[Edge] = asyncio.Queue()
-        self._relay_token = b""
-        self._relay_bound = asyncio.Event()
-        self._rebind = asyncio.Event()  # set: send a relay BIND now (after a resume)
+        self._relay: RelayLink  # our binding at the relay, and its frames for our edges
         self._send_delay_ms = 0.0
         self._resume_key = b""  # the host's: proves it to a (restarted) rendezvous
         self._resume_proof = b""  # a member's: messages.resume_proof, from the host's welcome
@@ -157,7 +152,7 @@ class Member:
             self._signal.send(m.Open(resume_key=self._resume_key))
             opened = await self._signal.expect(m.Opened, what="no answer to opening the session")
             assert isinstance(opened, m.Opened)
-            self.nameplate, self.rid, self._relay_token = opened.nameplate, 0, opened.relay_token
+            self.nameplate, self.rid, self._relay.token = opened.nameplate, 0, opened.relay_token
             self.code = make_code(opened.nameplate, words=code_words)
             self._start_relay_binding()
             self.nat = await self._nat_task
@@ -199,35 +194,26 @@ class Member:
 
     async def _open(self, rendezvous: tuple[str, int], name: str, descriptor: dict,
                     bind_host: str, send_delay_ms: float, *, is_host: bool) -> None:
-        if not valid_name(name):
-            raise BadInput(f"member name {name!r}: use 1-64 letters, digits, . _ @ + -")
-        if not isinstance(descriptor, dict):
-            raise BadInput("the member descriptor must be a dict")
-        try:
-            packed = msgpack.packb(descriptor, use_bin_type=True)
-        except (TypeError, ValueError) as exc:
-            raise BadInput(f"the member descriptor cannot be sent: {exc}") from None
-        if len(packed) > MAX_APP_MESSAGE_BYTES:
-            raise BadInput("the member descriptor is too large")
+        problem = own_entry_problem(name, descriptor)
+        if problem is not None:
+            raise BadInput(problem)
         self.name, self.descriptor, self.is_host = name, descriptor, is_host
         self._bind_host = bind_host
         self._rendezvous = await resolve(*rendezvous)
         self.identity = Identity.generate(name)
         self._sock = await MemberSocket.open(bind_host, send_delay_ms=send_delay_ms)
-        self._sock.handlers[frames.KIND_RELAY] = self._on_relay
+        self._relay = RelayLink(self._sock, self._rendezvous, self._table, closed=lambda: self._closed)
+        self._sock.handlers[frames.KIND_RELAY] = self._relay.datagram
         self._sock.handlers[frames.KIND_PUNCH] = self._on_punch
         self._sock.handlers[frames.KIND_QUIC] = self._on_quic
         self._nat_task = asyncio.ensure_future(check_nat(self._sock, self._rendezvous))
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(*self._rendezvous), SIGNAL_TIMEOUT_S
-            )
+            self._signal = await Signal.connect(self._rendezvous, send_delay_ms)
         except (TimeoutError, OSError) as exc:
             self._nat_task.cancel()
             self._sock.close()
             host, port = rendezvous
             raise Refused(f"cannot reach the rendezvous at {host}:{port}: {exc or 'timeout'}") from None
-        self._signal = Signal(reader, delayed_writer(writer, send_delay_ms))  # WAN emulation too
         self._send_delay_ms = send_delay_ms
         self._signal_ready.set()
 
@@ -242,7 +228,7 @@ class Member:
         except Refused as exc:
             raise Refused(f"cannot join {code.split('-')[0]}-...: {exc} (check the code)") from None
         assert isinstance(joined, m.Joined)
-        self.nameplate, self.rid, self._relay_token = nameplate, joined.rid, joined.relay_token
+        self.nameplate, self.rid, self._relay.token = nameplate, joined.rid, joined.relay_token
         self._start_relay_binding()
         # NAT first: the host runs one PAKE at a time, so ours is confirmed one round trip later
         self.nat = await self._nat_task
@@ -273,7 +259,7 @@ class Member:
 
     def _start_relay_binding(self) -> None:
         """Once the rendezvous knows us: bind our UDP address for the relay, and heartbeat."""
-        self._spawn(self._relay_binding(), "relay-bind")
+        self._spawn(self._relay.keep_bound(), "relay-bind")
         self._spawn(self._heartbeat(), "heartbeat")
 
     def _start_background(self) -> None:
@@ -287,17 +273,6 @@ class Member:
         while not self._closed:
             await asyncio.sleep(0.5)
             self._execute(core.tick(loop.time()))
-
-    async def _relay_binding(self) -> None:
-        while not self._closed:
-            self._sock.sendto(frames.encode_bind(self._relay_token, nonce=self._bind_nonce), self._rendezvous)
-            delay = RELAY_BIND_REFRESH_S if self._relay_bound.is_set() else RELAY_BIND_RETRY_S
-            self._rebind.clear()
-            waiter = asyncio.ensure_future(self._rebind.wait())
-            try:  # asyncio.wait, not wait_for: a cancellation of this task always gets through
-                await asyncio.wait({waiter}, timeout=delay)
-            finally:
-                waiter.cancel()
 
     async def _heartbeat(self) -> None:
         while not self._closed:
@@ -340,7 +315,7 @@ class Member:
         self._signal.writer.close()
         log.warning("%s: signaling lost (%s); asking the rendezvous to take us back", self.name, reason)
         self._lost_at = asyncio.get_running_loop().time()
-        back = await resume(self._rendezvous, m.Resume(self.nameplate, self.rid, proof, self._relay_token), reason,
+        back = await resume(self._rendezvous, m.Resume(self.nameplate, self.rid, proof, self._relay.token), reason,
                             name=self.name, send_delay_ms=self._send_delay_ms, closed=lambda: self._closed,
                             refused_means_host_gone=self._embedded_rendezvous and not self.is_host)  # fmt: skip
         if isinstance(back, str):
@@ -356,8 +331,7 @@ class Member:
         self.last_outage_s = round(asyncio.get_running_loop().time() - self._lost_at, 3)
         for channel in self._channels.values():
             channel.gap_allowed = True
-        self._relay_bound.clear()
-        self._rebind.set()
+        self._relay.rebind()
         for edge in list(self._edges.values()):
             info = self._roster.get(edge.peer)
             if info is not None and not edge.closed:
@@ -456,11 +430,8 @@ class Member:
                 waiter.cancel()
             if not self._signal_ready.is_set() or self._closed:
                 raise Refused(f"signaling to the rendezvous is down; cannot reach {to}")
-        if len(packed) <= PIECE_BYTES:
-            self._signal.send(m.Send(info.peer_id, channel.seal({"t": "app", "body": message})))
-        else:  # no await until every piece is written: pieces of two messages never interleave
-            for part in split(packed):
-                self._signal.send(m.Send(info.peer_id, channel.seal(part)))
+        for body in adm.sealed_bodies(channel, message, packed):  # no await between pieces
+            self._signal.send(m.Send(info.peer_id, body))
         await self._signal.writer.drain()
 
     async def recv(self) -> SessionEvent:
@@ -474,7 +445,7 @@ class Member:
         if info.peer_id == self.rid:
             raise BadInput("cannot open an edge to yourself")
         try:
-            await asyncio.wait_for(self._relay_bound.wait(), SIGNAL_TIMEOUT_S)
+            await asyncio.wait_for(self._relay.bound.wait(), SIGNAL_TIMEOUT_S)
         except TimeoutError:
             ip, port = self._rendezvous
             raise Refused(f"the relay at {ip}:{port} did not acknowledge this member's UDP binding "
@@ -546,22 +517,6 @@ class Member:
         self._new_edge(message.edge_id, self._roster[name], is_client=False)
 
     # datagrams from the member socket
-    def _on_relay(self, data: bytes, src: Address) -> None:
-        if src != self._rendezvous:
-            return
-        if data[0] == frames.BIND_ACK:
-            if frames.decode_bind(data) == self._relay_token:
-                self._relay_bound.set()
-            return
-        if data[0] == frames.BIND_CHALLENGE:  # prove this address is ours: echo the nonce
-            token, nonce = frames.decode_bind_request(data)
-            if token == self._relay_token and not self._closed:
-                self._bind_nonce = nonce
-                self._sock.sendto(frames.encode_bind(token, nonce=nonce), self._rendezvous)
-            return
-        edge_id, payload = frames.decode_data(data)
-        self._table.relay(edge_id, payload, asyncio.get_running_loop().time())
-
     def _on_punch(self, data: bytes, src: Address) -> None:
         self._table.punch(edge_id_of(data), data, src, asyncio.get_running_loop().time())
 

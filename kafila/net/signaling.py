@@ -52,6 +52,12 @@ class Signal:
         self.frames = m.FrameReader()
         self.pending: collections.deque[m.Message] = collections.deque()
 
+    @classmethod
+    async def connect(cls, address: Address, send_delay_ms: float) -> Signal:
+        """A new connection (delayed by send_delay_ms: the WAN emulation covers signaling too)."""
+        reader, writer = await asyncio.wait_for(asyncio.open_connection(*address), SIGNAL_TIMEOUT_S)
+        return cls(reader, delayed_writer(writer, send_delay_ms))
+
     def send(self, message: m.Message) -> None:
         if not self.writer.is_closing():
             self.writer.write(m.encode(message))
@@ -96,8 +102,7 @@ async def resume(address: Address, message: m.Resume, reason: str, *, name: str,
     while not closed():
         signal = None
         try:
-            reader, writer = await asyncio.wait_for(asyncio.open_connection(*address), SIGNAL_TIMEOUT_S)
-            signal = Signal(reader, delayed_writer(writer, send_delay_ms))
+            signal = await Signal.connect(address, send_delay_ms)
             signal.send(message)
             await signal.expect(m.Resumed, what="no answer to resuming")
         except RendezvousRefused as exc:
