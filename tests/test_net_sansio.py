@@ -36,7 +36,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 SANS_IO = [
     "kafila/net/code.py", "kafila/net/words.py", "kafila/net/handshake.py",
     "kafila/net/natcheck.py", "kafila/net/punch.py", "kafila/net/roster.py",
-    "kafila/net/certs.py", "kafila/net/admission.py", "rendezvous/messages.py", "rendezvous/frames.py",
+    "kafila/net/certs.py", "kafila/net/admission.py", "kafila/net/joining.py", "kafila/net/pieces.py",
+    "kafila/net/edge_table.py", "rendezvous/messages.py", "rendezvous/frames.py",
     "rendezvous/registry.py", "rendezvous/relay.py", "rendezvous/stun.py",
     "rendezvous/errors.py", "rendezvous/limits.py",
 ]

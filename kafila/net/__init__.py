@@ -36,7 +36,9 @@ address-dependent filtering; with one IP both read as "not-port-dependent" and c
 Signaling runs over an outbound TCP connection (see rendezvous.messages for why).
 
 Sans-I/O protocol modules (no asyncio/socket/time): code, words, handshake, natcheck, punch,
-roster, certs, and rendezvous.{messages, frames, registry, relay, stun}.
+roster, certs, pieces, edge_table, admission (the host's HostSession) and joining (the joiner's
+Joiner), and rendezvous.{messages, frames, registry, relay, stun}. Member (member.py) is the
+asyncio glue that feeds admission's machines and carries out their actions.
 """
 
 from kafila.net.natcheck import NatReport, predict_edge_kind

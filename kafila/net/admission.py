@@ -1,4 +1,4 @@
-"""Sans-I/O host admission: one unconfirmed PAKE at a time, and none after a failed one.
+"""Sans-I/O host admission: one unconfirmed PAKE at a time, none after a failed one; then the roster.
 
 Theory of operation. Every joiner is a guess at the code until it proves otherwise: it sends a
 SPAKE2 message, the host answers with its own, and the joiner's first sealed message (the hello)
@@ -15,25 +15,45 @@ whether one guess was right per PAKE the host answers, so the host:
   * drops, without closing anything, ids that send junk instead of a PAKE message (a body that
     is no SPAKE2 element tests no password), a second PAKE, or anything else before confirming.
 
-Inputs: `receive(rid, body, now)`, `left(rid)`, `tick(now)`; each returns actions for the
-asyncio layer: `SendBody(rid, body)`, `Drop(rid, reason)` (Kick at the rendezvous),
-`CloseNameplate()`, and `Confirmed(rid, channel, hello)` (the caller validates the hello, then
-admits the id at the rendezvous). Ids that were confirmed are none of this machine's business.
+Two machines. `HostAdmission` is that PAKE gate alone: `receive(rid, body, now)`, `left(rid)`,
+`tick(now)` return `SendBody(rid, body)`, `Drop(rid, reason)` (Kick at the rendezvous),
+`CloseNameplate()` and `Confirmed(rid, channel, hello)`.
 
     OPEN --PAKE, nobody unconfirmed--> BUSY(rid) --hello opens--> OPEN (Confirmed)
     BUSY --PAKE from another id--> BUSY (queued; beyond QUEUE_MAX: Drop)
     BUSY --timeout / second PAKE / junk--> OPEN (Drop, next queued starts)
     BUSY --hello fails to open--> CLOSED (reject, Drop, CloseNameplate; queue refused)
     CLOSED --PAKE--> CLOSED (reject, Drop)
+
+`HostSession` is the host's whole side of membership. It runs a HostAdmission and, for each id,
+moves it through
+
+    JOINING (in admission) --Confirmed, valid hello--> MEMBER --PeerLeft / kick--> DEPARTED
+    JOINING --Confirmed, bad hello--> (sealed refuse, Kick; back to admission's hands)
+
+A valid hello gets a distinct name (`vm-2` when `vm` is taken), `Admit(rid)` (before the welcome:
+the member may open edges once welcomed), the sealed welcome (group key, its name, the roster,
+its resume proof), a roster to every other member and `MemberJoined`. A member's sealed bodies
+become `Message`s (whole, or reassembled from pieces); one that fails to open or breaks the
+piece rules is kicked (`reject`, `Kick`, roster to the rest, `MemberLeft`). A DEPARTED id that
+speaks again (it resumed into a restarted rendezvous) is only dropped. Session events
+(roster.MemberJoined, MemberLeft, Message, RosterUpdated) are actions too: the caller queues them.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
+import logging
 from dataclasses import dataclass
 
 from kafila.net.handshake import PAKE, SEALED, Pake, SealedChannel, reject
+from kafila.net.pieces import MAX_MEMBER_MESSAGE_BYTES, PIECE_BYTES, Assembler, split, unpack
+from kafila.net.roster import MemberInfo, MemberJoined, MemberLeft, Message, SessionEvent, distinct_name
 from rendezvous.errors import ProtocolError
+from rendezvous.messages import resume_proof
+
+log = logging.getLogger("kafila.net")
 
 PAKE_TIMEOUT_S = 10.0  # from our PAKE answer to the joiner's hello (one round trip, normally)
 QUEUE_MAX = 8  # joiners waiting for their turn (the rendezvous lets 4 be pending at once)
@@ -44,12 +64,24 @@ CLOSED_REASON = ("someone tried a wrong code for this session; the host accepts 
 
 @dataclass(frozen=True)
 class SendBody:
+    """A body for rid through the rendezvous (messages.Send)."""
+
     rid: int
     body: bytes
 
 
 @dataclass(frozen=True)
 class Drop:
+    """A joiner that is not a member: Kick it at the rendezvous (quietly: strangers are normal)."""
+
+    rid: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Kick:
+    """A member, or a joiner that knew the code, removed: Kick it, and say why (a warning)."""
+
     rid: int
     reason: str
 
@@ -60,13 +92,22 @@ class CloseNameplate:
 
 
 @dataclass(frozen=True)
+class Admit:
+    """rid confirmed the PAKE and its hello is good: the rendezvous may let it open edges."""
+
+    rid: int
+
+
+@dataclass(frozen=True)
 class Confirmed:
+    """HostAdmission's: rid's hello opened under the key (HostSession validates the hello)."""
+
     rid: int
     channel: SealedChannel
     hello: dict
 
 
-Action = SendBody | Drop | CloseNameplate | Confirmed
+Action = SendBody | Drop | Kick | CloseNameplate | Admit | Confirmed | SessionEvent
 
 
 @dataclass
@@ -193,3 +234,131 @@ class HostAdmission:
             rid, body = self._queue.popleft()
             actions += self._start(rid, body, now)
         return actions
+
+
+def sealed_bodies(channel: SealedChannel, message: object, packed: bytes) -> list[bytes]:
+    """An application message (`packed`: it, msgpack'd) as sealed bodies: one "app", or its
+    pieces when larger than PIECE_BYTES (send them all before anything else: they never
+    interleave with another message's, so the receiver needs no message ids)."""
+    if len(packed) <= PIECE_BYTES:
+        return [channel.seal({"t": "app", "body": message})]
+    return [channel.seal(part) for part in split(packed)]
+
+
+def app_messages(pieces: Assembler, sender: str, sealed: dict) -> list[Message]:
+    """The application message an opened body completes, if any: an "app" whole, or the last
+    "part" of one in pieces (pieces.py; raises ProtocolError on a broken sequence)."""
+    if sealed.get("t") == "app":
+        pieces.whole()
+        return [Message(sender, sealed.get("body"))]
+    if sealed.get("t") == "part":
+        packed = pieces.feed(sealed)
+        if packed is not None:
+            return [Message(sender, unpack(packed, pieces.max_bytes))]
+    return []
+
+
+JOINING, MEMBER, DEPARTED, UNKNOWN = "joining", "member", "departed", "unknown"
+
+
+class HostSession:
+    """The host's side of membership (see the module's theory of operation). Keys come in as
+    arguments (the caller draws them): `group_key` for edges, `resume_key` for resume proofs."""
+
+    def __init__(self, code: str, nameplate: int, own: MemberInfo, *, group_key: bytes,
+                 resume_key: bytes, embedded: bool = False, admission: HostAdmission | None = None) -> None:
+        self.admission = admission or HostAdmission(code, nameplate)
+        self.nameplate = nameplate
+        self.group_key = group_key
+        self._resume_key = resume_key
+        self._embedded = embedded  # the rendezvous runs in our process: members learn it in the welcome
+        self.roster: dict[str, MemberInfo] = {own.name: own}
+        self.names: dict[int, str] = {own.peer_id: own.name}  # rid -> name
+        self.channels: dict[int, SealedChannel] = {}  # rid -> channel, one per admitted member
+        self.departed: set[int] = set()
+        self._pieces: dict[int, Assembler] = {}  # rid -> its message in pieces
+
+    def state_of(self, rid: int) -> str:
+        if rid in self.departed:
+            return DEPARTED
+        if rid in self.channels:
+            return MEMBER
+        return JOINING if self.admission.is_waiting(rid) else UNKNOWN
+
+    # inputs
+    def receive(self, rid: int, body: bytes, now: float) -> list[Action]:
+        """A body from rid (messages.Deliver)."""
+        if rid in self.departed:
+            return [Drop(rid, "it left; an id that resumed after that is not taken back")]
+        channel = self.channels.get(rid)
+        if channel is None:  # not admitted: a PAKE, or its hello
+            return self._admitted(self.admission.receive(rid, body, now))
+        try:
+            sealed = channel.open(body)
+            if rid not in self._pieces:  # members send little: a few small messages, bounded
+                self._pieces[rid] = Assembler(MAX_MEMBER_MESSAGE_BYTES)
+            return list(app_messages(self._pieces[rid], self.names.get(rid, str(rid)), sealed))
+        except ProtocolError as exc:
+            return self.kick(rid, f"authentication failure: {exc.reason}")
+
+    def left(self, rid: int, reason: str, now: float) -> list[Action]:
+        """rid's signaling connection ended (messages.PeerLeft)."""
+        return [*self._admitted(self.admission.left(rid, now)), *self._gone(rid, reason)]
+
+    def tick(self, now: float) -> list[Action]:
+        return self._admitted(self.admission.tick(now))
+
+    def kick(self, rid: int, reason: str) -> list[Action]:
+        """Remove member rid: it hears why (plain: its channel may be what failed), the rest get
+        the roster without it."""
+        self.channels.pop(rid, None)
+        return [SendBody(rid, reject(reason)), Kick(rid, reason), *self._gone(rid, reason)]
+
+    # transitions
+    def _admitted(self, actions: list[Action]) -> list[Action]:
+        """Admission's actions, with each Confirmed replaced by what admitting it takes (in place:
+        the welcome goes before the next joiner's PAKE answer, as the machine ordered them)."""
+        out: list[Action] = []
+        for action in actions:
+            out += self._hello(action) if isinstance(action, Confirmed) else [action]
+        return out
+
+    def _hello(self, confirmed: Confirmed) -> list[Action]:
+        rid, channel, hello = confirmed.rid, confirmed.channel, confirmed.hello
+        member = hello.get("member")
+        try:
+            if hello.get("t") != "hello" or not isinstance(member, dict):
+                raise ProtocolError("malformed", "expected a hello with a member entry")
+            info = MemberInfo.from_wire({**member, "rid": rid})
+        except ProtocolError as exc:
+            refuse = channel.seal({"t": "refuse", "reason": f"bad hello: {exc.reason}"})
+            return [SendBody(rid, refuse), Kick(rid, f"a bad hello ({exc.reason})")]
+        name = distinct_name(info.name, self.roster)
+        if name != info.name:
+            log.info("member %d: the name %r is taken; it joins as %r", rid, info.name, name)
+            info = dataclasses.replace(info, name=name)
+        self.channels[rid] = channel
+        self.names[rid] = name
+        self.roster[name] = info
+        welcome = {"t": "welcome", "key": self.group_key, "name": name, "members": self._roster_wire(),
+                   "resume": resume_proof(self._resume_key, self.nameplate, rid), "embedded": self._embedded}
+        return [Admit(rid), SendBody(rid, channel.seal(welcome)), *self._broadcast(exclude=rid),
+                MemberJoined(info)]
+
+    def _gone(self, rid: int, reason: str) -> list[Action]:
+        self.departed.add(rid)
+        self.channels.pop(rid, None)
+        self._pieces.pop(rid, None)
+        name = self.names.pop(rid, None)
+        if name is None:  # a joiner that never got in: nobody to tell
+            return []
+        self.roster.pop(name, None)
+        return [*self._broadcast(), MemberLeft(name, reason)]
+
+    def _roster_wire(self) -> list[dict]:
+        return [info.to_wire() for info in self.roster.values()]
+
+    def _broadcast(self, exclude: int | None = None) -> list[Action]:
+        members = self._roster_wire()
+        return [SendBody(rid, channel.seal({"t": "roster", "members": members}))
+                for rid, channel in self.channels.items() if rid != exclude and rid in self.names]

@@ -1,7 +1,9 @@
-"""A session participant (host or member): signaling, PAKE, roster, and edges to other members.
+"""A session participant (host or member): signaling, admission, and edges to other members.
 
-The asyncio layer around the sans-I/O pieces: rendezvous.messages (signaling codec),
-handshake (SPAKE2 + SealedChannel), natcheck (via stunclient), punch and edge.
+The asyncio layer around the sans-I/O pieces: rendezvous.messages (signaling codec), admission
+(the host's HostSession: PAKEs, hellos, roster, kicks) and joining (the joiner's Joiner), which
+this class feeds with what the rendezvous delivers and `now`, and whose actions it carries out;
+natcheck (via stunclient), punch, edge_table and edge for the ring's edges.
 """
 
 from __future__ import annotations
@@ -9,37 +11,39 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
-import dataclasses
 import logging
 import os
 import random
-import socket
 from typing import Any
 
 import msgpack
 
 from kafila.errors import BadInput, Refused
-from kafila.net import admission
-from kafila.net.admission import HostAdmission
+from kafila.net import admission as adm
+from kafila.net import joining
+from kafila.net.admission import HostAdmission, HostSession
 from kafila.net.certs import Identity
 from kafila.net.code import make_code, parse_code
 from kafila.net.edge import Edge, quic_destination_cid
 from kafila.net.edge_table import EdgeTable
-from kafila.net.handshake import Pake, SealedChannel, reject, rejection_reason
+from kafila.net.handshake import SealedChannel
+from kafila.net.joining import Joiner
 from kafila.net.natcheck import RESTRICTIVE, NatReport, predict_edge_kind
-from kafila.net.pieces import MAX_HOST_MESSAGE_BYTES, MAX_MEMBER_MESSAGE_BYTES, PIECE_BYTES, Assembler, split, unpack
+from kafila.net.pieces import MAX_HOST_MESSAGE_BYTES, MAX_MEMBER_MESSAGE_BYTES
 from kafila.net.punch import edge_id_of
-from kafila.net.roster import (
-    MemberInfo,
-    MemberJoined,
-    MemberLeft,
-    Message,
-    RosterUpdated,
-    SessionEvent,
-    distinct_name,
-    valid_name,
+from kafila.net.relay_link import RelayLink
+from kafila.net.roster import MemberInfo, MemberJoined, MemberLeft, RosterUpdated, SessionEvent, own_entry_problem
+from kafila.net.signaling import (
+    HOST_GONE,
+    RESUME_WINDOW_S,
+    SIGNAL_TIMEOUT_S,
+    Busy,
+    RendezvousRefused,
+    Signal,
+    local_candidates,
+    resume,
 )
-from kafila.net.sock import DelayedWriter, MemberSocket, delayed_writer
+from kafila.net.sock import MemberSocket
 from kafila.net.stunclient import check_nat, resolve
 from rendezvous import frames
 from rendezvous import messages as m
@@ -49,93 +53,11 @@ log = logging.getLogger("kafila.net")
 
 Address = tuple[str, int]
 HEARTBEAT_S = 1.0  # well under rendezvous.limits.MEMBER_SILENT_S (15 s): seconds of jitter are normal
-SIGNAL_TIMEOUT_S = 10.0  # a reply the rendezvous or host owes us
 JOIN_BUSY_RETRY_S = 1.0  # mean pause before asking a busy rendezvous again (randomised ±50 %)
 JOIN_BUSY_WAIT_S = 60.0  # how long a joiner keeps asking
 EDGE_ALLOCATE_TIMEOUT_S = 5.0
-RELAY_BIND_RETRY_S = 0.2
-RELAY_BIND_REFRESH_S = 20.0
 UNKNOWN_PEER_WAIT_S = 3.0  # an edge from a member the roster does not show yet
-MAX_APP_MESSAGE_BYTES = 64 * 1024  # a member's descriptor (it rides in the hello, in one piece)
 GROUP_KEY_BYTES = 32
-# signaling lost (the rendezvous restarted, or our line to it dropped): ask it to take us back,
-# first after RESUME_RETRY_S, doubling to RESUME_RETRY_MAX_S, for RESUME_WINDOW_S in all; the ring
-# keeps serving meanwhile (its edges do not go through signaling)
-RESUME_RETRY_S = 0.25
-RESUME_RETRY_MAX_S = 2.0
-RESUME_WINDOW_S = 120.0
-HOST_GONE = "the host's process is gone"
-
-
-def _local_candidates(bind_host: str, port: int, toward: Address) -> list[Address]:
-    """This machine's address toward the rendezvous (and the bind address), with our port."""
-    hosts = []
-    if bind_host not in ("0.0.0.0", "::", ""):
-        hosts.append(bind_host)
-    else:
-        probe = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-        try:
-            probe.connect(toward)  # no packet is sent: this only picks the route
-            hosts.append(probe.getsockname()[0])
-        except OSError:
-            pass
-        finally:
-            probe.close()
-    return [(h, port) for h in hosts]
-
-
-class _Busy(Exception):
-    """The rendezvous asked this joiner to come back in a moment (Member.join retries)."""
-
-
-class RendezvousRefused(Refused):
-    """The rendezvous answered with an Error; `code` says which (e.g. "busy": try again)."""
-
-    def __init__(self, code: str, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-class _Signal:
-    """The TCP signaling connection: framed messages in, framed messages out."""
-
-    def __init__(self, reader: asyncio.StreamReader,
-                 writer: asyncio.StreamWriter | DelayedWriter) -> None:
-        self.reader, self.writer = reader, writer
-        self.frames = m.FrameReader()
-        self.pending: collections.deque[m.Message] = collections.deque()
-
-    def send(self, message: m.Message) -> None:
-        if not self.writer.is_closing():
-            self.writer.write(m.encode(message))
-
-    async def next(self) -> m.Message:
-        while not self.pending:
-            data = await self.reader.read(64 * 1024)
-            if not data:
-                raise ConnectionError("the rendezvous closed the signaling connection")
-            self.pending.extend(self.frames.feed(data))
-        return self.pending.popleft()
-
-    async def expect(self, *kinds: type, what: str | None = None) -> m.Message:
-        """The next message, which must be one of kinds (an Error becomes Refused; none within
-        SIGNAL_TIMEOUT_S, a Refused that says `what` did not come, e.g. "no answer from the host")."""
-        while True:
-            try:
-                message = await asyncio.wait_for(self.next(), SIGNAL_TIMEOUT_S)
-            except TimeoutError:
-                extra = getattr(self.writer, "get_extra_info", None)
-                peer = extra("peername") if extra is not None else None
-                at = f" at {peer[0]}:{peer[1]}" if peer else ""
-                wanted = what or f"no {' or '.join(k.__name__ for k in kinds)}"
-                raise Refused(f"{wanted} came through the rendezvous{at} within {SIGNAL_TIMEOUT_S:g} s") from None
-            if isinstance(message, m.Error):
-                raise RendezvousRefused(message.code, f"rendezvous refused: {message.reason}")
-            if isinstance(message, m.Heartbeat):
-                continue
-            if isinstance(message, kinds):
-                return message
-            raise Refused(f"rendezvous sent an unexpected {type(message).__name__}")
 
 
 class Member:
@@ -151,31 +73,22 @@ class Member:
         self.rid = 0
         self.nameplate = 0
         self._sock: MemberSocket
-        self._signal: _Signal
+        self._signal: Signal
         self._rendezvous: Address = ("", 0)
         self._bind_host = "0.0.0.0"
-        self._roster: dict[str, MemberInfo] = {}
-        self._group_key = b""
-        self._channels: dict[int, SealedChannel] = {}  # rid -> channel (the host: one per member)
-        self._admission: HostAdmission | None = None  # the host's: PAKEs of ids not admitted yet
-        self._bind_nonce = frames.NO_NONCE  # the relay's return-routability challenge, echoed
+        self._core: HostSession | Joiner | None = None  # admission's machine: roster, channels, keys
         self.handler_errors = 0  # signaling messages whose handling failed (logged in one line)
         self.code_void = False  # the host's: a wrong code was tried, so this code admits nobody now
-        self._pieces: dict[int, Assembler] = {}  # rid -> a message in pieces from it (pieces.py)
-        self._names: dict[int, str] = {}  # rid -> name
         self._events: asyncio.Queue[SessionEvent] = asyncio.Queue()
         self._table = EdgeTable()  # which edge each datagram of our socket is for (edge_table.py)
         self._pending_edges: dict[int, collections.deque[asyncio.Future[bytes]]] = {}
         self._accepted: asyncio.Queue[Edge] = asyncio.Queue()
-        self._relay_token = b""
-        self._relay_bound = asyncio.Event()
-        self._rebind = asyncio.Event()  # set: send a relay BIND now (after a resume)
+        self._relay: RelayLink  # our binding at the relay, and its frames for our edges
         self._send_delay_ms = 0.0
         self._resume_key = b""  # the host's: proves it to a (restarted) rendezvous
         self._resume_proof = b""  # a member's: messages.resume_proof, from the host's welcome
         self._resumable = True  # False once kicked or the session closed: nothing to resume
         self._signal_ready = asyncio.Event()  # clear while signaling is down (send() waits)
-        self._departed: set[int] = set()  # the host's: ids that left; a resumed one is kicked
         # the rendezvous lives in the host's process (the welcome says): one that refuses
         # connections means the host has gone, not that a rendezvous is restarting
         self._embedded_rendezvous = False
@@ -200,6 +113,27 @@ class Member:
     def _edges(self) -> dict[bytes, Edge]:
         return self._table.edges  # type: ignore[return-value]
 
+    # what admission's machine holds (empty until there is one)
+    @property
+    def _roster(self) -> dict[str, MemberInfo]:
+        return self._core.roster if self._core is not None else {}
+
+    @property
+    def _names(self) -> dict[int, str]:
+        return self._core.names if self._core is not None else {}
+
+    @property
+    def _channels(self) -> dict[int, SealedChannel]:
+        return self._core.channels if self._core is not None else {}
+
+    @property
+    def _group_key(self) -> bytes:
+        return self._core.group_key if self._core is not None else b""
+
+    @property
+    def _admission(self) -> HostAdmission | None:
+        return self._core.admission if isinstance(self._core, HostSession) else None
+
     # construction
     @classmethod
     async def host(
@@ -218,14 +152,13 @@ class Member:
             self._signal.send(m.Open(resume_key=self._resume_key))
             opened = await self._signal.expect(m.Opened, what="no answer to opening the session")
             assert isinstance(opened, m.Opened)
-            self.nameplate, self.rid, self._relay_token = opened.nameplate, 0, opened.relay_token
+            self.nameplate, self.rid, self._relay.token = opened.nameplate, 0, opened.relay_token
             self.code = make_code(opened.nameplate, words=code_words)
-            self._admission = HostAdmission(self.code, self.nameplate)
             self._start_relay_binding()
             self.nat = await self._nat_task
-            self._names[0] = name
-            self._roster[name] = self._own_info()
-            self._group_key = os.urandom(GROUP_KEY_BYTES)
+            self._core = HostSession(self.code, self.nameplate, self._own_info(),
+                                     group_key=os.urandom(GROUP_KEY_BYTES), resume_key=self._resume_key,
+                                     embedded=embedded_rendezvous)  # fmt: skip
             self._start_background()
         except BaseException:
             await self._teardown()
@@ -249,7 +182,7 @@ class Member:
             try:
                 await self._join(nameplate, normalized)
                 return self
-            except _Busy:
+            except Busy:
                 await self._teardown()
                 if asyncio.get_running_loop().time() >= deadline:
                     raise Refused(f"cannot join {normalized.split('-')[0]}-...: the rendezvous stayed "
@@ -261,35 +194,26 @@ class Member:
 
     async def _open(self, rendezvous: tuple[str, int], name: str, descriptor: dict,
                     bind_host: str, send_delay_ms: float, *, is_host: bool) -> None:
-        if not valid_name(name):
-            raise BadInput(f"member name {name!r}: use 1-64 letters, digits, . _ @ + -")
-        if not isinstance(descriptor, dict):
-            raise BadInput("the member descriptor must be a dict")
-        try:
-            packed = msgpack.packb(descriptor, use_bin_type=True)
-        except (TypeError, ValueError) as exc:
-            raise BadInput(f"the member descriptor cannot be sent: {exc}") from None
-        if len(packed) > MAX_APP_MESSAGE_BYTES:
-            raise BadInput("the member descriptor is too large")
+        problem = own_entry_problem(name, descriptor)
+        if problem is not None:
+            raise BadInput(problem)
         self.name, self.descriptor, self.is_host = name, descriptor, is_host
         self._bind_host = bind_host
         self._rendezvous = await resolve(*rendezvous)
         self.identity = Identity.generate(name)
         self._sock = await MemberSocket.open(bind_host, send_delay_ms=send_delay_ms)
-        self._sock.handlers[frames.KIND_RELAY] = self._on_relay
+        self._relay = RelayLink(self._sock, self._rendezvous, self._table, closed=lambda: self._closed)
+        self._sock.handlers[frames.KIND_RELAY] = self._relay.datagram
         self._sock.handlers[frames.KIND_PUNCH] = self._on_punch
         self._sock.handlers[frames.KIND_QUIC] = self._on_quic
         self._nat_task = asyncio.ensure_future(check_nat(self._sock, self._rendezvous))
         try:
-            reader, writer = await asyncio.wait_for(
-                asyncio.open_connection(*self._rendezvous), SIGNAL_TIMEOUT_S
-            )
+            self._signal = await Signal.connect(self._rendezvous, send_delay_ms)
         except (TimeoutError, OSError) as exc:
             self._nat_task.cancel()
             self._sock.close()
             host, port = rendezvous
             raise Refused(f"cannot reach the rendezvous at {host}:{port}: {exc or 'timeout'}") from None
-        self._signal = _Signal(reader, delayed_writer(writer, send_delay_ms))  # WAN emulation too
         self._send_delay_ms = send_delay_ms
         self._signal_ready.set()
 
@@ -299,67 +223,28 @@ class Member:
             joined = await self._signal.expect(m.Joined, what="no answer to the join")
         except RendezvousRefused as exc:
             if exc.code == "busy":
-                raise _Busy() from None
+                raise Busy() from None
             raise Refused(f"cannot join {code.split('-')[0]}-...: {exc} (check the code)") from None
         except Refused as exc:
             raise Refused(f"cannot join {code.split('-')[0]}-...: {exc} (check the code)") from None
         assert isinstance(joined, m.Joined)
-        self.nameplate, self.rid, self._relay_token = nameplate, joined.rid, joined.relay_token
+        self.nameplate, self.rid, self._relay.token = nameplate, joined.rid, joined.relay_token
         self._start_relay_binding()
         # NAT first: the host runs one PAKE at a time, so ours is confirmed one round trip later
         self.nat = await self._nat_task
-        pake = Pake(code)
-        self._signal.send(m.Send(0, pake.start()))
-        reply = await self._from_host()
-        reason = rejection_reason(reply)
-        if reason is not None:
-            raise Refused(f"the host refused: {reason}")
-        try:
-            key = pake.finish(reply)
-        except ProtocolError as exc:
-            raise Refused(f"session handshake failed: {exc.reason}") from None
-        channel = SealedChannel(key, is_host=False, nameplate=nameplate, rid=self.rid)
-        self._channels[0] = channel
-        own = self._own_info()
-        self._signal.send(m.Send(0, channel.seal({"t": "hello", "member": own.to_wire()})))
-        body = await self._from_host()
-        reason = rejection_reason(body)
-        if reason is not None:
-            raise Refused(f"wrong code: {reason}")
-        try:
-            welcome = channel.open(body)
-            if welcome.get("t") == "refuse":
-                raise Refused(f"the host refused: {welcome.get('reason')}")
-            if welcome.get("t") != "welcome" or not isinstance(welcome.get("key"), bytes):
-                raise ProtocolError("malformed", "expected the host's welcome")
-            self._group_key = welcome["key"]
-            # the host's name for us: ours, or `ours-2` when another member already has ours
-            name = welcome.get("name", self.name)
-            if not valid_name(name):
-                raise ProtocolError("malformed", "bad name in the welcome")
-            self.name = name
-            self._embedded_rendezvous = welcome.get("embedded") is True
-            proof = welcome.get("resume", b"")
-            self._resume_proof = proof if isinstance(proof, bytes) and len(proof) == m.RESUME_KEY_BYTES else b""
-            self._set_roster(welcome.get("members"))
-        except ProtocolError as exc:
-            raise Refused(
-                f"the host's reply failed authentication ({exc.reason}): wrong code, or the "
-                "rendezvous tampered with it"
-            ) from None
+        joiner = self._core = Joiner(code, nameplate, self.rid, self._own_info())
+        loop = asyncio.get_running_loop()
+        self._execute(joiner.start(loop.time()))
+        while joiner.state != joining.JOINED:  # each reply bounded by SIGNAL_TIMEOUT_S; Failed raises
+            deliver = await self._signal.expect(m.Deliver, what="no answer from the host")
+            assert isinstance(deliver, m.Deliver)
+            self._execute(joiner.receive(deliver.sender, deliver.body, loop.time()))
         self._start_background()
-
-    async def _from_host(self) -> bytes:
-        deliver = await self._signal.expect(m.Deliver, what="no answer from the host")
-        assert isinstance(deliver, m.Deliver)
-        if deliver.sender != 0:
-            raise Refused("the rendezvous delivered a message that is not from the host")
-        return deliver.body
 
     def _own_info(self) -> MemberInfo:
         mapped_ip, _, mapped_port = self.nat.mapped.rpartition(":")
         candidates = [(mapped_ip, int(mapped_port))]
-        for addr in _local_candidates(self._bind_host, self._sock.local_address[1], self._rendezvous):
+        for addr in local_candidates(self._bind_host, self._sock.local_address[1], self._rendezvous):
             if addr not in candidates:
                 candidates.append(addr)
         return MemberInfo(self.name, self.descriptor, self.nat.nat, self.nat.rtt_ms,
@@ -374,32 +259,20 @@ class Member:
 
     def _start_relay_binding(self) -> None:
         """Once the rendezvous knows us: bind our UDP address for the relay, and heartbeat."""
-        self._spawn(self._relay_binding(), "relay-bind")
+        self._spawn(self._relay.keep_bound(), "relay-bind")
         self._spawn(self._heartbeat(), "heartbeat")
 
     def _start_background(self) -> None:
         self._spawn(self._signal_loop(), "signal")
-        if self._admission is not None:
-            self._spawn(self._admission_timer(), "admission")
+        if isinstance(self._core, HostSession):
+            self._spawn(self._admission_timer(self._core), "admission")
 
-    async def _admission_timer(self) -> None:
+    async def _admission_timer(self, core: HostSession) -> None:
         """Drop the id whose PAKE is not confirmed within admission.PAKE_TIMEOUT_S."""
-        assert self._admission is not None
         loop = asyncio.get_running_loop()
         while not self._closed:
             await asyncio.sleep(0.5)
-            self._admit_actions(self._admission.tick(loop.time()))
-
-    async def _relay_binding(self) -> None:
-        while not self._closed:
-            self._sock.sendto(frames.encode_bind(self._relay_token, nonce=self._bind_nonce), self._rendezvous)
-            delay = RELAY_BIND_REFRESH_S if self._relay_bound.is_set() else RELAY_BIND_RETRY_S
-            self._rebind.clear()
-            waiter = asyncio.ensure_future(self._rebind.wait())
-            try:  # asyncio.wait, not wait_for: a cancellation of this task always gets through
-                await asyncio.wait({waiter}, timeout=delay)
-            finally:
-                waiter.cancel()
+            self._execute(core.tick(loop.time()))
 
     async def _heartbeat(self) -> None:
         while not self._closed:
@@ -434,49 +307,23 @@ class Member:
 
     async def _resume_signaling(self, reason: str) -> str | None:
         """Signaling dropped: reconnect to the rendezvous (restarted, or our line back) and prove
-        we are still this member (messages.Resume); None once back, else why not. The host comes
-        back first; a member asked "which session?" before that asks again."""
+        we are still this member (signaling.resume); None once back, else why not."""
         proof = self._resume_key if self.is_host else self._resume_proof
         if not proof or not self._resumable:
             return reason
         self._signal_ready.clear()
         self._signal.writer.close()
         log.warning("%s: signaling lost (%s); asking the rendezvous to take us back", self.name, reason)
-        loop = asyncio.get_running_loop()
-        self._lost_at = loop.time()
-        deadline, pause = loop.time() + RESUME_WINDOW_S, RESUME_RETRY_S
-        while not self._closed:
-            signal = None
-            try:
-                reader, writer = await asyncio.wait_for(asyncio.open_connection(*self._rendezvous), SIGNAL_TIMEOUT_S)
-                signal = _Signal(reader, delayed_writer(writer, self._send_delay_ms))
-                signal.send(m.Resume(self.nameplate, self.rid, proof, self._relay_token))
-                await signal.expect(m.Resumed, what="no answer to resuming")
-            except RendezvousRefused as exc:
-                signal.writer.close()
-                if exc.code != "unknown-nameplate":  # anything else will not change by asking again
-                    return f"{reason}; {exc}"
-            except ConnectionRefusedError:
-                if self._embedded_rendezvous and not self.is_host:
-                    return f"{HOST_GONE} (its rendezvous, in its process, refuses connections)"
-            except (OSError, TimeoutError, Refused, ProtocolError) as exc:
-                if signal is not None:
-                    signal.writer.close()
-                log.debug("%s: resume attempt failed: %s", self.name, exc)
-            except asyncio.CancelledError:  # closing while we ask
-                if signal is not None:
-                    signal.writer.close()
-                raise
-            else:
-                self._signaling_back(signal)
-                return None
-            if loop.time() + pause > deadline:
-                return f"{reason}; the rendezvous did not take us back within {RESUME_WINDOW_S:g} s"
-            await asyncio.sleep(pause)
-            pause = min(2 * pause, RESUME_RETRY_MAX_S)
-        return reason
+        self._lost_at = asyncio.get_running_loop().time()
+        back = await resume(self._rendezvous, m.Resume(self.nameplate, self.rid, proof, self._relay.token), reason,
+                            name=self.name, send_delay_ms=self._send_delay_ms, closed=lambda: self._closed,
+                            refused_means_host_gone=self._embedded_rendezvous and not self.is_host)  # fmt: skip
+        if isinstance(back, str):
+            return back
+        self._signaling_back(back)
+        return None
 
-    def _signaling_back(self, signal: _Signal) -> None:
+    def _signaling_back(self, signal: Signal) -> None:
         """Resumed: messages lost with the old connection may leave one gap on each channel; the
         relay binding and our relay edges are claimed again (a restarted relay lost them)."""
         self._signal = signal
@@ -484,8 +331,7 @@ class Member:
         self.last_outage_s = round(asyncio.get_running_loop().time() - self._lost_at, 3)
         for channel in self._channels.values():
             channel.gap_allowed = True
-        self._relay_bound.clear()
-        self._rebind.set()
+        self._relay.rebind()
         for edge in list(self._edges.values()):
             info = self._roster.get(edge.peer)
             if info is not None and not edge.closed:
@@ -494,14 +340,13 @@ class Member:
         log.warning("%s: signaling is back after %.1f s (resume %d)", self.name, self.last_outage_s, self.resumes)
 
     def _handle(self, message: m.Message) -> None:
-        if isinstance(message, m.Deliver):
-            self._deliver(message)
+        now = asyncio.get_running_loop().time()
+        if isinstance(message, m.Deliver) and self._core is not None:
+            self._execute(self._core.receive(message.sender, message.body, now))
         elif isinstance(message, m.EdgeAllocated):
             self._edge_allocated(message)
-        elif isinstance(message, m.PeerLeft) and self.is_host:
-            if self._admission is not None:
-                self._admit_actions(self._admission.left(message.rid, asyncio.get_running_loop().time()))
-            self._member_gone(message.rid, message.reason)
+        elif isinstance(message, m.PeerLeft) and isinstance(self._core, HostSession):
+            self._execute(self._core.left(message.rid, message.reason, now))
         elif isinstance(message, m.SessionClosed) and not self.is_host:
             self.signaling_up = self._resumable = False  # the rendezvous closes the connection next: expected
             self._events.put_nowait(MemberLeft(self._names.get(0, "host"), message.reason))
@@ -514,133 +359,37 @@ class Member:
                     waiters.popleft().set_exception(Refused(f"edge refused: {message.reason}"))
                     break
 
-    def _deliver(self, message: m.Deliver) -> None:
-        body, rid = message.body, message.sender
-        if self.is_host and rid in self._departed:  # it left, then resumed into a restarted rendezvous
-            self._signal.send(m.Kick(rid))
-            return
-        if self.is_host and rid not in self._channels:  # not admitted: a PAKE, or its hello
-            if self._admission is not None:
-                self._admit_actions(self._admission.receive(rid, body, asyncio.get_running_loop().time()))
-            return
-        channel = self._channels.get(rid)
-        if channel is None:
-            return
-        refusal = rejection_reason(body)
-        if refusal is not None and not self.is_host:
-            log.error("%s: the host removed us: %s", self.name, refusal)
-            self._events.put_nowait(MemberLeft(self._names.get(0, "host"), f"removed: {refusal}"))
-            return
-        try:
-            sealed = channel.open(body)
-            if sealed.get("t") == "app":
-                self._assembler(rid).whole()
-                self._events.put_nowait(Message(self._names.get(rid, str(rid)), sealed.get("body")))
-            elif sealed.get("t") == "part":
-                assembler = self._assembler(rid)
-                packed = assembler.feed(sealed)
-                if packed is not None:
-                    body = unpack(packed, assembler.max_bytes)
-                    self._events.put_nowait(Message(self._names.get(rid, str(rid)), body))
-            elif sealed.get("t") == "roster" and not self.is_host:
-                self._set_roster(sealed.get("members"))
-                self._events.put_nowait(RosterUpdated(self.roster()))
-        except ProtocolError as exc:
-            self._auth_failure(rid, exc)
-
-    def _assembler(self, rid: int) -> Assembler:
-        if rid not in self._pieces:  # the host sends plans and manifests; members send little
-            self._pieces[rid] = Assembler(MAX_MEMBER_MESSAGE_BYTES if self.is_host else MAX_HOST_MESSAGE_BYTES)
-        return self._pieces[rid]
-
-    def _auth_failure(self, rid: int, exc: ProtocolError) -> None:
-        if self.is_host:  # an admitted member (a joiner's failures are admission's business)
-            log.warning("member %d: %s; removing it", rid, exc.reason)
-            self._signal.send(m.Send(rid, reject(f"authentication failure: {exc.reason}")))
-            self._signal.send(m.Kick(rid))
-            self._channels.pop(rid, None)
-            self._member_gone(rid, f"authentication failure: {exc.reason}")
-        else:
-            log.error("%s: signaling from the host failed: %s; leaving", self.name, exc.reason)
-            self._events.put_nowait(MemberLeft(self._names.get(0, "host"),
-                                               f"authentication failure: {exc.reason}"))
-            self._closed = True
-            self._signal.writer.close()
-
-    def _admit_actions(self, actions: list[admission.Action]) -> None:
-        """Carry out what the admission machine decided (the host only)."""
+    def _execute(self, actions: list[adm.Action] | list[joining.Action]) -> None:
+        """Carry out what admission's machine decided: signaling sends, kicks, events."""
         for action in actions:
-            if isinstance(action, admission.SendBody):
+            if isinstance(action, adm.SendBody):
                 self._signal.send(m.Send(action.rid, action.body))
-            elif isinstance(action, admission.Drop):
+            elif isinstance(action, adm.Drop):
                 log.debug("joiner %d: %s; dropped", action.rid, action.reason)
                 self._signal.send(m.Kick(action.rid))
-            elif isinstance(action, admission.CloseNameplate):
+            elif isinstance(action, adm.Kick):
+                log.warning("member %d: %s; removing it", action.rid, action.reason)
+                self._signal.send(m.Kick(action.rid))
+            elif isinstance(action, adm.Admit):
+                self._signal.send(m.Admit(action.rid))
+            elif isinstance(action, adm.CloseNameplate):
                 log.warning("%s: %s", self.name, action.reason)
                 self._signal.send(m.CloseNameplate())
                 self.code_void = True
-            elif isinstance(action, admission.Confirmed):
-                self._host_hello(action.rid, action.channel, action.hello)
-
-    def _host_hello(self, rid: int, channel: SealedChannel, hello: dict) -> None:
-        """A joiner that confirmed the PAKE: a valid hello is admitted, under a distinct name
-        (`vm-2` when `vm` is taken: the welcome tells the joiner)."""
-        member = hello.get("member")
-        try:
-            if hello.get("t") != "hello" or not isinstance(member, dict):
-                raise ProtocolError("malformed", "expected a hello with a member entry")
-            info = MemberInfo.from_wire({**member, "rid": rid})
-        except ProtocolError as exc:
-            log.warning("member %d: a bad hello (%s); removing it", rid, exc.reason)
-            self._signal.send(m.Send(rid, channel.seal({"t": "refuse", "reason": f"bad hello: {exc.reason}"})))
-            self._signal.send(m.Kick(rid))
-            return
-        name = distinct_name(info.name, self._roster)
-        if name != info.name:
-            log.info("member %d: the name %r is taken; it joins as %r", rid, info.name, name)
-            info = dataclasses.replace(info, name=name)
-        self._channels[rid] = channel
-        self._names[rid] = info.name
-        self._roster[info.name] = info
-        self._signal.send(m.Admit(rid))  # before the welcome: it may open edges once welcomed
-        self._signal.send(m.Send(rid, channel.seal(
-            {"t": "welcome", "key": self._group_key, "name": name, "members": self._roster_wire(),
-             "resume": m.resume_proof(self._resume_key, self.nameplate, rid),
-             "embedded": self._embedded_rendezvous})))
-        self._broadcast_roster(exclude=rid)
-        self._roster_changed.set()
-        self._events.put_nowait(MemberJoined(info))
-
-    def _member_gone(self, rid: int, reason: str) -> None:
-        self._departed.add(rid)
-        self._channels.pop(rid, None)
-        self._pieces.pop(rid, None)
-        name = self._names.pop(rid, None)
-        if name is None:
-            return
-        self._roster.pop(name, None)
-        self._broadcast_roster()
-        self._events.put_nowait(MemberLeft(name, reason))
-
-    def _roster_wire(self) -> list[dict]:
-        return [info.to_wire() for info in self._roster.values()]
-
-    def _broadcast_roster(self, exclude: int | None = None) -> None:
-        members = self._roster_wire()
-        for rid, channel in self._channels.items():
-            if rid != exclude and rid in self._names:
-                self._signal.send(m.Send(rid, channel.seal({"t": "roster", "members": members})))
-
-    def _set_roster(self, members: object) -> None:
-        if not isinstance(members, list):
-            raise ProtocolError("malformed", "roster is not a list")
-        roster = {}
-        for item in members:
-            info = MemberInfo.from_wire(item)
-            roster[info.name] = info
-        self._roster = roster
-        self._names = {info.peer_id: info.name for info in roster.values()}
-        self._roster_changed.set()
+            elif isinstance(action, joining.Welcomed):
+                self.name, self._resume_proof = action.name, action.resume_proof
+                self._embedded_rendezvous = action.embedded
+                self._roster_changed.set()
+            elif isinstance(action, joining.Failed):
+                raise Refused(action.reason)
+            elif isinstance(action, joining.Close):
+                log.error("%s: signaling from the host failed: %s; leaving", self.name, action.reason)
+                self._closed = True
+                self._signal.writer.close()
+            elif isinstance(action, SessionEvent):
+                if isinstance(action, (MemberJoined, RosterUpdated)):
+                    self._roster_changed.set()  # an edge from a member we did not know may wait
+                self._events.put_nowait(action)
 
     # public API
     def signaling(self) -> dict:
@@ -681,11 +430,8 @@ class Member:
                 waiter.cancel()
             if not self._signal_ready.is_set() or self._closed:
                 raise Refused(f"signaling to the rendezvous is down; cannot reach {to}")
-        if len(packed) <= PIECE_BYTES:
-            self._signal.send(m.Send(info.peer_id, channel.seal({"t": "app", "body": message})))
-        else:  # no await until every piece is written: pieces of two messages never interleave
-            for part in split(packed):
-                self._signal.send(m.Send(info.peer_id, channel.seal(part)))
+        for body in adm.sealed_bodies(channel, message, packed):  # no await between pieces
+            self._signal.send(m.Send(info.peer_id, body))
         await self._signal.writer.drain()
 
     async def recv(self) -> SessionEvent:
@@ -699,7 +445,7 @@ class Member:
         if info.peer_id == self.rid:
             raise BadInput("cannot open an edge to yourself")
         try:
-            await asyncio.wait_for(self._relay_bound.wait(), SIGNAL_TIMEOUT_S)
+            await asyncio.wait_for(self._relay.bound.wait(), SIGNAL_TIMEOUT_S)
         except TimeoutError:
             ip, port = self._rendezvous
             raise Refused(f"the relay at {ip}:{port} did not acknowledge this member's UDP binding "
@@ -771,22 +517,6 @@ class Member:
         self._new_edge(message.edge_id, self._roster[name], is_client=False)
 
     # datagrams from the member socket
-    def _on_relay(self, data: bytes, src: Address) -> None:
-        if src != self._rendezvous:
-            return
-        if data[0] == frames.BIND_ACK:
-            if frames.decode_bind(data) == self._relay_token:
-                self._relay_bound.set()
-            return
-        if data[0] == frames.BIND_CHALLENGE:  # prove this address is ours: echo the nonce
-            token, nonce = frames.decode_bind_request(data)
-            if token == self._relay_token and not self._closed:
-                self._bind_nonce = nonce
-                self._sock.sendto(frames.encode_bind(token, nonce=nonce), self._rendezvous)
-            return
-        edge_id, payload = frames.decode_data(data)
-        self._table.relay(edge_id, payload, asyncio.get_running_loop().time())
-
     def _on_punch(self, data: bytes, src: Address) -> None:
         self._table.punch(edge_id_of(data), data, src, asyncio.get_running_loop().time())
 

@@ -6,12 +6,15 @@ import ipaddress
 import re
 from dataclasses import dataclass, field
 
+import msgpack
+
 from kafila.net.natcheck import NatReport
 from rendezvous.errors import ProtocolError
 
 Address = tuple[str, int]
 MAX_NAME_CHARS = 64
 MAX_CANDIDATES = 8
+MAX_DESCRIPTOR_BYTES = 64 * 1024  # a member's descriptor (it rides in the hello, in one piece)
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._@+-]{0,63}$")
 _FP_RE = re.compile(r"^[0-9a-f]{64}$")
 
@@ -79,6 +82,21 @@ def is_ip(text: str) -> bool:
 def valid_name(name: object) -> bool:
     """Member names: 1-64 of letters, digits and . _ @ + - (starting with a letter or digit)."""
     return isinstance(name, str) and _NAME_RE.match(name) is not None
+
+
+def own_entry_problem(name: object, descriptor: object) -> str | None:
+    """What is wrong with the name and descriptor this machine would join with, if anything."""
+    if not valid_name(name):
+        return f"member name {name!r}: use 1-64 letters, digits, . _ @ + -"
+    if not isinstance(descriptor, dict):
+        return "the member descriptor must be a dict"
+    try:
+        packed = msgpack.packb(descriptor, use_bin_type=True)
+    except (TypeError, ValueError) as exc:
+        return f"the member descriptor cannot be sent: {exc}"
+    if len(packed) > MAX_DESCRIPTOR_BYTES:
+        return "the member descriptor is too large"
+    return None
 
 
 def distinct_name(wanted: str, taken) -> str:
