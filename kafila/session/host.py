@@ -13,7 +13,7 @@ from rich.table import Table
 
 from kafila.errors import BadInput, Refused, describe_error
 from kafila.net.codefile import write_private
-from kafila.session.member import (
+from kafila.session.participant import (
     READY_TIMEOUT_S,
     STATUS_EVERY_S,
     Participant,
@@ -578,7 +578,7 @@ class HostParticipant(Participant):
             edges = dict(self.state.edges)
             own = getattr(self, "succ_edge", None)
             if own is not None:
-                from kafila.session.member import edge_stats
+                from kafila.session.participant import edge_stats
 
                 edges[self.cfg.name] = edge_stats(own)
                 self.state.edges[self.cfg.name] = edges[self.cfg.name]
