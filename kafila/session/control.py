@@ -34,7 +34,8 @@ MAX_REASON_CHARS = 2000
 MAX_NAME_CHARS = 64  # kafila.net.roster.MAX_NAME_CHARS
 MAX_EPOCH = 1 << 31
 MAX_MEMBERS = 256
-MAX_MEASURED = 64  # (stage, ms) pairs the head reports
+MAX_MEASURED = 64  # (what, ms) pairs the head reports ("stage:NAME", "step_ms", ...)
+MAX_MEASURED_KEY_CHARS = 128
 MAX_HISTORY = 100
 MAX_REPORT_ITEMS = 256  # entries in any one map or list of a report
 MAX_REPORT_DEPTH = 4
@@ -107,16 +108,16 @@ def _map(value: Any, what: str, default: Any = None) -> dict | None:
 
 
 def _measured(value: Any) -> tuple[tuple[str, float], ...]:
-    """The head's measured stage times, [(name, ms), ...]; pairs that are not are dropped (as
-    before), more than MAX_MEASURED is an error."""
+    """The head's measured times, [(what, ms), ...]: the first MAX_MEASURED pairs, those that are
+    not (text, number) dropped (as before); a list longer than MAX_REPORT_ITEMS is an error."""
     if value is None:
         return ()
-    if not isinstance(value, list | tuple) or len(value) > MAX_MEASURED:
-        raise ControlError(f"measured must list at most {MAX_MEASURED} (stage, ms) pairs")
+    if not isinstance(value, list | tuple) or len(value) > MAX_REPORT_ITEMS:
+        raise ControlError(f"measured must list at most {MAX_REPORT_ITEMS} (what, ms) pairs")
     out = []
-    for pair in value:
+    for pair in value[:MAX_MEASURED]:
         if (isinstance(pair, list | tuple) and len(pair) == 2 and isinstance(pair[0], str)
-                and len(pair[0]) <= MAX_NAME_CHARS and isinstance(pair[1], int | float)
+                and len(pair[0]) <= MAX_MEASURED_KEY_CHARS and isinstance(pair[1], int | float)
                 and not isinstance(pair[1], bool)):  # fmt: skip
             out.append((pair[0], float(pair[1])))
     return tuple(out)
