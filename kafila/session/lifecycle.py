@@ -21,10 +21,35 @@ are ignored.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from enum import Enum
 
 from kafila.session import control as c
+from kafila.session.lifecycle_events import (  # noqa: F401 (re-exported)
+    Joined,
+    Step,
+    Received,
+    Prepared,
+    MemberLeft,
+    MemberJoined,
+    RingBroke,
+    PlanMade,
+    EnterPressed,
+    Tick,
+    Send,
+    SendAll,
+    Say,
+    Record,
+    Prepare,
+    ServePlan,
+    DegradeNode,
+    EndEngine,
+    Apply,
+    Abort,
+    Finish,
+    Replan,
+    Formed,
+    Action,
+)
 
 BREAK_GRACE_S = 1.0  # a reported ring break waits this long for the rendezvous to say who left
 READY_TIMEOUT_S = 900.0  # weights over a slow link and a shard build
@@ -45,180 +70,12 @@ TRANSITIONS: dict[Phase, frozenset[Phase]] = {
     Phase.PLANNED: frozenset({Phase.LOADING, Phase.PLANNED, Phase.SERVING, Phase.DEGRADED, Phase.ENDED}),
     Phase.LOADING: frozenset({Phase.PLANNED, Phase.SERVING, Phase.DEGRADED, Phase.ENDED}),
     Phase.SERVING: frozenset({Phase.REPLANNING, Phase.DEGRADED, Phase.ENDED}),
-    Phase.DEGRADED: frozenset({Phase.REPLANNING, Phase.SERVING, Phase.ENDED}),
+    Phase.DEGRADED: frozenset({Phase.PLANNED, Phase.REPLANNING, Phase.SERVING, Phase.ENDED}),
     Phase.REPLANNING: frozenset({Phase.LOADING, Phase.REPLANNING, Phase.SERVING, Phase.DEGRADED, Phase.ENDED}),
     Phase.ENDED: frozenset(),
 }
 FORMING_STEPS = ("joining", "waiting", "hashing")
 LOADING_STEPS = ("fetching", "building", "ring")
-
-
-# --- events: what the driver saw ------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Joined:
-    """This member is in the session of `host`; it waits for the plan."""
-
-    host: str
-
-
-@dataclass(frozen=True)
-class Step:
-    """A step of forming or loading began (FORMING_STEPS, LOADING_STEPS)."""
-
-    name: str
-
-
-@dataclass(frozen=True)
-class Received:
-    """A control message from `sender`."""
-
-    sender: str
-    msg: c.ControlMessage
-
-
-@dataclass(frozen=True)
-class Prepared:
-    """This process's stage of plan `epoch` is ready (error None) or could not be prepared."""
-
-    epoch: int
-    error: str | None = None
-
-
-@dataclass(frozen=True)
-class MemberLeft:
-    name: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class MemberJoined:
-    name: str
-
-
-@dataclass(frozen=True)
-class RingBroke:
-    """A ring of plan `epoch` broke at `member` (this process's own ring, or as a member said)."""
-
-    member: str
-    reason: str
-    epoch: int
-
-
-@dataclass(frozen=True)
-class PlanMade:
-    """host: plan `epoch` among the roster (`reason` None: the first plan)."""
-
-    epoch: int
-    plan: object  # planner.Plan
-    reason: str | None
-    ring: tuple[str, ...]  # the plan's ring
-    feasible: bool
-    short: str = ""  # who cannot hold its share, for a person (infeasible plans)
-
-
-@dataclass(frozen=True)
-class EnterPressed:
-    """host: Enter at its terminal while serving (replan with the joiners)."""
-
-
-@dataclass(frozen=True)
-class Tick:
-    """Time passed: deadlines (core.timer()) may have come."""
-
-
-# --- actions: what the driver does ---------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Send:
-    to: str
-    msg: c.ControlMessage
-
-
-@dataclass(frozen=True)
-class SendAll:
-    """To every member in the roster but this one."""
-
-    msg: c.ControlMessage
-
-
-@dataclass(frozen=True)
-class Say:
-    text: str
-
-
-@dataclass(frozen=True)
-class Record:
-    """A lifecycle event (participant.event: history, --json-events)."""
-
-    kind: str
-    fields: tuple[tuple[str, object], ...] = ()
-
-
-@dataclass(frozen=True)
-class Prepare:
-    """Start preparing this stage for the plan (a running preparation is cancelled first)."""
-
-    msg: c.PlanMessage
-
-
-@dataclass(frozen=True)
-class ServePlan:
-    first: bool  # the first plan: the API starts serving; else the new ring takes over
-
-
-@dataclass(frozen=True)
-class DegradeNode:
-    reason: str
-
-
-@dataclass(frozen=True)
-class EndEngine:
-    """Requests waiting at this member's API fail now."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Apply:
-    """Take a report into this process's status (status from the host, an edge report)."""
-
-    sender: str
-    msg: c.ControlMessage
-
-
-@dataclass(frozen=True)
-class Abort:
-    """The session is over for this process: raise Refused(reason) (after `linger_s`)."""
-
-    reason: str
-    linger_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Finish:
-    """The session is over; the lifecycle returns 0 (after `linger_s`)."""
-
-    linger_s: float = 0.0
-
-
-@dataclass(frozen=True)
-class Replan:
-    """host: plan again among whoever is present, for `reason`."""
-
-    reason: str
-
-
-@dataclass(frozen=True)
-class Formed:
-    """host: every member of plan `epoch` is ready (the driver says serving to them)."""
-
-    epoch: int
-
-
-Action = Send | SendAll | Say | Record | Prepare | ServePlan | DegradeNode | EndEngine | Apply | Abort | Finish | Replan | Formed
 
 
 class SessionCore:
@@ -257,7 +114,7 @@ class SessionCore:
                 self.step = name
             return []
         self.step = name
-        if self.phase is not Phase.REPLANNING:
+        if self.phase in (Phase.PLANNED, Phase.LOADING):  # (degraded or replanning: it stays)
             self.go(Phase.LOADING)
         return []
 
@@ -275,6 +132,8 @@ class SessionCore:
         if self.served or self.degraded is None:
             self.degraded = None
             self.go(Phase.SERVING)
+        else:
+            self.go(Phase.DEGRADED)
         self.served = True
 
     def _end(self) -> None:
@@ -472,10 +331,7 @@ class HostCore(SessionCore):
         self.deadline = None
         self.ring_members = self.others | {self.name}
         self._serve()
-        out: list[Action] = [Formed(self.epoch)]
-        if self.auto_replan and self.joined_waiting:  # joined while this plan formed
-            out += self._joiners("--auto-replan")
-        return out
+        return [Formed(self.epoch)]
 
     def _joiners(self, how: str) -> list[Action]:
         if not self.joined_waiting:
@@ -522,7 +378,11 @@ class HostCore(SessionCore):
         if self.forming and self.deadline is not None and now >= self.deadline:
             late = ", ".join(sorted(self.others - self.ready)) or self.name
             return self._abort(f"the session did not form within {READY_TIMEOUT_S:g} s: {late} not ready")
-        if not self.forming and self.pending_break is not None and now >= self.pending_break[1]:
+        if self.forming:
+            return []
+        if self.auto_replan and self.joined_waiting:  # joined while the last plan formed
+            return self._joiners("--auto-replan")
+        if self.pending_break is not None and now >= self.pending_break[1]:
             return self._replan(self.pending_break[0])
         return []
 
@@ -545,4 +405,4 @@ class HostCore(SessionCore):
         return []
 
 
-__all__ = ["Action", "HostCore", "MemberCore", "Phase", "SessionCore", "TRANSITIONS"]
+__all__ = ["Action", "HostCore", "MemberCore", "Phase", "SessionCore", "TRANSITIONS", *("Joined", "Step", "Received", "Prepared", "MemberLeft", "MemberJoined", "RingBroke", "PlanMade", "EnterPressed", "Tick", "Send", "SendAll", "Say", "Record", "Prepare", "ServePlan", "DegradeNode", "EndEngine", "Apply", "Abort", "Finish", "Replan", "Formed")]
