@@ -1,4 +1,8 @@
-"""The host's part of a session: registration, the members table, the plan, serving weights."""
+"""The host's part of a session: registration, the members table, the plan, serving weights.
+
+HostParticipant drives lifecycle.HostCore: `_lifecycle` opens the session (_open_model,
+_open_session), waits for the members (_wait_for_members, _hash), then forms a plan (_form,
+_until_formed) and serves until the core asks for a replan (_next_replan)."""
 
 from __future__ import annotations
 

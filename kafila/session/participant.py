@@ -1,5 +1,11 @@
 """A participant's lifecycle, host or member: join, plan, weights, shard, ring, serve, leave.
 
+The decisions (phase, plan generation, who is ready, when to replan or give up) are the sans-I/O
+cores of lifecycle.py (MemberCore here, HostCore in host.py); this module is their driver: it
+feeds them net events and the end of its own preparation, and carries out their actions (send,
+prepare, serve, end). The messages are control.py's, typed and bounded; the plan is a
+planner.Plan (`Participant.plan`; `state.plan` is its JSON, as /status shows it).
+
 Theory of operation (signaling messages ride the net layer's authenticated host↔member channel;
 members only ever talk to the host there):
 
