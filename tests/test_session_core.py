@@ -341,3 +341,11 @@ def test_the_hosts_own_break_while_forming_is_kept_when_it_starts_serving() -> N
     assert core.phase is Phase.DEGRADED and core.on(lc.Tick(), 0.5 + lc.BREAK_GRACE_S)[0] == lc.Replan(
         "the ring broke at m1 (a bad frame)")
     assert core.on(made(2, "m1", "m2", reason="the ring broke"), 2.0) == [] and core.phase is Phase.REPLANNING
+
+
+def test_while_forming_only_the_forming_deadline_is_a_timer() -> None:
+    core = lc.HostCore("m1")
+    core.on(made(1, "m1", "m2"), 0.0)
+    core.on(lc.RingBroke("m1", "a bad frame", 1), 0.1)
+    assert core.timer() == pytest.approx(lc.READY_TIMEOUT_S)  # not the break's: nothing to do with it yet
+    assert core.on(lc.Tick(), 5.0) == []

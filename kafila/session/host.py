@@ -348,15 +348,13 @@ class HostParticipant(Participant):
                     return outcome
                 continue
             timer = self.core.timer()
-            get = asyncio.create_task(self.net.recv())
-            waits = {get} if own_fed else {get, own}
-            done, _ = await asyncio.wait(waits, timeout=None if timer is None else max(0.0, timer - loop.time()),
-                                         return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-            if get not in done:
-                await cancel_and_wait(get)
-                actions = self.core.on(lifecycle.Tick(), loop.time())
-            else:
-                actions = self._host_event(get.result())
+            due = None if timer is None else asyncio.ensure_future(asyncio.sleep(max(0.0, timer - loop.time())))
+            try:
+                ev = await self.recv_unless(*(() if own_fed else (own,)), *(() if due is None else (due,)))
+            finally:
+                if due is not None:
+                    due.cancel()
+            actions = self.core.on(lifecycle.Tick(), loop.time()) if ev is None else self._host_event(ev)
             outcome = await self._host_actions(actions, None)
             if outcome is not None:
                 return outcome

@@ -271,8 +271,9 @@ class HostCore(SessionCore):
 
     def timer(self) -> float | None:
         """When the driver should feed Tick next (None: no deadline)."""
-        times = [t for t in (self.deadline, self.pending_break[1] if self.pending_break else None) if t is not None]
-        return min(times) if times else None
+        if self.forming:
+            return self.deadline  # a break seen meanwhile waits for serving (it replans then)
+        return None if self.pending_break is None else self.pending_break[1]
 
     def on(self, event, now: float) -> list[Action]:
         if self.phase is Phase.ENDED:
