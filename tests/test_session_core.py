@@ -156,6 +156,8 @@ def made(epoch: int, *ring: str, reason: str | None = None, feasible: bool = Tru
 
 def serving_host(auto_replan: bool = False) -> lc.HostCore:
     core = lc.HostCore("m1", auto_replan)
+    assert core.status_name == "joining"  # opening the model and the session
+    core.on(lc.Step("waiting"), 0.0)
     assert core.status_name == "waiting"
     core.on(lc.Step("hashing"), 0.0)
     assert core.status_name == "hashing"

@@ -255,7 +255,6 @@ class HostCore(SessionCore):
     def __init__(self, name: str, auto_replan: bool = False) -> None:
         super().__init__(name)
         self.auto_replan = auto_replan
-        self.step = "waiting"
         self.replan: str | None = None  # the reason of the plan being formed (None: the first)
         self.others: frozenset[str] = frozenset()  # the forming plan's ring, the host aside
         self.ready: set[str] = set()
