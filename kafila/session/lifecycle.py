@@ -1,19 +1,20 @@
-"""The session lifecycle as two sans-I/O machines: `MemberCore` (every member, the host's own
-stage's follower side aside) and `HostCore` (the host's decisions).
+"""The session lifecycle as two sans-I/O machines: `MemberCore` (a member: wait for the plan,
+prepare, say ready, serve, follow replans) and `HostCore` (the host: plan, wait for every ring
+member, serve, decide when to replan or give up).
 
 Theory of operation. A driver (kafila.session.participant / host) owns the sockets, the tasks
 and the clock; it feeds what happened as an event with the current time, `core.on(event, now)`,
-and carries out the actions it gets back, in order. The cores never wait, sleep or send: they
-keep the phase, the plan generation (epoch) and who is ready, and decide.
+and carries out the actions it gets back, in order (events and actions: lifecycle_events.py).
+The cores never wait, sleep or send: they keep the phase, the plan generation (epoch), who is
+ready and the deadlines (`HostCore.timer()`), and decide.
 
-Phases (`Phase`, what /status calls them in `status_name`):
+Phases (`Phase`; `TRANSITIONS` below is the whole table; `status_name` is what /status says):
 
-    FORMING ──plan──▶ PLANNED ──step──▶ LOADING ──serving──▶ SERVING ◀──────────┐
-       │                 │                 │                   │ ring broke    │ serving
-       │                 │                 │                   ▼               │
-       └─────────────────┴──── refused / ──┴──────────▶ ENDED  DEGRADED ──plan──▶ REPLANNING
-                               host left / failed                │               ▲
-                                                                 └───────────────┘ (SERVING ─plan─▶ too)
+    FORMING ──plan──▶ PLANNED ──step──▶ LOADING ──serving──▶ SERVING ──plan──▶ REPLANNING
+                                                               │  ▲                 │
+                                                   ring broke  ▼  └─── serving ─────┘
+                                                          DEGRADED ──plan──▶ REPLANNING
+    any phase ── refused / the host left / a stage failed / no fit ──▶ ENDED
 
 A newer plan replaces the one being prepared in any phase but ENDED; messages of an older plan
 are ignored.
