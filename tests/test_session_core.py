@@ -5,6 +5,7 @@ choice of head and division does not matter here)."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -12,7 +13,7 @@ import pytest
 from kafila.session import control as c
 from kafila.session import lifecycle as lc
 from kafila.session.lifecycle import Phase
-from planner import Plan
+from planner import Plan, Refusal
 
 TERMS = c.SessionTerms(context=256, concurrency=2)
 
@@ -151,7 +152,9 @@ def test_a_refusal_while_serving_lets_the_api_say_so_first() -> None:
 
 def made(epoch: int, *ring: str, reason: str | None = None, feasible: bool = True) -> lc.PlanMade:
     p = plan(*ring, epoch=epoch).plan
-    return lc.PlanMade(epoch, p, reason, p.ring, feasible, "" if feasible else "m3 (short by 5.0 MB)")
+    if not feasible:
+        p = dataclasses.replace(p, feasible=False, refused=(Refusal("m3", 5_000_000),))
+    return lc.PlanMade(epoch, p, reason)
 
 
 def serving_host(auto_replan: bool = False) -> lc.HostCore:

@@ -297,8 +297,7 @@ class HostParticipant(Participant):
             how = "as many as memory holds" if cfg.concurrency is None else "--concurrency"
             self.say(f"{cfg.name}: {slots} requests at once ({how}), {cfg.max_queued} more may wait")
         self.event("plan", plan=plan_json, epoch=epoch, reason=reason)
-        short = ", ".join(f"{r.device} (short by {r.short_bytes / 1e6:.1f} MB)" for r in plan.refused)
-        made = lifecycle.PlanMade(epoch, plan, reason, plan.ring, plan.feasible, short)
+        made = lifecycle.PlanMade(epoch, plan, reason)
         outcome = await self._host_actions(self.core.on(made, loop.time()), None)
         if outcome is not None:  # never: an infeasible plan aborts
             return outcome

@@ -313,13 +313,14 @@ class HostCore(SessionCore):
         self.joined_waiting.clear()  # the plan takes everyone in the roster
         self.replan = ev.reason
         self.epoch = ev.epoch
-        if not ev.feasible:
-            why = f"the model does not fit: {ev.short} cannot hold its share"
+        if not ev.plan.feasible:
+            short = ", ".join(f"{r.device} (short by {r.short_bytes / 1e6:.1f} MB)" for r in ev.plan.refused)
+            why = f"the model does not fit: {short} cannot hold its share"
             if ev.reason is not None:
-                why = f"{ev.reason}, and the members left cannot hold the model ({ev.short} short): the session is over"
+                why = f"{ev.reason}, and the members left cannot hold the model ({short} short): the session is over"
             self._end()
             return [SendAll(c.Refusal(c.clip(why))), EndEngine(why), Abort(why)]
-        self.others = frozenset(n for n in ev.ring if n != self.name)
+        self.others = frozenset(n for n in ev.plan.ring if n != self.name)
         self.ready, self.own_ready = set(), False
         self.deadline = now + READY_TIMEOUT_S
         self.step = "planned"

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kafila.session import control as c
+from planner import Plan
 
 # --- events: what the driver saw ------------------------------------------------------------------
 
@@ -54,11 +55,8 @@ class RingBroke:  # A ring of plan `epoch` broke at `member` (this process's own
 @dataclass(frozen=True)
 class PlanMade:  # host: plan `epoch` among the roster (`reason` None: the first plan).
     epoch: int
-    plan: object  # planner.Plan
-    reason: str | None
-    ring: tuple[str, ...]  # the plan's ring
-    feasible: bool
-    short: str = ""  # who cannot hold its share, for a person (infeasible plans)
+    plan: Plan
+    reason: str | None = None
 
 
 @dataclass(frozen=True)
