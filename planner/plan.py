@@ -47,7 +47,9 @@ MAX_STAGE_MS = 1e9
 MAX_SHORT_BYTES = 1 << 62
 
 
-def ring_ranges(ring: tuple[str, ...] | list[str], counts: tuple[int, ...] | list[int]) -> dict[str, tuple[int, int]]:
+def ring_ranges(
+    ring: tuple[str, ...] | list[str], counts: tuple[int, ...] | list[int]
+) -> dict[str, tuple[int, int]]:
     """Each member's half-open block range [start, end), contiguous in ring order from ring[0]."""
     ranges: dict[str, tuple[int, int]] = {}
     start = 0
@@ -134,7 +136,9 @@ class Plan:
             raise PlanInputError(f"plan.ring must list 1..{MAX_PLAN_MEMBERS} members")
         for name in ring:
             if not isinstance(name, str) or not 1 <= len(name) <= MAX_PLAN_NAME_CHARS:
-                raise PlanInputError(f"plan.ring: each member is a name of 1..{MAX_PLAN_NAME_CHARS} characters")
+                raise PlanInputError(
+                    f"plan.ring: each member is a name of 1..{MAX_PLAN_NAME_CHARS} characters"
+                )
         if len(set(ring)) != len(ring):
             raise PlanInputError("plan.ring names a member twice")
         head = data.get("head")
@@ -142,7 +146,7 @@ class Plan:
             raise PlanInputError("plan.head must be the first member of plan.ring")
         blocks = data.get("blocks")
         if not isinstance(blocks, Mapping) or set(blocks) != set(ring):
-            raise PlanInputError("plan.blocks must give a block count for exactly the ring's members")
+            raise PlanInputError("plan.blocks must count blocks for exactly the ring's members")
         counts = tuple(_count(blocks[n], f"plan.blocks[{n!r}]", MAX_PLAN_BLOCKS) for n in ring)
         if sum(counts) > MAX_PLAN_BLOCKS:
             raise PlanInputError(f"plan.blocks: more than {MAX_PLAN_BLOCKS} blocks")
@@ -154,9 +158,17 @@ class Plan:
         feasible = data.get("feasible", True)
         if not isinstance(feasible, bool):
             raise PlanInputError("plan.feasible must be true or false")
-        return cls(feasible=feasible, tier=tier, policy=policy, head=head, ring=tuple(ring), blocks=counts,
-                   stage_ms=_stage_ms(data.get("stage_ms"), ring), edges=_edges(data.get("edges", ()), ring),
-                   refused=_refused(data.get("refused", ())))  # fmt: skip
+        return cls(
+            feasible=feasible,
+            tier=tier,
+            policy=policy,
+            head=head,
+            ring=tuple(ring),
+            blocks=counts,
+            stage_ms=_stage_ms(data.get("stage_ms"), ring),
+            edges=_edges(data.get("edges", ()), ring),
+            refused=_refused(data.get("refused", ())),
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The `kafila plan --json` contract."""
@@ -246,7 +258,9 @@ def _count(value: Any, what: str, high: int) -> int:
 def _ms(value: Any, what: str) -> float | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= MAX_STAGE_MS:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PlanInputError(f"{what} must be null or a number of ms 0..{MAX_STAGE_MS:g}")
+    if not 0 <= value <= MAX_STAGE_MS:
         raise PlanInputError(f"{what} must be null or a number of ms 0..{MAX_STAGE_MS:g}")
     return float(value)
 
@@ -284,7 +298,9 @@ def _refused(value: Any) -> tuple[Refusal, ...]:
         raise PlanInputError(f"plan.refused must list at most {MAX_PLAN_MEMBERS} members")
     out = []
     for r in value:
-        if not isinstance(r, Mapping) or not isinstance(r.get("device"), str) or len(r["device"]) > MAX_PLAN_NAME_CHARS:
+        device = r.get("device") if isinstance(r, Mapping) else None
+        if not isinstance(device, str) or len(device) > MAX_PLAN_NAME_CHARS:
             raise PlanInputError("plan.refused: each entry names a device")
-        out.append(Refusal(r["device"], _count(r.get("short_bytes"), "plan.refused[].short_bytes", MAX_SHORT_BYTES)))
+        short = _count(r.get("short_bytes"), "plan.refused[].short_bytes", MAX_SHORT_BYTES)
+        out.append(Refusal(device, short))
     return tuple(out)

@@ -357,9 +357,10 @@ class Status:
         if not isinstance(history, list | tuple):
             raise ControlError("history must be a list")
         history = history[-MAX_HISTORY:]  # the newest, as before
+        entries = tuple(h for h in _plain(list(history), "history") if isinstance(h, dict))
         return cls(_map(d.get("edges"), "edges", {}), _map(d.get("members"), "members", {}),
-                   _measured(d.get("measured")), tuple(h for h in _plain(list(history), "history") if isinstance(h, dict)),
-                   _map(d.get("loads"), "loads", {}), _map(d.get("head_load"), "head_load"))  # fmt: skip
+                   _measured(d.get("measured")), entries, _map(d.get("loads"), "loads", {}),
+                   _map(d.get("head_load"), "head_load"))  # fmt: skip
 
 
 ControlMessage = PlanMessage | Ready | Failed | Serving | Refusal | Wait | Degraded | Gone | EdgeReport | Status

@@ -10,10 +10,10 @@ ready and the deadlines (`HostCore.timer()`), and decide.
 
 Phases (`Phase`; `TRANSITIONS` below is the whole table; `status_name` is what /status says):
 
-    FORMING ──plan──▶ PLANNED ──step──▶ LOADING ──serving──▶ SERVING ──plan──▶ REPLANNING
-                                                               │  ▲                 │
-                                                   ring broke  ▼  └─── serving ─────┘
-                                                          DEGRADED ──plan──▶ REPLANNING
+    FORMING ─plan─▶ PLANNED ─step─▶ LOADING ─serving─▶ SERVING ─plan─▶ REPLANNING
+                                                        │   ▲              │  ▲
+                                             ring broke ▼   └── serving ───┘  │
+                                                     DEGRADED ──── plan ──────┘
     any phase ── refused / the host left / a stage failed / no fit ──▶ ENDED
 
 A newer plan replaces the one being prepared in any phase but ENDED; messages of an older plan
@@ -99,7 +99,8 @@ class SessionCore:
     def status_name(self) -> str:
         """The phase as /status shows it: joining | waiting | hashing | planned | fetching |
         building | ring | serving | degraded."""
-        if self.phase in (Phase.FORMING, Phase.LOADING) or (self.phase is Phase.REPLANNING and self.step in LOADING_STEPS):
+        replanning = self.phase is Phase.REPLANNING
+        if self.phase in (Phase.FORMING, Phase.LOADING) or (replanning and self.step in LOADING_STEPS):
             return self.step
         if self.phase is Phase.REPLANNING:
             return "planned"
@@ -125,7 +126,8 @@ class SessionCore:
             self.degraded = reason
             if self.phase is not Phase.ENDED:
                 self.go(Phase.DEGRADED)
-            out += [Say(f"[red]{self.name}: session degraded: {reason}[/red]"), Record("degraded", (("reason", reason),))]
+            out += [Say(f"[red]{self.name}: session degraded: {reason}[/red]"),
+                    Record("degraded", (("reason", reason),))]  # fmt: skip
         return out + [DegradeNode(reason)]
 
     def _serve(self) -> None:
@@ -201,7 +203,8 @@ class MemberCore(SessionCore):
         if self.degraded is None:
             self.degraded = ev.reason
             self.go(Phase.DEGRADED)
-            out += [Say(f"[red]{self.name}: the ring broke: {ev.reason}[/red]"), Record("degraded", (("reason", ev.reason),))]
+            out += [Say(f"[red]{self.name}: the ring broke: {ev.reason}[/red]"),
+                    Record("degraded", (("reason", ev.reason),))]  # fmt: skip
         return out + [Send(self.host, c.Degraded(c.clip(ev.reason, 500), self.epoch))]
 
     def _received(self, msg: c.ControlMessage) -> list[Action]:
@@ -407,4 +410,9 @@ class HostCore(SessionCore):
         return []
 
 
-__all__ = ["Action", "HostCore", "MemberCore", "Phase", "SessionCore", "TRANSITIONS", *("Joined", "Step", "Received", "Prepared", "MemberLeft", "MemberJoined", "RingBroke", "PlanMade", "EnterPressed", "Tick", "Send", "SendAll", "Say", "Record", "Prepare", "ServePlan", "DegradeNode", "EndEngine", "Apply", "Abort", "Finish", "Replan", "Formed")]
+__all__ = [  # the cores, and the events and actions they take and give (lifecycle_events.py)
+    "TRANSITIONS", "Action", "Abort", "Apply", "DegradeNode", "EndEngine", "EnterPressed", "Finish",
+    "Formed", "HostCore", "Joined", "MemberCore", "MemberJoined", "MemberLeft", "Phase", "PlanMade",
+    "Prepare", "Prepared", "Received", "Record", "Replan", "RingBroke", "Say", "Send", "SendAll",
+    "ServePlan", "SessionCore", "Step", "Tick",
+]  # fmt: skip

@@ -141,7 +141,12 @@ class Formed:  # host: every member of plan `epoch` is ready (the driver says se
     epoch: int
 
 
-Action = Send | SendAll | Say | Record | Prepare | ServePlan | DegradeNode | EndEngine | Apply | Abort | Finish | Replan | Formed
+Action = (Send | SendAll | Say | Record | Prepare | ServePlan | DegradeNode | EndEngine | Apply | Abort
+          | Finish | Replan | Formed)  # fmt: skip
 
 
-__all__ = ["Abort", "Action", "Apply", "DegradeNode", "EndEngine", "EnterPressed", "Finish", "Formed", "Joined", "MemberJoined", "MemberLeft", "PlanMade", "Prepare", "Prepared", "Received", "Record", "Replan", "RingBroke", "Say", "Send", "SendAll", "ServePlan", "Step", "Tick"]
+__all__ = [
+    "Abort", "Action", "Apply", "DegradeNode", "EndEngine", "EnterPressed", "Finish", "Formed", "Joined",
+    "MemberJoined", "MemberLeft", "PlanMade", "Prepare", "Prepared", "Received", "Record", "Replan",
+    "RingBroke", "Say", "Send", "SendAll", "ServePlan", "Step", "Tick",
+]  # fmt: skip
