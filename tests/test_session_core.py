@@ -354,3 +354,59 @@ def test_while_forming_only_the_forming_deadline_is_a_timer() -> None:
     core.on(lc.RingBroke("m1", "a bad frame", 1), 0.1)
     assert core.timer() == pytest.approx(lc.READY_TIMEOUT_S)  # not the break's: nothing to do with it yet
     assert core.on(lc.Tick(), 5.0) == []
+
+
+# --- a host core and member cores paired over a fake link (aioquic's transfer(), bounded) ---------
+
+
+class Pair:
+    """HostCore m1 and MemberCores, with what a driver does in between: the host's plans go out
+    as PlanMessages, Formed as Serving, a member's Prepare comes back Prepared at once."""
+
+    def __init__(self, *members: str) -> None:
+        self.host = lc.HostCore("m1")
+        self.members = {n: lc.MemberCore(n) for n in members}
+        for core in self.members.values():
+            core.on(lc.Joined("m1"), 0.0)
+        self.now, self.epoch, self.replans = 0.0, 0, []
+
+    def plan(self, ring: tuple[str, ...], reason: str | None = None) -> None:
+        self.epoch += 1
+        msg = plan(*ring, epoch=self.epoch, reason=reason)
+        self.run_host(self.host.on(lc.PlanMade(self.epoch, msg.plan, reason), self.now))
+        for n in ring[1:]:
+            self.run_member(n, self.members[n].on(received("m1", msg), self.now))
+        self.run_host(self.host.on(lc.Prepared(self.epoch), self.now))
+
+    def run_member(self, name: str, actions) -> None:
+        for rounds, action in enumerate(actions):
+            assert rounds < 10
+            if isinstance(action, lc.Prepare):
+                self.run_member(name, self.members[name].on(lc.Prepared(action.msg.epoch), self.now))
+            elif isinstance(action, lc.Send):
+                self.run_host(self.host.on(received(name, action.msg), self.now))
+
+    def run_host(self, actions) -> None:
+        for action in actions:
+            if isinstance(action, lc.Formed):
+                for n in sorted(self.host.ring_members - {"m1"}):
+                    self.run_member(n, self.members[n].on(received("m1", c.Serving(action.epoch)), self.now))
+            elif isinstance(action, lc.Replan):
+                self.replans.append(action.reason)
+
+
+def test_paired_cores_form_serve_lose_a_member_and_serve_again() -> None:
+    pair = Pair("m2", "m3")
+    pair.plan(("m1", "m2", "m3"))
+    assert pair.host.phase is Phase.SERVING
+    assert all(core.phase is Phase.SERVING for core in pair.members.values())
+    # m3's edge breaks: m2 tells the host, the grace passes, m3 is gone by then
+    pair.now = 10.0
+    pair.run_member("m2", pair.members["m2"].on(lc.RingBroke("m2", "the edge to m3 closed", 1), pair.now))
+    assert pair.members["m2"].phase is Phase.DEGRADED and pair.host.pending_break is not None
+    assert pair.host.phase is Phase.SERVING  # the host's own ring has not broken (yet): as /status says
+    pair.run_host(pair.host.on(lc.MemberLeft("m3", "lost"), 10.5))
+    assert pair.replans == ["member m3 left the session (lost)"]
+    pair.plan(("m1", "m2"), pair.replans[-1])
+    assert pair.host.phase is Phase.SERVING and pair.host.epoch == 2 and pair.host.timer() is None
+    assert pair.members["m2"].phase is Phase.SERVING and pair.members["m2"].degraded is None
