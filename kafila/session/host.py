@@ -584,8 +584,12 @@ class HostParticipant(Participant):
                 loads[self.cfg.name] = self.node.stage_load()
                 if self.node.is_head:
                     head_load = self.node.head_load(MAX_REPORTED_REQUESTS)
-            status = control.Status(edges, self.state.members, tuple(measured),
-                                    tuple(self.state.history[-HISTORY_STATUS:]), loads, head_load)  # fmt: skip
+            try:
+                status = control.Status(edges, self.state.members, tuple(measured),
+                                        tuple(self.state.history[-HISTORY_STATUS:]), loads, head_load)  # fmt: skip
+            except control.ControlError as exc:  # ours: a bug to see, not a reason to stop reporting
+                log.warning("status not sent: %s", exc)
+                continue
             await self.broadcast(control.encode(status))
 
 

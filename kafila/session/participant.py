@@ -803,11 +803,16 @@ class Participant:
             if edge is not None and self.net is not None:
                 node = self.node
                 head = node is not None and node.is_head  # the head times every stage
-                with contextlib.suppress(Exception):
+                try:
                     report = control.EdgeReport(edge_stats(edge), None if node is None else node.stage_load(),
                                                 node.measured.as_pairs() if head else None,
                                                 node.head_load(MAX_REPORTED_REQUESTS) if head else None)  # fmt: skip
-                    await self.net.send(self.host_name, control.encode(report))
+                except control.ControlError as exc:  # ours: a bug to see, not a reason to stop reporting
+                    log.warning("edge report not sent: %s", exc)
+                    report = None
+                if report is not None:
+                    with contextlib.suppress(Exception):
+                        await self.net.send(self.host_name, control.encode(report))
             await asyncio.sleep(STATUS_EVERY_S)
 
     # --- status ----------------------------------------------------------------------------------
