@@ -46,7 +46,7 @@ from planner.errors import PlanInputError
 from planner.fleet import BYTES_PER_GB, Device, Fleet, Model, Nat, parse_fleet
 from planner.head import HEAD_MARGIN, HeadChoice, partition_with_head, place_head
 from planner.partition import Division, feasible, partition
-from planner.plan import Plan, Policy, compare, make_plan, plan_fleet
+from planner.plan import Plan, Policy, compare, make_plan, plan_fleet, ring_neighbour, ring_ranges
 from planner.ring import (
     EXHAUSTIVE_MAX_MEMBERS,
     Edge,
@@ -94,6 +94,8 @@ __all__ = [
     "refusals",
     "relay_count",
     "ring_edges",
+    "ring_neighbour",
+    "ring_ranges",
     "short_bytes",
     "slots_that_fit",
     "stage_cost",

@@ -14,6 +14,12 @@ contiguous in ring order: the head holds blocks [0, n_head), the next member the
 n, and so on (see `Plan.block_ranges`). Stage costs are ms per token; in the memory tier
 nothing is priced and `stage_ms`/`bottleneck_ms` are null. An edge with an unmeasured end
 has `ms` null.
+
+`Plan.from_json` reads `to_json`'s object back (what the host sends each member), checked and
+bounded, raising `PlanInputError`; the placement (ring, head, blocks) must be there, the fields
+that only describe the plan (feasible, tier, policy, stage_ms, edges, refused) may be absent.
+Block ranges, a member's successor and predecessor and the predicted tok/s are derived here and
+nowhere else (`ring_ranges`, `ring_neighbour`, `Plan.predicted_tok_s`).
 """
 
 from __future__ import annotations
@@ -24,15 +30,39 @@ from enum import Enum
 from typing import Any
 
 from planner.admission import Refusal, choose_tier, refusals
+from planner.errors import PlanInputError
 from planner.baselines import memory_proportional_counts, uniform_counts
 from planner.cost import Tier, stage_cost
 from planner.fleet import Device, Fleet, parse_fleet
 from planner.head import place_head
-from planner.ring import Edge, order_ring, ring_edges
+from planner.ring import Edge, EdgeKind, order_ring, ring_edges
 
-__all__ = ["Plan", "Policy", "compare", "make_plan", "plan_fleet"]
+__all__ = ["Plan", "Policy", "compare", "make_plan", "plan_fleet", "ring_neighbour", "ring_ranges"]
 
 _JSON_DIGITS = 6
+MAX_PLAN_MEMBERS = 256  # members in one plan read back (a session is far smaller)
+MAX_PLAN_NAME_CHARS = 64  # as a roster name (kafila.net.roster.MAX_NAME_CHARS)
+MAX_PLAN_BLOCKS = 100_000  # blocks in all
+MAX_STAGE_MS = 1e9
+MAX_SHORT_BYTES = 1 << 62
+
+
+def ring_ranges(
+    ring: tuple[str, ...] | list[str], counts: tuple[int, ...] | list[int]
+) -> dict[str, tuple[int, int]]:
+    """Each member's half-open block range [start, end), contiguous in ring order from ring[0]."""
+    ranges: dict[str, tuple[int, int]] = {}
+    start = 0
+    for name, n in zip(ring, counts, strict=True):
+        ranges[name] = (start, start + n)
+        start += n
+    return ranges
+
+
+def ring_neighbour(ring: tuple[str, ...] | list[str], name: str, step: int = 1) -> str:
+    """The member `step` places after `name` around the ring (1: its successor, -1: its
+    predecessor); the ring closes back to ring[0]. ValueError when `name` is not in it."""
+    return ring[(list(ring).index(name) + step) % len(ring)]
 
 
 class Policy(str, Enum):
@@ -88,12 +118,57 @@ class Plan:
 
     def block_ranges(self) -> dict[str, tuple[int, int]]:
         """Each member's half-open block range [start, end), contiguous in ring order."""
-        ranges: dict[str, tuple[int, int]] = {}
-        start = 0
-        for name, n in zip(self.ring, self.blocks, strict=True):
-            ranges[name] = (start, start + n)
-            start += n
-        return ranges
+        return ring_ranges(self.ring, self.blocks)
+
+    def successor(self, name: str) -> str:
+        return ring_neighbour(self.ring, name, 1)
+
+    def predecessor(self, name: str) -> str:
+        return ring_neighbour(self.ring, name, -1)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Plan:
+        """`to_json`'s object back as a Plan (PlanInputError, one line, when it is not one)."""
+        if not isinstance(data, Mapping):
+            raise PlanInputError("a plan must be an object")
+        ring = data.get("ring")
+        if not isinstance(ring, list | tuple) or not 1 <= len(ring) <= MAX_PLAN_MEMBERS:
+            raise PlanInputError(f"plan.ring must list 1..{MAX_PLAN_MEMBERS} members")
+        for name in ring:
+            if not isinstance(name, str) or not 1 <= len(name) <= MAX_PLAN_NAME_CHARS:
+                raise PlanInputError(
+                    f"plan.ring: each member is a name of 1..{MAX_PLAN_NAME_CHARS} characters"
+                )
+        if len(set(ring)) != len(ring):
+            raise PlanInputError("plan.ring names a member twice")
+        head = data.get("head")
+        if head != ring[0]:
+            raise PlanInputError("plan.head must be the first member of plan.ring")
+        blocks = data.get("blocks")
+        if not isinstance(blocks, Mapping) or set(blocks) != set(ring):
+            raise PlanInputError("plan.blocks must count blocks for exactly the ring's members")
+        counts = tuple(_count(blocks[n], f"plan.blocks[{n!r}]", MAX_PLAN_BLOCKS) for n in ring)
+        if sum(counts) > MAX_PLAN_BLOCKS:
+            raise PlanInputError(f"plan.blocks: more than {MAX_PLAN_BLOCKS} blocks")
+        try:
+            tier = Tier(data.get("tier", Tier.MEMORY.value))
+            policy = Policy(data.get("policy", Policy.KAFILA.value))
+        except ValueError:
+            raise PlanInputError("plan.tier or plan.policy is not one the planner knows") from None
+        feasible = data.get("feasible", True)
+        if not isinstance(feasible, bool):
+            raise PlanInputError("plan.feasible must be true or false")
+        return cls(
+            feasible=feasible,
+            tier=tier,
+            policy=policy,
+            head=head,
+            ring=tuple(ring),
+            blocks=counts,
+            stage_ms=_stage_ms(data.get("stage_ms"), ring),
+            edges=_edges(data.get("edges", ()), ring),
+            refused=_refused(data.get("refused", ())),
+        )
 
     def to_json(self) -> dict[str, Any]:
         """The `kafila plan --json` contract."""
@@ -172,3 +247,60 @@ def plan_fleet(
 def compare(fleet: Fleet) -> dict[Policy, Plan]:
     """The planner's plan and both baselines, for Table IV."""
     return {policy: make_plan(fleet, policy) for policy in Policy}
+
+
+def _count(value: Any, what: str, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+        raise PlanInputError(f"{what} must be an integer 0..{high}")
+    return value
+
+
+def _ms(value: Any, what: str) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise PlanInputError(f"{what} must be null or a number of ms 0..{MAX_STAGE_MS:g}")
+    if not 0 <= value <= MAX_STAGE_MS:
+        raise PlanInputError(f"{what} must be null or a number of ms 0..{MAX_STAGE_MS:g}")
+    return float(value)
+
+
+def _stage_ms(value: Any, ring: list[str]) -> tuple[float, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not set(value) <= set(ring):
+        raise PlanInputError("plan.stage_ms must map the ring's members to ms")
+    stages = [_ms(value.get(n), f"plan.stage_ms[{n!r}]") for n in ring]
+    if all(s is None for s in stages):
+        return None  # the memory tier prices nothing
+    if any(s is None for s in stages):
+        raise PlanInputError("plan.stage_ms prices some members and not others")
+    return tuple(s for s in stages if s is not None)
+
+
+def _edges(value: Any, ring: list[str]) -> tuple[Edge, ...]:
+    if not isinstance(value, list | tuple) or len(value) > MAX_PLAN_MEMBERS:
+        raise PlanInputError(f"plan.edges must list at most {MAX_PLAN_MEMBERS} edges")
+    out = []
+    for e in value:
+        if not isinstance(e, Mapping) or e.get("from") not in ring or e.get("to") not in ring:
+            raise PlanInputError("plan.edges: each edge runs from a ring member to a ring member")
+        try:
+            kind = EdgeKind(e.get("kind"))
+        except ValueError:
+            raise PlanInputError("plan.edges: an edge's kind is direct or relay") from None
+        out.append(Edge(e["from"], e["to"], kind, _ms(e.get("ms"), "plan.edges[].ms")))
+    return tuple(out)
+
+
+def _refused(value: Any) -> tuple[Refusal, ...]:
+    if not isinstance(value, list | tuple) or len(value) > MAX_PLAN_MEMBERS:
+        raise PlanInputError(f"plan.refused must list at most {MAX_PLAN_MEMBERS} members")
+    out = []
+    for r in value:
+        device = r.get("device") if isinstance(r, Mapping) else None
+        if not isinstance(device, str) or len(device) > MAX_PLAN_NAME_CHARS:
+            raise PlanInputError("plan.refused: each entry names a device")
+        short = _count(r.get("short_bytes"), "plan.refused[].short_bytes", MAX_SHORT_BYTES)
+        out.append(Refusal(device, short))
+    return tuple(out)

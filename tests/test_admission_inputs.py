@@ -22,7 +22,7 @@ from kafila.net.codefile import read_code, write_private
 from kafila.net.sock import MemberSocket
 from kafila.session import weights as W
 from kafila.session.frames import Cancel, Limits, Request, Tokens
-from kafila.session.member import role_of
+from kafila.session.participant import role_of
 from kafila.session.ring import RingNode
 from rendezvous import frames
 from rendezvous.errors import ProtocolError
@@ -166,7 +166,7 @@ def test_host_code_file_and_join_code_file_through_the_cli(tmp_path, monkeypatch
             seen["code"] = self.code
             return 0
 
-    monkeypatch.setattr("kafila.session.member.Participant", _Participant)
+    monkeypatch.setattr("kafila.session.participant.Participant", _Participant)
     monkeypatch.setattr(join, "check_backend", lambda name: None)
     path = tmp_path / "c"
     write_private(str(path), CODE + "\n")
@@ -200,7 +200,7 @@ def test_ring_hello_must_name_the_authenticated_peer_and_the_planned_predecessor
     """The first ring Hello from anyone became the predecessor stream: a member (m3, not m2's
     predecessor) or one claiming another's name could feed m2's stage."""
     from kafila.session.frames import Hello
-    from kafila.session.member import Participant, SessionConfig
+    from kafila.session.participant import Participant, SessionConfig
 
     plan = {"ring": ["m1", "m2", "m3"], "head": "m1", "blocks": {"m1": 1, "m2": 1, "m3": 1}}
 

@@ -12,10 +12,10 @@ import pytest
 
 from kafila.errors import KafilaError, describe_error
 from kafila.session import host as host_mod
-from kafila.session import member as member_mod
+from kafila.session import participant as participant_mod
 from kafila.session.host import HostParticipant
 from kafila.session.launch import free_ports
-from kafila.session.member import Participant, SessionConfig
+from kafila.session.participant import Participant, SessionConfig
 from tests.default_model import MODEL, needs_default_model
 
 pytestmark = [needs_default_model, pytest.mark.timeout(120)]
@@ -34,7 +34,7 @@ def test_a_ring_edge_not_up_in_time_is_one_line_on_host_and_member(tmp_path, mon
     monkeypatch.setattr(Participant, "descriptor", lambda self: dict(DEVICE))
     monkeypatch.setattr(backends, "load_shard", lambda *a, **k: object())  # no shard: the edge is the point
     monkeypatch.setattr(host_mod, "stdin_is_terminal", lambda: False)
-    monkeypatch.setattr(member_mod, "RING_EDGE_TIMEOUT_S", 0.0)  # a real peer, no time to reach it
+    monkeypatch.setattr(participant_mod, "RING_EDGE_TIMEOUT_S", 0.0)  # a real peer, no time to reach it
     (rv,) = free_ports(1)
     common = {"api": None, "bind_host": "127.0.0.1", "cache_dir": str(tmp_path)}
     host = HostParticipant(SessionConfig(name="m1", rendezvous=None, model_path=MODEL, expect=2,

@@ -132,7 +132,7 @@ def test_mlx_member_probes_with_mlx() -> None:
 
 def test_the_descriptor_is_measured_on_the_serving_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     import kafila.probe
-    from kafila.session.member import Participant, SessionConfig
+    from kafila.session.participant import Participant, SessionConfig
 
     asked: list[str] = []
     measured = probe_device(quick=True, backend="reference")  # what the fake hands back

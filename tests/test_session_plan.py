@@ -6,7 +6,7 @@ import pytest
 
 from kafila.errors import Refused
 from kafila.session.host import members_table, plan_table, predicted_tok_s
-from kafila.session.member import role_of
+from kafila.session.participant import role_of
 
 PLAN = {"feasible": True, "tier": "full", "policy": "kafila", "head": "m1", "ring": ["m1", "m3", "m2"],
         "blocks": {"m1": 8, "m3": 12, "m2": 10}, "stage_ms": {"m1": 4.0, "m3": 4.0, "m2": 4.0},

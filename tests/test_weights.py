@@ -152,7 +152,7 @@ def _quiet_console():
 
 def test_member_status_shows_the_transfer_live(tmp_path, digests):
     """/status during a fetch: bytes done of the total, MB/s and ETA, before the fetch returns."""
-    from kafila.session.member import Participant, SessionConfig
+    from kafila.session.participant import Participant, SessionConfig
 
     m = digests.manifest(10, 20, False)
     cfg = SessionConfig(name="m2", rendezvous=None, api=None, cache_dir=str(tmp_path))
@@ -180,7 +180,7 @@ def test_host_status_shows_each_members_transfer_live(tmp_path, digests):
     """The host counts the bytes it serves each member: its /status has a partial figure per
     member while the transfer runs, and 'done' once the member closed its stream."""
     from kafila.session.host import HostParticipant
-    from kafila.session.member import SessionConfig
+    from kafila.session.participant import SessionConfig
 
     m = digests.manifest(0, 10, True)
     cfg = SessionConfig(name="m1", rendezvous=None, api=None, cache_dir=str(tmp_path), model_path=MODEL)

@@ -94,11 +94,9 @@ def run(args: argparse.Namespace) -> int:
         session.start()
         plan = session.plan or get_json(session.api(session.names[0]), "/status").get("plan")
         if not args.json:
-            ranges, first = {}, 0
-            for n in plan["ring"]:
-                ranges[n] = (first, first + plan["blocks"][n])
-                first += plan["blocks"][n]
-            console.print(plan_table(plan, ranges))
+            from planner import Plan
+
+            console.print(plan_table(plan, Plan.from_json(plan).block_ranges()))
             console.print(f"demo: asking {ask}: {args.prompt}")
         stream_chat(session.api(ask), "Hi", 2)  # warm-up: a fresh stage's first inference is slow
         answer = stream_chat(session.api(ask), args.prompt, args.max_tokens)

@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
     from kafila.errors import BadInput
     from kafila.models import open_model, resolve_model
     from kafila.session.host import HostParticipant, session_context
-    from kafila.session.member import stdin_is_terminal
+    from kafila.session.participant import stdin_is_terminal
     from kafila.session.slots import parse_concurrency, parse_max_queued
 
     if args.expect < 0:

@@ -17,7 +17,7 @@ API_DEFAULT_PORTS = 20  # 8740..8759 when --api is not given
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    from kafila.session.member import DEFAULT_CACHE_DIR
+    from kafila.session.participant import DEFAULT_CACHE_DIR
 
     p.add_argument("--rendezvous", metavar="HOST:PORT", help="the rendezvous (default for join: 127.0.0.1:7473)")
     p.add_argument("--name", default=None, help="this member's name in the session (default: the host name)")
@@ -42,7 +42,7 @@ def common_config(args: argparse.Namespace, host: bool):
     from kafila.api import parse_hostport
     from kafila.commands.rendezvous import parse_host_port
     from kafila.errors import BadInput
-    from kafila.session.member import SessionConfig
+    from kafila.session.participant import SessionConfig
 
     if args.latency_ms < 0 or args.latency_ms > 10_000:
         raise BadInput("--latency-ms L: choose 0..10000")
@@ -99,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
     from kafila.errors import BadInput
     from kafila.net.code import parse_code
     from kafila.net.codefile import read_code
-    from kafila.session.member import Participant
+    from kafila.session.participant import Participant
 
     if args.code not in (None, "-") and args.code_file:
         raise BadInput("give the code once: as CODE or with --code-file")

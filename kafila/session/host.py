@@ -1,4 +1,8 @@
-"""The host's part of a session: registration, the members table, the plan, serving weights."""
+"""The host's part of a session: registration, the members table, the plan, serving weights.
+
+HostParticipant drives lifecycle.HostCore: `_lifecycle` opens the session (_open_model,
+_open_session), waits for the members (_wait_for_members, _hash), then forms a plan (_form,
+_until_formed) and serves until the core asks for a replan (_next_replan)."""
 
 from __future__ import annotations
 
@@ -13,21 +17,17 @@ from rich.table import Table
 
 from kafila.errors import BadInput, Refused, describe_error
 from kafila.net.codefile import write_private
-from kafila.session.member import (
-    READY_TIMEOUT_S,
-    STATUS_EVERY_S,
-    Participant,
-    cancel_and_wait,
-    plan_epoch,
-    stdin_is_terminal,
-)
+from kafila.session import control, lifecycle
+from kafila.session.control import PlanMessage, SessionTerms
+from kafila.session.lifecycle import BREAK_GRACE_S  # noqa: F401 (re-exported)
 from kafila.session.load import MAX_REPORTED_REQUESTS, clean_head, clean_stage
+from kafila.session.participant import STATUS_EVERY_S, Participant, cancel_and_wait, edge_stats, stdin_is_terminal
 from kafila.session.preview import plan_summary, plan_table, predicted_tok_s  # noqa: F401 (re-exported)
 from kafila.session.replans import ReplanPacer
 from kafila.session.slots import auto_slots, parse_concurrency, parse_max_queued
 from kafila.session.weights import TransferProgress
+from planner import Plan
 
-BREAK_GRACE_S = 1.0  # a reported ring break waits this long for the rendezvous to say who left
 HISTORY_STATUS = 30  # membership events the host's status message carries to every member
 
 log = logging.getLogger(__name__)
@@ -78,7 +78,6 @@ class HostParticipant(Participant):
         self.rendezvous_service = None
         self.digests = None
         self._weight_cache: dict = {}
-        self._ready: set[str] = set()
         self.host_name = cfg.name
         self._hash_cancel = threading.Event()  # stops a hashing worker when the host leaves
         self._transfers: dict[str, TransferProgress] = {}  # member → the weights it was sent
@@ -87,9 +86,6 @@ class HostParticipant(Participant):
         self._bars = None  # rich Progress: one bar per member while the session forms (a terminal)
         self._bar_ids: dict[str, int] = {}
         self._plans_made = 0  # epochs handed out
-        self._ring_members: set[str] = set()  # the serving plan's ring
-        self._joined_waiting: set[str] = set()  # joined while serving: in the next plan
-        self._break: tuple[str, float] | None = None  # a reported ring break: (why, replan at)
         self._break_event = asyncio.Event()
         self._enter_pressed = False  # Enter at the host's terminal while serving: replan with joiners
         self._pacer = ReplanPacer()
@@ -124,9 +120,41 @@ class HostParticipant(Participant):
                 await self.rendezvous_service.close()
             self.rendezvous_service = None
 
+    def _new_core(self):
+        return lifecycle.HostCore(self.cfg.name, self.cfg.auto_replan)
+
     async def _lifecycle(self) -> int:
+        """Open the session, wait for the members, plan, serve; replan as members come and go."""
+        index, digests_task = await self._open_model()
+        await self._open_session()
+        await self._wait_for_members()
+        await self._hash(index, digests_task)
+        self._index = index
+        cfg = self.cfg
+        # "concurrency" is each plan's (auto: what its memory holds, set in _form)
+        self.session = {"context": cfg.context, "concurrency": cfg.concurrency or 1, "precision": cfg.precision,
+                        "speculate": cfg.speculate, "max_queued": cfg.max_queued, "batch_rows": cfg.batch_rows,
+                        "concurrency_from": "memory" if cfg.concurrency is None else "--concurrency",
+                        "model": index.name, "sha256": self.digests.sha256}  # fmt: skip
+        await self._form(None)
+        await self._start_serving()
+        self.spawn(self._broadcast_status(), "status")
+        if stdin_is_terminal():  # Enter confirms a late joiner (see _member_joined)
+            import sys
+
+            asyncio.get_running_loop().add_reader(sys.stdin.fileno(), self._on_enter)
+        while not self.leaving:
+            reason = await self._next_replan()
+            while reason is not None and not self.leaving:  # a member left while we replanned: again
+                reason = await self._form(reason)
+            self._serving_again()
+
+    # --- opening the session -------------------------------------------------------------------
+
+    async def _open_model(self):
+        """The model's index, the session's context, this device's descriptor under way, and the
+        digests hashing in a worker (returned as a task)."""
         from kafila.models import open_model
-        from kafila.net import Member, MemberJoined, MemberLeft, Message
         from kafila.session.weights import DigestCache, warm_header_cache
 
         cfg = self.cfg
@@ -140,7 +168,8 @@ class HostParticipant(Participant):
         parse_concurrency(cfg.concurrency)  # (the CLI checked already; a SessionConfig built in code too)
         parse_max_queued(cfg.max_queued)
         self.say(f"{cfg.name}: measuring this device and indexing {index.name}…")
-        desc_task = asyncio.create_task(asyncio.to_thread(self.descriptor))
+        self._desc_task = asyncio.create_task(asyncio.to_thread(self.descriptor))
+
         # hashing a big file takes tens of seconds: in a worker, while members join (never on
         # this loop: heartbeats, the API and the signaling channel keep running)
         def digests() -> DigestCache:  # then the compressed header every member asks for first
@@ -148,8 +177,14 @@ class HostParticipant(Participant):
             warm_header_cache(cfg.model_path, index.file_bytes, d.header_len, self._weight_cache)
             return d
 
-        digests_task = self.spawn(asyncio.to_thread(digests), "digests")
-        desc = await desc_task
+        return index, self.spawn(asyncio.to_thread(digests), "digests")
+
+    async def _open_session(self) -> None:
+        """Register with the rendezvous (an embedded one without --rendezvous) and print the code."""
+        from kafila.net import Member
+
+        cfg = self.cfg
+        desc = await self._desc_task
         rv = cfg.rendezvous
         if rv is None:
             from kafila.net import Rendezvous
@@ -174,8 +209,12 @@ class HostParticipant(Participant):
         self.event("code", code=code, rendezvous=f"{rv[0]}:{rv[1]}")
         self.spawn(self._accept_loop(), "accept")
 
-        # --- wait for the members --------------------------------------------------------------
-        self.state.phase = "waiting"
+    async def _wait_for_members(self) -> None:
+        """Until --expect members are in, or Enter at the host's terminal; a table while waiting."""
+        from kafila.net import MemberJoined, MemberLeft
+
+        cfg = self.cfg
+        self._step_to("waiting")
         interactive = stdin_is_terminal() and self.console.is_terminal
         enter = asyncio.Event()
         loop = asyncio.get_running_loop()
@@ -216,34 +255,17 @@ class HostParticipant(Participant):
 
                 loop.remove_reader(sys.stdin.fileno())
         self.state.members = {r["name"]: r for r in rows()}
+
+    async def _hash(self, index, digests_task) -> None:
+        cfg = self.cfg
         if not digests_task.done():
-            self.state.phase = "hashing"
+            self._step_to("hashing")
             self.say(f"{cfg.name}: hashing {index.name} ({index.file_bytes / 1e9:.2f} GB) before planning…")
         self.digests = await digests_task
         d = self.digests
         self.say(f"{cfg.name}: model digests {'computed' if d.hashed else 'read from the cache'} in "
                  f"{d.seconds:.1f} s ({d.cache_path or 'not cached'})")  # fmt: skip
         self.event("digests", hashed=d.hashed, seconds=round(d.seconds, 3), cache=d.cache_path)
-
-        # --- plan, distribute, build, ring; then serve, and replan when members come and go --------
-        self._index = index
-        # "concurrency" is each plan's (auto: what its memory holds, set in _form)
-        self.session = {"context": cfg.context, "concurrency": cfg.concurrency or 1, "precision": cfg.precision,
-                        "speculate": cfg.speculate, "max_queued": cfg.max_queued, "batch_rows": cfg.batch_rows,
-                        "concurrency_from": "memory" if cfg.concurrency is None else "--concurrency",
-                        "model": index.name, "sha256": self.digests.sha256}  # fmt: skip
-        await self._form(None)
-        await self._start_serving()
-        self.spawn(self._broadcast_status(), "status")
-        if stdin_is_terminal():  # Enter confirms a late joiner (see _member_joined)
-            import sys
-
-            asyncio.get_running_loop().add_reader(sys.stdin.fileno(), self._on_enter)
-        while not self.leaving:
-            reason = await self._next_replan()
-            while reason is not None and not self.leaving:  # a member left while we replanned: again
-                reason = await self._form(reason)
-            self._serving_again()
 
     # --- forming and replanning ----------------------------------------------------------------
 
@@ -253,11 +275,8 @@ class HostParticipant(Participant):
         `reason` None: the session's first plan, where a member that leaves or fails ends the
         session; otherwise a replan, where a member that leaves makes another (its reason is
         returned). Refused (after telling every member) when the plan cannot be served."""
-        from kafila.net import MemberJoined, MemberLeft, Message
-
         cfg, loop = self.cfg, asyncio.get_running_loop()
-        replan = reason is not None
-        if replan:  # a member coming and going must not keep the ring replanning (replans.py)
+        if reason is not None:  # a member coming and going must not keep the ring replanning (replans.py)
             wait = self._pacer.delay(loop.time())
             if wait > 0:
                 self.say(f"{cfg.name}: {self._pacer.recent} replans within a minute: waiting {wait:.0f} s "
@@ -265,97 +284,105 @@ class HostParticipant(Participant):
                 self.event("replan-wait", seconds=wait)
                 await asyncio.sleep(wait)
             self._pacer.record(loop.time())
-        self._joined_waiting.clear()  # the plan below takes everyone in the roster
         self._plans_made += 1  # (not self.epoch + 1: a replan cut short never set self.epoch)
         epoch = self._plans_made
         plan, slots = self._plan(self._index)
         self.session["concurrency"] = slots  # every member's slots and the head's scheduler follow it
-        ranges, first = {}, 0
-        for n in plan["ring"]:
-            ranges[n] = (first, first + plan["blocks"][n])
-            first += plan["blocks"][n]
-        if replan:
+        ranges, plan_json = plan.block_ranges(), plan.to_json()
+        if reason is not None:
             self.say(f"{cfg.name}: replanning (plan {epoch}): {reason}")
-        self.console.print(plan_table(plan, ranges))
-        self.say(f"{cfg.name}: plan preview: {plan_summary(plan)}")  # before anything is sent
-        if plan["feasible"]:
+        self.console.print(plan_table(plan_json, ranges))
+        self.say(f"{cfg.name}: plan preview: {plan_summary(plan_json)}")  # before anything is sent
+        if plan.feasible:
             how = "as many as memory holds" if cfg.concurrency is None else "--concurrency"
             self.say(f"{cfg.name}: {slots} requests at once ({how}), {cfg.max_queued} more may wait")
-        self.event("plan", plan=plan, epoch=epoch, reason=reason)
-        if not plan["feasible"]:
-            short = ", ".join(f"{r['device']} (short by {r['short_bytes'] / 1e6:.1f} MB)" for r in plan["refused"])
-            why = f"the model does not fit: {short} cannot hold its share"
-            if replan:
-                why = f"{reason}, and the members left cannot hold the model ({short} short): the session is over"
-            await self._refuse_all(why)
-            self._end_engine(why)
-            raise Refused(why)
-        self._ready = set()
-        for n in plan["ring"]:
+        self.event("plan", plan=plan_json, epoch=epoch, reason=reason)
+        made = lifecycle.PlanMade(epoch, plan, reason)
+        outcome = await self._host_actions(self.core.on(made, loop.time()), None)
+        if outcome is not None:  # never: an infeasible plan aborts
+            return outcome
+        terms = SessionTerms.from_json(self.session)
+        for n in plan.ring:
             if n == cfg.name:
                 continue
             a, b = ranges[n]
-            manifest = self.digests.manifest(a, b, n == plan["head"])
+            manifest = self.digests.manifest(a, b, n == plan.head)
             self._transfers[n] = TransferProgress(manifest.header_len + manifest.tensor_bytes, loop.time())
-            await self.net.send(n, {"t": "plan", "epoch": epoch, "reason": reason, "plan": plan,
-                                    "session": self.session, "manifest": manifest.to_json()})  # fmt: skip
+            await self.net.send(n, control.encode(PlanMessage(epoch, plan, terms, manifest.to_json(), reason)))
         for n in self.net.roster():  # a member the plan leaves out (the planner found it no help)
-            if n != cfg.name and n not in plan["ring"]:
+            if n != cfg.name and n not in plan.ring:
                 with contextlib.suppress(Exception):
-                    await self.net.send(n, {"t": "wait", "reason": f"plan {epoch} leaves {n} out; "
-                                            "it waits for the next replan"})  # fmt: skip
+                    await self.net.send(n, control.encode(control.Wait(f"plan {epoch} leaves {n} out; "
+                                                                       "it waits for the next replan")))  # fmt: skip
         # the host's own stage: a task this loop owns (awaits, or cancels when it leaves)
-        msg = {"plan": plan, "session": self.session, "epoch": epoch, "reason": reason}
-        own = asyncio.create_task(self._prepare(msg, None), name="prepare")
-        others = {n for n in plan["ring"] if n != cfg.name}
-        loop_deadline = loop.time() + READY_TIMEOUT_S
+        own = asyncio.create_task(self._prepare(PlanMessage(epoch, plan, terms, None, reason), None), name="prepare")
         self._show_transfers()
         try:
-            while not (others <= self._ready and own.done()):
-                get = asyncio.create_task(self.net.recv())
-                done, _ = await asyncio.wait({get, own}, timeout=max(0.0, loop_deadline - loop.time()),
-                                             return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-                if own in done and own.exception() is not None:
-                    get.cancel()
-                    why = f"the host {cfg.name} could not prepare its stage: {describe_error(own.exception())}"
-                    await self._refuse_all(why)
-                    raise Refused(why) from own.exception()
-                if get not in done:
-                    await cancel_and_wait(get)
-                    if loop.time() >= loop_deadline:
-                        late = ", ".join(sorted(others - self._ready)) or cfg.name
-                        why = f"the session did not form within {READY_TIMEOUT_S:g} s: {late} not ready"
-                        await self._refuse_all(why)
-                        raise Refused(why)
-                    continue
-                ev = get.result()
-                if isinstance(ev, MemberLeft):
-                    self._member_left(ev)
-                    if ev.name in others and not replan:
-                        await self._refuse_all(f"member {ev.name} left while the session was forming")
-                        raise Refused(f"member {ev.name} left while the session was forming ({ev.reason})")
-                    if ev.name in others:
-                        return f"member {ev.name} left the session while it replanned ({ev.reason})"
-                elif isinstance(ev, MemberJoined):
-                    self._member_joined(ev)  # added at the next replan (right after this one: --auto-replan)
-                elif isinstance(ev, Message) and isinstance(ev.body, dict):
-                    body = ev.body
-                    if body.get("t") == "ready" and plan_epoch(body) == epoch:
-                        self._ready.add(ev.sender)
-                        self._transfer_done(ev.sender)
-                        self.say(f"member {ev.sender} is ready")
-                    elif body.get("t") == "failed" and plan_epoch(body) == epoch:
-                        why = str(body.get("reason") or "it gave no reason")
-                        await self._refuse_all(f"member {ev.sender} failed: {why}")
-                        raise Refused(f"member {ev.sender} could not prepare its stage: {why}")
+            outcome = await self._until_formed(own, epoch)
         finally:
             self._hide_transfers()
             await cancel_and_wait(own)
+        if outcome is not None:
+            return outcome
         own.result()
         self.state.members = {r["name"]: r for r in self._rows("serving")}
-        for n in others:
-            await self.net.send(n, {"t": "serving", "epoch": epoch})
-        self._ring_members = set(plan["ring"])
+        for n in plan.ring:
+            if n != cfg.name:
+                await self.net.send(n, control.encode(control.Serving(epoch)))
+        return None
+
+    async def _until_formed(self, own: asyncio.Task, epoch: int) -> str | None:
+        """Feed HostCore until every ring member and the host's own stage are ready (None), a
+        replan is due (its reason), or the session cannot form (Refused)."""
+        loop = asyncio.get_running_loop()
+        own_fed = False
+        while True:
+            if own.done() and not own_fed:
+                own_fed = True
+                exc = own.exception()
+                error = None if exc is None else describe_error(exc)
+                actions = self.core.on(lifecycle.Prepared(epoch, error), loop.time())
+                outcome = await self._host_actions(actions, exc)
+                if outcome is not None or not self.core.forming:
+                    return outcome
+                continue
+            timer = self.core.timer()
+            due = None if timer is None else asyncio.ensure_future(asyncio.sleep(max(0.0, timer - loop.time())))
+            try:
+                ev = await self.recv_unless(*(() if own_fed else (own,)), *(() if due is None else (due,)))
+            finally:
+                if due is not None:
+                    due.cancel()
+            actions = self.core.on(lifecycle.Tick(), loop.time()) if ev is None else self._host_event(ev)
+            outcome = await self._host_actions(actions, None)
+            if outcome is not None:
+                return outcome
+            if not self.core.forming:
+                return None
+
+    def _host_event(self, ev) -> list:
+        """A net event: the host's own bookkeeping first (tables, what a person sees), then the core."""
+        from kafila.net import MemberJoined, MemberLeft
+
+        if isinstance(ev, MemberLeft):
+            self._member_left(ev)
+        elif isinstance(ev, MemberJoined):
+            self._member_joined(ev)  # added at the next replan (right after this one: --auto-replan)
+        return self._core_event(ev)
+
+    async def _host_actions(self, actions: list, failure: BaseException | None) -> str | None:
+        """Carry out HostCore's actions; a replan's reason when one is due; Refused on Abort."""
+        for action in actions:
+            if isinstance(action, lifecycle.Abort):
+                raise Refused(action.reason) from failure
+            if isinstance(action, lifecycle.Replan):
+                return action.reason
+            if isinstance(action, lifecycle.Apply) and isinstance(action.msg, control.Ready):
+                self._transfer_done(action.sender)
+            elif isinstance(action, lifecycle.Apply) and isinstance(action.msg, control.EdgeReport):
+                self._edge_report(action.sender, action.msg)
+            elif not isinstance(action, lifecycle.Formed):
+                await self._carry_out(action)
         return None
 
     def _rows(self, state: str) -> list[dict]:
@@ -364,8 +391,6 @@ class HostParticipant(Participant):
     def _serving_again(self) -> None:
         """The replanned ring serves: requests waiting at the host resume (the members' own
         resume on the host's {"t": "serving"})."""
-        self.state.degraded = None
-        self.state.phase = "serving"
         self.engine.set_node(self.node)
         self.say(f"{self.cfg.name}: serving again (plan {self.epoch}, ring {' → '.join(self.role.ring)})")
         self.event("serving", api=self.api.url if self.api is not None else None, name=self.cfg.name,
@@ -375,50 +400,29 @@ class HostParticipant(Participant):
         """Serve until the session needs a new plan; returns why. A member that leaves the ring
         replans at once; a ring break a member reports (its edge closed) waits BREAK_GRACE_S for
         the rendezvous to say who left, then replans with whoever is still here."""
-        from kafila.net import MemberJoined, MemberLeft, Message
-
         loop = asyncio.get_running_loop()
         while True:
+            actions = self.core.on(lifecycle.Tick(), loop.time())  # a joiner with --auto-replan, a break due
             entered, self._enter_pressed = self._enter_pressed, False
-            if self._joined_waiting and (self.cfg.auto_replan or entered):
-                names = ", ".join(sorted(self._joined_waiting))
-                self._joined_waiting.clear()
-                return f"{names} joined ({'--auto-replan' if self.cfg.auto_replan else 'Enter at the host'})"
-            timeout = None if self._break is None else max(0.0, self._break[1] - loop.time())
+            if entered:
+                actions += self.core.on(lifecycle.EnterPressed(), loop.time())
+            if (reason := await self._host_actions(actions, None)) is not None:
+                return reason
+            timer = self.core.timer()
+            timeout = None if timer is None else max(0.0, timer - loop.time())
             wake = asyncio.ensure_future(self._break_event.wait() if timeout is None else asyncio.sleep(timeout))
             ev = await self.recv_unless(wake)
             wake.cancel()
-            if ev is None:
-                if self._break is not None and loop.time() >= self._break[1]:
-                    reason, self._break = self._break[0], None
-                    return reason
-                continue
-            if isinstance(ev, MemberLeft):
-                self._member_left(ev)
-                if ev.name in self._ring_members:
-                    self._break = None
-                    return f"member {ev.name} left the session ({ev.reason})"
-            elif isinstance(ev, MemberJoined):
-                self._member_joined(ev)
-            elif isinstance(ev, Message) and isinstance(ev.body, dict):
-                body = ev.body
-                if body.get("t") == "edge":
-                    self._edge_report(ev.sender, body)
-                elif body.get("t") == "degraded":
-                    self.ring_broke_at(ev.sender, str(body.get("reason"))[:500], plan_epoch(body))
+            if ev is not None and (reason := await self._host_actions(self._host_event(ev), None)) is not None:
+                return reason
 
-    def ring_broke_at(self, member: str, reason: str, epoch: int) -> None:
-        """A ring break (at the host or reported by a member) of the current plan: replan soon."""
-        if epoch != self.epoch or self._break is not None:
-            return
-        self.say(f"{self.cfg.name}: the ring broke at {member}: {reason}")
-        self.event("degraded", reason=f"at {member}: {reason}")
-        self._break = (f"the ring broke at {member} ({reason})", asyncio.get_running_loop().time() + BREAK_GRACE_S)
+    def _ring_broke(self, reason: str, epoch: int | None = None) -> None:
+        """The host's own ring broke: HostCore replans after BREAK_GRACE_S; the serving loop looks."""
+        super()._ring_broke(reason, epoch)
         self._wake()
 
     def _member_left(self, ev) -> None:
         self.state.members.pop(ev.name, None)
-        self._joined_waiting.discard(ev.name)
         self.say(f"member {ev.name} left ({ev.reason})")
         self.event("left", name=ev.name, reason=ev.reason)
 
@@ -428,37 +432,30 @@ class HostParticipant(Participant):
         r = member_row(ev.info.name, ev.info, "waiting")
         self.state.members[r["name"]] = r
         self.event("joined", **r)
-        self._joined_waiting.add(ev.info.name)
         when = "now (--auto-replan)" if self.cfg.auto_replan else "at the next replan"
         how = ("" if self.cfg.auto_replan else ": press Enter here to replan with it now" if stdin_is_terminal()
                else " (kafila host --auto-replan adds joiners at once)")  # fmt: skip
         self.say(f"member {ev.info.name} joined the serving session: it is added {when}{how}")
-        self.spawn(self._tell(ev.info.name, {"t": "wait", "reason": f"the session of {self.cfg.name} is "
-                                             f"serving: this member is added {when}"}), "tell-wait")  # fmt: skip
+        wait = control.Wait(f"the session of {self.cfg.name} is serving: this member is added {when}")
+        self.spawn(self._tell(ev.info.name, control.encode(wait)), "tell-wait")
 
     async def _tell(self, name: str, body: dict) -> None:
         with contextlib.suppress(Exception):
             await self.net.send(name, body)
 
-    def _edge_report(self, sender: str, body: dict) -> None:
-        if isinstance(body.get("stats"), dict):
-            self.state.edges[sender] = body["stats"]
-        if (stage := clean_stage(body.get("load"))) is not None:
+    def _edge_report(self, sender: str, report: control.EdgeReport) -> None:
+        if report.stats is not None:
+            self.state.edges[sender] = report.stats
+        if (stage := clean_stage(report.load)) is not None:
             self.state.loads[sender] = stage
-        if body.get("head_load") is not None and self.role is not None and sender == self.role.head:
-            self.state.head_load = clean_head(body["head_load"])
-        measured = body.get("measured")
-        if isinstance(measured, list) and self.node is not None and not self.node.is_head:
-            with contextlib.suppress(TypeError, ValueError):
-                self.node.measured.update_from((str(k), float(v)) for k, v in measured[:64] if k != "tok_s")
+        if report.head_load is not None and self.role is not None and sender == self.role.head:
+            self.state.head_load = clean_head(report.head_load)
+        self._take_measured(report.measured)
 
     async def _refuse_all(self, reason: str) -> None:
-        for n in self.net.roster():
-            if n != self.cfg.name:
-                with contextlib.suppress(Exception):
-                    await self.net.send(n, {"t": "refused", "reason": reason})
+        await self.broadcast(control.encode(control.Refusal(control.clip(reason))))
 
-    def _plan(self, index) -> tuple[dict, int]:
+    def _plan(self, index) -> tuple[Plan, int]:
         """The plan among the roster and the slots it serves: --concurrency, or with auto the
         plan made for one request and as many slots as its memory then holds (slots.py)."""
         from planner import PlanInputError, plan_fleet
@@ -475,10 +472,10 @@ class HostParticipant(Participant):
         fleet = {"context": self.cfg.context, "concurrency": self.cfg.concurrency or 1,
                  "anchor": self.cfg.name, "model": index.planner_model(), "devices": devices}  # fmt: skip
         try:
-            plan = plan_fleet(fleet, None, self.cfg.policy).to_json()
+            plan = plan_fleet(fleet, None, self.cfg.policy)
             if self.cfg.concurrency is not None:
                 return plan, self.cfg.concurrency
-            return plan, (auto_slots(fleet, plan) if plan["feasible"] else 1)
+            return plan, (auto_slots(fleet, plan.to_json()) if plan.feasible else 1)
         except PlanInputError as exc:
             raise Refused(f"cannot plan this session: {exc}") from None
 
@@ -578,8 +575,6 @@ class HostParticipant(Participant):
             edges = dict(self.state.edges)
             own = getattr(self, "succ_edge", None)
             if own is not None:
-                from kafila.session.member import edge_stats
-
                 edges[self.cfg.name] = edge_stats(own)
                 self.state.edges[self.cfg.name] = edges[self.cfg.name]
             measured = self.node.measured.as_pairs() if self.node is not None else ()
@@ -589,13 +584,13 @@ class HostParticipant(Participant):
                 loads[self.cfg.name] = self.node.stage_load()
                 if self.node.is_head:
                     head_load = self.node.head_load(MAX_REPORTED_REQUESTS)
-            for n in list(self.net.roster()):
-                if n != self.cfg.name:
-                    with contextlib.suppress(Exception):
-                        await self.net.send(n, {"t": "status", "edges": edges, "members": self.state.members,
-                                                "measured": [list(p) for p in measured],
-                                                "history": self.state.history[-HISTORY_STATUS:],
-                                                "loads": loads, "head_load": head_load})
+            try:
+                status = control.Status(edges, self.state.members, tuple(measured),
+                                        tuple(self.state.history[-HISTORY_STATUS:]), loads, head_load)  # fmt: skip
+            except control.ControlError as exc:  # ours: a bug to see, not a reason to stop reporting
+                log.warning("status not sent: %s", exc)
+                continue
+            await self.broadcast(control.encode(status))
 
 
 def _lan_ip() -> str:

@@ -10,12 +10,14 @@ from rich.table import Table
 
 
 def predicted_tok_s(plan: dict | None) -> float | None:
-    """Single-stream tok/s the plan predicts: one token goes once around the ring."""
-    stages = (plan or {}).get("stage_ms") or {}
-    if not stages or any(v is None for v in stages.values()):
+    """Single-stream tok/s the plan predicts: one token goes once around the ring
+    (planner.Plan.predicted_tok_s; None for no plan, or one that cannot be read)."""
+    from planner import Plan, PlanInputError
+
+    try:
+        return Plan.from_json(plan).predicted_tok_s
+    except PlanInputError:
         return None
-    total = sum(stages.values()) + sum(e.get("ms") or 0.0 for e in (plan or {}).get("edges") or [])
-    return 1000.0 / total if total > 0 else None
 
 
 def bottleneck(plan: dict | None) -> str | None:

@@ -1,5 +1,11 @@
 """A participant's lifecycle, host or member: join, plan, weights, shard, ring, serve, leave.
 
+The decisions (phase, plan generation, who is ready, when to replan or give up) are the sans-I/O
+cores of lifecycle.py (MemberCore here, HostCore in host.py); this module is their driver: it
+feeds them net events and the end of its own preparation, and carries out their actions (send,
+prepare, serve, end). The messages are control.py's, typed and bounded; the plan is a
+planner.Plan (`Participant.plan`; `state.plan` is its JSON, as /status shows it).
+
 Theory of operation (signaling messages ride the net layer's authenticated host↔member channel;
 members only ever talk to the host there):
 
@@ -40,12 +46,14 @@ from dataclasses import dataclass, field
 from rich.console import Console
 
 from kafila.errors import BadInput, KafilaError, Refused, describe_error
+from kafila.session import control, lifecycle
 from kafila.session.engine import RESUME_WAIT_S, RingEngine
 from kafila.session.frames import Hello, Limits, encode
 from kafila.session.load import MAX_REPORTED_REQUESTS, clean_head, clean_stage, ring_load
 from kafila.session.ring import RingNode
 from kafila.session.slots import DEFAULT_MAX_QUEUED, MAX_QUEUED_LIMIT, session_value
 from kafila.session.streams import read_frame
+from planner import Plan, PlanInputError, ring_neighbour
 from kafila.session.weights import (
     Manifest,
     TransferProgress,
@@ -56,7 +64,7 @@ from kafila.session.weights import (
 
 log = logging.getLogger(__name__)
 STATUS_EVERY_S = 2.0
-READY_TIMEOUT_S = 900.0  # weights over a slow link and a shard build
+READY_TIMEOUT_S = lifecycle.READY_TIMEOUT_S  # weights over a slow link and a shard build
 RING_EDGE_TIMEOUT_S = 60.0  # to open the edge to the successor (it accepts even while building)
 DEFAULT_CACHE_DIR = os.path.join(os.path.expanduser("~"), ".cache", "kafila", "models")
 
@@ -104,10 +112,10 @@ class Role:
     blocks: dict[str, int]
 
     def successor(self, me: str) -> str:
-        return self.ring[(self.ring.index(me) + 1) % len(self.ring)]
+        return ring_neighbour(self.ring, me, 1)
 
     def predecessor(self, me: str) -> str:
-        return self.ring[(self.ring.index(me) - 1) % len(self.ring)]
+        return ring_neighbour(self.ring, me, -1)
 
 
 def ring_hello_refusal(claimed: str, peer: str, predecessor: str) -> str | None:
@@ -121,24 +129,26 @@ def ring_hello_refusal(claimed: str, peer: str, predecessor: str) -> str | None:
     return None
 
 
-def role_of(plan: dict, me: str) -> Role:
-    ring = list(plan["ring"])
-    if me not in ring:
+def role_of(plan: dict | Plan, me: str) -> Role:
+    """This member's place in `plan` (a Plan, or its JSON)."""
+    if not isinstance(plan, Plan):
+        try:
+            plan = Plan.from_json(plan)
+        except PlanInputError as exc:
+            raise Refused(f"the host's plan cannot be read: {exc}") from None
+    if me not in plan.ring:
         raise Refused(f"the plan leaves this member ({me}) out")
-    blocks = {k: int(v) for k, v in plan["blocks"].items()}
-    first = sum(blocks[n] for n in ring[: ring.index(me)])
-    return Role(ring, plan["head"], first, first + blocks[me], blocks)
+    first, last = plan.block_ranges()[me]
+    return Role(list(plan.ring), plan.head, first, last, dict(zip(plan.ring, plan.blocks, strict=True)))
 
 
 @dataclass
 class State:
-    phase: str = "joining"  # joining | waiting | planned | fetching | building | ring | serving | degraded
-    plan: dict | None = None
+    plan: dict | None = None  # the plan's JSON, as /status shows it (Participant.plan: the Plan)
     session: dict = field(default_factory=dict)
     weights: dict = field(default_factory=dict)
     edges: dict = field(default_factory=dict)  # successor name → edge stats (all, at the host)
     members: dict = field(default_factory=dict)  # name → {nat, rtt_ms, ...}
-    degraded: str | None = None
     started: float = field(default_factory=time.monotonic)
     history: list = field(default_factory=list)  # membership events, oldest first (HISTORY_MAX)
     loads: dict = field(default_factory=dict)  # stage name → its load as last reported (load.clean_stage)
@@ -170,6 +180,8 @@ class Participant:
         self.console = console or Console(stderr=True)
         self.net = None  # kafila.net.Member
         self.state = State()
+        self.core = self._new_core()  # the lifecycle's phase and decisions (lifecycle.py)
+        self.plan: Plan | None = None
         self.node: RingNode | None = None
         self.engine: RingEngine | None = None
         self.api = None
@@ -189,6 +201,9 @@ class Participant:
         self._shard_key: tuple | None = None  # what self.shard was built for (reused when unchanged)
         self._serving = asyncio.Event()
         self.leaving = False  # SIGINT/SIGTERM: the lifecycle is being cancelled
+
+    def _new_core(self):
+        return lifecycle.MemberCore(self.cfg.name)
 
     # --- helpers ---------------------------------------------------------------------------------
 
@@ -297,7 +312,7 @@ class Participant:
         """The host's embedded rendezvous."""
 
     async def _lifecycle(self) -> int:
-        from kafila.net import Member, MemberLeft, Message
+        from kafila.net import Member
 
         cfg = self.cfg
         self.say(f"{cfg.name}: measuring this device…")
@@ -309,128 +324,137 @@ class Participant:
             self.say(f"{cfg.name}: the name {cfg.name!r} is taken in this session; "
                      f"this member is {self.net.name}")  # fmt: skip
             self.cfg = cfg = dataclasses.replace(cfg, name=self.net.name)
+            self.core.name = cfg.name
         host = next((n for n, i in self.net.roster().items() if i.peer_id == 0), "host")
         self.say(f"{cfg.name}: joined the session of {host} (NAT {self.net.nat.nat}, "
                  f"rendezvous RTT {self.net.nat.rtt_ms:.1f} ms); waiting for the plan")  # fmt: skip
         self.event("joined", host=host, nat=self.net.nat.nat, name=cfg.name)
-        self.state.phase = "waiting"
-        self.spawn(self._accept_loop(), "accept")
-        while True:
-            ev = await self.net.recv()
-            if isinstance(ev, MemberLeft) and ev.name == host:
-                raise Refused(f"the host {host} left the session before planning ({ev.reason})")
-            if isinstance(ev, Message) and isinstance(ev.body, dict):
-                if ev.body.get("t") == "refused":
-                    raise Refused(f"the host refused the session: {ev.body.get('reason')}")
-                if ev.body.get("t") == "plan":
-                    break
-                if ev.body.get("t") == "wait":  # joined a serving session: the host's next replan adds us
-                    self.say(f"{cfg.name}: {str(ev.body.get('reason'))[:300]}")
-                    self.event("wait", reason=str(ev.body.get("reason"))[:300])
         self.host_name = host
-        return await self._follow_plans(ev.body, host)
+        self.core.on(lifecycle.Joined(host), self._now())
+        self.spawn(self._accept_loop(), "accept")
+        return await self._follow_plans(host)
 
-    async def _follow_plans(self, msg: dict, host: str) -> int:
+    async def _follow_plans(self, host: str) -> int:
         """Plan → weights → shard → ring → serving, and again at every replan the host sends.
 
-        Forming and a replan take the same path, while listening to the host: a newer plan
-        replaces the one being prepared; a failure goes to the host (which ends the session)
-        and ends this member; a session that cannot form (the host gone) ends it at once."""
-        from kafila.net import MemberLeft, Message
-
-        cfg = self.cfg
-        epoch = plan_epoch(msg)
-        prep = asyncio.create_task(self._prepare(msg, fetch_from=host), name="prepare")
-        ready_sent = served = False
+        A thin driver of MemberCore (lifecycle.py): net events and the preparation's end go in,
+        its actions come out. Forming and a replan take the same path, while listening to the
+        host: a newer plan replaces the one being prepared; a failure goes to the host (which
+        ends the session) and ends this member; a session that cannot form (the host gone)
+        ends it at once."""
+        core = self.core
+        prep: asyncio.Task | None = None
+        prep_epoch = 0
+        failure: BaseException | None = None  # why the preparation failed (raised as it was)
+        actions: list = []
         try:
             while True:
-                if prep.done() and not ready_sent:
-                    exc = prep.exception()
-                    if exc is not None:
-                        reason = describe_error(exc)
-                        with contextlib.suppress(Exception):
-                            await self.net.send(host, {"t": "failed", "reason": reason[:300], "epoch": epoch})
-                        self._end_engine(reason)
-                        if isinstance(exc, KafilaError):
-                            raise exc
-                        raise Refused(reason) from exc
-                    await self.net.send(host, {"t": "ready", "epoch": epoch})
-                    ready_sent = True
-                ev = await (self.recv_unless() if ready_sent else self.recv_unless(prep))
-                if isinstance(ev, MemberLeft):
-                    if not served:
-                        raise Refused(f"the host {host} left the session before it was ready ({ev.reason})")
-                    reason = f"the host {host} left the session ({ev.reason})"
-                    if str(ev.reason).startswith("signaling lost"):
-                        # only our line to the rendezvous, for good: the ring does not use it and
-                        # keeps serving (a replan cannot reach us now; a ring break still shows)
-                        self.say(f"{cfg.name}: {ev.reason}; the ring keeps serving")
-                        self.event("signaling-lost", reason=str(ev.reason)[:300])
-                        continue
-                    self._end_engine(reason)  # the host is gone: every request here ends, none waits
-                    self._degrade(reason)
-                    self.say(f"{cfg.name}: {reason}: the session is over")
-                    self.event("ended", reason=reason)
-                    await asyncio.sleep(0.2)  # let the API stream the failure to clients first
-                    return 0
-                if not (isinstance(ev, Message) and isinstance(ev.body, dict)):
+                for action in actions:
+                    if isinstance(action, lifecycle.Prepare):
+                        if prep is not None:
+                            await cancel_and_wait(prep)
+                        prep_epoch = action.msg.epoch
+                        prep = asyncio.create_task(self._prepare(action.msg, fetch_from=host), name="prepare")
+                    elif isinstance(action, lifecycle.ServePlan):
+                        await self._serve_plan(first=action.first)
+                        if action.first:
+                            self.spawn(self._report_edges(), "report-edges")
+                    elif isinstance(action, lifecycle.Abort):
+                        if action.linger_s:
+                            await asyncio.sleep(action.linger_s)
+                        if isinstance(failure, KafilaError):
+                            raise failure
+                        raise Refused(action.reason) from failure
+                    elif isinstance(action, lifecycle.Finish):
+                        await asyncio.sleep(action.linger_s)
+                        return 0
+                    else:
+                        await self._carry_out(action)
+                if prep is not None and prep.done() and prep_epoch == core.epoch and not core.ready_sent:
+                    failure = prep.exception()
+                    error = None if failure is None else describe_error(failure)
+                    actions = core.on(lifecycle.Prepared(prep_epoch, error), self._now())
                     continue
-                body, t = ev.body, ev.body.get("t")
-                if t == "plan" and plan_epoch(body) > epoch:  # a replan: this one replaces ours
-                    epoch = plan_epoch(body)
-                    why = str(body.get("reason") or "the host replanned")[:300]
-                    self.say(f"{cfg.name}: replanning (plan {epoch}): {why}")
-                    self.event("replan", epoch=epoch, reason=why)
-                    await cancel_and_wait(prep)
-                    prep = asyncio.create_task(self._prepare(body, fetch_from=host), name="prepare")
-                    ready_sent = False
-                elif t == "serving" and ready_sent and plan_epoch(body) == epoch:
-                    await self._serve_plan(first=not served)
-                    if not served:
-                        self.spawn(self._report_edges(), "report-edges")
-                    served = True
-                elif t == "refused":
-                    reason = f"the host refused the session: {body.get('reason')}"
-                    self._end_engine(reason)
-                    if served:
-                        await asyncio.sleep(0.2)  # let the API stream the failure to clients first
-                    raise Refused(reason)
-                elif t in ("gone", "degraded") and not served:
-                    why = (f"member {body.get('member')} left" if t == "gone"
-                           else str(body.get("reason") or "the host gave no reason"))  # fmt: skip
-                    raise Refused(f"the session could not form: {why}")
-                elif t == "wait":  # joined a serving session: added at the host's next replan
-                    self.say(f"{cfg.name}: {str(body.get('reason'))[:300]}")
-                else:
-                    self._on_host_message(body)
+                waiting = prep is not None and not prep.done() and not core.ready_sent
+                ev = await (self.recv_unless(prep) if waiting else self.recv_unless())
+                actions = self._core_event(ev)
         finally:
-            await cancel_and_wait(prep)
+            if prep is not None:
+                await cancel_and_wait(prep)
 
-    def _on_host_message(self, body: dict) -> None:
-        t = body.get("t")
-        if t == "gone":
-            self._degrade(f"member {body.get('member')} left the session ({body.get('reason')})")
-            self.event("left", name=str(body.get("member"))[:64], reason=str(body.get("reason"))[:300])
-        elif t == "degraded":
-            self._degrade(str(body.get("reason"))[:500])
-        elif t == "status":
-            measured = body.get("measured")
-            if isinstance(measured, list) and self.node is not None and not self.node.is_head:
-                with contextlib.suppress(TypeError, ValueError):
-                    self.node.measured.update_from(
-                        (str(k), float(v)) for k, v in measured[:64] if k != "tok_s")
-            if isinstance(body.get("edges"), dict):
-                self.state.edges.update(body["edges"])
-            if isinstance(body.get("members"), dict):
-                self.state.members = body["members"]
-            if isinstance(body.get("history"), list):  # the host's: who joined and left, when, why
-                self.state.history = [h for h in body["history"][-HISTORY_MAX:] if isinstance(h, dict)]
-            self._take_loads(body.get("loads"), body.get("head_load"))
+    def _now(self) -> float:
+        """The lifecycle cores' clock: the event loop's (monotonic)."""
+        try:
+            return asyncio.get_running_loop().time()
+        except RuntimeError:
+            return time.monotonic()
+
+    def _core_event(self, ev) -> list:
+        """A net event fed to the lifecycle core: its actions (none for what it does not use)."""
+        from kafila.net import MemberJoined, MemberLeft, Message
+
+        if isinstance(ev, MemberLeft):
+            event = lifecycle.MemberLeft(ev.name, str(ev.reason))
+        elif isinstance(ev, MemberJoined):
+            event = lifecycle.MemberJoined(ev.info.name)
+        elif isinstance(ev, Message):
+            try:
+                event = lifecycle.Received(ev.sender, control.decode(ev.body))
+            except control.ControlError as exc:
+                log.info("a control message from %s dropped: %s", ev.sender, exc)
+                return []
+        else:
+            return []
+        return self.core.on(event, self._now())
+
+    async def _carry_out(self, action) -> None:
+        """One action of the core that needs no decision of the loop driving it."""
+        if isinstance(action, lifecycle.Send):
+            if isinstance(action.msg, control.Ready):  # as before: a Ready that cannot go is an error
+                await self.net.send(action.to, control.encode(action.msg))
+            else:
+                with contextlib.suppress(Exception):
+                    await self.net.send(action.to, control.encode(action.msg))
+        elif isinstance(action, lifecycle.SendAll):
+            await self.broadcast(control.encode(action.msg))
+        else:
+            self._act(action)
+
+    def _act(self, action) -> None:
+        """The actions that need no waiting (a send spawns a task)."""
+        if isinstance(action, lifecycle.Say):
+            self.say(action.text)
+        elif isinstance(action, lifecycle.Record):
+            self.event(action.kind, **dict(action.fields))
+        elif isinstance(action, lifecycle.DegradeNode):
+            if self.node is not None:
+                self.node.degrade(action.reason)
+        elif isinstance(action, lifecycle.EndEngine):
+            self._end_engine(action.reason)
+        elif isinstance(action, lifecycle.Apply):
+            self._apply(action.sender, action.msg)
+        elif isinstance(action, lifecycle.Send | lifecycle.SendAll):
+            self.spawn(self._carry_out(action), "tell")
+        else:
+            raise AssertionError(f"no driver for {action!r}")
+
+    def _apply(self, sender: str, msg) -> None:
+        if isinstance(msg, control.Status):
+            self._take_measured(msg.measured)
+            self.state.edges.update(msg.edges)
+            self.state.members = dict(msg.members)
+            self.state.history = list(msg.history)  # the host's: who joined and left, when, why
+            self._take_loads(msg.loads, msg.head_load)
+
+    def _take_measured(self, measured) -> None:
+        """The head's measured stage times, at a member that is not the head."""
+        if measured and self.node is not None and not self.node.is_head:
+            self.node.measured.update_from((k, v) for k, v in measured if k != "tok_s")
 
     def _take_loads(self, loads, head_load) -> None:
         """Every stage's load and the head's queue, as the host passed them on (validated)."""
         if isinstance(loads, dict):  # only the plan's stages are looked up: nothing else is kept
-            for name in (self.state.plan or {}).get("ring") or ():
+            for name in self.plan.ring if self.plan is not None else ():
                 if (stage := clean_stage(loads.get(name))) is not None:
                     self.state.loads[name] = stage
         if head_load is not None:
@@ -442,22 +466,8 @@ class Participant:
         A break of an older plan's ring (torn down for a replan) is no news."""
         if epoch is not None and epoch != self.epoch:
             return
-        if self.state.degraded is None:
-            self.state.degraded = reason
-            self.state.phase = "degraded"
-            self.say(f"[red]{self.cfg.name}: the ring broke: {reason}[/red]")
-            self.event("degraded", reason=reason)
-        self.spawn(self._tell_host_degraded(reason, self.epoch), "tell-degraded")
-
-    async def _tell_host_degraded(self, reason: str, epoch: int) -> None:
-        if self.net is not None and not self.is_host:
-            with contextlib.suppress(Exception):
-                await self.net.send(self.host_name, {"t": "degraded", "reason": reason[:500], "epoch": epoch})
-        elif self.is_host:
-            self.ring_broke_at(self.cfg.name, reason, epoch)
-
-    def ring_broke_at(self, member: str, reason: str, epoch: int) -> None:
-        """The host's: a member's ring broke (it replans)."""
+        for action in self.core.on(lifecycle.RingBroke(self.cfg.name, reason, self.epoch), self._now()):
+            self._act(action)
 
     def _end_engine(self, reason: str) -> None:
         """The session is over: requests waiting at this member's API for a ring fail now."""
@@ -470,36 +480,27 @@ class Participant:
                 with contextlib.suppress(Exception):
                     await self.net.send(n, body)
 
-    def _degrade(self, reason: str) -> None:
-        if self.state.degraded is None:
-            self.state.degraded = reason
-            self.state.phase = "degraded"
-            self.say(f"[red]{self.cfg.name}: session degraded: {reason}[/red]")
-            self.event("degraded", reason=reason)
-        if self.node is not None:
-            self.node.degrade(reason)
-
     # --- plan → weights → shard → ring ----------------------------------------------------------
 
-    async def _prepare(self, msg: dict, fetch_from: str | None) -> None:
+    async def _prepare(self, msg: control.PlanMessage, fetch_from: str | None) -> None:
         from backends import ShardSpec, load_shard
         from kafila.models import load_tokenizer, open_model
 
         cfg = self.cfg
-        await self._teardown_ring(f"the session is replanning ({msg.get('reason') or 'a new plan'})")
-        self._set_plan(int(msg.get("epoch", 1)), msg["plan"], msg["session"])
+        await self._teardown_ring(f"the session is replanning ({msg.reason or 'a new plan'})")
+        self._set_plan(msg.epoch, msg.plan, msg.session.to_json())
         role, session = self.role, self.state.session
-        self.state.phase = "fetching"
+        self._step_to("fetching")
         if fetch_from is None:
             self.model_path = cfg.model_path
             self.state.weights = {"received_bytes": 0, "tensor_bytes": 0, "source": "own file"}
         else:
             async def fetch() -> tuple[str, dict]:
-                return await self._fetch(Manifest.from_json(msg["manifest"]), fetch_from)
+                return await self._fetch(Manifest.from_json(msg.manifest or {}), fetch_from)
 
             self.model_path, self.state.weights = await _step(
                 f"{cfg.name} could not fetch its weights from {self._who(fetch_from)}", fetch())
-        self.state.phase = "building"
+        self._step_to("building")
         is_head = role.head == cfg.name
         what = f"blocks [{role.first}, {role.last}){' + head' if is_head else ''} on {cfg.backend}"
 
@@ -518,8 +519,12 @@ class Participant:
         else:
             self.say(f"{cfg.name}: building {what}")
             await _step(f"{cfg.name} could not build {what}", build())
-        self.state.phase = "ring"
+        self._step_to("ring")
         await self._form_ring()
+
+    def _step_to(self, step: str) -> None:
+        for action in self.core.on(lifecycle.Step(step), self._now()):
+            self._act(action)
 
     async def _fetch(self, manifest: Manifest, host: str) -> tuple[str, dict]:
         from rich.progress import (
@@ -673,10 +678,11 @@ class Participant:
             self._pred_streams[epoch] = asyncio.get_running_loop().create_future()
         return self._pred_streams[epoch]
 
-    def _set_plan(self, epoch: int, plan: dict, session: dict) -> None:
+    def _set_plan(self, epoch: int, plan: dict | Plan, session: dict) -> None:
         """This member's role in plan `epoch`; ring Hellos waiting for it go on."""
-        self.state.plan, self.state.session = plan, session
         self.role = role_of(plan, self.cfg.name)
+        self.plan = plan if isinstance(plan, Plan) else Plan.from_json(plan)
+        self.state.plan, self.state.session = self.plan.to_json(), session
         self.epoch = epoch
         for old in [e for e in self._pred_streams if e < epoch]:
             self._pred_streams.pop(old)
@@ -770,9 +776,8 @@ class Participant:
         engine.context_length = int(self.state.session["context"])
         engine._tokenizer = self.tokenizer
         engine.set_node(self.node)
-        if self.state.degraded:
-            self.node.degrade(self.state.degraded)
-        self.state.phase = "serving" if not self.state.degraded else "degraded"
+        if self.core.degraded:
+            self.node.degrade(self.core.degraded)
         if self.api is not None:
             self.say(f"{cfg.name}: serving; API at {self.api.url}/v1 (status: {self.api.url}/status)")
             self.event("serving", api=self.api.url, name=cfg.name)
@@ -786,8 +791,6 @@ class Participant:
         if first:
             await self._start_serving()
             return
-        self.state.degraded = None
-        self.state.phase = "serving"
         self.engine.context_length = int(self.state.session["context"])
         self.engine.set_node(self.node)
         self.say(f"{self.cfg.name}: serving again (plan {self.epoch}, ring {' → '.join(self.role.ring)})")
@@ -798,14 +801,18 @@ class Participant:
         while True:
             edge = getattr(self, "succ_edge", None)
             if edge is not None and self.net is not None:
-                body = {"t": "edge", "stats": edge_stats(edge)}
-                if self.node is not None:
-                    body["load"] = self.node.stage_load()
-                if self.node is not None and self.node.is_head:  # the head times every stage
-                    body["measured"] = [list(p) for p in self.node.measured.as_pairs()]
-                    body["head_load"] = self.node.head_load(MAX_REPORTED_REQUESTS)
-                with contextlib.suppress(Exception):
-                    await self.net.send(self.host_name, body)
+                node = self.node
+                head = node is not None and node.is_head  # the head times every stage
+                try:
+                    report = control.EdgeReport(edge_stats(edge), None if node is None else node.stage_load(),
+                                                node.measured.as_pairs() if head else None,
+                                                node.head_load(MAX_REPORTED_REQUESTS) if head else None)  # fmt: skip
+                except control.ControlError as exc:  # ours: a bug to see, not a reason to stop reporting
+                    log.warning("edge report not sent: %s", exc)
+                    report = None
+                if report is not None:
+                    with contextlib.suppress(Exception):
+                        await self.net.send(self.host_name, control.encode(report))
             await asyncio.sleep(STATUS_EVERY_S)
 
     # --- status ----------------------------------------------------------------------------------
@@ -818,11 +825,14 @@ class Participant:
         edges = dict(s.edges)
         if own_edge is not None:
             edges[self.cfg.name] = edge_stats(own_edge)
-        ring = list(s.plan["ring"]) if s.plan else []
+        plan, core = self.plan, self.core
+        ring = list(plan.ring) if plan is not None else []
+        blocks = dict(zip(ring, plan.blocks, strict=True)) if plan is not None else {}
+        stage_ms = dict(zip(ring, plan.stage_ms, strict=True)) if plan is not None and plan.stage_ms else {}
         return {
             "session": {"name": self.cfg.name, "host": self.is_host or getattr(self, "host_name", None),
-                        "state": "degraded" if (node and node.degraded) or s.degraded else s.phase,
-                        "degraded": (node.degraded if node else None) or s.degraded,
+                        "state": "degraded" if (node and node.degraded) or core.degraded else core.status_name,
+                        "degraded": (node.degraded if node else None) or core.degraded,
                         "model": s.session.get("model"),
                         "backend": self.cfg.backend,
                         "context": s.session.get("context"), "concurrency": s.session.get("concurrency"),
@@ -830,11 +840,10 @@ class Participant:
                         "uptime_s": round(time.monotonic() - s.started, 1)},
             "members": s.members,
             "plan": s.plan,
-            "stages": {n: {"blocks": (s.plan or {}).get("blocks", {}).get(n),
-                           "predicted_ms": ((s.plan or {}).get("stage_ms") or {}).get(n),
+            "stages": {n: {"blocks": blocks.get(n), "predicted_ms": _r6(stage_ms.get(n)),
                            "compute_ms": None if m is None else _r(m.stage_ms.get(n))}
                        for n in ring},
-            "edges": [{"from": a, "to": _succ(ring, a), **e} for a, e in edges.items() if a in ring],
+            "edges": [{"from": a, "to": ring_neighbour(ring, a), **e} for a, e in edges.items() if a in ring],
             "network_ms": None if m is None else _r(m.network_ms),
             "step_ms": None if m is None else _r(m.step_ms),
             "tok_s": None if m is None else _r(m.tok_s),
@@ -893,12 +902,6 @@ def machine_id() -> str:
     return hashlib.sha256(f"kafila-machine|{socket.gethostname()}".encode()).hexdigest()[:16]
 
 
-def plan_epoch(body: dict) -> int:
-    """A plan message's generation (1: the first plan, as a host from before replans sends it)."""
-    e = body.get("epoch", 1)
-    return e if isinstance(e, int) and not isinstance(e, bool) and e >= 1 else 1
-
-
 async def cancel_and_wait(task: asyncio.Future) -> None:
     """Cancel `task` and wait until it has ended. asyncio.wait, not `await task` under
     suppress(CancelledError): that also swallowed a cancellation of the caller arriving then
@@ -927,8 +930,8 @@ def _r(v):
     return None if v is None else round(v, 3)
 
 
-def _succ(ring: list[str], name: str) -> str | None:
-    return ring[(ring.index(name) + 1) % len(ring)] if name in ring else None
+def _r6(v):
+    return None if v is None else round(v, 6)  # as Plan.to_json
 
 
 def edge_stats(edge) -> dict:
