@@ -111,7 +111,7 @@ class Activation:
     `zeros` (masked-out physical positions), and positions pos0 .. pos0+n-1.
     """
 
-    rid: str
+    req_id: str
     slot: int
     cache_len: int  # physical positions already in the slot's KV (0: start a fresh slot)
     pos0: int  # logical position of the first new position
@@ -148,7 +148,7 @@ class Free:
 class Request:
     """A prompt typed at member `origin`, travelling to the head `dst`."""
 
-    rid: str
+    req_id: str
     origin: str
     dst: str
     max_new: int
@@ -163,9 +163,9 @@ class Request:
 
 @dataclass(frozen=True)
 class Tokens:
-    """New tokens of request `rid` travelling from the head to `dst` (the origin)."""
+    """New tokens of request `req_id` travelling from the head to `dst` (the origin)."""
 
-    rid: str
+    req_id: str
     dst: str
     ids: tuple[int, ...]
     done: bool = False
@@ -178,9 +178,9 @@ class Tokens:
 
 @dataclass(frozen=True)
 class Cancel:
-    """The origin gave up on request `rid` (its client went away)."""
+    """The origin gave up on request `req_id` (its client went away)."""
 
-    rid: str
+    req_id: str
     dst: str
     hops: int = 0  # members that passed it on so far (0 from its origin)
 
@@ -240,7 +240,7 @@ def encode(frame: Frame, limits: Limits | None = None) -> bytes:
     if isinstance(frame, Activation):
         x = np.ascontiguousarray(frame.hidden, dtype="<f4")
         return _pack(
-            {"k": "act", "rid": frame.rid, "slot": frame.slot, "cache": frame.cache_len,
+            {"k": "act", "rid": frame.req_id, "slot": frame.slot, "cache": frame.cache_len,
              "pos0": frame.pos0, "zeros": list(frame.zeros), "dtype": "f32",
              "shape": list(x.shape), "trace": [list(t) for t in frame.trace],
              **({"rows": frame.rows, "row": frame.row} if frame.rows > 1 else {})},
@@ -249,14 +249,14 @@ def encode(frame: Frame, limits: Limits | None = None) -> bytes:
     if isinstance(frame, Request):
         p = np.ascontiguousarray(frame.prompt, dtype="<i4")
         return _pack(
-            {"k": "req", "rid": frame.rid, "origin": frame.origin, "dst": frame.dst,
+            {"k": "req", "rid": frame.req_id, "origin": frame.origin, "dst": frame.dst,
              "max_new": frame.max_new, "eos": frame.stop_at_eos, "dtype": "i32",
              "shape": list(p.shape), "temp": float(frame.temperature), "top_p": float(frame.top_p),
              "seed": int(frame.seed), "spec": bool(frame.speculate), "hops": frame.hops},
             p.data.cast("B"),
         )  # fmt: skip
     if isinstance(frame, Tokens):
-        return _pack({"k": "tok", "rid": frame.rid, "dst": frame.dst, "ids": list(frame.ids),
+        return _pack({"k": "tok", "rid": frame.req_id, "dst": frame.dst, "ids": list(frame.ids),
                       "done": frame.done, "finish": frame.finish, "error": frame.error,
                       "status": frame.status, "stats": [list(t) for t in frame.stats],
                       "hops": frame.hops})  # fmt: skip
@@ -266,7 +266,7 @@ def encode(frame: Frame, limits: Limits | None = None) -> bytes:
     if isinstance(frame, Free):
         return _pack({"k": "free", "slot": frame.slot})
     if isinstance(frame, Cancel):
-        return _pack({"k": "cancel", "rid": frame.rid, "dst": frame.dst, "hops": frame.hops})
+        return _pack({"k": "cancel", "rid": frame.req_id, "dst": frame.dst, "hops": frame.hops})
     if isinstance(frame, WeightGet):
         return _pack({"k": "wget", "off": frame.offset, "len": frame.length, "z": frame.compress})
     if isinstance(frame, WeightData):

@@ -203,14 +203,14 @@ class RingNode:
                           if self.is_head else None)  # fmt: skip
         self._events: asyncio.Queue = asyncio.Queue()
         self._step_started: dict[str, float] = {}
-        self._pace: dict[str, tuple[float, float, int]] = {}  # head: rid → (first token, last token, tokens)
+        self._pace: dict[str, tuple[float, float, int]] = {}  # head: req_id → (first token, last token, tokens)
         # this stage's own load (/status): rows in its last forward (one request's step each, for
         # now: batched decode rows will put several requests' rows in one) and forwards run
         self.batch_rows = 0
         self.forwards = 0
         self._tasks: list[asyncio.Task] = []
         self._counter = 0
-        self._sampling: dict[str, tuple] = {}  # head: rid → (temperature, top_p, rng) when not greedy
+        self._sampling: dict[str, tuple] = {}  # head: req_id → (temperature, top_p, rng) when not greedy
         self.drafter = drafter
         self.stage_hang_s = stage_hang_s
         # micro-batches need every stage's forward_batch; a draft model's steps go alone (the
@@ -264,8 +264,8 @@ class RingNode:
             self.on_degraded(reason)
 
     def _fail_waiters(self, reason: str) -> None:
-        for rid, w in list(self.waiters.items()):
-            w.queue.put_nowait(Tokens(rid, self.name, (), True, "error", reason[:500], 503))
+        for req_id, w in list(self.waiters.items()):
+            w.queue.put_nowait(Tokens(req_id, self.name, (), True, "error", reason[:500], 503))
 
     async def _compute(self, fn, *args):
         """fn(*args) on the stage's worker thread, watched: past stage_hang_s the ring degrades
@@ -288,7 +288,7 @@ class RingNode:
         while self.degraded is None:
             await asyncio.sleep(min(1.0, bound / 4))
             now = time.perf_counter()
-            late = [rid for rid, t0 in self._step_started.items() if now - t0 > bound]
+            late = [req_id for req_id, t0 in self._step_started.items() if now - t0 > bound]
             if late:
                 others = [n for n in self.ring if n != self.name]
                 self.degrade(f"a step did not come back round the ring within {bound:.0f} s: one of "
@@ -303,30 +303,30 @@ class RingNode:
             raise SchedulerError(f"the session is degraded: {self.degraded}", 503)
         self._check_ids(prompt)
         self._counter += 1
-        rid = f"{self.name}:{self._counter}"
-        waiter = self.waiters[rid] = Waiter()
+        req_id = f"{self.name}:{self._counter}"
+        waiter = self.waiters[req_id] = Waiter()
         if self.is_head:
             try:
-                self.scheduler.submit(rid, self.name, prompt, max_new, stop_at_eos, speculate)
+                self.scheduler.submit(req_id, self.name, prompt, max_new, stop_at_eos, speculate)
             except SchedulerError:
-                del self.waiters[rid]
+                del self.waiters[req_id]
                 raise
-            self._set_sampling(rid, temperature, top_p, -1 if seed is None else seed)
+            self._set_sampling(req_id, temperature, top_p, -1 if seed is None else seed)
             self._events.put_nowait(("pump",))
         else:
             try:
-                await self._send(Request(rid, self.name, self.head, max_new, stop_at_eos,
+                await self._send(Request(req_id, self.name, self.head, max_new, stop_at_eos,
                                          np.asarray(prompt, dtype=np.int32), float(temperature),
                                          float(top_p), -1 if seed is None else int(seed),
                                          bool(speculate)))  # fmt: skip
             except EncodeError as exc:
-                del self.waiters[rid]
+                del self.waiters[req_id]
                 raise SchedulerError(f"this request cannot travel to the head: {exc}", 400) from None
-        return rid, waiter
+        return req_id, waiter
 
-    def _set_sampling(self, rid: str, temperature: float, top_p: float, seed: int) -> None:
+    def _set_sampling(self, req_id: str, temperature: float, top_p: float, seed: int) -> None:
         if temperature > 0:
-            self._sampling[rid] = (temperature, top_p, np.random.default_rng(None if seed < 0 else seed))
+            self._sampling[req_id] = (temperature, top_p, np.random.default_rng(None if seed < 0 else seed))
 
     def _check_ids(self, prompt) -> None:
         if len(prompt) >= self.limits.context:  # (a Request frame carries at most the context)
@@ -335,15 +335,15 @@ class RingNode:
         if prompt and not 0 <= min(prompt) <= max(prompt) < self.limits.vocab:
             raise SchedulerError(f"prompt token ids must lie in 0..{self.limits.vocab - 1}", 400)
 
-    async def cancel(self, rid: str) -> None:
-        self.waiters.pop(rid, None)
+    async def cancel(self, req_id: str) -> None:
+        self.waiters.pop(req_id, None)
         if self.degraded:
             return
         if self.is_head:
-            self._events.put_nowait(("cancel", rid))
+            self._events.put_nowait(("cancel", req_id))
         else:
             with contextlib.suppress(StreamClosed):
-                await self._send(Cancel(rid, self.head))
+                await self._send(Cancel(req_id, self.head))
 
     # --- frames from the predecessor -------------------------------------------------------------
 
@@ -408,7 +408,7 @@ class RingNode:
             if frame.dst != self.name:
                 await self._send(replace(frame, hops=frame.hops + 1))
             elif self.is_head:
-                self._events.put_nowait(("cancel", frame.rid))
+                self._events.put_nowait(("cancel", frame.req_id))
 
     def _collect(self, act: Activation) -> list[Activation] | None:
         """A micro-batch's rows come back to back: the whole batch once its last row is in."""
@@ -450,7 +450,7 @@ class RingNode:
         hidden, us = await self._compute(run)
         if act.n == 1:  # decode steps only: a prefill's cost grows with the prompt
             self._measure(self.name, us)
-        await self._send(Activation(act.rid, act.slot, act.cache_len, act.pos0, act.zeros, hidden,
+        await self._send(Activation(act.req_id, act.slot, act.cache_len, act.pos0, act.zeros, hidden,
                                     act.trace + ((self.name, us),)))  # fmt: skip
 
     async def _send(self, *frames: Frame) -> None:
@@ -462,14 +462,14 @@ class RingNode:
     def _deliver(self, frame: Tokens) -> None:
         if frame.stats:
             self.measured.update_from(frame.stats)
-        w = self.waiters.get(frame.rid)
+        w = self.waiters.get(frame.req_id)
         if w is None:
             return  # a request its origin already gave up on
         for t in frame.ids:
             w.queue.put_nowait(t)
         if frame.done:
             w.queue.put_nowait(frame)
-            self.waiters.pop(frame.rid, None)
+            self.waiters.pop(frame.req_id, None)
 
     def _measure(self, stage: str, us: int) -> None:
         ms = us / 1000
@@ -493,33 +493,33 @@ class RingNode:
                         if self.degraded:
                             raise SchedulerError(f"the session is degraded: {self.degraded}", 503)
                         self._check_ids(req.prompt.tolist())
-                        sched.submit(req.rid, req.origin, req.prompt.tolist(), req.max_new, req.stop_at_eos,
+                        sched.submit(req.req_id, req.origin, req.prompt.tolist(), req.max_new, req.stop_at_eos,
                                      req.speculate)
-                        self._set_sampling(req.rid, req.temperature, req.top_p, req.seed)
+                        self._set_sampling(req.req_id, req.temperature, req.top_p, req.seed)
                     except SchedulerError as exc:
-                        await self._to_origin(Tokens(req.rid, req.origin, (), True, "error", str(exc)[:500], exc.status))
+                        await self._to_origin(Tokens(req.req_id, req.origin, (), True, "error", str(exc)[:500], exc.status))
                 elif kind == "cancel":
                     await self._emit(sched.cancel(ev[1]))
                 elif kind == "back":  # one step, or a micro-batch's rows: all done before the next pump
                     acts = ev[1]
-                    plain = [a for a in acts if sched.wants_token(a.rid) and not sched.draft_of(a.rid)
-                             and a.rid not in self._sampling] if len(acts) > 1 else []  # fmt: skip
-                    tokens = dict(zip((a.rid for a in plain),
+                    plain = [a for a in acts if sched.wants_token(a.req_id) and not sched.draft_of(a.req_id)
+                             and a.req_id not in self._sampling] if len(acts) > 1 else []  # fmt: skip
+                    tokens = dict(zip((a.req_id for a in plain),
                                       await self._compute(greedy_rows, self.shard, [a.hidden for a in plain])))
                     for act in acts:
-                        sampling = self._sampling.get(act.rid)
-                        if act.rid in tokens:  # a micro-batch's greedy rows: one lm_head for all
-                            token = tokens[act.rid]
-                        elif not sched.wants_token(act.rid):  # a prefill chunk before the prompt's last
+                        sampling = self._sampling.get(act.req_id)
+                        if act.req_id in tokens:  # a micro-batch's greedy rows: one lm_head for all
+                            token = tokens[act.req_id]
+                        elif not sched.wants_token(act.req_id):  # a prefill chunk before the prompt's last
                             token = None
-                        elif draft := sched.draft_of(act.rid):  # a verifying step: a row per position
+                        elif draft := sched.draft_of(act.req_id):  # a verifying step: a row per position
                             token = await self._compute(verify_rows, self.shard, act.hidden, draft, sampling)
                         elif sampling is None:
                             token = await self._compute(greedy, self.shard, act.hidden)
                         else:
                             token = await self._compute(sample, self.shard, act.hidden, *sampling)
                         self._account(act)
-                        await self._emit(sched.complete(act.rid, token))
+                        await self._emit(sched.complete(act.req_id, token))
                     if time.perf_counter() - self._depth_at > DEPTH_EVERY_S:  # not every trip: it reads edge stats
                         self._depth_at = time.perf_counter()
                         self._batches.groups = self._pipeline_depth()
@@ -543,7 +543,7 @@ class RingNode:
                 if self._batchable(step):
                     self._batches.ready(step)
                 else:
-                    self._batches.leave(step.rid)
+                    self._batches.leave(step.req_id)
             steps = [s for s in steps if not self._batchable(s)]
             for group in self._batches.due():
                 if len(group) == 1:
@@ -551,15 +551,15 @@ class RingNode:
                 else:
                     await self._send_rows(group)
         for step in steps:
-            self._step_started[step.rid] = time.perf_counter()  # drafting is part of a trip's cost
+            self._step_started[step.req_id] = time.perf_counter()  # drafting is part of a trip's cost
             if step.want_draft:
-                step = self.scheduler.attach_draft(step.rid, await self._propose(step))
+                step = self.scheduler.attach_draft(step.req_id, await self._propose(step))
                 if step is None:
                     continue
             hidden, us = await self._compute(self._head_forward, step)
             if len(step.tokens) == 1:
                 self._measure(self.name, us)
-            act = Activation(step.rid, step.slot, step.cache_len, step.pos0, step.zeros, hidden,
+            act = Activation(step.req_id, step.slot, step.cache_len, step.pos0, step.zeros, hidden,
                              ((self.name, us),))  # fmt: skip
             if self.out is None:  # a ring of one: the activation is back at once
                 self._events.put_nowait(("back", [act]))
@@ -567,9 +567,9 @@ class RingNode:
             try:
                 await self._send(act)
             except EncodeError as exc:  # nothing was written: this request alone fails
-                log.warning("request %s failed: %s", step.rid, exc)
+                log.warning("request %s failed: %s", step.req_id, exc)
                 await self._emit(self.scheduler.fail(
-                    step.rid, f"this request's activations cannot be sent round the ring: {exc}", 500))
+                    step.req_id, f"this request's activations cannot be sent round the ring: {exc}", 500))
 
     def _pipeline_depth(self) -> int:
         """Micro-batches worth keeping in flight: a trip's time over the busiest machine's share
@@ -598,10 +598,10 @@ class RingNode:
         """The ready decode steps as one micro-batch: one forward here, one trip round the ring."""
         now = time.perf_counter()
         for step in steps:
-            self._step_started[step.rid] = now
+            self._step_started[step.req_id] = now
         hiddens, us = await self._compute(self._head_forward_rows, steps)
         self._measure(self.name, us)
-        acts = [Activation(st.rid, st.slot, st.cache_len, st.pos0, st.zeros, h, ((self.name, us),), len(steps), i)
+        acts = [Activation(st.req_id, st.slot, st.cache_len, st.pos0, st.zeros, h, ((self.name, us),), len(steps), i)
                 for i, (st, h) in enumerate(zip(steps, hiddens))]  # fmt: skip
         if self.out is None:  # a ring of one: back at once
             self._events.put_nowait(("back", acts))
@@ -611,7 +611,7 @@ class RingNode:
         except EncodeError as exc:  # nothing was written: these requests alone fail
             for st in steps:
                 await self._emit(self.scheduler.fail(
-                    st.rid, f"this request's activations cannot be sent round the ring: {exc}", 500))
+                    st.req_id, f"this request's activations cannot be sent round the ring: {exc}", 500))
 
     def _head_forward_rows(self, steps: list[Step]):
         t0 = time.perf_counter()
@@ -626,9 +626,9 @@ class RingNode:
         drafter is an optimisation, never a reason to fail a request)."""
         if self.drafter is None:
             return ()
-        history = self.scheduler.history(step.rid)
+        history = self.scheduler.history(step.req_id)
         try:
-            return await self._compute(self.drafter.propose, step.rid, history, step.want_draft)
+            return await self._compute(self.drafter.propose, step.req_id, history, step.want_draft)
         except Exception as exc:
             log.warning("the draft model failed (%s: %s): this step goes without drafts", type(exc).__name__, exc)
             return ()
@@ -659,20 +659,20 @@ class RingNode:
             return None
         requests = []
         for v in sched.views()[:most]:
-            first, last, n = self._pace.get(v.rid, (0.0, 0.0, 0))
+            first, last, n = self._pace.get(v.req_id, (0.0, 0.0, 0))
             tok_s = round((n - 1) / (last - first), 2) if n >= 2 and last > first else None
-            requests.append({"id": v.rid, "origin": v.origin, "state": v.state, "prompt_tokens": v.prompt_tokens,
+            requests.append({"id": v.req_id, "origin": v.origin, "state": v.state, "prompt_tokens": v.prompt_tokens,
                              "tokens": v.generated, "max_tokens": v.max_new, "tok_s": tok_s})  # fmt: skip
         return {"slots": sched.slots, "active": sched.active, "queued": sched.queued,
                 "max_queued": sched.max_queue, "requests": requests,
                 "micro_batches": self._batches.sizes if self.batch else []}  # fmt: skip
 
     def _account(self, act: Activation) -> None:
-        started = self._step_started.pop(act.rid, None)
+        started = self._step_started.pop(act.req_id, None)
         if started is None:
             return
         step_ms = (time.perf_counter() - started) * 1000
-        self.scheduler.observe_step(act.rid, act.n, step_ms)  # what choosing K is fed
+        self.scheduler.observe_step(act.req_id, act.n, step_ms)  # what choosing K is fed
         if act.n != 1:
             return  # the figures below are of 1-position decode steps: a prefill's cost grows
         compute = sum(us for _, us in act.trace) / 1000
@@ -687,21 +687,21 @@ class RingNode:
         for ev in events:
             if isinstance(ev, TokenOut):
                 now = time.perf_counter()
-                first, _, n = self._pace.get(ev.rid, (now, now, 0))
-                self._pace[ev.rid] = (first, now, n + 1)
-                await self._to_origin(Tokens(ev.rid, ev.origin, (ev.token,)))
+                first, _, n = self._pace.get(ev.req_id, (now, now, 0))
+                self._pace[ev.req_id] = (first, now, n + 1)
+                await self._to_origin(Tokens(ev.req_id, ev.origin, (ev.token,)))
             elif isinstance(ev, Finished):
-                self._batches.leave(ev.rid)
-                self._step_started.pop(ev.rid, None)
-                self._sampling.pop(ev.rid, None)
-                self._pace.pop(ev.rid, None)
+                self._batches.leave(ev.req_id)
+                self._step_started.pop(ev.req_id, None)
+                self._sampling.pop(ev.req_id, None)
+                self._pace.pop(ev.req_id, None)
                 if self.drafter is not None:
-                    self.drafter.release(ev.rid)
+                    self.drafter.release(ev.req_id)
                 if ev.finish == "cancelled":
                     continue
                 finish = ev.finish
                 stats = self.measured.as_pairs() + (ev.spec.as_pairs() if ev.spec else ())
-                frame = Tokens(ev.rid, ev.origin, (), True, finish, ev.error[:500], ev.status, stats)
+                frame = Tokens(ev.req_id, ev.origin, (), True, finish, ev.error[:500], ev.status, stats)
                 await self._to_origin(frame)
             elif isinstance(ev, SlotFreed):
                 await self._compute(self.slots.free, ev.slot)
