@@ -361,8 +361,9 @@ class RingNode:
             await self._send(*(replace(a, hidden=h, trace=a.trace + ((self.name, us),)) for a, h in zip(acts, hiddens)))
 
     def _forward(self, where: list[tuple[int, int]], xs, positions, masks) -> tuple[list[np.ndarray], int]:
-        """This stage's forward on the worker thread: one slot alone (`forward`; a fresh step
-        resets its slot) or several as one (`forward_batch`); the hidden states and the µs."""
+        """This stage's forward on the worker thread (the head's too: xs are token ids there): one
+        slot alone (`forward`; a fresh step resets its slot) or several as one (`forward_batch`);
+        the hidden states and the µs it took."""
         t0 = time.perf_counter()
         if len(where) == 1:
             (ring_slot, cache_len), = where
@@ -436,7 +437,9 @@ class RingNode:
         else:
             steps = list(work.steps)
             core.starting([st.req_id for st in steps], time.perf_counter())
-        hiddens, us = await self._compute(self._head_forward, steps)
+        hiddens, us = await self._compute(self._forward, [(st.slot, st.cache_len) for st in steps],
+                                          [st.tokens for st in steps], [st.positions() for st in steps],
+                                          [st.mask() for st in steps])  # fmt: skip
         if isinstance(work, Forward):
             acts = [core.forwarded(steps[0], hiddens[0], us)]
         else:
@@ -449,19 +452,6 @@ class RingNode:
         except EncodeError as exc:  # nothing was written: these requests alone fail
             log.warning("request(s) %s failed: %s", ", ".join(st.req_id for st in steps), exc)
             await self._carry_out(core.send_failed([st.req_id for st in steps], str(exc)))
-
-    def _head_forward(self, steps: list[Step]) -> tuple[list[np.ndarray], int]:
-        t0 = time.perf_counter()
-        if len(steps) == 1:
-            st = steps[0]
-            hs = [self.shard.forward(self.slots.get(st.slot, st.cache_len == 0), st.tokens, st.positions(), st.mask())]
-        else:
-            slots = [self.slots.get(st.slot, False) for st in steps]
-            hs = self.shard.forward_batch(slots, [st.tokens for st in steps], [st.positions() for st in steps],
-                                          [st.mask() for st in steps])  # fmt: skip
-        self.batch_rows = len(steps)
-        self.forwards += 1
-        return hs, int((time.perf_counter() - t0) * 1e6)
 
     async def _propose(self, step: Step) -> tuple[int, ...]:
         """The draft model's proposals for `step` (none without a drafter or when it fails: a
