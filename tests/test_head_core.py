@@ -15,7 +15,8 @@ from collections import defaultdict
 import numpy as np
 import pytest
 
-from kafila.session import fields, frames, head, microbatch, scheduler, speculate, timing
+from kafila import sampling
+from kafila.session import fields, frames, head, microbatch, scheduler, slots, speculate, timing
 from kafila.session.frames import Activation, FrameDecoder, Free, Limits, Request, Tokens, encode
 from kafila.session.head import (
     Deliver,
@@ -321,7 +322,7 @@ def test_cores_do_no_io():
     """The head's core and what it is built of import no asyncio, socket, time, threading, os or
     subprocess (the ring node does the I/O)."""
     banned = {"asyncio", "socket", "time", "threading", "os", "subprocess"}
-    for mod in (head, timing, scheduler, microbatch, speculate, frames, fields):
+    for mod in (head, timing, scheduler, microbatch, speculate, frames, fields, slots, sampling):
         tree = ast.parse(inspect.getsource(mod))
         names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
