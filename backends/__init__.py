@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass
 
-from backends.base import Shard, ShardSpec
+from backends.base import HeadOps, Shard, ShardSpec
 
 # name -> (module, class, the import that must work, how to install it)
 _BACKENDS = {
@@ -52,4 +52,4 @@ def load_shard(name: str, spec: ShardSpec, precision: str = "serving", **options
     return getattr(importlib.import_module(module), cls)(spec, precision=precision, **options)
 
 
-__all__ = ["NAMES", "PRECISIONS", "BackendStatus", "Shard", "ShardSpec", "load_shard", "status"]
+__all__ = ["NAMES", "PRECISIONS", "BackendStatus", "HeadOps", "Shard", "ShardSpec", "load_shard", "status"]

@@ -10,6 +10,12 @@ Positions are logical and the mask is physical, as in the OpenVINO paper's mask-
 position ids of the n new tokens. Every stage of a ring receives the same mask and positions.
 `forward_batch` runs several slots' feeds as one (batched decode rows), each row with its own
 positions and mask, so the weights are read once for all rows.
+
+What the head does with its last hidden states is part of the interface too: `greedy` (the top-1
+after the last row), `greedy_rows` (that for several requests' rows, from one lm_head), `sample`
+(a token drawn by a request's sampler) and `logits` (every row: what verifying drafts needs).
+`HeadOps` derives greedy, greedy_rows and sample from `logits` for any shard that inherits it; a
+backend that computes the top-1 in its own graph (OpenVINO, MLX, the reference) overrides greedy.
 """
 
 from __future__ import annotations
@@ -64,7 +70,19 @@ class Shard(Protocol):
         """
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
-        """Final norm + lm_head on float32 [n, hidden] → float32 [n, vocab] (head shards only)."""
+        """Final norm + lm_head on float32 [n, hidden] → float32 [n, vocab] (head shards only).
+        A verifying step (speculative decoding) takes all n rows: one per drafted position."""
+
+    def greedy(self, hidden: np.ndarray) -> int:
+        """The top-1 token after the last row of float32 [n, hidden] (head shards only)."""
+
+    def greedy_rows(self, hiddens: Sequence[np.ndarray]) -> list[int]:
+        """The top-1 token after each hidden's last row, from one lm_head over all of them (the
+        rows of a micro-batch; head shards only)."""
+
+    def sample(self, hidden: np.ndarray, sampler: Sampler) -> int:
+        """A token after the last row of `hidden`, drawn by one request's `sampler` from its
+        logits (kafila.sampling.Sampler; head shards only)."""
 
     def close_slot(self, slot: int) -> None:
         """Free the slot's KV state; its id may be reused."""
@@ -74,3 +92,30 @@ class Shard(Protocol):
 
     def restore(self, slot: int, state: Any) -> None:
         """Replace the slot's KV state with one captured from this shard."""
+
+
+class Sampler(Protocol):
+    """What `sample` needs of a request's sampler (kafila.sampling.Sampler)."""
+
+    def draw(self, logits: np.ndarray) -> int: ...
+
+
+class HeadOps:
+    """greedy, greedy_rows and sample from the shard's own `logits` (a mixin every shard inherits;
+    a backend with the top-1 in its graph overrides greedy)."""
+
+    logits: Any  # the shard's: float32 [n, hidden] → float32 [n, vocab]
+
+    def greedy(self, hidden: np.ndarray) -> int:
+        return int(np.argmax(self.logits(hidden[-1:])[-1]))
+
+    def greedy_rows(self, hiddens: Sequence[np.ndarray]) -> list[int]:
+        if not hiddens:
+            return []
+        if len(hiddens) == 1:
+            return [int(self.greedy(hiddens[0]))]
+        logits = self.logits(np.concatenate([h[-1:] for h in hiddens]))  # [rows, vocab]
+        return [int(t) for t in np.argmax(logits, axis=-1)]
+
+    def sample(self, hidden: np.ndarray, sampler: Sampler) -> int:
+        return sampler.draw(self.logits(hidden[-1:])[-1])

@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from backends.base import ShardSpec
+from backends.base import HeadOps, ShardSpec
 from kafila.models import ModelIndex, open_model
 
 F64 = np.float64
@@ -65,7 +65,7 @@ class _Slot:
     v: list[np.ndarray] = field(default_factory=list)
 
 
-class ReferenceShard:
+class ReferenceShard(HeadOps):
     """Float64 forward of blocks [first, last) (see backends.base.Shard)."""
 
     def __init__(self, spec: ShardSpec, precision: str = "f32", index: ModelIndex | None = None) -> None:

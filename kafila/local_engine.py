@@ -23,7 +23,7 @@ import numpy as np
 
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.errors import BadInput
-from kafila.sampling import sample_token
+from kafila.sampling import Sampler, sample_token  # noqa: F401 (sample_token: importable from here, as before)
 
 DEFAULT_MAX_SLOTS = 4  # requests generating at once (each holds a KV state on every stage)
 DEFAULT_MAX_QUEUED = 64  # requests waiting for a slot
@@ -213,13 +213,13 @@ def chain_source(chain, eos_ids: frozenset[int]) -> StepSource:
 
 
 def _sampled(chain, request: GenerationRequest, stop) -> Iterator[int]:
-    rng = np.random.default_rng(request.seed)
+    sampler = Sampler(request.temperature, request.top_p, np.random.default_rng(request.seed))  # its own stream
     cursor = chain.open()
     try:
         hidden = chain.feed(cursor, request.prompt_ids)
         for i in range(request.max_new_tokens):
             logits = chain.logits(hidden[-1:])[0]
-            token = sample_token(logits, request.temperature, request.top_p, rng)
+            token = sampler.draw(logits)
             yield token
             if token in stop or i + 1 == request.max_new_tokens:
                 return

@@ -1,12 +1,15 @@
 """Token sampling from logits, shared by the local engine and the ring's head.
 
 One nucleus rule in one place: softmax(logits / temperature), restricted to the smallest set of
-tokens whose probability reaches top_p, renormalised. `sample_token` draws from it;
-`token_probs` gives the whole distribution (zeros outside the nucleus), which speculative
-sampling needs to accept or reject a draft token (speculate.verify).
+tokens whose probability reaches top_p, renormalised. `sample_token` draws from it; `Sampler` is
+one request's (its own generator, kept to its end); `token_probs` gives the whole distribution
+(zeros outside the nucleus), which speculative sampling needs to accept or reject a draft token
+(speculate.verify).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import numpy as np
 
@@ -35,3 +38,26 @@ def token_probs(logits: np.ndarray, temperature: float, top_p: float) -> np.ndar
     p = np.zeros(logits.shape[-1], dtype=np.float64)
     p[order] = q
     return p
+
+
+class Sampler(NamedTuple):
+    """One request's sampling: `sample_token` with its own temperature, nucleus and generator.
+
+    A request that samples gets one when it starts (the local engine, the ring's head) and keeps
+    it to its end, so each request's draws are its own stream: seeded, they repeat whatever else
+    runs beside them. A tuple (temperature, top_p, rng), as speculate.verify takes it."""
+
+    temperature: float
+    top_p: float
+    rng: np.random.Generator
+
+    @classmethod
+    def of(cls, temperature: float, top_p: float, seed: int | None) -> Sampler | None:
+        """The sampler of a request (None: temperature 0, greedy); seed None draws fresh entropy."""
+        if temperature <= 0:
+            return None
+        return cls(temperature, top_p, np.random.default_rng(seed))
+
+    def draw(self, logits: np.ndarray) -> int:
+        """One token from a row of logits [vocab]."""
+        return sample_token(logits, self.temperature, self.top_p, self.rng)

@@ -30,7 +30,7 @@ def test_activation_roundtrip(chunk):
     a = F.Activation("r1", 1, 4, 4, (2,), x, (("m1", 120), ("m2", 300)))
     b = roundtrip(a, chunk=chunk)
     assert isinstance(b, F.Activation)
-    assert (b.rid, b.slot, b.cache_len, b.pos0, b.zeros, b.trace) == ("r1", 1, 4, 4, (2,), a.trace)
+    assert (b.req_id, b.slot, b.cache_len, b.pos0, b.zeros, b.trace) == ("r1", 1, 4, 4, (2,), a.trace)
     np.testing.assert_array_equal(b.hidden, x)
     assert b.mask().tolist() == [1, 1, 0, 1, 1, 1, 1]
     assert b.positions().tolist() == [4, 5, 6]
@@ -40,7 +40,7 @@ def test_other_frames_roundtrip():
     req = F.Request("m2:1", "m2", "m1", 5, True, np.array([1, 2, 3], dtype=np.int32), 0.7, 0.9, 42)
     r = roundtrip(req)
     assert (r.temperature, r.top_p, r.seed) == (0.7, 0.9, 42)
-    assert r.prompt.tolist() == [1, 2, 3] and (r.rid, r.origin, r.dst, r.max_new) == ("m2:1", "m2", "m1", 5)
+    assert r.prompt.tolist() == [1, 2, 3] and (r.req_id, r.origin, r.dst, r.max_new) == ("m2:1", "m2", "m1", 5)
     for f in (
         F.Tokens("m2:1", "m2", (4, 5), True, "error", "member m3 left", 503, (("tok_s", 41.5),)),
         F.Hello("m2", "ring"),

@@ -112,11 +112,11 @@ def test_slots_go_in_arrival_order_and_every_active_request_steps_each_round() -
         rounds += 1
         assert rounds < 50
         steps = s.steps()
-        active = [v.rid for v in s.views() if v.state != "queued"]
-        assert {st.rid for st in steps} == set(active)  # every active request has its step
+        active = [v.req_id for v in s.views() if v.state != "queued"]
+        assert {st.req_id for st in steps} == set(active)  # every active request has its step
         admitted += [r for r in active if r not in admitted]
         for st in steps:
-            s.complete(st.rid, 7)
+            s.complete(st.req_id, 7)
     assert admitted == [f"r{i}" for i in range(6)]
 
 
@@ -131,9 +131,9 @@ def test_a_full_queue_refuses_with_429_and_keeps_what_it_admitted() -> None:
     got: dict[str, list[int]] = {}
     for _ in range(20):
         for st in s.steps():
-            for ev in s.complete(st.rid, 5):
+            for ev in s.complete(st.req_id, 5):
                 if isinstance(ev, TokenOut):
-                    got.setdefault(ev.rid, []).append(ev.token)
+                    got.setdefault(ev.req_id, []).append(ev.token)
     assert got == {"a": [5, 5], "b": [5, 5]} and s.active == 0 and s.queued == 0
 
 
@@ -143,7 +143,7 @@ def test_no_queue_still_serves_the_free_slots() -> None:
     s.submit("b", "m", [1], 1)
     with pytest.raises(SchedulerError):
         s.submit("c", "m", [1], 1)
-    assert sorted(st.rid for st in s.steps()) == ["a", "b"]
+    assert sorted(st.req_id for st in s.steps()) == ["a", "b"]
 
 
 def test_views_show_queued_prefill_and_decode() -> None:
@@ -151,7 +151,7 @@ def test_views_show_queued_prefill_and_decode() -> None:
     s.submit("a", "m1", [1, 2, 3], 4)
     s.submit("b", "m2", [1], 4)
     (st,) = s.steps()
-    assert [(v.rid, v.state) for v in s.views()] == [("a", "prefill"), ("b", "queued")]
+    assert [(v.req_id, v.state) for v in s.views()] == [("a", "prefill"), ("b", "queued")]
     s.complete("a", None)
     (st,) = s.steps()
     s.complete("a", 9)

@@ -33,11 +33,11 @@ def drive(sched, ring, order=random.Random(0)):
             break
         order.shuffle(steps)  # steps return in any order
         for s in steps:
-            for ev in sched.complete(s.rid, ring.run(s)):
+            for ev in sched.complete(s.req_id, ring.run(s)):
                 if isinstance(ev, TokenOut):
-                    out.setdefault(ev.rid, []).append(ev.token)
+                    out.setdefault(ev.req_id, []).append(ev.token)
                 elif isinstance(ev, Finished):
-                    done[ev.rid] = ev.finish
+                    done[ev.req_id] = ev.finish
     return out, done
 
 
@@ -85,13 +85,13 @@ def test_cancel_in_flight_waits_for_the_step():
     s.submit("a", "m1", [1, 2], 10)
     s.submit("b", "m1", [3], 10)
     (step,) = s.steps()
-    assert step.rid == "a"
+    assert step.req_id == "a"
     assert s.cancel("a") == []  # its activation is still round the ring
     assert s.steps() == []  # the slot is not reused under it
     events = s.complete("a", 5)
     assert Finished("a", "m1", "cancelled") in events and SlotFreed(0) in events
     (step,) = s.steps()
-    assert step.rid == "b" and step.cache_len == 0
+    assert step.req_id == "b" and step.cache_len == 0
     assert s.cancel("nope") == []
 
 
@@ -101,7 +101,7 @@ def test_fail_all_names_the_reason_and_frees_everything():
         s.submit(r, "m2", [1], 10)
     s.steps()
     events = s.fail_all("member m3 left the session", 503)
-    assert sorted(e.rid for e in events if isinstance(e, Finished)) == ["a", "b", "c"]
+    assert sorted(e.req_id for e in events if isinstance(e, Finished)) == ["a", "b", "c"]
     assert all(e.error == "member m3 left the session" for e in events if isinstance(e, Finished))
     assert s.free_slots == 2 and s.queued == 0
     assert s.complete("a", 1) == []  # a late step is ignored
@@ -126,4 +126,4 @@ def test_queue_bound():
     with pytest.raises(SchedulerError) as e:
         s.submit("d", "m", [1], 1)
     assert e.value.status == 429  # the API answers Too Many Requests, with Retry-After
-    assert s.queued == 3 and [st.rid for st in s.steps()] == ["a"]
+    assert s.queued == 3 and [st.req_id for st in s.steps()] == ["a"]

@@ -8,6 +8,7 @@ import asyncio
 import numpy as np
 import pytest
 
+from backends.base import HeadOps
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.session.engine import RingEngine
 from kafila.session.frames import Limits
@@ -18,7 +19,7 @@ H, V = 8, 50
 LIM = Limits(hidden=H, context=64, slots=2, vocab=V)
 
 
-class FakeShard:
+class FakeShard(HeadOps):
     def __init__(self, seed, embed=False, head=False):
         rng = np.random.default_rng(seed)
         self.w = rng.standard_normal((H, H)).astype(np.float32) / 3
@@ -57,7 +58,7 @@ def shards(n):
     """Block ranges of one fake model over n stages: same numbers whatever n is."""
     layers = [FakeShard(i, embed=i == 0, head=i == 0) for i in range(3)]
     if n == 1:
-        class Chain:
+        class Chain(HeadOps):
             def __init__(self):
                 self.slots, self.n = {}, 100
             def open_slot(self):
@@ -204,7 +205,7 @@ def test_sampling_is_seeded_and_travels_with_the_request():
     asyncio.run(asyncio.wait_for(main(), 30))
 
 
-class Stack:
+class Stack(HeadOps):
     """Several fake stages as one shard (what a member holds after a replan gives it more blocks)."""
 
     def __init__(self, layers):

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from backends.base import ShardSpec
+from backends.base import HeadOps, ShardSpec
 from backends.mlx.model import Dims, SlotCache, attention_mask, block, block_rows
 from backends.mlx.weights import load_shard_weights, weight_bytes
 from kafila.errors import BadInput
@@ -39,7 +39,7 @@ class SlotState:
     last: int
 
 
-class MLXShard:
+class MLXShard(HeadOps):
     def __init__(
         self, spec: ShardSpec, precision: str = "serving", index: ModelIndex | None = None
     ):

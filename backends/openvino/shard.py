@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
-from backends.base import ShardSpec
+from backends.base import HeadOps, ShardSpec
 from backends.openvino import rows as rowmod
 from backends.openvino.graph import StageBuilder
 from backends.openvino.rows import Row, RowGroup
@@ -63,7 +63,7 @@ def core() -> ov.Core:
     return ov.Core()
 
 
-class OpenVINOShard:
+class OpenVINOShard(HeadOps):
     """A block range of a GGUF model compiled with OpenVINO (see backends.base.Shard)."""
 
     def __init__(self, spec: ShardSpec, precision: str = "serving", device: str = "CPU",

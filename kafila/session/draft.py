@@ -61,14 +61,14 @@ class ModelDrafter:
         # a request's history fills at most `context`; the rest of the bound is for rejected drafts
         return cls(chain, max_positions=min(2 * context, index.hparams.context_length + context))
 
-    def propose(self, rid: str, history: Sequence[int], k: int) -> tuple[int, ...]:
+    def propose(self, req_id: str, history: Sequence[int], k: int) -> tuple[int, ...]:
         self._free_released()
         if k < 1 or not history:
             return ()
         history = [int(t) for t in history]
-        st = self._states.get(rid)
+        st = self._states.get(req_id)
         if st is None:
-            st = self._states[rid] = _State(self.chain.open())
+            st = self._states[req_id] = _State(self.chain.open())
         keep = _common_prefix(st.live, history)
         if keep == len(history):
             keep -= 1  # the last token must be fed again to get its successor
@@ -86,9 +86,9 @@ class ModelDrafter:
             drafts.append(self.chain.next_token(hidden))
         return tuple(drafts)
 
-    def release(self, rid: str) -> None:
-        """`rid` ended (any thread): its cursor is freed on the worker at the next call."""
-        self._released.append(rid)
+    def release(self, req_id: str) -> None:
+        """`req_id` ended (any thread): its cursor is freed on the worker at the next call."""
+        self._released.append(req_id)
 
     def _free_released(self) -> None:
         while self._released:

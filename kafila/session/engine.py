@@ -126,7 +126,7 @@ class RingEngine:
                 stats.finish_reason = "length"  # it had every token; only the end was lost
                 return
             try:
-                rid, waiter = await self._submit(node, request, prompt, max_new)
+                req_id, waiter = await self._submit(node, request, prompt, max_new)
             except EngineError as exc:
                 if exc.status == 503 and node.degraded and self.resume_wait_s > 0 and not self.ended:
                     broken = node  # the ring broke as it was asked: wait for the next one
@@ -156,8 +156,8 @@ class RingEngine:
             finally:
                 if not done:
                     with contextlib.suppress(Exception):
-                        await node.cancel(rid)
-                stats.extra["request_id"] = rid
+                        await node.cancel(req_id)
+                stats.extra["request_id"] = req_id
                 self.last_stats = stats
                 if stats.tok_s is not None:
                     node.measured.tok_s = stats.tok_s

@@ -6,7 +6,9 @@ Theory of operation. A frame on the wire is
 
 The header is a small map whose "k" names the kind; the payload is raw little-endian bytes
 (an activation's float32 hidden states, a prompt's int32 token ids, a chunk of weights).
-Decoding happens in three steps, each validated before the next allocates anything:
+Every kind is one frame class holding its wire form next to its fields: `_to_wire` (header,
+payload, bound), `_check` (a header's fields) and `_from_wire`; `_KINDS` maps "k" to it. Decoding
+happens in three steps, each validated before the next allocates anything:
 
 1. `parse_prefix` checks both lengths against MAX_HEADER_BYTES / MAX_FRAME_BYTES;
 2. `parse_header` decodes the header, checks every field against `Limits` (what the plan and the
@@ -14,12 +16,12 @@ Decoding happens in three steps, each validated before the next allocates anythi
    the header's dtype and shape imply;
 3. `build_frame` wraps the payload (a numpy array over it) into a frozen frame.
 
-Anything else raises FrameError, which the I/O layer turns into closing that edge with the reason.
+Anything else raises FrameError (the peer's: a RemoteProtocolError), which the I/O layer turns into closing that edge with the reason.
 A frame of our own that cannot be encoded (a payload over the limit) raises EncodeError instead:
 that is our error, not the neighbour's, and it fails the request that made the frame, never the
 edge (a long prompt's activations travel in chunks that fit: scheduler.prefill_chunk_tokens).
 No I/O here: `FrameDecoder.feed(bytes) -> [frames]` drives the same steps for tests and any
-transport; `read_frame` (in ring.py) drives them over an asyncio stream.
+transport; `read_frame` (streams.py) drives them over an asyncio stream.
 
 A weight stream may also carry one `BulkOffer` (the server's answer to a `Hello` with `bulk`:
 where and with which key to fetch over TCP instead, kafila.session.bulk); a peer from before
@@ -35,39 +37,43 @@ that re-sends what it should not, or a ring whose names disagree).
 
 from __future__ import annotations
 
-import re
 import struct
 from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import msgpack
 import numpy as np
 
 from kafila.net.roster import is_ip
+# MAX_HOPS, MAX_NAME_CHARS, MAX_TRACE_ENTRIES, FrameError and EncodeError stay importable from here
+from kafila.session.fields import (
+    KEY_RE,
+    MAX_HOPS,
+    MAX_NAME_CHARS,
+    MAX_TRACE_ENTRIES,
+    EncodeError,
+    FrameError,
+    check_bool,
+    check_float,
+    check_hops,
+    check_int,
+    check_pairs,
+    check_shape,
+    check_str,
+)
 
 PREFIX = struct.Struct(">II")
 MAX_HEADER_BYTES = 64 << 10  # mask zeros and prompts' ids live in payloads or stay small
 MAX_FRAME_BYTES = 16 << 20  # payload: 16 MiB bounds a prefill of 4096 positions × hidden 1024
-MAX_NAME_CHARS = 64
 MAX_TOKENS_PER_FRAME = 256
 MAX_ERROR_CHARS = 500
-MAX_TRACE_ENTRIES = 64
 MAX_BATCH_ROWS = 32  # activations of one micro-batch (the head's slots are at most 32)
 MAX_TEMPERATURE = 100.0
-MAX_HOPS = 255  # the wire's bound on a routed frame's hops; the ring's own is len(ring) + 1
 WEIGHT_CHUNK_BYTES = 4 << 20
 FINISH_REASONS = ("", "stop", "length", "error")
 PURPOSES = ("ring", "weights")
 MAX_BULK_HOSTS = 8  # addresses a bulk lane offer names
 MAX_HOST_CHARS = 45  # the longest IPv6 literal
-
-
-class FrameError(Exception):
-    """A malformed or out-of-bounds frame: the edge that carried it is closed with this reason."""
-
-
-class EncodeError(FrameError):
-    """A frame of ours over a bound (h11's LocalProtocolError): nothing was written, the edge
-    stays up, and only the request that made the frame fails."""
 
 
 @dataclass(frozen=True)
@@ -90,28 +96,61 @@ class Limits:
                 raise ValueError(f"Limits.{name} must be >= 1")
 
 
-# --- frames -------------------------------------------------------------------------------
+# --- frames: each kind with its wire form ---------------------------------------------------------
+#
+# Every frame kind is one entry, its three steps side by side: `_to_wire` (the frame → its header
+# map, payload and payload bound), `_check` (a decoded header and its payload length → the exact
+# payload size the header implies, or FrameError) and `_from_wire` (a checked header and its
+# payload → the frame). The header maps are the wire format: keys, their order and their types
+# are what peers before this table sent and read (tests/test_frames.py holds the bytes).
+
+
+class _Kind:
+    TAG: ClassVar[str]  # the header's "k"
+    NOUN: ClassVar[str] = ""  # how an encode error names it ("" → "a <tag>")
+    NEEDS_PLAN: ClassVar[bool] = True  # False: allowed before the plan (hello, weights)
 
 
 @dataclass(frozen=True)
-class Hello:
+class Hello(_Kind):
     """The first frame on every stream: who opens it and what for."""
 
     name: str
     purpose: str  # "ring" | "weights"
     epoch: int = 1  # a ring stream's plan generation (a replan opens new edges: stale ones are dropped)
     bulk: bool = False  # a weights stream: the fetcher takes a BulkOffer (a peer from before ignores it)
+    TAG: ClassVar[str] = "hello"
+    NEEDS_PLAN: ClassVar[bool] = False
+
+    def _to_wire(self, limits: Limits | None) -> tuple[dict, Any, int]:
+        h = {"k": "hello", "name": self.name, "purpose": self.purpose, "epoch": self.epoch}
+        return (h | {"bulk": True} if self.bulk else h), b"", MAX_FRAME_BYTES
+
+    @staticmethod
+    def _check(h: dict, payload_len: int, limits: Limits | None) -> int:
+        check_str(h, "name")
+        if h.get("purpose") not in PURPOSES:
+            raise FrameError(f"unknown stream purpose {h.get('purpose')!r}")
+        if "epoch" in h:
+            check_int(h, "epoch", 0, 1 << 31)
+        if "bulk" in h:
+            check_bool(h, "bulk")
+        return 0
+
+    @classmethod
+    def _from_wire(cls, h: dict, payload: bytes) -> Hello:
+        return cls(h["name"], h["purpose"], h.get("epoch", 1), h.get("bulk", False))
 
 
 @dataclass(frozen=True)
-class Activation:
+class Activation(_Kind):
     """Hidden states of n new positions of one request, on their way round the ring.
 
     Every stage rebuilds the same mask: ones over cache_len + n physical positions except
     `zeros` (masked-out physical positions), and positions pos0 .. pos0+n-1.
     """
 
-    rid: str
+    req_id: str
     slot: int
     cache_len: int  # physical positions already in the slot's KV (0: start a fresh slot)
     pos0: int  # logical position of the first new position
@@ -122,6 +161,8 @@ class Activation:
     # row `row` of them; every stage runs them as one forward and passes them on together
     rows: int = 1
     row: int = 0
+    TAG: ClassVar[str] = "act"
+    NOUN: ClassVar[str] = "an activation"
 
     @property
     def n(self) -> int:
@@ -136,19 +177,74 @@ class Activation:
             m[list(self.zeros)] = 0
         return m
 
+    def _to_wire(self, limits: Limits | None) -> tuple[dict, Any, int]:
+        x = np.ascontiguousarray(self.hidden, dtype="<f4")
+        h = {"k": "act", "rid": self.req_id, "slot": self.slot, "cache": self.cache_len,
+             "pos0": self.pos0, "zeros": list(self.zeros), "dtype": "f32",
+             "shape": list(x.shape), "trace": [list(t) for t in self.trace],
+             **({"rows": self.rows, "row": self.row} if self.rows > 1 else {})}  # fmt: skip
+        return h, x.data.cast("B"), MAX_FRAME_BYTES if limits is None else limits.frame_bytes
+
+    @staticmethod
+    def _check(h: dict, payload_len: int, limits: Limits) -> int:
+        check_str(h, "rid")
+        check_int(h, "slot", 0, limits.slots - 1)
+        cache = check_int(h, "cache", 0, limits.context - 1)
+        n, hidden = check_shape(h, "f32", 2)
+        if not 1 <= n <= limits.context - cache:
+            raise FrameError(f"activation of {n} positions does not fit the context "
+                             f"{limits.context} after {cache}")  # fmt: skip
+        if hidden != limits.hidden:
+            raise FrameError(f"activation width {hidden} is not the model's hidden size {limits.hidden}")
+        check_int(h, "pos0", 0, limits.context - 1)
+        zeros = h.get("zeros")
+        if not isinstance(zeros, list) or len(zeros) > cache or not all(
+            isinstance(z, int) and not isinstance(z, bool) and 0 <= z < cache + n for z in zeros
+        ):
+            raise FrameError("mask zeros must be physical positions inside the slot")
+        check_pairs(h, "trace", int)
+        if "rows" in h:
+            rows = check_int(h, "rows", 2, MAX_BATCH_ROWS)
+            check_int(h, "row", 0, rows - 1)
+        size = n * hidden * 4
+        if size > limits.frame_bytes:
+            raise FrameError(f"activation of {size} bytes exceeds this ring's frame limit {limits.frame_bytes}")
+        return size
+
+    @classmethod
+    def _from_wire(cls, h: dict, payload: bytes) -> Activation:
+        # a writable copy of 4·hidden·n bytes: runtimes may share (and need to own) the buffer
+        x = np.frombuffer(bytearray(payload), dtype="<f4").reshape(h["shape"])
+        trace = tuple((a, b) for a, b in h.get("trace", []))
+        return cls(h["rid"], h["slot"], h["cache"], h["pos0"], tuple(h["zeros"]), x, trace,
+                   h.get("rows", 1), h.get("row", 0))  # fmt: skip
+
 
 @dataclass(frozen=True)
-class Free:
+class Free(_Kind):
     """Release a ring slot's KV on every stage (the request it held is over)."""
 
     slot: int
+    TAG: ClassVar[str] = "free"
+
+    def _to_wire(self, limits: Limits | None) -> tuple[dict, Any, int]:
+        return {"k": "free", "slot": self.slot}, b"", MAX_FRAME_BYTES
+
+    @staticmethod
+    def _check(h: dict, payload_len: int, limits: Limits) -> int:
+        check_int(h, "slot", 0, limits.slots - 1)
+        return 0
+
+    @classmethod
+    def _from_wire(cls, h: dict, payload: bytes) -> Free:
+        return cls(h["slot"])
 
 
 @dataclass(frozen=True)
-class Request:
+class Request(_Kind):
     """A prompt typed at member `origin`, travelling to the head `dst`."""
 
-    rid: str
+    req_id: str
     origin: str
     dst: str
     max_new: int
@@ -159,13 +255,46 @@ class Request:
     seed: int = -1  # -1: none
     speculate: bool = True  # False: this request must not speculate (the API's "speculate": false)
     hops: int = 0  # members that passed it on so far (0 from its origin)
+    TAG: ClassVar[str] = "req"
+    NOUN: ClassVar[str] = "a request"
+
+    def _to_wire(self, limits: Limits | None) -> tuple[dict, Any, int]:
+        p = np.ascontiguousarray(self.prompt, dtype="<i4")
+        h = {"k": "req", "rid": self.req_id, "origin": self.origin, "dst": self.dst,
+             "max_new": self.max_new, "eos": self.stop_at_eos, "dtype": "i32",
+             "shape": list(p.shape), "temp": float(self.temperature), "top_p": float(self.top_p),
+             "seed": int(self.seed), "spec": bool(self.speculate), "hops": self.hops}  # fmt: skip
+        return h, p.data.cast("B"), MAX_FRAME_BYTES
+
+    @staticmethod
+    def _check(h: dict, payload_len: int, limits: Limits) -> int:
+        for key in ("rid", "origin", "dst"):
+            check_str(h, key)
+        check_int(h, "max_new", 1, limits.context)
+        check_bool(h, "eos")
+        check_float(h, "temp", 0.0, MAX_TEMPERATURE)
+        check_float(h, "top_p", 0.0, 1.0)
+        check_int(h, "seed", -1, (1 << 63) - 1)
+        if not isinstance(h.get("spec", True), bool):
+            raise FrameError("field 'spec' must be a boolean")
+        check_hops(h)
+        (n,) = check_shape(h, "i32", 1)
+        if not 1 <= n <= limits.context:
+            raise FrameError(f"prompt of {n} tokens is outside 1..{limits.context}")
+        return n * 4
+
+    @classmethod
+    def _from_wire(cls, h: dict, payload: bytes) -> Request:
+        p = np.frombuffer(payload, dtype="<i4")
+        return cls(h["rid"], h["origin"], h["dst"], h["max_new"], h["eos"], p,
+                   float(h["temp"]), float(h["top_p"]), h["seed"], h.get("spec", True), h.get("hops", 0))  # fmt: skip
 
 
 @dataclass(frozen=True)
-class Tokens:
-    """New tokens of request `rid` travelling from the head to `dst` (the origin)."""
+class Tokens(_Kind):
+    """New tokens of request `req_id` travelling from the head to `dst` (the origin)."""
 
-    rid: str
+    req_id: str
     dst: str
     ids: tuple[int, ...]
     done: bool = False
@@ -174,36 +303,116 @@ class Tokens:
     status: int = 0  # HTTP status for an error before any token (0: none)
     stats: tuple[tuple[str, float], ...] = ()  # with done: the ring's latest measurements
     hops: int = 0  # members that passed it on so far (0 from the head)
+    TAG: ClassVar[str] = "tok"
+    NOUN: ClassVar[str] = "a tokens"
+
+    def _to_wire(self, limits: Limits | None) -> tuple[dict, Any, int]:
+        h = {"k": "tok", "rid": self.req_id, "dst": self.dst, "ids": list(self.ids),
+             "done": self.done, "finish": self.finish, "error": self.error,
+             "status": self.status, "stats": [list(t) for t in self.stats], "hops": self.hops}  # fmt: skip
+        return h, b"", MAX_FRAME_BYTES
+
+    @staticmethod
+    def _check(h: dict, payload_len: int, limits: Limits) -> int:
+        check_str(h, "rid")
+        check_str(h, "dst")
+        ids = h.get("ids")
+        if not isinstance(ids, list) or len(ids) > MAX_TOKENS_PER_FRAME or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limits.vocab for t in ids
+        ):
+            raise FrameError("token ids must be a short list of ids inside the vocabulary")
+        check_bool(h, "done")
+        if h.get("finish") not in FINISH_REASONS:
+            raise FrameError(f"unknown finish reason {h.get('finish')!r}")
+        check_str(h, "error", MAX_ERROR_CHARS, empty=True)
+        check_int(h, "status", 0, 599)
+        check_pairs(h, "stats", (int, float))
+        check_hops(h)
+        return 0
+
+    @classmethod
+    def _from_wire(cls, h: dict, payload: bytes) -> Tokens:
+        stats = tuple((a, b) for a, b in h.get("stats", []))
+        return cls(h["rid"], h["dst"], tuple(h["ids"]), h["done"], h["finish"], h["error"], h["status"], stats,
+                   h.get("hops", 0))  # fmt: skip
 
 
 @dataclass(frozen=True)
-class Cancel:
-    """The origin gave up on request `rid` (its client went away)."""
+class Cancel(_Kind):
+    """The origin gave up on request `req_id` (its client went away)."""
 
-    rid: str
+    req_id: str
     dst: str
     hops: int = 0  # members that passed it on so far (0 from its origin)
+    TAG: ClassVar[str] = "cancel"
+
+    def _to_wire(self, limits: Limits | None) -> tuple[dict, Any, int]:
+        return {"k": "cancel", "rid": self.req_id, "dst": self.dst, "hops": self.hops}, b"", MAX_FRAME_BYTES
+
+    @staticmethod
+    def _check(h: dict, payload_len: int, limits: Limits) -> int:
+        check_str(h, "rid")
+        check_str(h, "dst")
+        check_hops(h)
+        return 0
+
+    @classmethod
+    def _from_wire(cls, h: dict, payload: bytes) -> Cancel:
+        return cls(h["rid"], h["dst"], h.get("hops", 0))
 
 
 @dataclass(frozen=True)
-class WeightGet:
+class WeightGet(_Kind):
     """Ask the host for bytes [offset, offset+length) of the model file."""
 
     offset: int
     length: int
     compress: bool = False
+    TAG: ClassVar[str] = "wget"
+    NEEDS_PLAN: ClassVar[bool] = False
+
+    def _to_wire(self, limits: Limits | None) -> tuple[dict, Any, int]:
+        return {"k": "wget", "off": self.offset, "len": self.length, "z": self.compress}, b"", MAX_FRAME_BYTES
+
+    @staticmethod
+    def _check(h: dict, payload_len: int, limits: Limits | None) -> int:
+        check_int(h, "off", 0, 1 << 48)
+        check_int(h, "len", 1, WEIGHT_CHUNK_BYTES)
+        check_bool(h, "z")
+        return 0
+
+    @classmethod
+    def _from_wire(cls, h: dict, payload: bytes) -> WeightGet:
+        return cls(h["off"], h["len"], h["z"])
 
 
 @dataclass(frozen=True)
-class WeightData:
+class WeightData(_Kind):
     offset: int
     length: int  # bytes of the file range (before compression)
     compressed: bool
     data: bytes
+    TAG: ClassVar[str] = "wdata"
+    NEEDS_PLAN: ClassVar[bool] = False
+
+    def _to_wire(self, limits: Limits | None) -> tuple[dict, Any, int]:
+        return {"k": "wdata", "off": self.offset, "len": self.length, "z": self.compressed}, self.data, MAX_FRAME_BYTES
+
+    @staticmethod
+    def _check(h: dict, payload_len: int, limits: Limits | None) -> int:
+        check_int(h, "off", 0, 1 << 48)
+        length = check_int(h, "len", 0, MAX_FRAME_BYTES)
+        if not check_bool(h, "z") and payload_len != length:
+            raise FrameError(f"weight chunk of {payload_len} bytes declares {length}")
+        return payload_len  # compressed chunks: any size up to the bound; checked on inflate
+
+    @classmethod
+    def _from_wire(cls, h: dict, payload: bytes) -> WeightData:
+        return cls(h["off"], h["len"], h["z"], bytes(payload))
 
 
 @dataclass(frozen=True)
-class BulkOffer:
+class BulkOffer(_Kind):
     """The serving peer's answer to a weights Hello with `bulk`: fetch over TCP from one of
     `hosts` at `port`, proving `key` (kafila.net.bulk_records). Only ever sent on an edge's
     stream (TLS 1.3, pinned certificates): the key is secret to the two peers."""
@@ -211,72 +420,57 @@ class BulkOffer:
     port: int = 0  # 0: a decline (no lane here: fetch on this stream), with no key and no hosts
     key: bytes = b""  # 32 random bytes, one connection, expires unused (kafila.session.bulk)
     hosts: tuple[str, ...] = ()  # IP literals of the serving machine
+    TAG: ClassVar[str] = "boffer"
+    NEEDS_PLAN: ClassVar[bool] = False
 
     @property
     def declined(self) -> bool:
         return self.port == 0
 
+    def _to_wire(self, limits: Limits | None) -> tuple[dict, Any, int]:
+        return {"k": "boffer", "port": self.port, "key": self.key.hex(), "hosts": list(self.hosts)}, b"", MAX_FRAME_BYTES
+
+    @staticmethod
+    def _check(h: dict, payload_len: int, limits: Limits | None) -> int:
+        hosts = h.get("hosts")
+        if check_int(h, "port", 0, 65535) == 0:
+            if h.get("key") != "" or hosts != []:
+                raise FrameError("a bulk decline (port 0) carries no key and no addresses")
+        elif not isinstance(h.get("key"), str) or not KEY_RE.fullmatch(h["key"]):
+            raise FrameError("a bulk offer's key must be 64 hex digits")
+        elif not isinstance(hosts, list) or not 1 <= len(hosts) <= MAX_BULK_HOSTS or not all(
+            isinstance(a, str) and len(a) <= MAX_HOST_CHARS and is_ip(a) for a in hosts
+        ):
+            raise FrameError(f"a bulk offer names 1..{MAX_BULK_HOSTS} IP addresses")
+        return 0
+
+    @classmethod
+    def _from_wire(cls, h: dict, payload: bytes) -> BulkOffer:
+        return cls(h["port"], bytes.fromhex(h["key"]), tuple(h["hosts"]))
+
 
 Frame = Hello | Activation | Free | Request | Tokens | Cancel | WeightGet | WeightData | BulkOffer
+_KINDS: dict[str, type] = {k.TAG: k for k in (Hello, Activation, Free, Request, Tokens, Cancel,
+                                              WeightGet, WeightData, BulkOffer)}  # fmt: skip
 
 
 # --- encoding ----------------------------------------------------------------------------
 
 
-def _pack(header: dict, payload: bytes | memoryview = b"", max_payload: int = MAX_FRAME_BYTES) -> bytes:
-    h = msgpack.packb(header, use_bin_type=True)
-    kind = {"act": "an activation", "req": "a request", "tok": "a tokens"}.get(header["k"], f"a {header['k']}")
-    if len(h) > MAX_HEADER_BYTES:
-        raise EncodeError(f"{kind} frame's header of {len(h)} bytes exceeds {MAX_HEADER_BYTES}")
-    if len(payload) > max_payload:
-        raise EncodeError(f"{kind} frame's payload of {len(payload)} bytes exceeds the "
-                          f"frame limit of {max_payload} bytes")  # fmt: skip
-    return b"".join((PREFIX.pack(len(h), len(payload)), h, payload))
-
-
 def encode(frame: Frame, limits: Limits | None = None) -> bytes:
     """The wire bytes of one frame (EncodeError if it exceeds a bound: `limits.frame_bytes` for
     activations)."""
-    if isinstance(frame, Activation):
-        x = np.ascontiguousarray(frame.hidden, dtype="<f4")
-        return _pack(
-            {"k": "act", "rid": frame.rid, "slot": frame.slot, "cache": frame.cache_len,
-             "pos0": frame.pos0, "zeros": list(frame.zeros), "dtype": "f32",
-             "shape": list(x.shape), "trace": [list(t) for t in frame.trace],
-             **({"rows": frame.rows, "row": frame.row} if frame.rows > 1 else {})},
-            x.data.cast("B"), MAX_FRAME_BYTES if limits is None else limits.frame_bytes,
-        )  # fmt: skip
-    if isinstance(frame, Request):
-        p = np.ascontiguousarray(frame.prompt, dtype="<i4")
-        return _pack(
-            {"k": "req", "rid": frame.rid, "origin": frame.origin, "dst": frame.dst,
-             "max_new": frame.max_new, "eos": frame.stop_at_eos, "dtype": "i32",
-             "shape": list(p.shape), "temp": float(frame.temperature), "top_p": float(frame.top_p),
-             "seed": int(frame.seed), "spec": bool(frame.speculate), "hops": frame.hops},
-            p.data.cast("B"),
-        )  # fmt: skip
-    if isinstance(frame, Tokens):
-        return _pack({"k": "tok", "rid": frame.rid, "dst": frame.dst, "ids": list(frame.ids),
-                      "done": frame.done, "finish": frame.finish, "error": frame.error,
-                      "status": frame.status, "stats": [list(t) for t in frame.stats],
-                      "hops": frame.hops})  # fmt: skip
-    if isinstance(frame, Hello):
-        h = {"k": "hello", "name": frame.name, "purpose": frame.purpose, "epoch": frame.epoch}
-        return _pack(h | {"bulk": True} if frame.bulk else h)
-    if isinstance(frame, Free):
-        return _pack({"k": "free", "slot": frame.slot})
-    if isinstance(frame, Cancel):
-        return _pack({"k": "cancel", "rid": frame.rid, "dst": frame.dst, "hops": frame.hops})
-    if isinstance(frame, WeightGet):
-        return _pack({"k": "wget", "off": frame.offset, "len": frame.length, "z": frame.compress})
-    if isinstance(frame, WeightData):
-        return _pack(
-            {"k": "wdata", "off": frame.offset, "len": frame.length, "z": frame.compressed},
-            frame.data,
-        )
-    if isinstance(frame, BulkOffer):
-        return _pack({"k": "boffer", "port": frame.port, "key": frame.key.hex(), "hosts": list(frame.hosts)})
-    raise TypeError(f"not a frame: {type(frame).__name__}")
+    if _KINDS.get(getattr(type(frame), "TAG", None)) is not type(frame):
+        raise TypeError(f"not a frame: {type(frame).__name__}")
+    header, payload, max_payload = frame._to_wire(limits)
+    h = msgpack.packb(header, use_bin_type=True)
+    noun = frame.NOUN or f"a {frame.TAG}"
+    if len(h) > MAX_HEADER_BYTES:
+        raise EncodeError(f"{noun} frame's header of {len(h)} bytes exceeds {MAX_HEADER_BYTES}")
+    if len(payload) > max_payload:
+        raise EncodeError(f"{noun} frame's payload of {len(payload)} bytes exceeds the "
+                          f"frame limit of {max_payload} bytes")  # fmt: skip
+    return b"".join((PREFIX.pack(len(h), len(payload)), h, payload))
 
 
 # --- decoding ----------------------------------------------------------------------------
@@ -294,65 +488,8 @@ def parse_prefix(prefix: bytes) -> tuple[int, int]:
     return hlen, plen
 
 
-_KEY_RE = re.compile(r"[0-9a-f]{64}")
-
-
-def _str(h: dict, key: str, limit: int = MAX_NAME_CHARS, empty: bool = False) -> str:
-    v = h.get(key)
-    if not isinstance(v, str) or len(v) > limit or (not v and not empty):
-        raise FrameError(f"field {key!r} must be a string of 1..{limit} characters")
-    return v
-
-
-def _int(h: dict, key: str, lo: int, hi: int) -> int:
-    v = h.get(key)
-    if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-        raise FrameError(f"field {key!r} must be an integer in {lo}..{hi}, got {v!r}")
-    return v
-
-
-def _float(h: dict, key: str, lo: float, hi: float) -> float:
-    v = h.get(key)
-    if not isinstance(v, (int, float)) or isinstance(v, bool) or not lo <= v <= hi:
-        raise FrameError(f"field {key!r} must be a number in {lo}..{hi}, got {v!r}")
-    return float(v)
-
-
-def _bool(h: dict, key: str) -> bool:
-    v = h.get(key)
-    if not isinstance(v, bool):
-        raise FrameError(f"field {key!r} must be a boolean")
-    return v
-
-
-def _pairs(h: dict, key: str, types) -> None:
-    v = h.get(key, [])
-    if not isinstance(v, list) or len(v) > MAX_TRACE_ENTRIES or not all(
-        isinstance(p, list) and len(p) == 2 and isinstance(p[0], str) and len(p[0]) <= MAX_NAME_CHARS
-        and isinstance(p[1], types) and not isinstance(p[1], bool)
-        for p in v
-    ):
-        raise FrameError(f"field {key!r} must be a short list of [name, number] pairs")
-
-
-def _hops(h: dict) -> int:
-    """A routed frame's hop count (absent: 0, as a peer from before hops sends it)."""
-    return _int(h, "hops", 0, MAX_HOPS) if "hops" in h else 0
-
-
-def _shape(h: dict, dtype: str, dims: int) -> tuple[int, ...]:
-    if h.get("dtype") != dtype:
-        raise FrameError(f"dtype must be {dtype}, got {h.get('dtype')!r}")
-    s = h.get("shape")
-    if not isinstance(s, list) or len(s) != dims or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in s
-    ):
-        raise FrameError(f"shape must be a list of {dims} non-negative integers, got {s!r}")
-    return tuple(s)
-
-
 def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
-    """Decode and validate a header; return it with "_size", the exact payload it implies.
+    """Decode a header and validate it by its kind's `_check`; return it.
 
     `limits` None admits only frames that need no plan (hello, weights)."""
     try:
@@ -363,137 +500,21 @@ def parse_header(data: bytes, payload_len: int, limits: Limits | None) -> dict:
         raise FrameError(f"undecodable header ({type(exc).__name__})") from None
     if not isinstance(h, dict):
         raise FrameError("header is not a map")
-    kind = h.get("k")
-    size = 0
-    if kind == "hello":
-        _str(h, "name")
-        if h.get("purpose") not in PURPOSES:
-            raise FrameError(f"unknown stream purpose {h.get('purpose')!r}")
-        if "epoch" in h:
-            _int(h, "epoch", 0, 1 << 31)
-        if "bulk" in h:
-            _bool(h, "bulk")
-    elif kind == "wget":
-        _int(h, "off", 0, 1 << 48)
-        _int(h, "len", 1, WEIGHT_CHUNK_BYTES)
-        _bool(h, "z")
-    elif kind == "wdata":
-        _int(h, "off", 0, 1 << 48)
-        length = _int(h, "len", 0, MAX_FRAME_BYTES)
-        z = _bool(h, "z")
-        if not z and payload_len != length:
-            raise FrameError(f"weight chunk of {payload_len} bytes declares {length}")
-        size = payload_len  # compressed chunks: any size up to the bound; checked on inflate
-    elif kind == "boffer":
-        hosts = h.get("hosts")
-        if _int(h, "port", 0, 65535) == 0:
-            if h.get("key") != "" or hosts != []:
-                raise FrameError("a bulk decline (port 0) carries no key and no addresses")
-        elif not isinstance(h.get("key"), str) or not _KEY_RE.fullmatch(h["key"]):
-            raise FrameError("a bulk offer's key must be 64 hex digits")
-        elif not isinstance(hosts, list) or not 1 <= len(hosts) <= MAX_BULK_HOSTS or not all(
-            isinstance(a, str) and len(a) <= MAX_HOST_CHARS and is_ip(a) for a in hosts
-        ):
-            raise FrameError(f"a bulk offer names 1..{MAX_BULK_HOSTS} IP addresses")
-    elif limits is None:
-        raise FrameError(f"frame kind {kind!r} not allowed before the plan")
-    elif kind == "act":
-        _str(h, "rid")
-        _int(h, "slot", 0, limits.slots - 1)
-        cache = _int(h, "cache", 0, limits.context - 1)
-        n, hidden = _shape(h, "f32", 2)
-        if not 1 <= n <= limits.context - cache:
-            raise FrameError(f"activation of {n} positions does not fit the context "
-                             f"{limits.context} after {cache}")  # fmt: skip
-        if hidden != limits.hidden:
-            raise FrameError(f"activation width {hidden} is not the model's hidden size {limits.hidden}")
-        _int(h, "pos0", 0, limits.context - 1)
-        zeros = h.get("zeros")
-        if not isinstance(zeros, list) or len(zeros) > cache or not all(
-            isinstance(z, int) and not isinstance(z, bool) and 0 <= z < cache + n for z in zeros
-        ):
-            raise FrameError("mask zeros must be physical positions inside the slot")
-        _pairs(h, "trace", int)
-        if "rows" in h:
-            rows = _int(h, "rows", 2, MAX_BATCH_ROWS)
-            _int(h, "row", 0, rows - 1)
-        size = n * hidden * 4
-        if size > limits.frame_bytes:
-            raise FrameError(f"activation of {size} bytes exceeds this ring's frame limit {limits.frame_bytes}")
-    elif kind == "req":
-        _str(h, "rid")
-        _str(h, "origin")
-        _str(h, "dst")
-        _int(h, "max_new", 1, limits.context)
-        _bool(h, "eos")
-        _float(h, "temp", 0.0, MAX_TEMPERATURE)
-        _float(h, "top_p", 0.0, 1.0)
-        _int(h, "seed", -1, (1 << 63) - 1)
-        if not isinstance(h.get("spec", True), bool):
-            raise FrameError("field 'spec' must be a boolean")
-        _hops(h)
-        (n,) = _shape(h, "i32", 1)
-        if not 1 <= n <= limits.context:
-            raise FrameError(f"prompt of {n} tokens is outside 1..{limits.context}")
-        size = n * 4
-    elif kind == "tok":
-        _str(h, "rid")
-        _str(h, "dst")
-        ids = h.get("ids")
-        if not isinstance(ids, list) or len(ids) > MAX_TOKENS_PER_FRAME or not all(
-            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < limits.vocab for t in ids
-        ):
-            raise FrameError("token ids must be a short list of ids inside the vocabulary")
-        _bool(h, "done")
-        if h.get("finish") not in FINISH_REASONS:
-            raise FrameError(f"unknown finish reason {h.get('finish')!r}")
-        _str(h, "error", MAX_ERROR_CHARS, empty=True)
-        _int(h, "status", 0, 599)
-        _pairs(h, "stats", (int, float))
-        _hops(h)
-    elif kind == "free":
-        _int(h, "slot", 0, limits.slots - 1)
-    elif kind == "cancel":
-        _str(h, "rid")
-        _str(h, "dst")
-        _hops(h)
-    else:
-        raise FrameError(f"unknown frame kind {kind!r}")
+    tag = h.get("k")
+    kind = _KINDS.get(tag) if isinstance(tag, str) else None
+    if limits is None and (kind is None or kind.NEEDS_PLAN):
+        raise FrameError(f"frame kind {tag!r} not allowed before the plan")
+    if kind is None:
+        raise FrameError(f"unknown frame kind {tag!r}")
+    size = kind._check(h, payload_len, limits)
     if payload_len != size:
-        raise FrameError(f"{kind} frame carries {payload_len} payload bytes, its header implies {size}")
+        raise FrameError(f"{tag} frame carries {payload_len} payload bytes, its header implies {size}")
     return h
 
 
 def build_frame(h: dict, payload: bytes) -> Frame:
     """The frame of a validated header and its payload (arrays are read-only views)."""
-    kind = h["k"]
-    if kind == "act":
-        # a writable copy of 4·hidden·n bytes: runtimes may share (and need to own) the buffer
-        x = np.frombuffer(bytearray(payload), dtype="<f4").reshape(h["shape"])
-        trace = tuple((a, b) for a, b in h.get("trace", []))
-        return Activation(h["rid"], h["slot"], h["cache"], h["pos0"], tuple(h["zeros"]), x, trace,
-                          h.get("rows", 1), h.get("row", 0))
-    if kind == "req":
-        p = np.frombuffer(payload, dtype="<i4")
-        return Request(h["rid"], h["origin"], h["dst"], h["max_new"], h["eos"], p,
-                       float(h["temp"]), float(h["top_p"]), h["seed"], h.get("spec", True), h.get("hops", 0))
-    if kind == "tok":
-        stats = tuple((a, b) for a, b in h.get("stats", []))
-        return Tokens(h["rid"], h["dst"], tuple(h["ids"]), h["done"], h["finish"], h["error"], h["status"], stats,
-                      h.get("hops", 0))
-    if kind == "hello":
-        return Hello(h["name"], h["purpose"], h.get("epoch", 1), h.get("bulk", False))
-    if kind == "boffer":
-        return BulkOffer(h["port"], bytes.fromhex(h["key"]), tuple(h["hosts"]))
-    if kind == "free":
-        return Free(h["slot"])
-    if kind == "cancel":
-        return Cancel(h["rid"], h["dst"], h.get("hops", 0))
-    if kind == "wget":
-        return WeightGet(h["off"], h["len"], h["z"])
-    if kind == "wdata":
-        return WeightData(h["off"], h["len"], h["z"], bytes(payload))
-    raise FrameError(f"unknown frame kind {kind!r}")  # parse_header admits no other
+    return _KINDS[h["k"]]._from_wire(h, payload)  # parse_header admits no other kind
 
 
 class FrameDecoder:

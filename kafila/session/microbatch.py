@@ -16,8 +16,8 @@ things make it pay, and both are decided here:
 A group leaves when every member's step is ready, which happens when the group comes back round
 the ring; a member that joined while its group was away waits for it (once, at most one trip).
 
-    ready(step)   a plain decode step of request rid (its group is chosen on its first)
-    leave(rid)    the request ended, or its next step cannot share a forward (a prefill, drafts)
+    ready(step)   a plain decode step of request req_id (its group is chosen on its first)
+    leave(req_id)    the request ended, or its next step cannot share a forward (a prefill, drafts)
     due()         the groups to send now: [[step, ...], ...] (every member ready)
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 @dataclass
 class _Group:
     members: list[str] = field(default_factory=list)  # in joining order: the rows' order
-    ready: dict[str, Any] = field(default_factory=dict)  # rid -> its step
+    ready: dict[str, Any] = field(default_factory=dict)  # req_id -> its step
 
 
 class MicroBatches:
@@ -42,12 +42,12 @@ class MicroBatches:
         self._next = 0
 
     def ready(self, step: Any) -> None:
-        gid = self._of.get(step.rid)
+        gid = self._of.get(step.req_id)
         if gid is None:
             gid = self._place()
-            self._groups[gid].members.append(step.rid)
-            self._of[step.rid] = gid
-        self._groups[gid].ready[step.rid] = step
+            self._groups[gid].members.append(step.req_id)
+            self._of[step.req_id] = gid
+        self._groups[gid].ready[step.req_id] = step
 
     def _place(self) -> int:
         open_groups = [g for g, grp in self._groups.items() if len(grp.members) < self.max_rows]
@@ -57,14 +57,14 @@ class MicroBatches:
             return self._next
         return min(open_groups, key=lambda g: (len(self._groups[g].members), g))
 
-    def leave(self, rid: str) -> Any | None:
-        """Take rid out of its group; returns its step if one was waiting (the caller sends it)."""
-        gid = self._of.pop(rid, None)
+    def leave(self, req_id: str) -> Any | None:
+        """Take req_id out of its group; returns its step if one was waiting (the caller sends it)."""
+        gid = self._of.pop(req_id, None)
         if gid is None:
             return None
         group = self._groups[gid]
-        group.members.remove(rid)
-        step = group.ready.pop(rid, None)
+        group.members.remove(req_id)
+        step = group.ready.pop(req_id, None)
         if not group.members:
             del self._groups[gid]
         return step
@@ -73,12 +73,12 @@ class MicroBatches:
         out = []
         for group in self._groups.values():
             if group.members and len(group.ready) == len(group.members):
-                out.append([group.ready[rid] for rid in group.members])
+                out.append([group.ready[req_id] for req_id in group.members])
                 group.ready.clear()
         return out
 
-    def group_of(self, rid: str) -> int | None:
-        return self._of.get(rid)
+    def group_of(self, req_id: str) -> int | None:
+        return self._of.get(req_id)
 
     @property
     def sizes(self) -> list[int]:

@@ -16,12 +16,15 @@ from its successor takes n−1 hops (tokens the other way round). Frames on a st
 in order by one task, and each member runs its shard on one worker thread, so a stage's KV slots
 never see two calls at once and the asyncio loop never blocks on compute.
 
-The head's scheduling is `scheduler.Scheduler`; a single driver task owns it, fed by a queue.
+`RingNode` is the glue: routing frames, the read loop, the hand-off to the compute thread, the
+streams. The head's decisions (scheduling, sampling, timing, micro-batches, speculation) are
+`head.HeadCore`, which does no I/O; a single driver task owns it, fed by a queue of typed events
+(head.Submitted, Cancelled, Back, Broken, Pump) and carrying out what it answers.
 A broken edge, a malformed frame or a member gone (told by the host) make the node *degraded*:
 every request in flight fails with an error naming the cause, and new ones are refused. A frame
-of our own over a bound (frames.EncodeError) is not a broken ring: nothing was written, so only
-the request that made it fails (HTTP 500 with the reason) and the next one is served as usual.
-Long prompts never make one: the head feeds them in chunks that fit (scheduler.prefill_chunk_tokens).
+of our own over a bound (frames.EncodeError, a LocalProtocolError) is not a broken ring: nothing
+was written, so only the request that made it fails (HTTP 500 with the reason) and the next one
+is served as usual. Long prompts never make one: the head feeds them in chunks that fit.
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -37,40 +39,36 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kafila.session.frames import (
-    MAX_BATCH_ROWS,
-    Activation,
-    Cancel,
-    EncodeError,
-    Frame,
-    FrameError,
-    Free,
-    Limits,
-    Request,
-    Tokens,
+from kafila.session.frames import Activation, Cancel, EncodeError, Frame, FrameError, Free, Limits, Request, Tokens
+from kafila.session.head import (
+    Action,
+    Back,
+    Broken,
+    Cancelled,
+    Deliver,
+    Ended,
+    Forward,
+    FreeSlot,
+    HeadCore,
+    HeadEvent,
+    Pump,
+    Send,
+    Submitted,
+    Work,
+    check_prompt,
+    pick_tokens,
 )  # fmt: skip
-from kafila.session.microbatch import MicroBatches
-from kafila.session.scheduler import (
-    Finished,
-    Scheduler,
-    SchedulerError,
-    SlotFreed,
-    Step,
-    TokenOut,
-    prefill_chunk_tokens,
-)  # fmt: skip
-from kafila.sampling import sample_token
+from kafila.session.scheduler import SchedulerError, Step
 from kafila.session.slots import DEFAULT_MAX_QUEUED
-from kafila.session.speculate import DRAFT_K, verify
+from kafila.session.speculate import DRAFT_K
 from kafila.session.streams import FrameWriter, StreamClosed, read_frame
+from kafila.session.timing import Measured
 
 log = logging.getLogger(__name__)
-EMA = 0.2  # weight of the newest measurement in the moving averages
 # The watchdog: a stage whose compute has not finished one step in this long hangs (a long
 # prompt's chunk on a slow member takes seconds, not minutes); a step that has not come back
 # round the ring in twice that is lost (a member frozen whole: its own watchdog cannot fire).
 STAGE_HANG_S = 120.0
-DEPTH_EVERY_S = 1.0  # how often the head re-estimates the micro-batches to keep in flight
 
 
 class StageHung(Exception):
@@ -101,60 +99,12 @@ class LocalSlots:
             self.free(s)
 
 
-def greedy(shard, hidden: np.ndarray) -> int:
-    if hasattr(shard, "greedy"):
-        return int(shard.greedy(hidden))
-    return int(np.argmax(shard.logits(hidden[-1:])[-1]))
-
-
-def greedy_rows(shard, hiddens: list[np.ndarray]) -> list[int]:
-    """The top-1 token after each hidden's last row, from one lm_head over all of them."""
-    if not hiddens:
-        return []
-    if len(hiddens) == 1:
-        return [greedy(shard, hiddens[0])]
-    logits = shard.logits(np.concatenate([h[-1:] for h in hiddens]))
-    return [int(t) for t in np.argmax(logits, axis=-1)]
-
-
-def verify_rows(shard, hidden: np.ndarray, draft: tuple[int, ...], sampling) -> tuple[int, ...]:
-    """The tokens a verifying step yields from its rows (speculate.verify)."""
-    return verify(draft, shard.logits(hidden), sampling)
-
-
-def sample(shard, hidden: np.ndarray, temperature: float, top_p: float, rng) -> int:
-    """A token from softmax(logits / temperature) within the top_p nucleus (as LocalEngine)."""
-    return sample_token(shard.logits(hidden[-1:])[-1], temperature, top_p, rng)
-
-
 @dataclass
 class Waiter:
     """What the member that asked keeps for one of its requests."""
 
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)  # int tokens, then a Tokens(done)
     started: float = field(default_factory=time.monotonic)
-
-
-@dataclass
-class Measured:
-    stage_ms: dict[str, float] = field(default_factory=dict)
-    step_ms: float | None = None  # head: one decode step round the ring
-    network_ms: float | None = None  # step_ms minus every stage's compute
-    tok_s: float | None = None  # the latest finished request's decode rate
-
-    def as_pairs(self) -> tuple[tuple[str, float], ...]:
-        out = [("stage:" + k, round(v, 3)) for k, v in self.stage_ms.items()]
-        for k in ("step_ms", "network_ms", "tok_s"):
-            if (v := getattr(self, k)) is not None:
-                out.append((k, round(v, 3)))
-        return tuple(out)
-
-    def update_from(self, pairs) -> None:
-        for k, v in pairs:
-            if k.startswith("stage:"):
-                self.stage_ms[k[6:]] = float(v)
-            elif k in ("step_ms", "network_ms", "tok_s"):
-                setattr(self, k, float(v))
 
 
 class RingNode:
@@ -181,7 +131,7 @@ class RingNode:
         all rows); off, every step travels alone. How many micro-batches to keep in flight comes
         from `machines` (ring member → the machine it runs on: stages of one machine share its
         cores) and `edge_rtts()` (ring member → its successor edge's RTT in ms); see
-        _pipeline_depth."""
+        HeadCore.pipeline_depth."""
         self.name = name
         self.head = head
         self.ring = ring
@@ -195,32 +145,30 @@ class RingNode:
         self.degraded: str | None = None
         self.on_degraded = on_degraded
         self.measured = Measured()
-        chunk = prefill_chunk or prefill_chunk_tokens(limits.hidden, limits.frame_bytes)
         self.speculate = speculate
-        self.scheduler = (Scheduler(limits.slots, limits.context, eos_ids, max_queue=max_queued,
-                                    chunk_tokens=chunk, speculate=speculate, draft_k=draft_k,
-                                    adaptive_k=adaptive_k)
-                          if self.is_head else None)  # fmt: skip
-        self._events: asyncio.Queue = asyncio.Queue()
-        self._step_started: dict[str, float] = {}
-        self._pace: dict[str, tuple[float, float, int]] = {}  # head: rid → (first token, last token, tokens)
-        # this stage's own load (/status): rows in its last forward (one request's step each, for
-        # now: batched decode rows will put several requests' rows in one) and forwards run
+        # micro-batches need every stage's forward_batch; a draft model's steps go alone (the
+        # drafter runs between the scheduler's step and its send), n-gram drafts ride in rows
+        self.batch = batch_rows and hasattr(shard, "forward_batch") and speculate != "draft"
+        self.core = (HeadCore(name, ring, limits, eos_ids=eos_ids, prefill_chunk=prefill_chunk,
+                              speculate=speculate, draft_k=draft_k, adaptive_k=adaptive_k,
+                              max_queued=max_queued, batch=self.batch, machines=machines,
+                              measured=self.measured)
+                     if self.is_head else None)  # fmt: skip
+        self._events: asyncio.Queue[HeadEvent] = asyncio.Queue()
+        # this stage's own load (/status): rows in its last forward and forwards run
         self.batch_rows = 0
         self.forwards = 0
         self._tasks: list[asyncio.Task] = []
         self._counter = 0
-        self._sampling: dict[str, tuple] = {}  # head: rid → (temperature, top_p, rng) when not greedy
         self.drafter = drafter
         self.stage_hang_s = stage_hang_s
-        # micro-batches need every stage's forward_batch; a draft model's steps go alone (the
-        # drafter runs between the scheduler's step and its send), n-gram drafts ride in rows
-        self.batch = batch_rows and hasattr(shard, "forward_batch") and speculate != "draft"
-        self.machines = machines or {n: n for n in ring}
         self.edge_rtts = edge_rtts
-        self._batches = MicroBatches(groups=len(set(self.machines.values())), max_rows=MAX_BATCH_ROWS)
-        self._depth_at = 0.0  # when the micro-batches in flight were last re-estimated
         self._rows_in: list[Activation] = []  # a micro-batch arriving, row by row
+
+    @property
+    def scheduler(self):
+        """The head's request scheduler (None on any other member)."""
+        return self.core.scheduler if self.core is not None else None
 
     # --- wiring ------------------------------------------------------------------------------
 
@@ -257,15 +205,16 @@ class RingNode:
             return
         self.degraded = reason
         log.warning("session degraded: %s", reason)
-        if self.is_head:
-            self._events.put_nowait(("fail", reason))
+        if self.core is not None:
+            self.core.halt(reason)
+            self._events.put_nowait(Broken(reason))
         self._fail_waiters(reason)
         if self.on_degraded:
             self.on_degraded(reason)
 
     def _fail_waiters(self, reason: str) -> None:
-        for rid, w in list(self.waiters.items()):
-            w.queue.put_nowait(Tokens(rid, self.name, (), True, "error", reason[:500], 503))
+        for req_id, w in list(self.waiters.items()):
+            w.queue.put_nowait(Tokens(req_id, self.name, (), True, "error", reason[:500], 503))
 
     async def _compute(self, fn, *args):
         """fn(*args) on the stage's worker thread, watched: past stage_hang_s the ring degrades
@@ -287,9 +236,7 @@ class RingNode:
         bound = 2 * self.stage_hang_s
         while self.degraded is None:
             await asyncio.sleep(min(1.0, bound / 4))
-            now = time.perf_counter()
-            late = [rid for rid, t0 in self._step_started.items() if now - t0 > bound]
-            if late:
+            if self.core.late(time.perf_counter(), bound):
                 others = [n for n in self.ring if n != self.name]
                 self.degrade(f"a step did not come back round the ring within {bound:.0f} s: one of "
                              f"{', '.join(others)} is not answering (frozen or asleep?)")  # fmt: skip
@@ -301,49 +248,35 @@ class RingNode:
                      speculate: bool = True) -> tuple[str, Waiter]:  # fmt: skip
         if self.degraded:
             raise SchedulerError(f"the session is degraded: {self.degraded}", 503)
-        self._check_ids(prompt)
+        check_prompt(prompt, self.limits)
         self._counter += 1
-        rid = f"{self.name}:{self._counter}"
-        waiter = self.waiters[rid] = Waiter()
-        if self.is_head:
-            try:
-                self.scheduler.submit(rid, self.name, prompt, max_new, stop_at_eos, speculate)
-            except SchedulerError:
-                del self.waiters[rid]
-                raise
-            self._set_sampling(rid, temperature, top_p, -1 if seed is None else seed)
-            self._events.put_nowait(("pump",))
-        else:
-            try:
-                await self._send(Request(rid, self.name, self.head, max_new, stop_at_eos,
-                                         np.asarray(prompt, dtype=np.int32), float(temperature),
-                                         float(top_p), -1 if seed is None else int(seed),
-                                         bool(speculate)))  # fmt: skip
-            except EncodeError as exc:
-                del self.waiters[rid]
-                raise SchedulerError(f"this request cannot travel to the head: {exc}", 400) from None
-        return rid, waiter
+        req_id = f"{self.name}:{self._counter}"
+        req = Request(req_id, self.name, self.head, max_new, stop_at_eos, np.asarray(prompt, dtype=np.int32),
+                      float(temperature), float(top_p), -1 if seed is None else int(seed), bool(speculate))  # fmt: skip
+        waiter = self.waiters[req_id] = Waiter()
+        try:
+            if self.core is not None:
+                self.core.submit(req)
+                self._events.put_nowait(Pump())
+            else:
+                await self._send(req)
+        except SchedulerError:
+            del self.waiters[req_id]
+            raise
+        except EncodeError as exc:
+            del self.waiters[req_id]
+            raise SchedulerError(f"this request cannot travel to the head: {exc}", 400) from None
+        return req_id, waiter
 
-    def _set_sampling(self, rid: str, temperature: float, top_p: float, seed: int) -> None:
-        if temperature > 0:
-            self._sampling[rid] = (temperature, top_p, np.random.default_rng(None if seed < 0 else seed))
-
-    def _check_ids(self, prompt) -> None:
-        if len(prompt) >= self.limits.context:  # (a Request frame carries at most the context)
-            raise SchedulerError(f"the prompt has {len(prompt)} tokens; this session's context is "
-                                 f"{self.limits.context} (prompt and answer together): shorten it", 400)  # fmt: skip
-        if prompt and not 0 <= min(prompt) <= max(prompt) < self.limits.vocab:
-            raise SchedulerError(f"prompt token ids must lie in 0..{self.limits.vocab - 1}", 400)
-
-    async def cancel(self, rid: str) -> None:
-        self.waiters.pop(rid, None)
+    async def cancel(self, req_id: str) -> None:
+        self.waiters.pop(req_id, None)
         if self.degraded:
             return
         if self.is_head:
-            self._events.put_nowait(("cancel", rid))
+            self._events.put_nowait(Cancelled(req_id))
         else:
             with contextlib.suppress(StreamClosed):
-                await self._send(Cancel(rid, self.head))
+                await self._send(Cancel(req_id, self.head))
 
     # --- frames from the predecessor -------------------------------------------------------------
 
@@ -358,7 +291,7 @@ class RingNode:
         except EncodeError as exc:  # ours, not the predecessor's (a stage's output is its input's size)
             log.exception("ring stage made a frame it cannot send")
             self.degrade(f"member {self.name} could not send its stage's output: {exc}")
-        except FrameError as exc:
+        except FrameError as exc:  # the predecessor's (a RemoteProtocolError)
             self.degrade(f"member {pred} sent a malformed frame ({exc}); its edge was closed")
         except StageHung:
             pass  # degraded already, naming this stage
@@ -372,43 +305,31 @@ class RingNode:
     overhopped = 0  # routed frames passed on more than len(ring) + 1 times: dropped (frames.py)
 
     async def _on_frame(self, frame: Frame) -> None:
-        if isinstance(frame, (Request, Tokens, Cancel)) and frame.dst not in self.ring:
-            self.misaddressed += 1
-            log.debug("a %s for %r, who is not in the ring: dropped", type(frame).__name__, frame.dst)
-            return
-        if isinstance(frame, (Request, Tokens, Cancel)) and frame.hops > len(self.ring) + 1:
-            self.overhopped += 1
-            log.debug("a %s for %r after %d hops: dropped", type(frame).__name__, frame.dst, frame.hops)
-            return
-        if isinstance(frame, Activation):
+        if isinstance(frame, (Request, Tokens, Cancel)):
+            if frame.dst not in self.ring:
+                self.misaddressed += 1
+                log.debug("a %s for %r, who is not in the ring: dropped", type(frame).__name__, frame.dst)
+            elif frame.hops > len(self.ring) + 1:
+                self.overhopped += 1
+                log.debug("a %s for %r after %d hops: dropped", type(frame).__name__, frame.dst, frame.hops)
+            elif frame.dst != self.name:
+                await self._send(replace(frame, hops=frame.hops + 1))
+            elif isinstance(frame, Tokens):
+                self._deliver(frame)
+            elif self.is_head:
+                self._events.put_nowait(Submitted(frame) if isinstance(frame, Request) else Cancelled(frame.req_id))
+        elif isinstance(frame, Activation):
             rows = self._collect(frame)
             if rows is None:
                 return  # more rows of its micro-batch follow
             if self.is_head:
-                self._events.put_nowait(("back", rows))
-            elif len(rows) == 1:
-                await self._stage(rows[0])
+                self._events.put_nowait(Back(tuple(rows)))
             else:
-                await self._stage_rows(rows)
+                await self._stage(rows)
         elif isinstance(frame, Free):
             if not self.is_head:  # back at the head it is over (the head freed its own at once)
                 await self._compute(self.slots.free, frame.slot)
                 await self._send(frame)
-        elif isinstance(frame, Request):
-            if frame.dst != self.name:
-                await self._send(replace(frame, hops=frame.hops + 1))
-            elif self.is_head:
-                self._events.put_nowait(("request", frame))
-        elif isinstance(frame, Tokens):
-            if frame.dst != self.name:
-                await self._send(replace(frame, hops=frame.hops + 1))
-            else:
-                self._deliver(frame)
-        elif isinstance(frame, Cancel):
-            if frame.dst != self.name:
-                await self._send(replace(frame, hops=frame.hops + 1))
-            elif self.is_head:
-                self._events.put_nowait(("cancel", frame.rid))
 
     def _collect(self, act: Activation) -> list[Activation] | None:
         """A micro-batch's rows come back to back: the whole batch once its last row is in."""
@@ -423,35 +344,35 @@ class RingNode:
         rows, self._rows_in = self._rows_in, []
         return rows
 
-    async def _stage_rows(self, acts: list[Activation]) -> None:
-        """Run a micro-batch as one forward and pass it on as one."""
-        def run():
-            t0 = time.perf_counter()
-            slots = [self.slots.get(a.slot, False) for a in acts]
-            hs = self.shard.forward_batch(slots, [a.hidden for a in acts], [a.positions() for a in acts],
-                                          [a.mask() for a in acts])  # fmt: skip
-            self._ran(len(acts))
-            return hs, int((time.perf_counter() - t0) * 1e6)
-
-        if len({a.slot for a in acts}) != len(acts) or any(a.cache_len == 0 for a in acts):
+    async def _stage(self, acts: list[Activation]) -> None:
+        """Run this stage on a step, or on a micro-batch as one forward, and pass it on as it came."""
+        if len(acts) > 1 and (len({a.slot for a in acts}) != len(acts) or any(a.cache_len == 0 for a in acts)):
             raise FrameError("a micro-batch must hold distinct slots' decode steps")
-        hiddens, us = await self._compute(run)
-        self._measure(self.name, us)
-        await self._send(*(replace(a, hidden=h, trace=a.trace + ((self.name, us),)) for a, h in zip(acts, hiddens)))
+        xs = [a.hidden for a in acts]
+        hiddens, us = await self._compute(self._forward, [(a.slot, a.cache_len) for a in acts], xs,
+                                          [a.positions() for a in acts], [a.mask() for a in acts])  # fmt: skip
+        if len(acts) > 1 or acts[0].n == 1:  # decode steps only: a prefill's cost grows with the prompt
+            self.measured.stage(self.name, us)
+        if len(acts) == 1:
+            a = acts[0]
+            await self._send(Activation(a.req_id, a.slot, a.cache_len, a.pos0, a.zeros, hiddens[0],
+                                        a.trace + ((self.name, us),)))  # fmt: skip
+        else:
+            await self._send(*(replace(a, hidden=h, trace=a.trace + ((self.name, us),)) for a, h in zip(acts, hiddens)))
 
-    async def _stage(self, act: Activation) -> None:
-        def run():
-            t0 = time.perf_counter()
-            slot = self.slots.get(act.slot, act.cache_len == 0)
-            h = self.shard.forward(slot, act.hidden, act.positions(), act.mask())
-            self._ran(1)
-            return h, int((time.perf_counter() - t0) * 1e6)
-
-        hidden, us = await self._compute(run)
-        if act.n == 1:  # decode steps only: a prefill's cost grows with the prompt
-            self._measure(self.name, us)
-        await self._send(Activation(act.rid, act.slot, act.cache_len, act.pos0, act.zeros, hidden,
-                                    act.trace + ((self.name, us),)))  # fmt: skip
+    def _forward(self, where: list[tuple[int, int]], xs, positions, masks) -> tuple[list[np.ndarray], int]:
+        """This stage's forward on the worker thread (the head's too: xs are token ids there): one
+        slot alone (`forward`; a fresh step resets its slot) or several as one (`forward_batch`);
+        the hidden states and the µs it took."""
+        t0 = time.perf_counter()
+        if len(where) == 1:
+            (ring_slot, cache_len), = where
+            hs = [self.shard.forward(self.slots.get(ring_slot, cache_len == 0), xs[0], positions[0], masks[0])]
+        else:
+            hs = self.shard.forward_batch([self.slots.get(s, False) for s, _ in where], xs, positions, masks)
+        self.batch_rows = len(where)
+        self.forwards += 1
+        return hs, int((time.perf_counter() - t0) * 1e6)
 
     async def _send(self, *frames: Frame) -> None:
         """Frames to the successor, written back to back (a micro-batch's rows stay together)."""
@@ -462,68 +383,36 @@ class RingNode:
     def _deliver(self, frame: Tokens) -> None:
         if frame.stats:
             self.measured.update_from(frame.stats)
-        w = self.waiters.get(frame.rid)
+        w = self.waiters.get(frame.req_id)
         if w is None:
             return  # a request its origin already gave up on
         for t in frame.ids:
             w.queue.put_nowait(t)
         if frame.done:
             w.queue.put_nowait(frame)
-            self.waiters.pop(frame.rid, None)
+            self.waiters.pop(frame.req_id, None)
 
-    def _measure(self, stage: str, us: int) -> None:
-        ms = us / 1000
-        old = self.measured.stage_ms.get(stage)
-        self.measured.stage_ms[stage] = ms if old is None else old + EMA * (ms - old)
-
-    # --- the head's driver -------------------------------------------------------------------------
+    # --- the head's driver: HeadCore's events in, its actions out ----------------------------------
 
     async def _drive(self) -> None:
-        sched = self.scheduler
+        core = self.core
         while True:
             ev = await self._events.get()
-            kind = ev[0]
             try:
-                if kind == "fail":
-                    await self._emit(sched.fail_all(ev[1], 503))
+                if isinstance(ev, Broken):
+                    await self._carry_out(core.fail_all(ev.reason))
                     continue
-                if kind == "request":
-                    req: Request = ev[1]
-                    try:
-                        if self.degraded:
-                            raise SchedulerError(f"the session is degraded: {self.degraded}", 503)
-                        self._check_ids(req.prompt.tolist())
-                        sched.submit(req.rid, req.origin, req.prompt.tolist(), req.max_new, req.stop_at_eos,
-                                     req.speculate)
-                        self._set_sampling(req.rid, req.temperature, req.top_p, req.seed)
-                    except SchedulerError as exc:
-                        await self._to_origin(Tokens(req.rid, req.origin, (), True, "error", str(exc)[:500], exc.status))
-                elif kind == "cancel":
-                    await self._emit(sched.cancel(ev[1]))
-                elif kind == "back":  # one step, or a micro-batch's rows: all done before the next pump
-                    acts = ev[1]
-                    plain = [a for a in acts if sched.wants_token(a.rid) and not sched.draft_of(a.rid)
-                             and a.rid not in self._sampling] if len(acts) > 1 else []  # fmt: skip
-                    tokens = dict(zip((a.rid for a in plain),
-                                      await self._compute(greedy_rows, self.shard, [a.hidden for a in plain])))
-                    for act in acts:
-                        sampling = self._sampling.get(act.rid)
-                        if act.rid in tokens:  # a micro-batch's greedy rows: one lm_head for all
-                            token = tokens[act.rid]
-                        elif not sched.wants_token(act.rid):  # a prefill chunk before the prompt's last
-                            token = None
-                        elif draft := sched.draft_of(act.rid):  # a verifying step: a row per position
-                            token = await self._compute(verify_rows, self.shard, act.hidden, draft, sampling)
-                        elif sampling is None:
-                            token = await self._compute(greedy, self.shard, act.hidden)
-                        else:
-                            token = await self._compute(sample, self.shard, act.hidden, *sampling)
-                        self._account(act)
-                        await self._emit(sched.complete(act.rid, token))
-                    if time.perf_counter() - self._depth_at > DEPTH_EVERY_S:  # not every trip: it reads edge stats
-                        self._depth_at = time.perf_counter()
-                        self._batches.groups = self._pipeline_depth()
-                await self._pump()
+                if isinstance(ev, Submitted):
+                    await self._carry_out(core.on_request(ev.request))
+                elif isinstance(ev, Cancelled):
+                    await self._carry_out(core.cancel(ev.req_id))
+                elif isinstance(ev, Back):  # one step, or a micro-batch's rows: all done before the next pump
+                    tokens = await self._compute(pick_tokens, self.shard, core.picks(ev.acts))
+                    await self._carry_out(core.complete(ev.acts, tokens, time.perf_counter()))
+                    if core.depth_due(time.perf_counter()):
+                        core.batches.groups = self._pipeline_depth()
+                for work in core.pump(time.perf_counter()):
+                    await self._run(work)
             except StreamClosed as exc:
                 self.degrade(f"the ring edge to the next member closed ({exc})")
             except StageHung:
@@ -534,116 +423,68 @@ class RingNode:
                 log.exception("head driver failed")
                 self.degrade(f"the head {self.name} failed: {type(exc).__name__}: {exc}")
 
-    async def _pump(self) -> None:
-        if self.degraded:
-            return
-        steps = self.scheduler.steps()
-        if self.batch:  # plain decode steps wait for their micro-batch; the rest go as they come
-            for step in steps:
-                if self._batchable(step):
-                    self._batches.ready(step)
-                else:
-                    self._batches.leave(step.rid)
-            steps = [s for s in steps if not self._batchable(s)]
-            for group in self._batches.due():
-                if len(group) == 1:
-                    steps.append(group[0])
-                else:
-                    await self._send_rows(group)
-        for step in steps:
-            self._step_started[step.rid] = time.perf_counter()  # drafting is part of a trip's cost
+    async def _run(self, work: Work) -> None:
+        """One step (or micro-batch) of the head's: through its stage, then round the ring."""
+        core = self.core
+        if isinstance(work, Forward):
+            step: Step | None = work.step
+            core.starting([step.req_id], time.perf_counter())  # drafting is part of a trip's cost
             if step.want_draft:
-                step = self.scheduler.attach_draft(step.rid, await self._propose(step))
+                step = core.attach_draft(step.req_id, await self._propose(step))
                 if step is None:
-                    continue
-            hidden, us = await self._compute(self._head_forward, step)
-            if len(step.tokens) == 1:
-                self._measure(self.name, us)
-            act = Activation(step.rid, step.slot, step.cache_len, step.pos0, step.zeros, hidden,
-                             ((self.name, us),))  # fmt: skip
-            if self.out is None:  # a ring of one: the activation is back at once
-                self._events.put_nowait(("back", [act]))
-                continue
-            try:
-                await self._send(act)
-            except EncodeError as exc:  # nothing was written: this request alone fails
-                log.warning("request %s failed: %s", step.rid, exc)
-                await self._emit(self.scheduler.fail(
-                    step.rid, f"this request's activations cannot be sent round the ring: {exc}", 500))
-
-    def _pipeline_depth(self) -> int:
-        """Micro-batches worth keeping in flight: a trip's time over the busiest machine's share
-        of it (three stages on three machines and a fast network: 3; the same three on one
-        machine: 1, since they cannot run side by side; 20 ms a hop adds as many as fill it)."""
-        stage_ms = self.measured.stage_ms
-        if not all(stage_ms.get(n) for n in self.ring):
-            return self._batches.groups  # not measured yet: one per machine
-        busy: dict[str, float] = {}
-        for n in self.ring:
-            machine = self.machines.get(n, n)
-            busy[machine] = busy.get(machine, 0.0) + stage_ms[n]
-        rtts = self.edge_rtts() if self.edge_rtts is not None else {}
-        net = sum(float(rtts.get(n) or 0.0) / 2 for n in self.ring) if len(self.ring) > 1 else 0.0
-        trip = sum(stage_ms[n] for n in self.ring) + net
-        # rounded up once past a quarter: a group too few leaves a machine idle for a whole share
-        return max(1, min(MAX_BATCH_ROWS, math.ceil(trip / max(busy.values()) - 0.25)))
-
-    @staticmethod
-    def _batchable(step: Step) -> bool:
-        """A decode step (its last token, and drafts to verify if any; not a prefill, not a step
-        still waiting for a drafter): it may share a forward with others."""
-        return step.cache_len > 0 and len(step.tokens) == 1 + step.drafted and not step.want_draft
-
-    async def _send_rows(self, steps: list[Step]) -> None:
-        """The ready decode steps as one micro-batch: one forward here, one trip round the ring."""
-        now = time.perf_counter()
-        for step in steps:
-            self._step_started[step.rid] = now
-        hiddens, us = await self._compute(self._head_forward_rows, steps)
-        self._measure(self.name, us)
-        acts = [Activation(st.rid, st.slot, st.cache_len, st.pos0, st.zeros, h, ((self.name, us),), len(steps), i)
-                for i, (st, h) in enumerate(zip(steps, hiddens))]  # fmt: skip
-        if self.out is None:  # a ring of one: back at once
-            self._events.put_nowait(("back", acts))
+                    return
+            steps = [step]
+        else:
+            steps = list(work.steps)
+            core.starting([st.req_id for st in steps], time.perf_counter())
+        hiddens, us = await self._compute(self._forward, [(st.slot, st.cache_len) for st in steps],
+                                          [st.tokens for st in steps], [st.positions() for st in steps],
+                                          [st.mask() for st in steps])  # fmt: skip
+        if isinstance(work, Forward):
+            acts = [core.forwarded(steps[0], hiddens[0], us)]
+        else:
+            acts = core.forwarded_rows(steps, hiddens, us)
+        if self.out is None:  # a ring of one: the activations are back at once
+            self._events.put_nowait(Back(tuple(acts)))
             return
         try:
             await self._send(*acts)
         except EncodeError as exc:  # nothing was written: these requests alone fail
-            for st in steps:
-                await self._emit(self.scheduler.fail(
-                    st.rid, f"this request's activations cannot be sent round the ring: {exc}", 500))
-
-    def _head_forward_rows(self, steps: list[Step]):
-        t0 = time.perf_counter()
-        slots = [self.slots.get(st.slot, False) for st in steps]
-        hs = self.shard.forward_batch(slots, [st.tokens for st in steps], [st.positions() for st in steps],
-                                      [st.mask() for st in steps])  # fmt: skip
-        self._ran(len(steps))
-        return hs, int((time.perf_counter() - t0) * 1e6)
+            log.warning("request(s) %s failed: %s", ", ".join(st.req_id for st in steps), exc)
+            await self._carry_out(core.send_failed([st.req_id for st in steps], str(exc)))
 
     async def _propose(self, step: Step) -> tuple[int, ...]:
         """The draft model's proposals for `step` (none without a drafter or when it fails: a
         drafter is an optimisation, never a reason to fail a request)."""
         if self.drafter is None:
             return ()
-        history = self.scheduler.history(step.rid)
+        history = self.core.history(step.req_id)
         try:
-            return await self._compute(self.drafter.propose, step.rid, history, step.want_draft)
+            return await self._compute(self.drafter.propose, step.req_id, history, step.want_draft)
         except Exception as exc:
             log.warning("the draft model failed (%s: %s): this step goes without drafts", type(exc).__name__, exc)
             return ()
 
-    def _head_forward(self, step: Step):
-        t0 = time.perf_counter()
-        slot = self.slots.get(step.slot, step.cache_len == 0)
-        h = self.shard.forward(slot, step.tokens, step.positions(), step.mask())
-        self._ran(1)
-        return h, int((time.perf_counter() - t0) * 1e6)
+    async def _carry_out(self, actions: list[Action]) -> None:
+        for a in actions:
+            if isinstance(a, Deliver):
+                self._deliver(a.tokens)
+            elif isinstance(a, Send):  # tokens for another member
+                if not self.degraded:
+                    await self._send(a.frame)
+                else:  # a broken ring may still carry it part of the way; the host tells the rest
+                    with contextlib.suppress(StreamClosed):
+                        await self._send(a.frame)
+            elif isinstance(a, FreeSlot):
+                await self._compute(self.slots.free, a.slot)
+                if self.out is not None and not self.degraded:
+                    await self._send(Free(a.slot))
+            elif isinstance(a, Ended) and self.drafter is not None:
+                self.drafter.release(a.req_id)
 
-    def _ran(self, rows: int) -> None:
-        """A forward of `rows` requests' steps finished on this stage (its worker thread)."""
-        self.batch_rows = rows
-        self.forwards += 1
+    def _pipeline_depth(self) -> int:
+        """Micro-batches worth keeping in flight (HeadCore.pipeline_depth over this node's edges)."""
+        return self.core.pipeline_depth(self.edge_rtts() if self.edge_rtts is not None else {})
 
     # --- load, for /status -----------------------------------------------------------------------
 
@@ -654,65 +495,4 @@ class RingNode:
     def head_load(self, most: int) -> dict | None:
         """The head's queue and the requests it holds (at most `most`, oldest first), each with
         its decode rate so far; None on any other member."""
-        sched = self.scheduler
-        if sched is None:
-            return None
-        requests = []
-        for v in sched.views()[:most]:
-            first, last, n = self._pace.get(v.rid, (0.0, 0.0, 0))
-            tok_s = round((n - 1) / (last - first), 2) if n >= 2 and last > first else None
-            requests.append({"id": v.rid, "origin": v.origin, "state": v.state, "prompt_tokens": v.prompt_tokens,
-                             "tokens": v.generated, "max_tokens": v.max_new, "tok_s": tok_s})  # fmt: skip
-        return {"slots": sched.slots, "active": sched.active, "queued": sched.queued,
-                "max_queued": sched.max_queue, "requests": requests,
-                "micro_batches": self._batches.sizes if self.batch else []}  # fmt: skip
-
-    def _account(self, act: Activation) -> None:
-        started = self._step_started.pop(act.rid, None)
-        if started is None:
-            return
-        step_ms = (time.perf_counter() - started) * 1000
-        self.scheduler.observe_step(act.rid, act.n, step_ms)  # what choosing K is fed
-        if act.n != 1:
-            return  # the figures below are of 1-position decode steps: a prefill's cost grows
-        compute = sum(us for _, us in act.trace) / 1000
-        for stage, us in act.trace[1:]:
-            self._measure(stage, us)
-        m = self.measured
-        m.step_ms = step_ms if m.step_ms is None else m.step_ms + EMA * (step_ms - m.step_ms)
-        net = max(0.0, step_ms - compute)
-        m.network_ms = net if m.network_ms is None else m.network_ms + EMA * (net - m.network_ms)
-
-    async def _emit(self, events) -> None:
-        for ev in events:
-            if isinstance(ev, TokenOut):
-                now = time.perf_counter()
-                first, _, n = self._pace.get(ev.rid, (now, now, 0))
-                self._pace[ev.rid] = (first, now, n + 1)
-                await self._to_origin(Tokens(ev.rid, ev.origin, (ev.token,)))
-            elif isinstance(ev, Finished):
-                self._batches.leave(ev.rid)
-                self._step_started.pop(ev.rid, None)
-                self._sampling.pop(ev.rid, None)
-                self._pace.pop(ev.rid, None)
-                if self.drafter is not None:
-                    self.drafter.release(ev.rid)
-                if ev.finish == "cancelled":
-                    continue
-                finish = ev.finish
-                stats = self.measured.as_pairs() + (ev.spec.as_pairs() if ev.spec else ())
-                frame = Tokens(ev.rid, ev.origin, (), True, finish, ev.error[:500], ev.status, stats)
-                await self._to_origin(frame)
-            elif isinstance(ev, SlotFreed):
-                await self._compute(self.slots.free, ev.slot)
-                if self.out is not None and not self.degraded:
-                    await self._send(Free(ev.slot))
-
-    async def _to_origin(self, frame: Tokens) -> None:
-        if frame.dst == self.name:
-            self._deliver(frame)
-        elif not self.degraded:
-            await self._send(frame)
-        else:  # a broken ring may still carry it part of the way; the host tells the rest
-            with contextlib.suppress(StreamClosed):
-                await self._send(frame)
+        return None if self.core is None else self.core.load(most)

@@ -8,7 +8,7 @@ in its own slot, so concurrent requests interleave and each gets exactly the tok
 alone. A prompt longer than `chunk_tokens` is fed in several steps of at most that many
 positions (chunked prefill: every activation frame fits the frame limit and no stage runs an
 unbounded batch; see `prefill_chunk_tokens`); only the step with its last position samples a
-token. When a step returns, `complete(rid, token)` records the greedy token and says whether the
+token. When a step returns, `complete(req_id, token)` records the greedy token and says whether the
 request is over (EOS, max_new or the context). Positions are logical and the mask is physical
 (the OpenVINO paper's mask-based rewind); the bookkeeping (cache_len, pos, zeros) travels in
 every activation so stages stay stateless about it.
@@ -81,7 +81,7 @@ class SchedulerError(Exception):
 class Step:
     """Feed `tokens` (logical positions pos0..) into `slot` after `cache_len` physical positions."""
 
-    rid: str
+    req_id: str
     slot: int
     tokens: np.ndarray  # int64 [n]
     cache_len: int
@@ -104,14 +104,14 @@ class Step:
 
 @dataclass(frozen=True)
 class TokenOut:
-    rid: str
+    req_id: str
     origin: str
     token: int
 
 
 @dataclass(frozen=True)
 class Finished:
-    rid: str
+    req_id: str
     origin: str
     finish: str  # "stop" | "length" | "error" | "cancelled"
     error: str = ""
@@ -129,7 +129,7 @@ Event = TokenOut | Finished | SlotFreed
 
 @dataclass
 class _Request:
-    rid: str
+    req_id: str
     origin: str
     prompt: tuple[int, ...]
     max_new: int
@@ -181,11 +181,11 @@ class Scheduler:
 
     # --- inputs ------------------------------------------------------------------------------
 
-    def submit(self, rid: str, origin: str, prompt: list[int] | tuple[int, ...], max_new: int,
+    def submit(self, req_id: str, origin: str, prompt: list[int] | tuple[int, ...], max_new: int,
                stop_at_eos: bool = True, speculate: bool = True) -> None:  # fmt: skip
         """`speculate`: whether this request may speculate (when the session does; greedy only)."""
-        if rid in self._requests:
-            raise SchedulerError(f"request id {rid} is already in use")
+        if req_id in self._requests:
+            raise SchedulerError(f"request id {req_id} is already in use")
         if not prompt:
             raise SchedulerError("the prompt is empty")
         if len(prompt) >= self.context:
@@ -200,10 +200,10 @@ class Scheduler:
             raise SchedulerError(f"all {self.slots} slots are busy and {len(self._queue)} requests are "
                                  "already waiting: try again shortly", QUEUE_FULL_STATUS)  # fmt: skip
         max_new = min(max_new, self.context - len(prompt))
-        self._requests[rid] = _Request(rid, origin, tuple(int(t) for t in prompt), max_new, stop_at_eos,
+        self._requests[req_id] = _Request(req_id, origin, tuple(int(t) for t in prompt), max_new, stop_at_eos,
                                        speculate=bool(speculate) and self.speculate != "off" and self.draft_k > 0,
                                        acceptance=Acceptance(prior=self.acceptance.as_prior()))  # fmt: skip
-        self._queue.append(rid)
+        self._queue.append(req_id)
 
     def steps(self) -> list[Step]:
         """Every step that can start now (admitting queued requests into free slots)."""
@@ -229,13 +229,13 @@ class Scheduler:
         return out
 
     def _step(self, req: _Request, feed, want_draft: int = 0) -> Step:
-        return Step(req.rid, req.slot, np.array(feed, dtype=np.int64), req.cache_len, req.pos,
+        return Step(req.req_id, req.slot, np.array(feed, dtype=np.int64), req.cache_len, req.pos,
                     tuple(req.zeros), len(req.draft), want_draft)  # fmt: skip
 
-    def attach_draft(self, rid: str, draft: tuple[int, ...]) -> Step | None:
+    def attach_draft(self, req_id: str, draft: tuple[int, ...]) -> Step | None:
         """The drafter's proposals for a step that asked for them (`Step.want_draft`): the step
         to send (its last token and the drafts); None if the request ended meanwhile."""
-        req = self._requests.get(rid)
+        req = self._requests.get(req_id)
         if req is None or req.in_flight != 1:
             return None  # it failed meanwhile: nothing of it may go round
         # a request cancelled meanwhile still sends its plain step: it ends when the step is back
@@ -246,9 +246,9 @@ class Scheduler:
         req.in_flight = 1 + len(req.draft)
         return self._step(req, (req.generated[-1], *req.draft))
 
-    def history(self, rid: str) -> tuple[int, ...]:
+    def history(self, req_id: str) -> tuple[int, ...]:
         """A request's prompt and the tokens it has been given so far."""
-        return self._history(self._requests[rid])
+        return self._history(self._requests[req_id])
 
     @staticmethod
     def _history(req: _Request) -> tuple[int, ...]:
@@ -276,40 +276,40 @@ class Scheduler:
             req.acceptance.idle()
         return draft
 
-    def observe_step(self, rid: str, positions: int, ms: float) -> None:
-        """The head measured `rid`'s step in flight round the ring: `ms` for `positions`
+    def observe_step(self, req_id: str, positions: int, ms: float) -> None:
+        """The head measured `req_id`'s step in flight round the ring: `ms` for `positions`
         positions. Decode steps only (a prefill chunk's cost grows with its length)."""
-        req = self._requests.get(rid)
+        req = self._requests.get(req_id)
         if req is not None and req.in_flight and req.cache_len >= len(req.prompt):
             self.step_cost.observe(positions, ms)
 
-    def draft_of(self, rid: str) -> tuple[int, ...]:
-        """The drafts in `rid`'s step in flight: the head verifies a row per position."""
-        req = self._requests.get(rid)
+    def draft_of(self, req_id: str) -> tuple[int, ...]:
+        """The drafts in `req_id`'s step in flight: the head verifies a row per position."""
+        req = self._requests.get(req_id)
         return () if req is None or not req.in_flight else req.draft
 
-    def drafted(self, rid: str) -> int:
-        return len(self.draft_of(rid))
+    def drafted(self, req_id: str) -> int:
+        return len(self.draft_of(req_id))
 
-    def wants_token(self, rid: str) -> bool:
-        """Whether the step of `rid` in flight ends with a sampled token (not a prefill chunk
+    def wants_token(self, req_id: str) -> bool:
+        """Whether the step of `req_id` in flight ends with a sampled token (not a prefill chunk
         before the prompt's last one): the head skips lm_head for the others."""
-        req = self._requests.get(rid)
+        req = self._requests.get(req_id)
         return req is not None and req.in_flight > 0 and req.cache_len + req.in_flight >= len(req.prompt)
 
-    def complete(self, rid: str, token) -> list[Event]:
-        """A step of `rid` came back round the ring and the head sampled `token` (None, and
+    def complete(self, req_id: str, token) -> list[Event]:
+        """A step of `req_id` came back round the ring and the head sampled `token` (None, and
         ignored, for a prefill chunk before the last). For a step with drafts, `token` is the
         sequence the head's verification yielded (speculate.verify): the accepted drafts, then
         one token of the model's own (1 ..drafted + 1 tokens)."""
-        req = self._requests.get(rid)
+        req = self._requests.get(req_id)
         if req is None or not req.in_flight:
             return []  # a request already failed or cancelled: ignore its late step
         fed, draft = req.in_flight, req.draft
         if draft:  # checked before anything changes: a wrong call leaves the step in flight
             tokens = tuple(int(t) for t in np.atleast_1d(token)) if token is not None else ()
             if not 1 <= len(tokens) <= len(draft) + 1 or tokens[:-1] != tuple(draft[: len(tokens) - 1]):
-                raise ValueError(f"request {rid}'s step with {len(draft)} drafts needs its accepted drafts "
+                raise ValueError(f"request {req_id}'s step with {len(draft)} drafts needs its accepted drafts "
                                  f"and one more token, got {list(tokens)}")  # fmt: skip
         req.draft, req.in_flight = (), 0
         if draft:
@@ -330,19 +330,19 @@ class Scheduler:
         if req.cache_len < len(req.prompt):
             return []  # more of the prompt to feed
         if tokens is None:
-            raise ValueError(f"the step that ends request {rid}'s prompt needs a token")
+            raise ValueError(f"the step that ends request {req_id}'s prompt needs a token")
         events: list[Event] = []
         for t in tokens:
             if req.stop_at_eos and t in self.eos_ids:
                 return events + self._finish(req, "stop")
             req.generated.append(t)
-            events.append(TokenOut(rid, req.origin, t))
+            events.append(TokenOut(req_id, req.origin, t))
             if len(req.generated) >= req.max_new or req.cache_len >= self.context:
                 return events + self._finish(req, "length")
         return events
 
-    def cancel(self, rid: str) -> list[Event]:
-        req = self._requests.get(rid)
+    def cancel(self, req_id: str) -> list[Event]:
+        req = self._requests.get(req_id)
         if req is None:
             return []
         if req.in_flight:
@@ -350,11 +350,11 @@ class Scheduler:
             return []
         return self._finish(req, "cancelled")
 
-    def fail(self, rid: str, reason: str, status: int = 500) -> list[Event]:
+    def fail(self, req_id: str, reason: str, status: int = 500) -> list[Event]:
         """One request cannot go on (e.g. a frame of it over a bound): it alone ends with
         `reason` and its slot is free again. Only for a request with no step on the ring (its
         step was never sent), so nothing of it can reach a stage after the slot is reused."""
-        req = self._requests.get(rid)
+        req = self._requests.get(req_id)
         return [] if req is None else self._finish(req, "error", reason, status)
 
     def fail_all(self, reason: str, status: int = 503) -> list[Event]:
@@ -367,13 +367,13 @@ class Scheduler:
     # --- state -------------------------------------------------------------------------------
 
     def _finish(self, req: _Request, finish: str, error: str = "", status: int = 0) -> list[Event]:
-        del self._requests[req.rid]
+        del self._requests[req.req_id]
         spec = req.spec if req.speculate else None
         if spec is not None:
             self.spec.merge(spec)
-        events: list[Event] = [Finished(req.rid, req.origin, finish, error, status, spec)]
+        events: list[Event] = [Finished(req.req_id, req.origin, finish, error, status, spec)]
         if req.slot is None:
-            self._queue.remove(req.rid)
+            self._queue.remove(req.req_id)
         else:
             self._free.append(req.slot)
             events.append(SlotFreed(req.slot))
@@ -392,11 +392,11 @@ class Scheduler:
         return len(self._free)
 
     def in_flight(self) -> list[str]:
-        return [r.rid for r in self._requests.values() if r.in_flight]
+        return [r.req_id for r in self._requests.values() if r.in_flight]
 
     def views(self) -> list[RequestView]:
         """Every request the head holds, in arrival order (for /status)."""
-        return [RequestView(r.rid, r.origin, _state(r), len(r.prompt), len(r.generated), r.max_new)
+        return [RequestView(r.req_id, r.origin, _state(r), len(r.prompt), len(r.generated), r.max_new)
                 for r in self._requests.values()]  # fmt: skip
 
 
@@ -404,7 +404,7 @@ class Scheduler:
 class RequestView:
     """One request as /status shows it: `state` is queued, prefill or decode."""
 
-    rid: str
+    req_id: str
     origin: str
     state: str
     prompt_tokens: int

@@ -1,0 +1,409 @@
+"""The head's driver as a state machine without I/O: scheduling, sampling, timing, micro-batches.
+
+Theory of operation. The member that holds the head (embedding, final norm, lm_head) runs one
+`HeadCore`. It owns the request scheduler (scheduler.py), one sampler per request that samples
+(kafila.sampling.Sampler: each request's seed gives its own stream), the step timing (when each
+step left, what each stage took, the trips that choose K), the micro-batch grouping
+(microbatch.py) and the bookkeeping of speculation (the drafts each step carries). It touches no
+stream, clock, thread or shard: the ring node (ring.py) feeds it what happened, with `now`, and
+carries out what it answers:
+
+    event (the driver queue)         core call                      answer
+    Submitted(request)               on_request / submit            [Action] / SchedulerError
+    Cancelled(req_id)                cancel                         [Action]
+    Broken(reason)                   fail_all (after halt)          [Action]
+    Pump()                           pump(now)                      [Forward | ForwardRows]
+    (a step leaves)                  starting(req_ids, now)
+    (the head's forward ran)         forwarded / forwarded_rows     Activation(s) to send
+    (a frame too big to send)        send_failed(req_ids, reason)   [Action]
+    Back(acts)                       picks(acts) → pick_tokens on   [Action]
+                                     the compute thread → complete
+    (the watchdog's tick)            late(now, bound)               bool
+
+Actions: Send(frame) (tokens for a request asked at another member: to the successor),
+Deliver(tokens) (asked here), FreeSlot(slot) (free its KV here, then send Free round the ring),
+Ended(req_id) (the request is over: the draft model drops its state). After every event the
+driver pumps, so steps that became possible leave at once.
+
+A returning row's token (`Pick`): none for a prefill chunk before the prompt's last; for a
+micro-batch's plain greedy rows one lm_head over all of them (Shard.greedy_rows); for a verifying
+step one row per position (speculate.verify: greedy or speculative sampling); else the shard's
+greedy (OpenVINO: the token its graph computed) or the request's sampler (Shard.sample).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kafila.sampling import Sampler
+from kafila.session.frames import MAX_BATCH_ROWS, Activation, Frame, Limits, Request, Tokens
+from kafila.session.microbatch import MicroBatches
+from kafila.session.scheduler import (
+    Finished,
+    Scheduler,
+    SchedulerError,
+    SlotFreed,
+    Step,
+    TokenOut,
+    prefill_chunk_tokens,
+)  # fmt: skip
+from kafila.session.slots import DEFAULT_MAX_QUEUED
+from kafila.session.speculate import DRAFT_K, verify
+from kafila.session.timing import Measured, ema
+
+DEPTH_EVERY_S = 1.0  # how often the head re-estimates the micro-batches to keep in flight
+
+
+# --- events: what the ring node's driver queue carries to the head -------------------------------
+
+
+@dataclass(frozen=True)
+class Submitted:
+    """A request reached the head from another member (a Request frame)."""
+
+    request: Request
+
+
+@dataclass(frozen=True)
+class Cancelled:
+    """The origin gave up on `req_id`."""
+
+    req_id: str
+
+
+@dataclass(frozen=True)
+class Back:
+    """A step, or a micro-batch's rows, came back round the ring through every block."""
+
+    acts: tuple[Activation, ...]
+
+
+@dataclass(frozen=True)
+class Broken:
+    """The ring broke: every request fails with `reason`."""
+
+    reason: str
+
+
+@dataclass(frozen=True)
+class Pump:
+    """Steps may start (a request was submitted at the head itself)."""
+
+
+HeadEvent = Submitted | Cancelled | Back | Broken | Pump
+
+
+# --- answers ------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Send:
+    """A frame for the successor (tokens of a request asked at another member)."""
+
+    frame: Frame
+
+
+@dataclass(frozen=True)
+class Deliver:
+    """Tokens of a request asked at this member."""
+
+    tokens: Tokens
+
+
+@dataclass(frozen=True)
+class FreeSlot:
+    """A ring slot is free: drop its KV here, then send Free round the ring."""
+
+    slot: int
+
+
+@dataclass(frozen=True)
+class Ended:
+    """Request `req_id` is over (the head's draft model drops what it keeps of it)."""
+
+    req_id: str
+
+
+Action = Send | Deliver | FreeSlot | Ended
+
+
+@dataclass(frozen=True)
+class Forward:
+    """Run one step through the head's stage (after the drafter, when `step.want_draft`)."""
+
+    step: Step
+
+
+@dataclass(frozen=True)
+class ForwardRows:
+    """Run a micro-batch's decode steps through the head's stage as one forward."""
+
+    steps: tuple[Step, ...]
+
+
+Work = Forward | ForwardRows
+
+
+@dataclass(frozen=True)
+class Pick:
+    """How the token after a returning row is chosen (see the module's docstring)."""
+
+    hidden: np.ndarray  # float32 [n, hidden] after every block
+    wanted: bool = True  # False: a prefill chunk before the prompt's last (no lm_head)
+    batched: bool = False  # a greedy row of a micro-batch: one lm_head over all of them
+    draft: tuple[int, ...] = ()  # a verifying step's drafts (a row per position)
+    sampler: Sampler | None = None  # None: greedy
+
+
+def pick_tokens(shard, picks: Sequence[Pick]) -> list:
+    """The tokens of `picks` (None, an int, or a verifying step's tuple), on the compute thread."""
+    batched = [p.hidden for p in picks if p.batched]
+    rows = iter(shard.greedy_rows(batched) if batched else ())
+    out: list = []
+    for p in picks:
+        if p.batched:
+            out.append(next(rows))
+        elif not p.wanted:
+            out.append(None)
+        elif p.draft:
+            out.append(verify(p.draft, shard.logits(p.hidden), p.sampler))
+        elif p.sampler is None:
+            out.append(int(shard.greedy(p.hidden)))
+        else:
+            out.append(shard.sample(p.hidden, p.sampler))
+    return out
+
+
+def check_prompt(prompt: Sequence[int], limits: Limits) -> None:
+    """Refuse (400) a prompt the ring cannot carry: over the context, or ids outside the vocabulary."""
+    if len(prompt) >= limits.context:  # (a Request frame carries at most the context)
+        raise SchedulerError(f"the prompt has {len(prompt)} tokens; this session's context is "
+                             f"{limits.context} (prompt and answer together): shorten it", 400)  # fmt: skip
+    if len(prompt) and not 0 <= min(prompt) <= max(prompt) < limits.vocab:
+        raise SchedulerError(f"prompt token ids must lie in 0..{limits.vocab - 1}", 400)
+
+
+def batchable(step: Step) -> bool:
+    """A decode step (its last token, and drafts to verify if any; not a prefill, not a step
+    still waiting for a drafter): it may share a forward with others."""
+    return step.cache_len > 0 and len(step.tokens) == 1 + step.drafted and not step.want_draft
+
+
+class HeadCore:
+    def __init__(self, name: str, ring: list[str], limits: Limits, *, eos_ids: frozenset[int] = frozenset(),
+                 prefill_chunk: int | None = None, speculate: str = "off", draft_k: int = DRAFT_K,
+                 adaptive_k: bool = True, max_queued: int = DEFAULT_MAX_QUEUED, batch: bool = True,
+                 machines: dict[str, str] | None = None, measured: Measured | None = None) -> None:  # fmt: skip
+        """See ring.RingNode for the options; `batch`: plain decode steps go as micro-batches
+        (every stage has forward_batch); `measured`: the node's figures, which the core adds to."""
+        self.name = name
+        self.ring = ring
+        self.limits = limits
+        chunk = prefill_chunk or prefill_chunk_tokens(limits.hidden, limits.frame_bytes)
+        self.scheduler = Scheduler(limits.slots, limits.context, eos_ids, max_queue=max_queued,
+                                   chunk_tokens=chunk, speculate=speculate, draft_k=draft_k,
+                                   adaptive_k=adaptive_k)  # fmt: skip
+        self.batch = batch
+        self.machines = machines or {n: n for n in ring}
+        self.measured = measured if measured is not None else Measured()
+        self.batches = MicroBatches(groups=len(set(self.machines.values())), max_rows=MAX_BATCH_ROWS)
+        self.halted: str | None = None  # the ring broke: nothing more leaves (fail_all follows)
+        self._samplers: dict[str, Sampler] = {}  # requests that sample, each its own stream
+        self._started: dict[str, float] = {}  # req_id → when its step in flight left
+        self._pace: dict[str, tuple[float, float, int]] = {}  # req_id → (first token, last token, tokens)
+        self._depth_at = 0.0  # when the micro-batches in flight were last re-estimated
+
+    # --- requests ------------------------------------------------------------------------------
+
+    def submit(self, req: Request) -> None:
+        """Take a request (raises SchedulerError, with its HTTP status, when it is refused)."""
+        if self.halted:
+            raise SchedulerError(f"the session is degraded: {self.halted}", 503)
+        prompt = req.prompt.tolist()
+        check_prompt(prompt, self.limits)
+        self.scheduler.submit(req.req_id, req.origin, prompt, req.max_new, req.stop_at_eos, req.speculate)
+        sampler = Sampler.of(req.temperature, req.top_p, None if req.seed < 0 else req.seed)
+        if sampler is not None:
+            self._samplers[req.req_id] = sampler
+
+    def on_request(self, req: Request) -> list[Action]:
+        """A request from another member: refused ones are answered at once, with the reason."""
+        try:
+            self.submit(req)
+        except SchedulerError as exc:
+            return [self._to_origin(Tokens(req.req_id, req.origin, (), True, "error", str(exc)[:500], exc.status))]
+        return []
+
+    def cancel(self, req_id: str) -> list[Action]:
+        return self._actions(self.scheduler.cancel(req_id))
+
+    def halt(self, reason: str) -> None:
+        """The ring broke: no step leaves any more; `fail_all` ends the requests."""
+        self.halted = self.halted or reason
+
+    def fail_all(self, reason: str) -> list[Action]:
+        return self._actions(self.scheduler.fail_all(reason, 503))
+
+    def send_failed(self, req_ids: Sequence[str], reason: str) -> list[Action]:
+        """Our frames of these requests could not be sent (nothing was written): they alone fail."""
+        out: list[Action] = []
+        for req_id in req_ids:
+            why = f"this request's activations cannot be sent round the ring: {reason}"
+            out += self._actions(self.scheduler.fail(req_id, why, 500))
+        return out
+
+    def history(self, req_id: str) -> tuple[int, ...]:
+        return self.scheduler.history(req_id)
+
+    def attach_draft(self, req_id: str, draft: tuple[int, ...]) -> Step | None:
+        return self.scheduler.attach_draft(req_id, draft)
+
+    # --- steps out -------------------------------------------------------------------------------
+
+    def pump(self, now: float) -> list[Work]:
+        """Every step that can leave now: micro-batches first, then the steps that go alone."""
+        if self.halted:
+            return []
+        steps = self.scheduler.steps()
+        work: list[Work] = []
+        if self.batch:  # plain decode steps wait for their micro-batch; the rest go as they come
+            for step in steps:
+                if batchable(step):
+                    self.batches.ready(step)
+                else:
+                    self.batches.leave(step.req_id)
+            steps = [s for s in steps if not batchable(s)]
+            for group in self.batches.due():
+                if len(group) == 1:
+                    steps.append(group[0])
+                else:
+                    work.append(ForwardRows(tuple(group)))
+        return work + [Forward(s) for s in steps]
+
+    def starting(self, req_ids: Sequence[str], now: float) -> None:
+        """These requests' steps leave now (drafting is part of a trip's cost)."""
+        for req_id in req_ids:
+            self._started[req_id] = now
+
+    def forwarded(self, step: Step, hidden: np.ndarray, us: int) -> Activation:
+        """The head's stage ran `step` in `us` µs: the activation to send round the ring."""
+        if len(step.tokens) == 1:
+            self.measured.stage(self.name, us)
+        return Activation(step.req_id, step.slot, step.cache_len, step.pos0, step.zeros, hidden, ((self.name, us),))
+
+    def forwarded_rows(self, steps: Sequence[Step], hiddens: Sequence[np.ndarray], us: int) -> list[Activation]:
+        """The head's stage ran a micro-batch in `us` µs: its rows, to send back to back."""
+        self.measured.stage(self.name, us)
+        return [Activation(st.req_id, st.slot, st.cache_len, st.pos0, st.zeros, h, ((self.name, us),), len(steps), i)
+                for i, (st, h) in enumerate(zip(steps, hiddens))]  # fmt: skip
+
+    # --- steps back ------------------------------------------------------------------------------
+
+    def picks(self, acts: Sequence[Activation]) -> list[Pick]:
+        """How each returning row's token is chosen (pick_tokens runs them on the compute thread)."""
+        sched = self.scheduler
+        out = []
+        for a in acts:
+            wanted, draft, sampler = sched.wants_token(a.req_id), sched.draft_of(a.req_id), self._samplers.get(a.req_id)
+            plain = len(acts) > 1 and wanted and not draft and sampler is None
+            out.append(Pick(a.hidden, wanted, plain, draft, sampler))
+        return out
+
+    def complete(self, acts: Sequence[Activation], tokens: Sequence, now: float) -> list[Action]:
+        """The rows came back and their tokens were picked: what follows for each request."""
+        out: list[Action] = []
+        for act, token in zip(acts, tokens):
+            self._account(act, now)
+            out += self._actions(self.scheduler.complete(act.req_id, token), now)
+        return out
+
+    def depth_due(self, now: float) -> bool:
+        """Whether to re-estimate the micro-batches in flight (not every trip: it reads edge stats)."""
+        if now - self._depth_at > DEPTH_EVERY_S:
+            self._depth_at = now
+            return True
+        return False
+
+    def pipeline_depth(self, rtts: dict) -> int:
+        """Micro-batches worth keeping in flight: a trip's time over the busiest machine's share
+        of it (three stages on three machines and a fast network: 3; the same three on one
+        machine: 1, since they cannot run side by side; 20 ms a hop adds as many as fill it).
+        `rtts`: ring member → its successor edge's RTT in ms."""
+        stage_ms = self.measured.stage_ms
+        if not all(stage_ms.get(n) for n in self.ring):
+            return self.batches.groups  # not measured yet: one per machine
+        busy: dict[str, float] = {}
+        for n in self.ring:
+            machine = self.machines.get(n, n)
+            busy[machine] = busy.get(machine, 0.0) + stage_ms[n]
+        net = sum(float(rtts.get(n) or 0.0) / 2 for n in self.ring) if len(self.ring) > 1 else 0.0
+        trip = sum(stage_ms[n] for n in self.ring) + net
+        # rounded up once past a quarter: a group too few leaves a machine idle for a whole share
+        return max(1, min(MAX_BATCH_ROWS, math.ceil(trip / max(busy.values()) - 0.25)))
+
+    def late(self, now: float, bound_s: float) -> bool:
+        """Whether a step has been round the ring for longer than `bound_s` (the watchdog)."""
+        return any(now - t0 > bound_s for t0 in self._started.values())
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _account(self, act: Activation, now: float) -> None:
+        started = self._started.pop(act.req_id, None)
+        if started is None:
+            return
+        step_ms = (now - started) * 1000
+        self.scheduler.observe_step(act.req_id, act.n, step_ms)  # what choosing K is fed
+        if act.n != 1:
+            return  # the figures below are of 1-position decode steps: a prefill's cost grows
+        compute = sum(us for _, us in act.trace) / 1000
+        for stage, us in act.trace[1:]:
+            self.measured.stage(stage, us)
+        m = self.measured
+        m.step_ms = ema(m.step_ms, step_ms)
+        m.network_ms = ema(m.network_ms, max(0.0, step_ms - compute))
+
+    def _actions(self, events, now: float | None = None) -> list[Action]:
+        out: list[Action] = []
+        for ev in events:
+            if isinstance(ev, TokenOut):
+                if now is not None:
+                    first, _, n = self._pace.get(ev.req_id, (now, now, 0))
+                    self._pace[ev.req_id] = (first, now, n + 1)
+                out.append(self._to_origin(Tokens(ev.req_id, ev.origin, (ev.token,))))
+            elif isinstance(ev, Finished):
+                self.batches.leave(ev.req_id)
+                self._started.pop(ev.req_id, None)
+                self._samplers.pop(ev.req_id, None)
+                self._pace.pop(ev.req_id, None)
+                out.append(Ended(ev.req_id))
+                if ev.finish != "cancelled":
+                    stats = self.measured.as_pairs() + (ev.spec.as_pairs() if ev.spec else ())
+                    out.append(self._to_origin(Tokens(ev.req_id, ev.origin, (), True, ev.finish, ev.error[:500],
+                                                      ev.status, stats)))  # fmt: skip
+            elif isinstance(ev, SlotFreed):
+                out.append(FreeSlot(ev.slot))
+        return out
+
+    def _to_origin(self, frame: Tokens) -> Action:
+        return Deliver(frame) if frame.dst == self.name else Send(frame)
+
+    # --- load, for /status -----------------------------------------------------------------------
+
+    def load(self, most: int) -> dict:
+        """The queue and the requests held (at most `most`, oldest first), each with its decode
+        rate so far."""
+        sched = self.scheduler
+        requests = []
+        for v in sched.views()[:most]:
+            first, last, n = self._pace.get(v.req_id, (0.0, 0.0, 0))
+            tok_s = round((n - 1) / (last - first), 2) if n >= 2 and last > first else None
+            requests.append({"id": v.req_id, "origin": v.origin, "state": v.state, "prompt_tokens": v.prompt_tokens,
+                             "tokens": v.generated, "max_tokens": v.max_new, "tok_s": tok_s})  # fmt: skip
+        return {"slots": sched.slots, "active": sched.active, "queued": sched.queued,
+                "max_queued": sched.max_queue, "requests": requests,
+                "micro_batches": self.batches.sizes if self.batch else []}  # fmt: skip
+
