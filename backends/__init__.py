@@ -41,7 +41,7 @@ def status(name: str) -> BackendStatus:
 
 def load_shard(name: str, spec: ShardSpec, precision: str = "serving", **options) -> Shard:
     """Build a shard of `spec` on backend `name` (raises BadInput when it is unavailable)."""
-    from kafila.errors import BadInput  # backends depend on nothing of the app but its error type
+    from backends.errors import BadInput  # backends depend on nothing of the app but its error type
 
     st = status(name)
     if not st.available:

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from backends.base import HeadOps, ShardSpec
-from kafila.models import ModelIndex, open_model
+from backends.gguf import ModelIndex, open_model
 
 F64 = np.float64
 

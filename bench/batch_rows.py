@@ -128,9 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
 
     from backends import ShardSpec
+    from backends.gguf import open_model
     from backends.openvino import OpenVINOShard
     from bench.llamacpp_speed import machine
-    from kafila.models import open_model
     from tests.big_gguf import big_model
 
     index = open_model(big_model(args.shape))

@@ -45,7 +45,7 @@ def drain(s) -> list[dict]:
 
 
 def ask_all(s, origins: list[str], prompts: list[str], max_tokens: int) -> tuple[list[threading.Thread], list]:
-    from kafila.session.launch import stream_chat
+    from kafila.tooling.launch import stream_chat
 
     results: list = [None] * len(prompts)
 
@@ -63,7 +63,7 @@ def ask_all(s, origins: list[str], prompts: list[str], max_tokens: int) -> tuple
 
 def wait_decoding(s, n: int, timeout_s: float = 120.0, after_s: float = 1.0) -> None:
     """Until the head holds `n` requests, then `after_s` more (they decode by then)."""
-    from kafila.session.launch import get_json
+    from kafila.tooling.launch import get_json
 
     deadline = time.monotonic() + timeout_s
     host = s.procs[0].name
@@ -120,7 +120,7 @@ def leave_round(s, victim: str, origins: list[str], prompts: list[str], max_toke
 def restart_round(s, origins: list[str], prompts: list[str], max_tokens: int, down_s: float = 1.0) -> dict:
     """Ask every prompt at once, kill the rendezvous mid-generation and start a fresh one after
     down_s; returns the answers, each member's signaling outage and the longest token gap."""
-    from kafila.session.launch import get_json
+    from kafila.tooling.launch import get_json
 
     threads, results = ask_all(s, origins, prompts, max_tokens)
     wait_decoding(s, len(prompts), after_s=0.3)
@@ -140,7 +140,7 @@ def restart_round(s, origins: list[str], prompts: list[str], max_tokens: int, do
 
 
 def main() -> None:
-    from kafila.session.launch import LocalSession, get_json
+    from kafila.tooling.launch import LocalSession, get_json
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--members", type=int, default=4)

@@ -49,8 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--models", default="llama-3.2-1b,llama-3-8b,smollm2-135m")
     ap.add_argument("--repeats", type=int, default=5)
     args = ap.parse_args(argv)
-    from kafila.models import load_tokenizer, open_model
-    from kafila.models.gguf_header import read_header
+    from backends.gguf import open_model
+    from backends.gguf.header import read_header
+    from kafila.models import load_tokenizer
 
     print("| model | file GB | tokens | open_model s (median, min) | read_header, all keys s | open_model + "
           "load_tokenizer s | first open_model, fresh process s |")

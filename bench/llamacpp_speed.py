@@ -158,7 +158,8 @@ def write_aligned_f16(dst: str, tokenizer_source, seed: int = 0) -> str:
 
 def q4_k_m_file(which: str, threads: int) -> str:
     """The benchmark's GGUF: built once into the cache for `smollm2` / `aligned`, else a path."""
-    from kafila.models import open_model, resolve_model
+    from backends.gguf import open_model
+    from kafila.models import resolve_model
 
     if which not in ("smollm2", "aligned"):
         return which
@@ -209,9 +210,9 @@ def llamacpp_run(path: str, prompt: list[int], new_tokens: int, threads: int):
 def kafila_run(path: str, prompt: list[int], new_tokens: int, threads: int):
     """→ run() for Kafila's 1-stage OpenVINO chain at serving precision, on `threads` threads."""
     from backends.base import ShardSpec
+    from backends.gguf import open_model
     from backends.openvino.shard import CONFIGS, OpenVINOShard
-    from kafila.local import LocalChain
-    from kafila.models import open_model
+    from kafila.engine.chain import LocalChain
 
     index = open_model(path)
     config = {**CONFIGS["serving"], "INFERENCE_NUM_THREADS": str(threads)}
@@ -275,8 +276,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=REPEATS)
     args = parser.parse_args(argv)
 
+    from backends.gguf import open_model
     from kafila.commands.inspect import describe
-    from kafila.models import load_tokenizer, open_model, resolve_model
+    from kafila.models import load_tokenizer, resolve_model
 
     print(machine(), flush=True)
     with contextlib.suppress(Exception):

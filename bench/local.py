@@ -79,7 +79,7 @@ def chain_row(name: str, chain, prompt: list[int], new_tokens: int) -> Row:
 
 
 def rows(index, prompt_text: str, prompt: list[int], stages: tuple[int, ...], new_tokens: int) -> list[Row]:
-    from kafila.local import LocalChain
+    from kafila.engine.chain import LocalChain
 
     out = [genai_row(index.path, prompt_text, new_tokens)]
     for k in stages:
@@ -131,8 +131,9 @@ def memory_child(model: str, stages: int, new_tokens: int) -> dict:
     model's GGUF tensor bytes + its KV cache at that length (u8 values). The peer is measured
     against the 1-stage chain, from one baseline in the same run, by bench.memory_local (the old
     peer child here read its RSS after the pipeline had been freed)."""
-    from kafila.local import LocalChain
-    from kafila.models import load_tokenizer, open_model, resolve_model
+    from backends.gguf import open_model
+    from kafila.engine.chain import LocalChain
+    from kafila.models import load_tokenizer, resolve_model
 
     index = open_model(resolve_model(model))
     _plugin_up()
@@ -190,7 +191,9 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(memory_child(args.model, args.memory_child, args.tokens)))
         return 0
 
-    from kafila.models import load_tokenizer, open_model, resolve_model
+    from backends.gguf import open_model
+
+    from kafila.models import load_tokenizer, resolve_model
 
     stages = tuple(int(s) for s in args.stages.split(","))
     index = open_model(resolve_model(args.model))

@@ -204,7 +204,8 @@ def rows(
     genai: bool = True,
 ) -> list[dict]:
     """One dict per configuration: name, tok_s (median), samples, ratio to the mlx-lm peer."""
-    from kafila.models import load_tokenizer, open_model, resolve_model
+    from backends.gguf import open_model
+    from kafila.models import load_tokenizer, resolve_model
 
     index = open_model(resolve_model(model))
     tok = load_tokenizer(index)

@@ -7,7 +7,7 @@ For each shape (a synthetic Q4_K_M GGUF from tests/big_gguf.py with the real mod
 1. 1-stage: `kafila run --model M --max-tokens N` as a child process, sampled every 0.2 s from
    /proc: RSS and PSS while it generates (the last sample before it tears down to exit) and
    its peak RSS (VmHWM: the shard build's transient included).
-2. An N-member `kafila demo`-style session (kafila.session.launch.LocalSession, the same
+2. An N-member `kafila demo`-style session (kafila.tooling.launch.LocalSession, the same
    processes `kafila demo` starts): after one answer, each member's /status "memory" (RSS, peak
    RSS, PSS of the process, its shard's tensor bytes, its KV at the planned context×concurrency,
    and the planner's bytes for it).
@@ -44,7 +44,7 @@ def _proc_memory(pid: int) -> dict | None:
 
 def one_stage(model: str, backend: str, context: int, concurrency: int, max_tokens: int) -> dict:
     """`kafila run` on the whole model, its memory sampled from outside."""
-    from kafila.models import open_model
+    from backends.gguf import open_model
     from kafila.session.memory import shard_memory
 
     index = open_model(model)
@@ -73,7 +73,7 @@ def one_stage(model: str, backend: str, context: int, concurrency: int, max_toke
 
 def session(model: str, backend: str, members: int, context: int, concurrency: int, max_tokens: int,
             cache_root: str) -> list[dict]:  # fmt: skip
-    from kafila.session.launch import LocalSession, get_json, stream_chat
+    from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     s = LocalSession(members=members, model=model, backend=backend, context=context,
                      concurrency=concurrency, cache_root=cache_root)  # fmt: skip

@@ -3,7 +3,7 @@
 Each measurement is a fresh child process (`python -m bench.memory_local --child kafila|peer`,
 killed after CHILD_TIMEOUT_S), run one after another and alternating A B A B … for ROUNDS rounds.
 Both kinds of child import the same modules (OpenVINO with its telemetry declined, as kafila/cli.py
-does, openvino_genai, kafila.local, kafila.models), then take the baseline — before opening the
+does, openvino_genai, kafila.engine.chain, kafila.models), then take the baseline — before opening the
 model — then load and greedily generate NEW_TOKENS tokens with EOS ignored from the same chat
 prompt, and read their memory again with the chain or pipeline still alive:
 
@@ -64,13 +64,13 @@ def _import_all() -> None:
     import_openvino_without_telemetry()
     import openvino_genai  # noqa: F401
 
-    import kafila.local  # noqa: F401
+    import kafila.engine.chain  # noqa: F401
     import kafila.models  # noqa: F401
 
 
 def _kafila(path: str, job: dict) -> int:
-    from kafila.local import LocalChain
-    from kafila.models import open_model
+    from backends.gguf import open_model
+    from kafila.engine.chain import LocalChain
 
     index = open_model(path)
     chain = LocalChain.build(index.path, 1, "openvino", "serving", index=index)
@@ -118,7 +118,8 @@ def run_child(kind: str, job: dict, timeout_s: float = CHILD_TIMEOUT_S) -> dict:
 
 
 def measure(model: str, rounds: int, new_tokens: int) -> tuple[list[dict], dict]:
-    from kafila.models import load_tokenizer, open_model, resolve_model
+    from backends.gguf import open_model
+    from kafila.models import load_tokenizer, resolve_model
 
     index = open_model(resolve_model(model))
     tok = load_tokenizer(index)

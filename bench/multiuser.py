@@ -52,7 +52,7 @@ PROMPTS = [
 
 def one_level(session, users: int, max_tokens: int) -> dict:
     """`users` requests started together; their timings as seen by each client."""
-    from kafila.session.launch import stream_chat
+    from kafila.tooling.launch import stream_chat
 
     results: list = [None] * users
     start = threading.Barrier(users)
@@ -80,7 +80,7 @@ def one_level(session, users: int, max_tokens: int) -> dict:
 
 def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: int, model: str,
                 batch_rows: bool = True) -> dict:  # fmt: skip
-    from kafila.session.launch import LocalSession, get_json, stream_chat
+    from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     s = LocalSession(members=3, model=model, latency_ms=latency_ms, batch_rows=batch_rows,
                      log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),

@@ -6,7 +6,7 @@
    stages in one process (what `kafila run --stages 3` runs), same prompt, same greedy tokens;
    decode tok/s (first to last token) and time to first token, medians of --runs after a warm-up.
 2. WAN: the same session with every member delaying its datagrams by 20 ms (--latency-ms 20).
-3. Heterogeneity: m2 under a CPU quota of a quarter of one core (kafila.throttle: needs root and
+3. Heterogeneity: m2 under a CPU quota of a quarter of one core (kafila.tooling.throttle: needs root and
    the cgroup v1 cpu controller); the planner's division vs --policy uniform, formed alternately
    (kafila, uniform, kafila, uniform, … --pairs times) so that drifting load falls on both: m2's
    blocks, each session's tok/s, and the median (min–max) of the per-pair ratios. For comparison
@@ -27,7 +27,7 @@ PROMPT = "Write a short story about a lighthouse keeper who finds a message in a
 
 
 def local_chain(model: str, stages: int, prompt_ids: list[int], max_tokens: int, runs: int, eos) -> dict:
-    from kafila.local import LocalChain
+    from kafila.engine.chain import LocalChain
 
     chain = LocalChain.build(model, stages)
     rates, ttfts, n = [], [], 0
@@ -50,7 +50,7 @@ def local_chain(model: str, stages: int, prompt_ids: list[int], max_tokens: int,
 
 
 def session_runs(runs: int, max_tokens: int, ask: str = "m3", **kw) -> dict:
-    from kafila.session.launch import LocalSession, get_json, stream_chat
+    from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     s = LocalSession(members=3, log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
                      cache_root=tempfile.mkdtemp(prefix="kafila-bench-cache-"), **kw)
@@ -88,8 +88,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
+    from backends.gguf import open_model
     from kafila.api import chat_prompt_ids
-    from kafila.models import load_tokenizer, open_model, resolve_model
+    from kafila.models import load_tokenizer, resolve_model
 
     path = resolve_model(args.model)
     tok = load_tokenizer(open_model(path))

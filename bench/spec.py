@@ -33,7 +33,7 @@ PROMPTS = Path(__file__).with_name("spec_prompts.json")
 
 def run_latency(latency_ms: float, prompts: dict[str, list[str]], max_tokens: int, model: str,
                 precision: str = "serving") -> dict:  # fmt: skip
-    from kafila.session.launch import LocalSession, get_json, stream_chat
+    from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     s = LocalSession(members=3, model=model, latency_ms=latency_ms, speculate="ngram", precision=precision,
                      log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),

@@ -4,7 +4,7 @@ the CPU both ends spend on it.
     .venv/bin/python -m bench.weights_transfer [--shape llama-3.2-1b] [--members 2] [--backend openvino]
                                                [--quic-members N]
 
-A `kafila demo`-style session (kafila.session.launch.LocalSession: the host and its members as
+A `kafila demo`-style session (kafila.tooling.launch.LocalSession: the host and its members as
 separate processes on 127.0.0.1) on a tests/big_gguf shape, every member's weight cache empty,
 so each member fetches its whole shard (header + its tensors) from the host over the QUIC edge.
 While it forms, a sampler polls every member's /status (its live transfer figures) and
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
                     help="the last N members fetch over the QUIC stream only (the other lane, side by side)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
-    from kafila.session.launch import LocalSession
+    from kafila.tooling.launch import LocalSession
     from tests.big_gguf import big_model, cache_dir
 
     if not 0 <= args.quic_members <= args.members - 1:

@@ -9,8 +9,8 @@ import os
 import sys
 import traceback
 
+from backends.errors import EXIT_UNEXPECTED, KafilaError
 from kafila.commands import COMMANDS
-from kafila.errors import EXIT_UNEXPECTED, KafilaError
 
 
 def build_parser() -> argparse.ArgumentParser:

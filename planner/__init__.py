@@ -49,8 +49,8 @@ from planner.partition import Division, feasible, partition
 from planner.plan import Plan, Policy, compare, make_plan, plan_fleet, ring_neighbour, ring_ranges
 from planner.ring import (
     EXHAUSTIVE_MAX_MEMBERS,
-    Edge,
     EdgeKind,
+    RingEdge,
     edge_between,
     order_ring,
     predicted_direct,
@@ -64,7 +64,6 @@ __all__ = [
     "HEAD_MARGIN",
     "Device",
     "Division",
-    "Edge",
     "EdgeKind",
     "Fleet",
     "HeadChoice",
@@ -73,6 +72,7 @@ __all__ = [
     "Plan",
     "PlanInputError",
     "Policy",
+    "RingEdge",
     "Refusal",
     "StageCost",
     "Tier",

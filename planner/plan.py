@@ -30,12 +30,12 @@ from enum import Enum
 from typing import Any
 
 from planner.admission import Refusal, choose_tier, refusals
-from planner.errors import PlanInputError
 from planner.baselines import memory_proportional_counts, uniform_counts
 from planner.cost import Tier, stage_cost
+from planner.errors import PlanInputError
 from planner.fleet import Device, Fleet, parse_fleet
 from planner.head import place_head
-from planner.ring import Edge, EdgeKind, order_ring, ring_edges
+from planner.ring import EdgeKind, RingEdge, order_ring, ring_edges
 
 __all__ = ["Plan", "Policy", "compare", "make_plan", "plan_fleet", "ring_neighbour", "ring_ranges"]
 
@@ -82,7 +82,7 @@ class Plan:
     ring: tuple[str, ...]
     blocks: tuple[int, ...]
     stage_ms: tuple[float, ...] | None  # None in the memory tier
-    edges: tuple[Edge, ...]
+    edges: tuple[RingEdge, ...]
     refused: tuple[Refusal, ...]
 
     @property
@@ -278,7 +278,7 @@ def _stage_ms(value: Any, ring: list[str]) -> tuple[float, ...] | None:
     return tuple(s for s in stages if s is not None)
 
 
-def _edges(value: Any, ring: list[str]) -> tuple[Edge, ...]:
+def _edges(value: Any, ring: list[str]) -> tuple[RingEdge, ...]:
     if not isinstance(value, list | tuple) or len(value) > MAX_PLAN_MEMBERS:
         raise PlanInputError(f"plan.edges must list at most {MAX_PLAN_MEMBERS} edges")
     out = []
@@ -289,7 +289,7 @@ def _edges(value: Any, ring: list[str]) -> tuple[Edge, ...]:
             kind = EdgeKind(e.get("kind"))
         except ValueError:
             raise PlanInputError("plan.edges: an edge's kind is direct or relay") from None
-        out.append(Edge(e["from"], e["to"], kind, _ms(e.get("ms"), "plan.edges[].ms")))
+        out.append(RingEdge(e["from"], e["to"], kind, _ms(e.get("ms"), "plan.edges[].ms")))
     return tuple(out)
 
 

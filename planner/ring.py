@@ -35,8 +35,8 @@ from planner.fleet import Device, Nat
 
 __all__ = [
     "EXHAUSTIVE_MAX_MEMBERS",
-    "Edge",
     "EdgeKind",
+    "RingEdge",
     "edge_between",
     "order_ring",
     "predicted_direct",
@@ -55,7 +55,7 @@ class EdgeKind(str, Enum):
 
 
 @dataclass(frozen=True)
-class Edge:
+class RingEdge:
     """One ring edge from `src` to `dst`, its predicted kind and price (None: unpriced)."""
 
     src: str
@@ -71,16 +71,16 @@ def predicted_direct(a: Nat | None, b: Nat | None) -> bool:
     return Nat.PERMISSIVE in (a, b) or (a is Nat.ORDINARY and b is Nat.ORDINARY)
 
 
-def edge_between(a: Device, b: Device) -> Edge:
+def edge_between(a: Device, b: Device) -> RingEdge:
     direct = predicted_direct(a.nat, b.nat)
     kind = EdgeKind.DIRECT if direct else EdgeKind.RELAY
     if a.rtt_ms is None or b.rtt_ms is None:
-        return Edge(a.name, b.name, kind, None)
+        return RingEdge(a.name, b.name, kind, None)
     ms = abs(a.rtt_ms - b.rtt_ms) if direct else a.rtt_ms + b.rtt_ms
-    return Edge(a.name, b.name, kind, ms)
+    return RingEdge(a.name, b.name, kind, ms)
 
 
-def ring_edges(order: Sequence[Device]) -> tuple[Edge, ...]:
+def ring_edges(order: Sequence[Device]) -> tuple[RingEdge, ...]:
     """The edges of the cycle order[0] → order[1] → … → order[0] (none for one member)."""
     m = len(order)
     if m < 2:

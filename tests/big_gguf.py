@@ -22,7 +22,7 @@ else Q4_K; norms and rope_freqs F32.
 Blocks are random bytes with their f16 super-block scales (d, and dmin for Q4_K/Q5_K) overwritten
 by a sane value chosen per tensor so that weights have a standard deviation near 1/sqrt(columns):
 any bytes are a valid K-quant block once d/dmin are finite (layouts: tests/kquant_encode.py,
-kafila/models/quant.py). Activations stay finite; the generated text is noise.
+backends/gguf/quant.py). Activations stay finite; the generated text is noise.
 
 The tokenizer is llama.cpp's Llama 3 BPE vocabulary (ggml-vocab-llama-bpe.gguf, 128256 tokens),
 copied key by key.

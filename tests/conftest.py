@@ -12,7 +12,7 @@ pytest_plugins = ["tests.strict_skips"]  # skips fail where KAFILA_NO_SKIPS is s
 
 @pytest.fixture(scope="session")
 def default_model_path() -> str:
-    from kafila.errors import BadInput
+    from backends.errors import BadInput
     from kafila.models import resolve_model
 
     try:
@@ -23,7 +23,7 @@ def default_model_path() -> str:
 
 @pytest.fixture(scope="session")
 def default_index(default_model_path):
-    from kafila.models import open_model
+    from backends.gguf import open_model
 
     return open_model(default_model_path)
 
@@ -62,7 +62,7 @@ def synthetic_model(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="session")
 def synthetic_index(synthetic_model):
-    from kafila.models import open_model
+    from backends.gguf import open_model
 
     return open_model(synthetic_model)
 
@@ -73,7 +73,7 @@ def chain_factory(default_index):
     compiled once per test session. An unavailable mlx skips with its install hint; any other
     backend is a dependency, so its absence fails."""
     from backends import status
-    from kafila.local import LocalChain
+    from kafila.engine.chain import LocalChain
 
     built: dict = {}
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
 from kafila.models import resolve_model
 
 

@@ -17,7 +17,7 @@ import stat
 import numpy as np
 import pytest
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
 from kafila.net.codefile import read_code, write_private
 from kafila.net.sock import MemberSocket
 from kafila.session import weights as W

@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from kafila.errors import Refused
+from backends.errors import Refused
 from kafila.net import Member, MemberJoined, Message
 from kafila.net.handshake import Pake, SealedChannel
 from kafila.net.natcheck import NatReport

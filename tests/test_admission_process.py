@@ -20,7 +20,7 @@ import urllib.request
 
 import pytest
 
-from kafila.session.launch import free_ports
+from kafila.tooling.launch import free_ports
 from rendezvous import messages as m
 from tests.default_model import needs_default_model
 

@@ -9,7 +9,7 @@ import threading
 import pytest
 
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
-from kafila.local_engine import LocalEngine
+from kafila.engine.local import LocalEngine
 
 
 class FakeTokenizer:
@@ -147,7 +147,7 @@ def test_bad_requests_and_failures_are_engine_errors():
 def test_sample_token():
     import numpy as np
 
-    from kafila.local_engine import sample_token
+    from kafila.engine.local import sample_token
 
     logits = np.array([0.0, 3.0, 2.9, -5.0])
     rng = np.random.default_rng(0)

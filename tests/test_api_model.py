@@ -22,7 +22,7 @@ import openai
 import pytest
 
 from kafila.api import chat_prompt_ids, start_api
-from kafila.local_engine import LocalEngine
+from kafila.engine.local import LocalEngine
 from tests.api_fixtures import LoopThread, tokenizer  # noqa: F401 (fixture)
 
 pytestmark = [pytest.mark.model, pytest.mark.slow]
@@ -43,7 +43,7 @@ RAW = "The quick brown fox"
 
 @pytest.fixture(scope="module")
 def served(default_index, tokenizer):  # noqa: F811
-    from kafila.local import LocalChain
+    from kafila.engine.chain import LocalChain
 
     chain = LocalChain.build(default_index.path, 2, "openvino", index=default_index)
     eos = tokenizer.eos_ids

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import pytest
 
+from backends.errors import BadInput
 from kafila.api import ApiError, ApiLimits, StopScanner, parse_hostport
 from kafila.api._validate import decode_json, parse_chat, parse_completion, token_budget
-from kafila.errors import BadInput
 
 LIMITS = ApiLimits()
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}

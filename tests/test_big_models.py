@@ -27,7 +27,7 @@ def test_use_more_bits_is_llama_cpps():
 
 @pytest.mark.parametrize("shape", ["llama-3.2-1b", "llama-3-70b"])
 def test_big_shapes_open_with_q4_k_m_types(shape):
-    from kafila.models import open_model
+    from backends.gguf import open_model
 
     s = SHAPES[shape]
     path = big_model(shape)
@@ -49,7 +49,7 @@ def test_big_shapes_open_with_q4_k_m_types(shape):
 
 
 def test_70b_shape_plans_across_members_and_is_refused_when_short():
-    from kafila.models import open_model
+    from backends.gguf import open_model
     from planner import plan_fleet
 
     index = open_model(big_model("llama-3-70b"))
@@ -87,7 +87,7 @@ def test_host_hashing_for_seconds_forms_the_session_and_a_second_session_reuses_
     """The 1B shape's host hashes 0.8 GB (file, header and every tensor) in a worker for seconds
     while members join; a second session on the same file with the same cache reads the digests
     back instead of hashing again."""
-    from kafila.session.launch import LocalSession, stream_chat
+    from kafila.tooling.launch import LocalSession, stream_chat
 
     model = big_model("llama-3.2-1b")
     caches = str(tmp_path / "caches")
@@ -114,7 +114,7 @@ def test_a_header_larger_than_one_chunk_arrives_in_pieces(tmp_path):
     import asyncio
     import contextlib
 
-    from kafila.models import open_model
+    from backends.gguf import open_model
     from kafila.session import weights as W
     from kafila.session.frames import WEIGHT_CHUNK_BYTES
     from kafila.session.transfer import fetch_weights, serve_weights

@@ -146,7 +146,7 @@ def test_offer_frames_are_validated():
 @pytest.fixture(scope="module")
 def model(tmp_path_factory):
     """A small real GGUF (random weights) and its digests."""
-    from kafila.models import open_model
+    from backends.gguf import open_model
     from tests.synthetic_gguf import write_llama_gguf
 
     path = str(write_llama_gguf(tmp_path_factory.mktemp("bulk") / "tiny.gguf"))
@@ -369,7 +369,7 @@ def test_a_server_without_a_lane_or_from_before_it_serves_over_quic(model, tmp_p
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_session_fetches_over_both_lanes_and_answers(tmp_path):
-    from kafila.session.launch import LocalSession, get_json, stream_chat
+    from kafila.tooling.launch import LocalSession, get_json, stream_chat
     from tests.default_model import MODEL
 
     if MODEL is None:

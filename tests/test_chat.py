@@ -9,9 +9,9 @@ import sys
 
 import pytest
 
+from backends.errors import Refused
 from kafila.api import chat_prompt_ids, start_api
 from kafila.commands.chat import ApiClient, Chat, ChatError, run_chat
-from kafila.errors import Refused
 from tests.api_fixtures import LoopThread, ScriptedEngine, tokenizer  # noqa: F401 (fixture)
 
 

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from bench.churn import PROMPTS, ask_all, leave_round
-from kafila.session.launch import LocalSession, get_json
+from kafila.tooling.launch import LocalSession, get_json
 from tests.default_model import needs_default_model
 
 pytestmark = [pytest.mark.session, pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(900),

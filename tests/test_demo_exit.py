@@ -42,17 +42,18 @@ class FakeSession:
 
 @pytest.fixture
 def fake_demo(monkeypatch):
+    import backends.gguf
     import kafila.commands.join
     import kafila.models
-    import kafila.session.launch
+    import kafila.tooling.launch
 
     answer = {"text": "red, green, blue", "tokens": 5, "tok_s": 10.0, "ttft_ms": 50.0}
-    monkeypatch.setattr(kafila.session.launch, "LocalSession", FakeSession)
-    monkeypatch.setattr(kafila.session.launch, "stream_chat", lambda *a: answer)
-    monkeypatch.setattr(kafila.session.launch, "get_json", lambda *a: {"stages": {}})
+    monkeypatch.setattr(kafila.tooling.launch, "LocalSession", FakeSession)
+    monkeypatch.setattr(kafila.tooling.launch, "stream_chat", lambda *a: answer)
+    monkeypatch.setattr(kafila.tooling.launch, "get_json", lambda *a: {"stages": {}})
     monkeypatch.setattr(kafila.models, "resolve_model", lambda name: name)
     index = SimpleNamespace(name="m", hparams=SimpleNamespace(context_length=8192))  # what demo reads
-    monkeypatch.setattr(kafila.models, "open_model", lambda path: index)
+    monkeypatch.setattr(backends.gguf, "open_model", lambda path: index)
     monkeypatch.setattr(kafila.commands.join, "check_backend", lambda name: None)
 
     def run(codes: dict[str, int]) -> int:

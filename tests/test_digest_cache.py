@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from kafila.models import open_model
+from backends.gguf import open_model
 from kafila.session import weights as W
 from tests.arch_gguf import write_arch_gguf
 

@@ -10,12 +10,12 @@ import os
 
 import pytest
 
-from kafila.errors import KafilaError, describe_error
+from backends.errors import KafilaError, describe_error
 from kafila.session import host as host_mod
 from kafila.session import participant as participant_mod
 from kafila.session.host import HostParticipant
-from kafila.session.launch import free_ports
 from kafila.session.participant import Participant, SessionConfig
+from kafila.tooling.launch import free_ports
 from tests.default_model import MODEL, needs_default_model
 
 pytestmark = [needs_default_model, pytest.mark.timeout(120)]

@@ -1,4 +1,4 @@
-"""kafila.models.gguf_header reads what gguf.GGUFReader reads, and refuses damaged headers in one line."""
+"""backends.gguf.header reads what gguf.GGUFReader reads, and refuses damaged headers in one line."""
 
 from __future__ import annotations
 
@@ -8,8 +8,8 @@ import gguf
 import numpy as np
 import pytest
 
-from kafila.errors import BadInput
-from kafila.models.gguf_header import read_header
+from backends.errors import BadInput
+from backends.gguf.header import read_header
 from tests.synthetic_gguf import write_llama_gguf
 
 T = gguf.GGUFValueType
@@ -166,8 +166,9 @@ def test_string_arrays_decode_each_string_on_its_own(tmp_path, items):
 
 
 def test_open_model_walks_past_the_vocabulary_until_it_is_asked_for(tmp_path):
-    from kafila.models import load_tokenizer, open_model
-    from kafila.models.gguf_index import VOCABULARY_KEYS
+    from backends.gguf import open_model
+    from backends.gguf.index import VOCABULARY_KEYS
+    from kafila.models import load_tokenizer
 
     path = write_llama_gguf(tmp_path / "m.gguf", blocks=1)
     index = open_model(path)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from kafila.session.launch import LocalSession, Refused, stream_chat
+from kafila.tooling.launch import LocalSession, Refused, stream_chat
 from tests.default_model import needs_default_model
 
 pytestmark = [pytest.mark.session, pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(300),
@@ -52,7 +52,7 @@ def test_status_keeps_the_membership_history(tmp_path):
     """Who joined and left, when and why (issue 14 item 5): the host's /status and, through its
     status messages, every member's; `kafila status` prints it."""
     from kafila.commands.status import history_line
-    from kafila.session.launch import get_json
+    from kafila.tooling.launch import get_json
 
     s = LocalSession(members=3, log_dir=str(tmp_path), cache_root=str(tmp_path / "cache"))
     s.start(timeout_s=240)

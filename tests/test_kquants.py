@@ -17,9 +17,9 @@ import pytest
 from gguf import quants
 
 from backends import ShardSpec, load_shard, status
-from kafila.errors import BadInput
-from kafila.models import open_model
-from kafila.models.quant import BLOCK_BYTES, split_blocks
+from backends.errors import BadInput
+from backends.gguf import open_model
+from backends.gguf.quant import BLOCK_BYTES, split_blocks
 from tests.kquant_encode import encode_k
 from tests.mlx_chain import assert_embedding_rows_exact, assert_stages_match_reference
 from tests.synthetic_gguf import write_llama_gguf

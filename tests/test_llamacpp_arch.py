@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 from backends import ShardSpec, load_shard, status
-from kafila.errors import BadInput
+from backends.errors import BadInput
 from tests.arch_gguf import KINDS, write_arch_gguf
 
 PROMPT_IDS = [int(i) for i in np.random.default_rng(1).integers(0, 100_000, 420)]
@@ -50,7 +50,7 @@ def needs_llamacpp(test):
 @pytest.fixture(scope="module")
 def arch_model(tmp_path_factory):
     """arch_model(kind) → (path, index, llama.cpp's (ids, logits)), each built once per module."""
-    from kafila.models import open_model
+    from backends.gguf import open_model
     from tests.llamacpp_ref import greedy_run
 
     root = tmp_path_factory.mktemp("arch")
@@ -131,7 +131,7 @@ def test_mlx_matches_llamacpp(arch_model, kind):
 
 
 class _Chain:
-    """Shards in ring order as one shard: the first embeds and holds the head (kafila.local's shape)."""
+    """Shards in ring order as one shard: the first embeds and holds the head (kafila.engine.chain's shape)."""
 
     def __init__(self, shards: list) -> None:
         self.shards = shards
@@ -193,7 +193,7 @@ def test_mlx_rope_at_arbitrary_positions_equals_the_fused_kernel(tmp_path, kind)
 def _refusal(tmp_path, **options) -> str:
     kind = options.pop("kind", "llama")
     path = write_arch_gguf(tmp_path / "m.gguf", kind, tiny_vocab=256, **options)
-    from kafila.models import open_model
+    from backends.gguf import open_model
 
     with pytest.raises(BadInput) as err:
         open_model(path)
@@ -248,7 +248,7 @@ def test_qwen3_without_qk_norms_is_refused(tmp_path):
 
 
 def test_served_hyperparameters(tmp_path):
-    from kafila.models import open_model
+    from backends.gguf import open_model
 
     h3 = open_model(write_arch_gguf(tmp_path / "q3.gguf", "qwen3", tiny_vocab=256)).hparams
     assert (h3.head_dim, h3.rope_neox, h3.qk_norm, h3.qkv_bias) == (32, True, True, False)

@@ -59,7 +59,7 @@ def write_f32_copy(src: str, dst: str) -> str:
 
 def test_f32_copy_holds_the_dequantized_weights(tmp_path):
     """The yardstick's file: the same weights Kafila reads from the quantized file, as F32."""
-    from kafila.models import open_model
+    from backends.gguf import open_model
 
     src = write_llama_gguf(tmp_path / "q.gguf", blocks=1, hidden=256, ffn=512, qtype="Q4_K", embed_qtype="Q6_K",
                            tensor_types={"attn_v.weight": "Q6_K", "ffn_up.weight": "Q5_K"})
@@ -74,7 +74,7 @@ def test_f32_copy_holds_the_dequantized_weights(tmp_path):
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
     """quantized(ftype) → (path, index, llama.cpp's ids and logits on the F32 copy), once each."""
-    from kafila.models import open_model
+    from backends.gguf import open_model
     from tests.llamacpp_ref import greedy_run, quantize
 
     root = tmp_path_factory.mktemp("lcpq")

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
-from kafila.session.engine import RingEngine
+from kafila.engine.ring import RingEngine
 from kafila.session.frames import MAX_FRAME_BYTES, Activation, EncodeError, Limits, encode
 from kafila.session.ring import RingNode
 from kafila.session.scheduler import PREFILL_WORK_BYTES, Scheduler, prefill_chunk_tokens
@@ -179,9 +179,10 @@ def test_a_frame_over_the_limit_fails_that_request_alone_and_the_next_succeeds()
 def test_real_shards_chunked_round_the_ring_give_kafila_runs_ids():
     """Three real openvino stages of the default model, a frame limit of 48 positions (the
     documented test knob), a 200-token prompt: five chunks, and the greedy ids of one stage."""
+    from backends.gguf import open_model
     from kafila.api import chat_prompt_ids
-    from kafila.local import LocalChain
-    from kafila.models import load_tokenizer, open_model
+    from kafila.engine.chain import LocalChain
+    from kafila.models import load_tokenizer
 
     index = open_model(MODEL)
     tok = load_tokenizer(index)

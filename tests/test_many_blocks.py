@@ -37,7 +37,7 @@ def model(tmp_path_factory):
 def manifest_message(path: str, first: int, last: int) -> dict:
     """A plan message as the host sends it: its weight manifest's shape (weights.Manifest.to_json),
     every tensor of blocks [first, last) with its range and a SHA-256."""
-    from kafila.models import open_model
+    from backends.gguf import open_model
 
     index = open_model(path)
     tensors = [[t.name, t.offset, t.n_bytes, f"{i:064x}"] for i, t in enumerate(index.shard_tensors(first, last, False))]
@@ -97,7 +97,7 @@ def test_a_126_block_manifest_needs_pieces(model):
 
 @pytest.mark.timeout(60)
 def test_the_host_sends_a_126_block_plan_to_a_member_over_real_signaling(model):
-    from kafila.errors import BadInput
+    from backends.errors import BadInput
     from kafila.net import Member, MemberJoined, Message
     from rendezvous.service import Rendezvous
 
@@ -153,8 +153,9 @@ def run_one_stage(model: str, prompt: str, max_new: int) -> list[int]:
 @pytest.mark.session
 @pytest.mark.slow
 def test_a_126_block_model_forms_a_session_and_answers_as_one_stage(model, tmp_path):
-    from kafila.session.launch import LocalSession, get_json, stream_chat
-    from kafila.models import load_tokenizer, open_model
+    from backends.gguf import open_model
+    from kafila.models import load_tokenizer
+    from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     prompt, max_new = "abc abc hello", 12
     want = run_one_stage(model, prompt, max_new)
@@ -179,7 +180,7 @@ def test_a_126_block_model_forms_a_session_and_answers_as_one_stage(model, tmp_p
                       for n in s.names[1:])  # fmt: skip
         assert biggest > PIECE_BYTES, (plan["blocks"], biggest)
         # a request that cannot be served (a prompt longer than the context) fails alone …
-        from kafila.errors import Refused
+        from backends.errors import Refused
 
         for asked in s.names:
             with pytest.raises(Refused, match="HTTP 400.*context"):

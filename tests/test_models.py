@@ -7,9 +7,10 @@ import hashlib
 import numpy as np
 import pytest
 
-from kafila.errors import BadInput
-from kafila.models import open_model, resolve_model
-from kafila.models.quant import split_blocks
+from backends.errors import BadInput
+from backends.gguf import open_model
+from backends.gguf.quant import split_blocks
+from kafila.models import resolve_model
 from tests.synthetic_gguf import write_llama_gguf, write_not_gguf, write_truncated
 
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
 from kafila.session.load import clean_head, clean_request, clean_stage, ring_load
 from kafila.session.scheduler import Scheduler, SchedulerError, TokenOut
 from kafila.session.slots import AUTO_MAX_SLOTS, auto_slots, parse_concurrency, parse_max_queued

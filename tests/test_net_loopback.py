@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from kafila.errors import BadInput, Refused
+from backends.errors import BadInput, Refused
 from kafila.net import Member, MemberJoined, MemberLeft, Message, RosterUpdated
 from rendezvous import messages as m
 from rendezvous.limits import MEMBER_SILENT_S

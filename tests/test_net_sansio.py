@@ -12,7 +12,7 @@ import msgpack
 import pytest
 from aioice import stun
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
 from kafila.net.code import make_code, parse_code
 from kafila.net.handshake import Pake, SealedChannel, reject, rejection_reason
 from kafila.net.natcheck import (

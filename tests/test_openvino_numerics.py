@@ -53,7 +53,7 @@ def compare_chain(index, ranges, prompt, decode_tokens):
     ids=["q4_1", "q4_0", "q8_0", "f16", "f32-untied", "qwen2-bias"],
 )
 def test_synthetic_models_match_reference(tmp_path, options):
-    from kafila.models import open_model
+    from backends.gguf import open_model
     from tests.synthetic_gguf import write_llama_gguf
 
     index = open_model(write_llama_gguf(tmp_path / "m.gguf", **options))
@@ -75,9 +75,9 @@ def test_q4_1_linear_is_exact(zero_scale):
     import openvino as ov
     import openvino.opset13 as ops
 
+    from backends.gguf.quant import QuantBlocks
     from backends.openvino.shard import F32_CONFIG, core
     from backends.openvino.weights import WeightBank
-    from kafila.models.quant import QuantBlocks
 
     rng = np.random.default_rng(3)
     rows, nb = 48, 4

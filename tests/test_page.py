@@ -131,7 +131,7 @@ MAX_NEW = 24
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    from kafila.session.launch import LocalSession
+    from kafila.tooling.launch import LocalSession
 
     s = LocalSession(members=3, context=256, concurrency=2,
                      cache_root=str(tmp_path_factory.mktemp("caches")),
@@ -397,7 +397,7 @@ def test_status_command_against_a_member_and_a_missing_one(tokenizer):  # noqa: 
         assert r.returncode == 0 and "scripted" in r.stdout, r.stderr
 
     serve(ScriptedEngine(tokenizer), test)
-    from kafila.session.launch import free_port
+    from kafila.tooling.launch import free_port
 
     r = subprocess.run([sys.executable, "-m", "kafila", "status", "--api", f"127.0.0.1:{free_port()}"],
                        capture_output=True, text=True, timeout=60, check=False)  # fmt: skip

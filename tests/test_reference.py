@@ -7,7 +7,7 @@ import pytest
 
 from backends import ShardSpec
 from backends.reference import ReferenceShard, rope_angles, rope_interleaved, rope_neox
-from kafila.local import LocalChain
+from kafila.engine.chain import LocalChain
 
 PROMPT = [5, 60, 200, 7, 258, 33, 91]
 

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from bench.churn import PROMPTS, ask_all, wait_decoding
-from kafila.session.launch import LocalSession, get_json, stream_chat
+from kafila.tooling.launch import LocalSession, get_json, stream_chat
 from tests.default_model import needs_default_model
 
 pytestmark = [pytest.mark.session, pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600),

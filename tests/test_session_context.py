@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import pytest
 
+from backends.errors import BadInput, Refused
 from kafila.cli import main
-from kafila.errors import BadInput, Refused
 from kafila.session.host import DEFAULT_CONTEXT_TOKENS, HostParticipant, session_context
-from kafila.session.launch import LocalSession
+from kafila.tooling.launch import LocalSession
 from tests.synthetic_gguf import write_llama_gguf
 
 MODEL_CONTEXT = 512  # write_llama_gguf's context_length

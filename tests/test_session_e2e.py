@@ -31,7 +31,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def session(tmp_path_factory):
-    from kafila.session.launch import LocalSession
+    from kafila.tooling.launch import LocalSession
 
     # batched rows off: answers here are compared with one stage's at serving precision, where a
     # batched answer may part at a near-tie (tests/test_session_multiuser.py checks rows at f32)
@@ -49,9 +49,10 @@ def session(tmp_path_factory):
 @pytest.fixture(scope="module")
 def local():
     """What `kafila run --stages 1` answers: the same LocalChain, template and EOS handling."""
+    from backends.gguf import open_model
     from kafila.api import chat_prompt_ids
-    from kafila.local import LocalChain
-    from kafila.models import load_tokenizer, open_model
+    from kafila.engine.chain import LocalChain
+    from kafila.models import load_tokenizer
 
     index = open_model(MODEL)
     tok = load_tokenizer(index)

@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from kafila.session.launch import free_ports
+from kafila.tooling.launch import free_ports
 
 pytestmark = [pytest.mark.session, pytest.mark.timeout(180)]
 KAFILA = [sys.executable, "-m", "kafila"]

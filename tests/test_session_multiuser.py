@@ -86,7 +86,7 @@ def wait_for(what: str, check, timeout_s: float = 30.0):
     pytest.param("mlx-batch-rows-on", marks=needs_mlx), pytest.param("mlx-batch-rows-off", marks=needs_mlx),
 ])  # fmt: skip
 def session(request, tmp_path_factory):
-    from kafila.session.launch import LocalSession
+    from kafila.tooling.launch import LocalSession
 
     backend = request.param.split("-")[0]
     # --concurrency auto (LocalSession's default, as kafila host's): context 512 makes a slot small
@@ -171,7 +171,7 @@ def test_a_client_that_hangs_up_frees_its_slot_on_every_stage(session):
 
 
 def test_more_requests_than_the_queue_holds_get_429_and_the_admitted_finish(tmp_path):
-    from kafila.session.launch import LocalSession
+    from kafila.tooling.launch import LocalSession
 
     s = LocalSession(members=3, context=256, concurrency=1, max_queued=1, cache_root=str(tmp_path / "cache"),
                      log_dir=str(tmp_path))  # fmt: skip

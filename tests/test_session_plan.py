@@ -4,7 +4,7 @@ import os
 
 import pytest
 
-from kafila.errors import Refused
+from backends.errors import Refused
 from kafila.session.host import members_table, plan_table, predicted_tok_s
 from kafila.session.participant import role_of
 

@@ -10,7 +10,7 @@ import pytest
 
 from backends.base import HeadOps
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
-from kafila.session.engine import RingEngine
+from kafila.engine.ring import RingEngine
 from kafila.session.frames import Limits
 from kafila.session.ring import RingNode
 from tests.fake_link import Pipe

@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 
 from kafila.engine import GenerationRequest, GenerationStats
-from kafila.session.engine import RingEngine
+from kafila.engine.ring import RingEngine
+from kafila.session.draft import ModelDrafter
 from kafila.session.frames import FrameDecoder, Limits, Request, encode
 from kafila.session.ring import RingNode
-from kafila.session.draft import ModelDrafter
 from kafila.session.scheduler import Finished, Scheduler, TokenOut
 from kafila.session.speculate import SpecStats, accept, ngram_draft
 from tests.fake_link import Pipe

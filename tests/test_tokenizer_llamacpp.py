@@ -19,7 +19,7 @@ import tarfile
 
 import pytest
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
 from tests import llamacpp_files
 
 KAFILA = os.path.join(os.path.dirname(sys.executable), "kafila")

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from kafila.models import open_model
+from backends.gguf import open_model
 from kafila.session import weights as W
 from kafila.session.streams import StreamClosed
 from kafila.session.transfer import check_local_file, fetch_weights, serve_weights

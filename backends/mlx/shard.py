@@ -22,10 +22,10 @@ import mlx.core as mx
 import numpy as np
 
 from backends.base import HeadOps, ShardSpec
+from backends.errors import BadInput
+from backends.gguf import ModelIndex, open_model
 from backends.mlx.model import Dims, SlotCache, attention_mask, block, block_rows
 from backends.mlx.weights import load_shard_weights, weight_bytes
-from kafila.errors import BadInput
-from kafila.models import ModelIndex, open_model
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""A shard's weights for MLX, built from the GGUF's bytes through kafila.models.quant.
+"""A shard's weights for MLX, built from the GGUF's bytes through backends.gguf.quant.
 
 Quantized matrices become MLX affine quantized arrays (w = scale·q + bias per group of 32: a
 uint32 `weight` of packed codes, `scales`, `biases`), exactly:
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from kafila.models import ModelIndex, open_model
-from kafila.models.quant import FLOAT_TYPES, QuantBlocks
+from backends.gguf import ModelIndex, open_model
+from backends.gguf.quant import FLOAT_TYPES, QuantBlocks
 
 GROUP_SIZE = 32  # MLX's group of every quantized matrix (Q6_K's 16 are padded to it)
 PAD_GROUP = 16  # Q6_K's group

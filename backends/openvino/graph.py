@@ -30,8 +30,8 @@ import openvino as ov
 import openvino.opset13 as ops
 import openvino.opset6 as ops6
 
+from backends.gguf import ModelIndex
 from backends.openvino.weights import F32, WeightBank
-from kafila.models import ModelIndex
 
 I64 = ov.Type.i64
 

@@ -26,11 +26,11 @@ import numpy as np
 import openvino as ov
 
 from backends.base import HeadOps, ShardSpec
+from backends.gguf import ModelIndex, open_model
 from backends.openvino import rows as rowmod
 from backends.openvino.graph import StageBuilder
 from backends.openvino.rows import Row, RowGroup
 from backends.openvino.weights import WeightBank
-from kafila.models import ModelIndex, open_model
 
 # serving: the CPU plugin's defaults, exactly what openvino_genai.LLMPipeline(gguf) compiles with
 # on CPU (bf16 inference where the CPU has it, u8 KV cache, dynamic quantization group 32).

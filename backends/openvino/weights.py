@@ -45,8 +45,8 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from kafila.models import ModelIndex
-from kafila.models.quant import FLOAT_TYPES, QuantBlocks
+from backends.gguf import ModelIndex
+from backends.gguf.quant import FLOAT_TYPES, QuantBlocks
 
 F32 = ov.Type.f32
 ZERO_POINT_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = (q − z)·s with an f32 zero point

@@ -26,10 +26,10 @@ from kafila.api._ollama import (
     parse_generate,
     tag,
 )
+from backends.errors import BadInput
 from kafila.api._pieces import _END, text_pieces
 from kafila.api._validate import Sampling, bad
 from kafila.engine import EngineError
-from kafila.errors import BadInput
 
 log = logging.getLogger("kafila.api")
 

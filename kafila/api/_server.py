@@ -37,8 +37,8 @@ from kafila.api._validate import (
     parse_completion,
     token_budget,
 )
+from backends.errors import BadInput, KafilaError
 from kafila.engine import Engine, EngineError, GenerationRequest, GenerationStats
-from kafila.errors import BadInput, KafilaError
 from kafila.models import StreamDecoder
 
 log = logging.getLogger("kafila.api")

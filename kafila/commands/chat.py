@@ -13,8 +13,8 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
+from backends.errors import EXIT_OK, BadInput, Refused
 from kafila.api import DEFAULT_API_HOST, DEFAULT_API_PORT, parse_hostport
-from kafila.errors import EXIT_OK, BadInput, Refused
 
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # a long queue or a slow ring: the first token may take a while

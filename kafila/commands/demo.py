@@ -47,12 +47,13 @@ def run(args: argparse.Namespace) -> int:
 
     from rich.console import Console
 
+    from backends.errors import BadInput, KafilaError
+    from backends.gguf import open_model
     from kafila.commands.join import check_backend
-    from kafila.errors import BadInput, KafilaError
-    from kafila.models import open_model, resolve_model
+    from kafila.models import resolve_model
     from kafila.session.host import plan_table, predicted_tok_s, session_context
-    from kafila.session.launch import LocalSession, get_json, stream_chat
-    from kafila.throttle import parse_throttle
+    from kafila.tooling.launch import LocalSession, get_json, stream_chat
+    from kafila.tooling.throttle import parse_throttle
 
     if not 1 <= args.members <= 9:
         raise BadInput("--members N: choose 1..9")

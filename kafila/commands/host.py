@@ -59,9 +59,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
+    from backends.errors import BadInput
+    from backends.gguf import open_model
     from kafila.commands.rendezvous import parse_host_port
-    from kafila.errors import BadInput
-    from kafila.models import open_model, resolve_model
+    from kafila.models import resolve_model
     from kafila.session.host import HostParticipant, session_context
     from kafila.session.participant import stdin_is_terminal
     from kafila.session.slots import parse_concurrency, parse_max_queued

@@ -1,6 +1,6 @@
 """`kafila inspect`: what a GGUF file holds, and whether (and if not, why not) Kafila serves it.
 
-The description is read from the GGUF header directly (kafila.models.gguf_header), so it works on
+The description is read from the GGUF header directly (backends.gguf.header), so it works on
 files Kafila refuses — a vocabulary-only GGUF, an unsupported architecture or quant type. Whether
 Kafila serves the file is `open_model`'s verdict: its BadInput message is the reason when it refuses.
 
@@ -36,7 +36,7 @@ import json
 import os
 import re
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
 
 BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.")
 HEAD_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
@@ -81,10 +81,10 @@ def describe(path: str) -> dict:
     """Everything `kafila inspect --json` prints, for the GGUF at `path` (BadInput if unreadable).
 
     A served file is described from its ModelIndex (the header parsed once); a refused one from
-    header directly (kafila.models.gguf_header), as far as it can be read.
+    header directly (backends.gguf.header), as far as it can be read.
     """
-    from kafila.models import open_model
-    from kafila.models.gguf_header import read_header
+    from backends.gguf import open_model
+    from backends.gguf.header import read_header
 
     try:
         index = open_model(path)

@@ -39,9 +39,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
 
 
 def common_config(args: argparse.Namespace, host: bool):
+    from backends.errors import BadInput
     from kafila.api import parse_hostport
     from kafila.commands.rendezvous import parse_host_port
-    from kafila.errors import BadInput
     from kafila.session.participant import SessionConfig
 
     if args.latency_ms < 0 or args.latency_ms > 10_000:
@@ -55,7 +55,8 @@ def common_config(args: argparse.Namespace, host: bool):
         api, api_tries = None if args.api.lower() in ("off", "none", "") else parse_hostport(args.api), 1
     draft = None
     if args.draft:
-        from kafila.models import open_model, resolve_model
+        from backends.gguf import open_model
+        from kafila.models import resolve_model
 
         draft = resolve_model(args.draft)
         open_model(draft)  # missing or not a GGUF: one line, exit 2, before anything starts
@@ -68,7 +69,7 @@ def common_config(args: argparse.Namespace, host: bool):
 
 def check_backend(name: str) -> None:
     import backends
-    from kafila.errors import BadInput
+    from backends.errors import BadInput
 
     st = backends.status(name)
     if not st.available:
@@ -96,7 +97,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
-    from kafila.errors import BadInput
+    from backends.errors import BadInput
     from kafila.net.code import parse_code
     from kafila.net.codefile import read_code
     from kafila.session.participant import Participant

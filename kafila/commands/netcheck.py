@@ -6,8 +6,8 @@ import argparse
 import asyncio
 import json
 
+from backends.errors import BadInput
 from kafila.commands.rendezvous import DEFAULT_PORT, parse_host_port
-from kafila.errors import BadInput
 
 ADVICE = {
     "permissive": "edges to any member can go direct",

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kafila.errors import EXIT_OK, EXIT_REFUSED, BadInput
+from backends.errors import EXIT_OK, EXIT_REFUSED, BadInput
 
 POLICIES = ("kafila", "uniform", "memory")
 POLICY_LABELS = {"kafila": "Kafila", "uniform": "Uniform (GPipe)", "memory": "Mem-prop. (exo)"}

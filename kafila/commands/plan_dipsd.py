@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kafila.errors import EXIT_OK, BadInput
+from backends.errors import EXIT_OK, BadInput
 
 LABELS = {
     "dipsd": "DiP-SD (MILP + Dinkelbach)",

@@ -7,7 +7,7 @@ import json
 import sys
 from typing import Any
 
-from kafila.errors import EXIT_OK
+from backends.errors import EXIT_OK
 
 
 def register(subparsers: Any) -> None:

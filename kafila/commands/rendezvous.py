@@ -8,7 +8,7 @@ import contextlib
 import signal
 import sys
 
-from kafila.errors import BadInput, Refused
+from backends.errors import BadInput, Refused
 
 DEFAULT_PORT = 7473
 

@@ -6,7 +6,7 @@ import json
 import sys
 import time
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
 
 DEFAULT_MAX_TOKENS = 128
 
@@ -32,8 +32,9 @@ def register(subparsers) -> None:
 
 
 def run(args) -> int:
-    from kafila.local import LocalChain, parse_backends
-    from kafila.models import StreamDecoder, load_tokenizer, open_model, resolve_model
+    from backends.gguf import open_model
+    from kafila.engine.chain import LocalChain, parse_backends
+    from kafila.models import StreamDecoder, load_tokenizer, resolve_model
 
     if not args.prompt.strip():
         raise BadInput("the prompt is empty: give some text to continue")

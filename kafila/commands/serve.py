@@ -10,9 +10,9 @@ import asyncio
 import signal
 import sys
 
+from backends.errors import EXIT_OK, BadInput
 from kafila.api import DEFAULT_API_HOST, DEFAULT_API_PORT, parse_hostport, start_api
-from kafila.errors import EXIT_OK, BadInput
-from kafila.local_engine import DEFAULT_MAX_SLOTS, LocalEngine
+from kafila.engine.local import DEFAULT_MAX_SLOTS, LocalEngine
 from kafila.models import DEFAULT_MODEL
 
 

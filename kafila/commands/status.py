@@ -17,8 +17,8 @@ from rich.console import Group
 from rich.table import Table
 from rich.text import Text
 
+from backends.errors import EXIT_OK, Refused
 from kafila.api import DEFAULT_API_HOST, DEFAULT_API_PORT, parse_hostport
-from kafila.errors import EXIT_OK, Refused
 from kafila.session.preview import plan_summary, predicted_tok_s  # noqa: F401 (predicted_tok_s: re-exported)
 
 CONNECT_TIMEOUT_S = 5.0

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import sys
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
 
 
 def register(subparsers) -> None:

@@ -1,10 +1,9 @@
-"""Models: the GGUF index, exact quant formats, tokenizer and aliases."""
+"""Models as the app sees them: the tokenizer, the vocabulary tests and the alias registry.
 
-from kafila.models.gguf_index import Hyperparams, ModelIndex, TensorInfo, open_model
+Reading GGUF files (the header, the tensor index, quant formats) lives below the app and the
+backends, in backends/gguf."""
+
 from kafila.models.registry import ALIASES, DEFAULT_MODEL, resolve_model
 from kafila.models.tokenizer import StreamDecoder, Tokenizer, load_tokenizer
 
-__all__ = [
-    "ALIASES", "DEFAULT_MODEL", "Hyperparams", "ModelIndex", "StreamDecoder", "TensorInfo",
-    "Tokenizer", "load_tokenizer", "open_model", "resolve_model",
-]  # fmt: skip
+__all__ = ["ALIASES", "DEFAULT_MODEL", "StreamDecoder", "Tokenizer", "load_tokenizer", "resolve_model"]

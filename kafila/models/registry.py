@@ -6,7 +6,7 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
 
 
 @dataclass(frozen=True)

@@ -17,9 +17,9 @@ from dataclasses import dataclass, field
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
+from backends.gguf.header import read_header
 from kafila.models import vocab as V
-from kafila.models.gguf_header import read_header
 
 SUPPORTED_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece
 DEFAULT_SPECIAL_IDS = {"llama": (1, 2), "gpt2": (11, 11)}  # llama.cpp's (bos, eos) when the keys are absent
@@ -321,5 +321,5 @@ def load_tokenizer_file(path: str) -> Tokenizer:
 
 def read_tokenizer_metadata(path: str, prefixes: tuple[str, ...] = ("tokenizer.", "general.")) -> dict[str, object]:
     """The metadata keys of a GGUF file that start with `prefixes`, values as Python objects
-    (kafila.models.gguf_header: the others are skipped, tensors are never read)."""
+    (backends.gguf.header: the others are skipped, tensors are never read)."""
     return read_header(path, lambda key: key.startswith(prefixes), tensors=False).metadata

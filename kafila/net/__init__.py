@@ -8,7 +8,7 @@ API (asyncio), as built for the session layer:
     host = await Member.host((rv_host, rv_port), "alice", descriptor, bind_host=..., send_delay_ms=0)
     host.code                                   # "4711-crossover-clockwork-pandora"
     bob = await Member.join(code, (rv_host, rv_port), "bob", descriptor, bind_host=...)
-        # wrong code -> kafila.errors.Refused("wrong code: ..."); unknown nameplate -> Refused;
+        # wrong code -> backends.errors.Refused("wrong code: ..."); unknown nameplate -> Refused;
         # malformed code or name -> BadInput
     m.name, m.is_host, m.code, m.nat (NatReport: nat, mapped, rtt_ms, filtering, mapping)
     m.roster() -> {name: MemberInfo(name, descriptor, nat, rtt_ms, fingerprint, candidates,

@@ -41,6 +41,8 @@ from cryptography.hazmat.primitives import hashes
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
 
+from rendezvous.errors import ProtocolError
+
 BULK_KEY_BYTES = 32
 OFFER_ID_BYTES = 16
 NONCE_BYTES = 32
@@ -56,8 +58,13 @@ _COUNTER = struct.Struct(">4xQ")
 _LABEL = b"kafila-bulk-v1 "
 
 
-class BulkError(Exception):
-    """The bulk lane cannot go on: a handshake that fails, a record that does not open."""
+class BulkError(ProtocolError):
+    """The bulk lane cannot go on: a handshake that fails, a record that does not open (the shared
+    protocol error type, as every wire protocol's); str() is the one-line reason."""
+
+    def __init__(self, reason: str) -> None:
+        super().__init__("bulk", reason)
+        self.args = (reason,)
 
 
 def _hkdf(key: bytes, info: bytes, salt: bytes | None = None, length: int = 32) -> bytes:

@@ -12,7 +12,7 @@ import re
 import secrets
 from collections.abc import Callable
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
 from kafila.net.words import EVEN_WORDS, ODD_WORDS
 from rendezvous.limits import MAX_NAMEPLATE
 

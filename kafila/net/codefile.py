@@ -12,7 +12,7 @@ import os
 import stat
 import sys
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
 
 MAX_CODE_CHARS = 200
 

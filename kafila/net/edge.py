@@ -35,7 +35,7 @@ from aioquic.quic.packet import QuicPacketType, pull_quic_header
 from aioquic.quic.recovery import QuicPacketPacer
 from cryptography.hazmat.primitives import serialization
 
-from kafila.errors import Refused
+from backends.errors import Refused
 from kafila.net.certs import Identity, fingerprint, verify_signature
 from kafila.net.handshake import derive
 from kafila.net.punch import DIRECT, Puncher

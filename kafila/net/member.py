@@ -18,7 +18,7 @@ from typing import Any
 
 import msgpack
 
-from kafila.errors import BadInput, Refused
+from backends.errors import BadInput, Refused
 from kafila.net import admission as adm
 from kafila.net import joining
 from kafila.net.admission import HostAdmission, HostSession

@@ -29,6 +29,8 @@ from dataclasses import asdict, dataclass
 
 from aioice import stun
 
+from planner.fleet import Nat
+from planner.ring import predicted_direct
 from rendezvous.errors import ProtocolError
 from rendezvous.stun import CHANGE_IP, CHANGE_PORT
 
@@ -39,7 +41,8 @@ RETRANSMIT_S = 0.15
 FILTER_WAIT_S = 0.6  # how long an answer from the other port may take before we call it filtered
 PROBE_TIMEOUT_S = 3.0  # no answer from P1 at all within this: the rendezvous is unreachable
 
-PERMISSIVE, ORDINARY, RESTRICTIVE = "permissive", "ordinary", "restrictive"
+# The NAT classes are planner.fleet.Nat (one definition); the wire carries their values.
+PERMISSIVE, ORDINARY, RESTRICTIVE = Nat.PERMISSIVE.value, Nat.ORDINARY.value, Nat.RESTRICTIVE.value
 EIM, EDM, UNKNOWN = "endpoint-independent", "endpoint-dependent", "unknown"
 EIF, ADF, PDF, NPDF = "endpoint-independent", "address-dependent", "port-dependent", "not-port-dependent"
 
@@ -72,11 +75,16 @@ def classify(mapping: str, filtering: str) -> str:
 
 
 def predict_edge_kind(a: str, b: str) -> str:
-    """Predicted edge kind from two NAT classes: direct where one side is permissive or both
-    are ordinary; otherwise relay (ordinary x restrictive is still tried, and may punch)."""
-    if PERMISSIVE in (a, b) or (a == ORDINARY and b == ORDINARY):
-        return "direct"
-    return "relay"
+    """Predicted edge kind from two NAT classes, by the planner's rule (planner.ring.predicted_direct:
+    an unknown class counts as restrictive)."""
+    return "direct" if predicted_direct(_nat(a), _nat(b)) else "relay"
+
+
+def _nat(value: str) -> Nat | None:
+    try:
+        return Nat(value)
+    except ValueError:
+        return None
 
 
 @dataclass

@@ -14,7 +14,7 @@ import logging
 import socket
 from collections.abc import Callable
 
-from kafila.errors import Refused
+from backends.errors import Refused
 from kafila.net.sock import DelayedWriter, delayed_writer
 from rendezvous import messages as m
 from rendezvous.errors import ProtocolError

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-from kafila.errors import Refused
+from backends.errors import Refused
 from kafila.net.natcheck import NatProbe, NatReport
 from kafila.net.sock import MemberSocket
 from rendezvous.errors import ProtocolError

@@ -1,6 +1,6 @@
 """A draft model at the head: a small GGUF with the target's vocabulary proposes K tokens a trip.
 
-Theory of operation. The drafter runs a one-stage chain of the draft model (kafila.local) on the
+Theory of operation. The drafter runs a one-stage chain of the draft model (kafila.engine.chain) on the
 head's worker thread and keeps, per request, a cursor and the tokens whose KV is live in it. To
 propose k tokens after a request's history: the longest common prefix of the live tokens and the
 history stays; what follows it (the drafts the ring rejected) is masked out — the same
@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kafila.errors import BadInput
-from kafila.models import ModelIndex, open_model
+from backends.errors import BadInput
+from backends.gguf import ModelIndex, open_model
 from kafila.models.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -45,7 +45,7 @@ class _State:
 
 
 class ModelDrafter:
-    """Greedy drafts from a draft model's chain (kafila.local.LocalChain of one stage)."""
+    """Greedy drafts from a draft model's chain (kafila.engine.chain.LocalChain of one stage)."""
 
     def __init__(self, chain, max_positions: int) -> None:
         self.chain = chain
@@ -55,7 +55,7 @@ class ModelDrafter:
 
     @classmethod
     def build(cls, index: ModelIndex, backend: str, precision: str, context: int) -> ModelDrafter:
-        from kafila.local import LocalChain
+        from kafila.engine.chain import LocalChain
 
         chain = LocalChain.build(index.path, 1, backend, precision, index=index)
         # a request's history fills at most `context`; the rest of the bound is for rejected drafts

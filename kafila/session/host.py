@@ -15,7 +15,7 @@ from dataclasses import replace
 from rich.live import Live
 from rich.table import Table
 
-from kafila.errors import BadInput, Refused, describe_error
+from backends.errors import BadInput, Refused, describe_error
 from kafila.net.codefile import write_private
 from kafila.session import control, lifecycle
 from kafila.session.control import PlanMessage, SessionTerms
@@ -154,7 +154,7 @@ class HostParticipant(Participant):
     async def _open_model(self):
         """The model's index, the session's context, this device's descriptor under way, and the
         digests hashing in a worker (returned as a task)."""
-        from kafila.models import open_model
+        from backends.gguf import open_model
         from kafila.session.weights import DigestCache, warm_header_cache
 
         cfg = self.cfg

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field
 
 from rich.console import Console
 
-from kafila.errors import BadInput, KafilaError, Refused, describe_error
+from backends.errors import BadInput, KafilaError, Refused, describe_error
+from kafila.engine.ring import RESUME_WAIT_S, RingEngine
 from kafila.session import control, lifecycle
-from kafila.session.engine import RESUME_WAIT_S, RingEngine
 from kafila.session.frames import Hello, Limits, encode
 from kafila.session.load import MAX_REPORTED_REQUESTS, clean_head, clean_stage, ring_load
 from kafila.session.ring import RingNode
@@ -484,7 +484,8 @@ class Participant:
 
     async def _prepare(self, msg: control.PlanMessage, fetch_from: str | None) -> None:
         from backends import ShardSpec, load_shard
-        from kafila.models import load_tokenizer, open_model
+        from backends.gguf import open_model
+        from kafila.models import load_tokenizer
 
         cfg = self.cfg
         await self._teardown_ring(f"the session is replanning ({msg.reason or 'a new plan'})")
@@ -616,7 +617,7 @@ class Participant:
             return None
 
         def check(path: str) -> None:
-            from kafila.models import open_model
+            from backends.gguf import open_model
 
             try:
                 index = open_model(path)

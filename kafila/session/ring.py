@@ -63,6 +63,7 @@ from kafila.session.slots import DEFAULT_MAX_QUEUED
 from kafila.session.speculate import DRAFT_K
 from kafila.session.streams import FrameWriter, StreamClosed, read_frame
 from kafila.session.timing import Measured
+from planner import ring_neighbour
 
 log = logging.getLogger(__name__)
 # The watchdog: a stage whose compute has not finished one step in this long hangs (a long
@@ -281,7 +282,7 @@ class RingNode:
     # --- frames from the predecessor -------------------------------------------------------------
 
     async def _read_loop(self, reader) -> None:
-        pred = self.ring[(self.ring.index(self.name) - 1) % len(self.ring)]
+        pred = ring_neighbour(self.ring, self.name, -1)
         try:
             while True:
                 frame = await read_frame(reader, self.limits)

@@ -12,7 +12,7 @@ the memory for that many.
 
 from __future__ import annotations
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
 
 AUTO = "auto"
 AUTO_MAX_SLOTS = 32  # auto's bound: past this, a ring of home machines is compute-bound anyway

@@ -1,4 +1,4 @@
-"""RingEngine: the Engine protocol (kafila/engine.py) over a ring session, on every member.
+"""RingEngine: the Engine protocol (kafila/engine/__init__.py) over a ring session, on every member.
 
 Resume at the origin. The member where a prompt was typed knows the prompt and every token it
 has streamed back, so when its ring breaks for a replan (a member left) it keeps the client's

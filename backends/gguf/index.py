@@ -16,9 +16,9 @@ from functools import cached_property
 
 import numpy as np
 
-from kafila.errors import BadInput
-from kafila.models.gguf_header import read_header
-from kafila.models.quant import BLOCK_WEIGHTS, QuantBlocks, bf16_to_f32, split_blocks
+from backends.errors import BadInput
+from backends.gguf.header import read_header
+from backends.gguf.quant import BLOCK_WEIGHTS, QuantBlocks, bf16_to_f32, split_blocks
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
 SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")

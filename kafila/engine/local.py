@@ -1,4 +1,4 @@
-"""An Engine over one process's chain of shards (kafila.local.LocalChain).
+"""An Engine over one process's chain of shards (kafila.engine.chain.LocalChain).
 
 Theory of operation. Everything that touches the model runs on one worker thread, so the event
 loop never blocks and shards never see two calls at once. Each request gets its own slot (its
@@ -21,8 +21,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from backends.errors import BadInput
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
-from kafila.errors import BadInput
 from kafila.sampling import Sampler, sample_token  # noqa: F401 (sample_token: importable from here, as before)
 
 DEFAULT_MAX_SLOTS = 4  # requests generating at once (each holds a KV state on every stage)
@@ -74,8 +74,9 @@ class LocalEngine:
         **options,
     ) -> LocalEngine:
         """Load `model` (an alias or a GGUF path) as a chain of `stages` shards (slow: compiles)."""
-        from kafila.local import LocalChain
-        from kafila.models import ALIASES, load_tokenizer, open_model, resolve_model
+        from backends.gguf import open_model
+        from kafila.engine.chain import LocalChain
+        from kafila.models import ALIASES, load_tokenizer, resolve_model
 
         path = resolve_model(model)
         index = open_model(path)
@@ -93,7 +94,7 @@ class LocalEngine:
     def over_chain(
         cls, chain, tokenizer, model_name: str, context_length: int, **options
     ) -> LocalEngine:
-        """An engine over an already built kafila.local.LocalChain."""
+        """An engine over an already built kafila.engine.chain.LocalChain."""
         describe = {"stages": chain.stages}
         return cls(chain_source(chain, tokenizer.eos_ids), tokenizer, model_name, context_length,
                    describe=describe, **options)  # fmt: skip

@@ -15,7 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass
 
-from kafila.errors import BadInput, Refused
+from backends.errors import BadInput, Refused
 
 CGROUP_CPU_ROOT = "/sys/fs/cgroup/cpu"
 CFS_PERIOD_US = 10_000

@@ -17,8 +17,8 @@ import numpy as np
 
 import backends
 from backends.base import Shard, ShardSpec
-from kafila.errors import BadInput
-from kafila.models import ModelIndex, open_model
+from backends.errors import BadInput
+from backends.gguf import ModelIndex, open_model
 
 INITIAL_MASK_CAPACITY = 256
 
@@ -54,7 +54,6 @@ class LocalChain:
             raise BadInput("exactly one shard of a chain must hold the head (final norm + lm_head)")
         self.shards = list(shards)
         self.head = heads[0]
-        self._greedy = getattr(self.head, "greedy", None)
 
     @classmethod
     def build(cls, model_path: str, stages: int, backend_names: str | Sequence[str] = "openvino",
@@ -113,9 +112,7 @@ class LocalChain:
 
     def next_token(self, hidden: np.ndarray) -> int:
         """Greedy top-1 after the last row of hidden [n, H]."""
-        if self._greedy is not None:
-            return self._greedy(hidden)
-        return int(np.argmax(self.head.logits(hidden[-1:])[0]))
+        return self.head.greedy(hidden)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return self.head.logits(hidden)

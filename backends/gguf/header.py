@@ -29,7 +29,7 @@ import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from kafila.errors import BadInput
+from backends.errors import BadInput
 
 GGUF_MAGIC = b"GGUF"
 SUPPORTED_VERSIONS = (2, 3)

@@ -17,8 +17,8 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from kafila.errors import KafilaError, Refused
-from kafila.throttle import CpuQuota
+from backends.errors import KafilaError, Refused
+from kafila.tooling.throttle import CpuQuota
 
 STOP_GRACE_S = 10.0
 
@@ -113,7 +113,7 @@ class LocalSession:
             self.names = [f"m{i + 1}" for i in range(self.members)]
         unknown = set(self.throttle) - set(self.names)
         if unknown:
-            from kafila.errors import BadInput
+            from backends.errors import BadInput
 
             raise BadInput(f"--throttle names {sorted(unknown)} but the members are {', '.join(self.names)}")
 
