@@ -113,3 +113,23 @@ def test_the_check_catches_io() -> None:
     """The closure really follows our imports: the asyncio glue is reached from its entry point."""
     reached = _closure(ROOT / "kafila/net/member.py")
     assert any("asyncio" in {n.split(".")[0] for n in imports} for imports in reached.values())
+
+
+# Who may import whom (docs/ARCHITECTURE.md, "Layers"): dependencies point down only.
+MAY_IMPORT = {
+    "backends": {"backends"},  # backends.gguf and backends.errors are the bottom
+    "rendezvous": {"rendezvous"},
+    "planner": {"planner"},
+    "kafila": {"kafila", "backends", "planner", "rendezvous", "bench"},  # bench: `kafila bench local`
+}
+
+
+@pytest.mark.parametrize("package", sorted(MAY_IMPORT))
+def test_layers_import_only_what_lies_below(package: str) -> None:
+    files = sorted((ROOT / package).rglob("*.py"))
+    assert files
+    for path in files:
+        for name in _imports(path, everywhere=True):
+            root = name.split(".")[0]
+            if root in OURS or root in {"tests", "bench", "natlab_tests"}:
+                assert root in MAY_IMPORT[package], f"{path.relative_to(ROOT)} imports {name}"
