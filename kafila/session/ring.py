@@ -66,11 +66,19 @@ from kafila.session.streams import FrameWriter, StreamClosed, read_frame
 
 log = logging.getLogger(__name__)
 EMA = 0.2  # weight of the newest measurement in the moving averages
-# The watchdog: a stage whose compute has not finished one step in this long hangs (a long
-# prompt's chunk on a slow member takes seconds, not minutes); a step that has not come back
-# round the ring in twice that is lost (a member frozen whole: its own watchdog cannot fire).
-STAGE_HANG_S = 120.0
 DEPTH_EVERY_S = 1.0  # how often the head re-estimates the micro-batches to keep in flight
+# The watchdog: a stage whose compute has not finished one step of up to HANG_ROWS positions in
+# STAGE_HANG_S hangs; a step that has not come back round the ring in twice its bound is lost (a
+# member frozen whole: its own watchdog cannot fire). A longer step (a prefill chunk: 512
+# positions at hidden 4096) computes for proportionally longer, so its bound grows with the
+# positions it feeds: the 8B shape's chunk takes minutes on a slow CPU (issue 10), not a hang.
+STAGE_HANG_S = 120.0
+HANG_ROWS = 32
+
+
+def hang_bound_s(stage_hang_s: float, rows: int) -> float:
+    """The watchdog's bound on one step of `rows` positions on one stage (a trip: twice it)."""
+    return stage_hang_s * max(1.0, rows / HANG_ROWS)
 
 
 class StageHung(Exception):
@@ -203,6 +211,7 @@ class RingNode:
                           if self.is_head else None)  # fmt: skip
         self._events: asyncio.Queue = asyncio.Queue()
         self._step_started: dict[str, float] = {}
+        self._step_rows: dict[str, int] = {}  # head: rid → positions its step in flight feeds (the trip's bound)
         self._pace: dict[str, tuple[float, float, int]] = {}  # head: rid → (first token, last token, tokens)
         # this stage's own load (/status): rows in its last forward (one request's step each, for
         # now: batched decode rows will put several requests' rows in one) and forwards run
@@ -267,15 +276,17 @@ class RingNode:
         for rid, w in list(self.waiters.items()):
             w.queue.put_nowait(Tokens(rid, self.name, (), True, "error", reason[:500], 503))
 
-    async def _compute(self, fn, *args):
-        """fn(*args) on the stage's worker thread, watched: past stage_hang_s the ring degrades
-        naming this member (a hung thread cannot be stopped, but nobody waits on it for ever)."""
+    async def _compute(self, fn, *args, rows: int = 1):
+        """fn(*args) on the stage's worker thread, watched: past hang_bound_s(stage_hang_s, rows)
+        (`rows`: the positions the step feeds) the ring degrades naming this member (a hung
+        thread cannot be stopped, but nobody waits on it for ever)."""
         fut = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        bound = hang_bound_s(self.stage_hang_s, rows)
         # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation that
         # arrives as the work finishes (then close() waited for ever on a task that went on)
-        done, _ = await asyncio.wait({fut}, timeout=self.stage_hang_s)
+        done, _ = await asyncio.wait({fut}, timeout=bound)
         if not done:
-            reason = (f"member {self.name}'s stage did not finish a step within {self.stage_hang_s:.0f} s "
+            reason = (f"member {self.name}'s stage did not finish a step within {bound:.0f} s "
                       "(its compute hangs)")  # fmt: skip
             self.degrade(reason)
             raise StageHung(reason)
@@ -288,8 +299,10 @@ class RingNode:
         while self.degraded is None:
             await asyncio.sleep(min(1.0, bound / 4))
             now = time.perf_counter()
-            late = [rid for rid, t0 in self._step_started.items() if now - t0 > bound]
+            late = [rid for rid, t0 in self._step_started.items()
+                    if now - t0 > 2 * hang_bound_s(self.stage_hang_s, self._step_rows.get(rid, 1))]  # fmt: skip
             if late:
+                bound = 2 * hang_bound_s(self.stage_hang_s, max(self._step_rows.get(r, 1) for r in late))
                 others = [n for n in self.ring if n != self.name]
                 self.degrade(f"a step did not come back round the ring within {bound:.0f} s: one of "
                              f"{', '.join(others)} is not answering (frozen or asleep?)")  # fmt: skip
@@ -447,7 +460,7 @@ class RingNode:
             self._ran(1)
             return h, int((time.perf_counter() - t0) * 1e6)
 
-        hidden, us = await self._compute(run)
+        hidden, us = await self._compute(run, rows=act.n)
         if act.n == 1:  # decode steps only: a prefill's cost grows with the prompt
             self._measure(self.name, us)
         await self._send(Activation(act.rid, act.slot, act.cache_len, act.pos0, act.zeros, hidden,
@@ -552,11 +565,12 @@ class RingNode:
                     await self._send_rows(group)
         for step in steps:
             self._step_started[step.rid] = time.perf_counter()  # drafting is part of a trip's cost
+            self._step_rows[step.rid] = len(step.tokens)
             if step.want_draft:
                 step = self.scheduler.attach_draft(step.rid, await self._propose(step))
                 if step is None:
                     continue
-            hidden, us = await self._compute(self._head_forward, step)
+            hidden, us = await self._compute(self._head_forward, step, rows=len(step.tokens))
             if len(step.tokens) == 1:
                 self._measure(self.name, us)
             act = Activation(step.rid, step.slot, step.cache_len, step.pos0, step.zeros, hidden,
@@ -599,6 +613,7 @@ class RingNode:
         now = time.perf_counter()
         for step in steps:
             self._step_started[step.rid] = now
+            self._step_rows[step.rid] = 1
         hiddens, us = await self._compute(self._head_forward_rows, steps)
         self._measure(self.name, us)
         acts = [Activation(st.rid, st.slot, st.cache_len, st.pos0, st.zeros, h, ((self.name, us),), len(steps), i)
@@ -669,6 +684,7 @@ class RingNode:
 
     def _account(self, act: Activation) -> None:
         started = self._step_started.pop(act.rid, None)
+        self._step_rows.pop(act.rid, None)
         if started is None:
             return
         step_ms = (time.perf_counter() - started) * 1000
@@ -693,6 +709,7 @@ class RingNode:
             elif isinstance(ev, Finished):
                 self._batches.leave(ev.rid)
                 self._step_started.pop(ev.rid, None)
+                self._step_rows.pop(ev.rid, None)
                 self._sampling.pop(ev.rid, None)
                 self._pace.pop(ev.rid, None)
                 if self.drafter is not None:
