@@ -11,7 +11,10 @@ on the machine's load. The two never run at once: `kafila run` has exited (its 8
 near 13 GB) before the session starts.
 
 Each side's TTFT and prefill rate (prompt tokens / TTFT) are printed (`-s` shows them);
-docs/BENCHMARKS.md, "A 4,000-token prompt on the 8B shape across 3 members", has a run's."""
+docs/BENCHMARKS.md, "A 4,000-token prompt on the 8B shape across 3 members", has a run's.
+
+The watchdog that run needed (ring.hang_bound_s: a step's bound grows with the positions it feeds)
+is checked first, fast, on the fake stages of tests/test_session_ring.py."""
 
 from __future__ import annotations
 
@@ -25,11 +28,67 @@ import pytest
 
 from tests.big_gguf import big_model
 
-pytestmark = [pytest.mark.slow, pytest.mark.session]
-
 PROMPT_TOKENS = 4000  # at least this many, chat template included
 MAX_NEW = 6
 CONTEXT = 4096
+
+
+def test_the_watchdog_gives_a_prefill_chunk_time_in_proportion_to_its_positions():
+    from kafila.session.ring import HANG_ROWS, STAGE_HANG_S, hang_bound_s
+
+    assert hang_bound_s(STAGE_HANG_S, 1) == hang_bound_s(STAGE_HANG_S, HANG_ROWS) == STAGE_HANG_S
+    assert hang_bound_s(STAGE_HANG_S, 512) == 16 * STAGE_HANG_S  # the 8B shape's chunk: 32 min a stage
+
+
+class Slow:
+    """A fake stage whose forward takes `per_position_s` a position, as a real prefill does."""
+
+    def __init__(self, shard, per_position_s: float) -> None:
+        self.shard, self.per_position_s = shard, per_position_s
+
+    def forward(self, slot, x, positions, mask):
+        time.sleep(self.per_position_s * len(positions))
+        return self.shard.forward(slot, x, positions, mask)
+
+    def __getattr__(self, name):
+        return getattr(self.shard, name)
+
+
+def test_a_long_prefill_step_is_not_a_hang_and_gives_the_solo_tokens():
+    """stage_hang_s 1 s, a 128-position prompt in one step that takes 1.15 s on every stage (its
+    bound: 4 s, 8 s a trip); decode steps take 9 ms. One bound for every step failed it."""
+    import asyncio
+
+    from kafila.engine import GenerationRequest, GenerationStats
+    from kafila.session.engine import RingEngine
+    from kafila.session.frames import Limits
+    from kafila.session.ring import RingNode
+    from tests.fake_link import Pipe
+    from tests.test_session_ring import H, V, shards
+
+    limits = Limits(hidden=H, context=256, slots=2, vocab=V)
+    prompt = [(7 * i) % (V - 1) + 1 for i in range(128)]
+
+    async def run(n, slow):
+        names = [f"m{i + 1}" for i in range(n)]
+        nodes = [RingNode(nm, "m1", names, Slow(s, 0.009) if slow else s, limits, eos_ids=frozenset({0}),
+                          stage_hang_s=1.0) for nm, s in zip(names, shards(n))]  # fmt: skip
+        pipes = [Pipe() for _ in names]
+        for i, node in enumerate(nodes):
+            node.start(*((pipes[i - 1].reader, pipes[i]) if n > 1 else ()))
+        e = RingEngine("fake", limits.context, None, dict)
+        e.node = nodes[-1]
+        try:
+            got = [t async for t in e.generate(GenerationRequest(tuple(prompt), 4), GenerationStats())]
+            return got, [node.degraded for node in nodes]
+        finally:
+            for node in nodes:
+                await node.close()
+
+    want, _ = asyncio.run(run(1, False))
+    got, degraded = asyncio.run(run(3, True))
+    assert degraded == [None, None, None]
+    assert got == want and len(got) == 4
 
 
 def long_prompt(tok, at_least: int) -> str:
@@ -79,6 +138,8 @@ def run_child(cmd: list[str], timeout_s: float) -> tuple[str, str, float, float]
     return stdout, stderr, wall, usage.ru_maxrss / 1024
 
 
+@pytest.mark.slow
+@pytest.mark.session
 @pytest.mark.parametrize("shape", [
     pytest.param("llama-3.2-1b", marks=pytest.mark.timeout(2400)),
     pytest.param("llama-3-8b", marks=pytest.mark.timeout(7200)),  # on 2 shared cores: over an hour
