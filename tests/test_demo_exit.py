@@ -27,7 +27,7 @@ class FakeSession:
         self.names = [f"m{i + 1}" for i in range(members)]
         self.plan = PLAN
 
-    def start(self) -> FakeSession:
+    def start(self, timeout_s: float = 300.0) -> FakeSession:
         return self
 
     def api(self, name: str) -> str:
@@ -49,7 +49,7 @@ def fake_demo(monkeypatch):
 
     answer = {"text": "red, green, blue", "tokens": 5, "tok_s": 10.0, "ttft_ms": 50.0}
     monkeypatch.setattr(kafila.tooling.launch, "LocalSession", FakeSession)
-    monkeypatch.setattr(kafila.tooling.launch, "stream_chat", lambda *a: answer)
+    monkeypatch.setattr(kafila.tooling.launch, "stream_chat", lambda *a, **k: answer)
     monkeypatch.setattr(kafila.tooling.launch, "get_json", lambda *a: {"stages": {}})
     monkeypatch.setattr(kafila.models, "resolve_model", lambda name: name)
     index = SimpleNamespace(name="m", hparams=SimpleNamespace(context_length=8192))  # what demo reads

@@ -98,7 +98,7 @@ class Rig:
         for w in self.core.pump(self.now):
             steps = [w.step] if isinstance(w, Forward) else list(w.steps)
             assert isinstance(w, (Forward, ForwardRows))
-            self.core.starting([s.req_id for s in steps], self.now)
+            self.core.starting([s.req_id for s in steps], self.now, [len(s.tokens) for s in steps])
             self.work.append(tuple(s.req_id for s in steps))
             shard, slots = self.shards["m1"], self.slots["m1"]
             if isinstance(w, Forward):
@@ -302,7 +302,9 @@ def test_refusals_failures_and_the_watchdog():
     rig.submit("m3:1", [V], origin="m3")  # an id outside the vocabulary
     assert rig.sent[-1].status == 400 and "0..49" in rig.sent[-1].error
     rig.pump()
-    assert rig.core.late(rig.now + 1.0, 2.0) is False and rig.core.late(rig.now + 3.0, 2.0) is True
+    assert rig.core.late(rig.now + 1.0, lambda rows: 2.0) is None
+    assert rig.core.late(rig.now + 3.0, lambda rows: 2.0) == 2.0
+    assert rig.core.late(rig.now + 3.0, lambda rows: 2.0 * rows) is None  # the prompt's step feeds 2
     # a frame of ours too big to send: that request alone fails, its slot is free again
     out = rig.core.send_failed(["m2:1"], "too big")
     assert any(isinstance(a, FreeSlot) for a in out)

@@ -7,6 +7,9 @@ import json
 import os
 
 DEFAULT_PROMPT = "Name three uses of a pooled home computer cluster."
+# Forming waits as long as a member waits to be ready (session/member.py READY_TIMEOUT_S: weights
+# over a slow link and a shard build; an 8B shape's three builds on one small machine take minutes).
+FORM_TIMEOUT_S = 900.0
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         console.print(f"demo: starting {args.members} processes on 127.0.0.1 "
                       f"({', '.join(session.names)}; {session.names[0]} hosts)…")  # fmt: skip
-        session.start()
+        session.start(timeout_s=FORM_TIMEOUT_S)
         plan = session.plan or get_json(session.api(session.names[0]), "/status").get("plan")
         if not args.json:
             from planner import Plan
@@ -100,7 +103,9 @@ def run(args: argparse.Namespace) -> int:
             console.print(plan_table(plan, Plan.from_json(plan).block_ranges()))
             console.print(f"demo: asking {ask}: {args.prompt}")
         stream_chat(session.api(ask), "Hi", 2)  # warm-up: a fresh stage's first inference is slow
-        answer = stream_chat(session.api(ask), args.prompt, args.max_tokens)
+        # no client-side timeout: the ring's watchdog bounds every step, longer for a longer one
+        # (ring.hang_bound_s); a long prompt's prefill on a big model takes minutes (issue 10)
+        answer = stream_chat(session.api(ask), args.prompt, args.max_tokens, timeout_s=None)
         status = get_json(session.api(plan["head"]), "/status")  # the head measures every stage
         # each member's memory while serving, after the answer (peak covers loading too)
         memory = {n: (status if n == plan["head"] else get_json(session.api(n), "/status")).get("memory")

@@ -24,9 +24,10 @@ def register(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="new tokens at most (default 128)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true",
-                   help='print one line {"text", "tokens", "tok_s", "stages", "ids", "prompt_ids"} instead of '
-                        'streaming: ids are the generated token ids (EOS not included), prompt_ids the prompt\'s '
-                        'ids as fed (chat-templated unless --raw)')
+                   help='print one line {"text", "tokens", "tok_s", "stages", "ids", "prompt_ids", "ttft_ms"} instead '
+                        'of streaming: ids are the generated token ids (EOS not included), prompt_ids the '
+                        'prompt\'s ids as fed (chat-templated unless --raw), ttft_ms the time from the start '
+                        'of the prefill (the shards built) to the first token')
     p.add_argument("prompt", metavar="PROMPT")
     p.set_defaults(handler=run)
 
@@ -58,6 +59,7 @@ def run(args) -> int:
     decoder = StreamDecoder(tokenizer)
     tokens: list[int] = []
     first_at = None
+    started = time.perf_counter()  # the prompt's prefill starts here (the build is done)
     for token in chain.generate(ids, args.max_tokens, stop=tokenizer.eos_ids):
         if first_at is None:
             first_at = time.perf_counter()
@@ -73,7 +75,8 @@ def run(args) -> int:
     if args.json:
         print(json.dumps({"text": tokenizer.decode(tokens), "tokens": len(tokens),
                           "tok_s": round(tok_s, 2), "stages": chain.stages,
-                          "ids": tokens, "prompt_ids": list(ids)}))
+                          "ids": tokens, "prompt_ids": list(ids),
+                          "ttft_ms": None if first_at is None else round((first_at - started) * 1000, 1)}))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()

@@ -18,7 +18,7 @@ carries out what it answers:
     (a frame too big to send)        send_failed(req_ids, reason)   [Action]
     Back(acts)                       picks(acts) → pick_tokens on   [Action]
                                      the compute thread → complete
-    (the watchdog's tick)            late(now, bound)               bool
+    (the watchdog's tick)            late(now, bound_s)             the bound outlived, or None
 
 Actions: Send(frame) (tokens for a request asked at another member: to the successor),
 Deliver(tokens) (asked here), FreeSlot(slot) (free its KV here, then send Free round the ring),
@@ -34,7 +34,7 @@ greedy (OpenVINO: the token its graph computed) or the request's sampler (Shard.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -214,6 +214,7 @@ class HeadCore:
         self.halted: str | None = None  # the ring broke: nothing more leaves (fail_all follows)
         self._samplers: dict[str, Sampler] = {}  # requests that sample, each its own stream
         self._started: dict[str, float] = {}  # req_id → when its step in flight left
+        self._rows: dict[str, int] = {}  # req_id → positions its step in flight feeds (its bound)
         self._pace: dict[str, tuple[float, float, int]] = {}  # req_id → (first token, last token, tokens)
         self._depth_at = 0.0  # when the micro-batches in flight were last re-estimated
 
@@ -284,10 +285,12 @@ class HeadCore:
                     work.append(ForwardRows(tuple(group)))
         return work + [Forward(s) for s in steps]
 
-    def starting(self, req_ids: Sequence[str], now: float) -> None:
-        """These requests' steps leave now (drafting is part of a trip's cost)."""
-        for req_id in req_ids:
+    def starting(self, req_ids: Sequence[str], now: float, rows: Sequence[int] | None = None) -> None:
+        """These requests' steps, feeding `rows` positions each (default 1), leave now (drafting is
+        part of a trip's cost)."""
+        for i, req_id in enumerate(req_ids):
             self._started[req_id] = now
+            self._rows[req_id] = rows[i] if rows is not None else 1
 
     def forwarded(self, step: Step, hidden: np.ndarray, us: int) -> Activation:
         """The head's stage ran `step` in `us` µs: the activation to send round the ring."""
@@ -345,14 +348,18 @@ class HeadCore:
         # rounded up once past a quarter: a group too few leaves a machine idle for a whole share
         return max(1, min(MAX_BATCH_ROWS, math.ceil(trip / max(busy.values()) - 0.25)))
 
-    def late(self, now: float, bound_s: float) -> bool:
-        """Whether a step has been round the ring for longer than `bound_s` (the watchdog)."""
-        return any(now - t0 > bound_s for t0 in self._started.values())
+    def late(self, now: float, bound_s: Callable[[int], float]) -> float | None:
+        """The watchdog: the bound (seconds) a step in flight has outlived, `bound_s(rows)` for a
+        step feeding `rows` positions (a prefill chunk computes for longer); None if none has."""
+        over = [bound_s(self._rows.get(r, 1)) for r, t0 in self._started.items()
+                if now - t0 > bound_s(self._rows.get(r, 1))]  # fmt: skip
+        return max(over) if over else None
 
     # --- internals ---------------------------------------------------------------------------------
 
     def _account(self, act: Activation, now: float) -> None:
         started = self._started.pop(act.req_id, None)
+        self._rows.pop(act.req_id, None)
         if started is None:
             return
         step_ms = (now - started) * 1000
@@ -377,6 +384,7 @@ class HeadCore:
             elif isinstance(ev, Finished):
                 self.batches.leave(ev.req_id)
                 self._started.pop(ev.req_id, None)
+                self._rows.pop(ev.req_id, None)
                 self._samplers.pop(ev.req_id, None)
                 self._pace.pop(ev.req_id, None)
                 out.append(Ended(ev.req_id))

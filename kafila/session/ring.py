@@ -66,10 +66,18 @@ from kafila.session.timing import Measured
 from planner import ring_neighbour
 
 log = logging.getLogger(__name__)
-# The watchdog: a stage whose compute has not finished one step in this long hangs (a long
-# prompt's chunk on a slow member takes seconds, not minutes); a step that has not come back
-# round the ring in twice that is lost (a member frozen whole: its own watchdog cannot fire).
+# The watchdog: a stage whose compute has not finished one step of up to HANG_ROWS positions in
+# STAGE_HANG_S hangs; a step that has not come back round the ring in twice its bound is lost (a
+# member frozen whole: its own watchdog cannot fire). A longer step (a prefill chunk: 512
+# positions at hidden 4096) computes for proportionally longer, so its bound grows with the
+# positions it feeds: the 8B shape's chunk takes minutes on a slow CPU (issue 10), not a hang.
 STAGE_HANG_S = 120.0
+HANG_ROWS = 32
+
+
+def hang_bound_s(stage_hang_s: float, rows: int) -> float:
+    """The watchdog's bound on one step of `rows` positions on one stage (a trip: twice it)."""
+    return stage_hang_s * max(1.0, rows / HANG_ROWS)
 
 
 class StageHung(Exception):
@@ -217,15 +225,17 @@ class RingNode:
         for req_id, w in list(self.waiters.items()):
             w.queue.put_nowait(Tokens(req_id, self.name, (), True, "error", reason[:500], 503))
 
-    async def _compute(self, fn, *args):
-        """fn(*args) on the stage's worker thread, watched: past stage_hang_s the ring degrades
-        naming this member (a hung thread cannot be stopped, but nobody waits on it for ever)."""
+    async def _compute(self, fn, *args, rows: int = 1):
+        """fn(*args) on the stage's worker thread, watched: past hang_bound_s(stage_hang_s, rows)
+        (`rows`: the positions the step feeds) the ring degrades naming this member (a hung
+        thread cannot be stopped, but nobody waits on it for ever)."""
         fut = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
+        bound = hang_bound_s(self.stage_hang_s, rows)
         # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation that
         # arrives as the work finishes (then close() waited for ever on a task that went on)
-        done, _ = await asyncio.wait({fut}, timeout=self.stage_hang_s)
+        done, _ = await asyncio.wait({fut}, timeout=bound)
         if not done:
-            reason = (f"member {self.name}'s stage did not finish a step within {self.stage_hang_s:.0f} s "
+            reason = (f"member {self.name}'s stage did not finish a step within {bound:.0f} s "
                       "(its compute hangs)")  # fmt: skip
             self.degrade(reason)
             raise StageHung(reason)
@@ -234,10 +244,11 @@ class RingNode:
     async def _watch_trips(self) -> None:
         """The head's watchdog over whole trips: a step not back round the ring within twice a
         stage's bound means a member that cannot even report its own hang (frozen, asleep)."""
-        bound = 2 * self.stage_hang_s
+        tick = min(1.0, self.stage_hang_s / 2)
         while self.degraded is None:
-            await asyncio.sleep(min(1.0, bound / 4))
-            if self.core.late(time.perf_counter(), bound):
+            await asyncio.sleep(tick)
+            bound = self.core.late(time.perf_counter(), lambda rows: 2 * hang_bound_s(self.stage_hang_s, rows))
+            if bound is not None:
                 others = [n for n in self.ring if n != self.name]
                 self.degrade(f"a step did not come back round the ring within {bound:.0f} s: one of "
                              f"{', '.join(others)} is not answering (frozen or asleep?)")  # fmt: skip
@@ -351,7 +362,8 @@ class RingNode:
             raise FrameError("a micro-batch must hold distinct slots' decode steps")
         xs = [a.hidden for a in acts]
         hiddens, us = await self._compute(self._forward, [(a.slot, a.cache_len) for a in acts], xs,
-                                          [a.positions() for a in acts], [a.mask() for a in acts])  # fmt: skip
+                                          [a.positions() for a in acts], [a.mask() for a in acts],
+                                          rows=sum(a.n for a in acts))  # fmt: skip
         if len(acts) > 1 or acts[0].n == 1:  # decode steps only: a prefill's cost grows with the prompt
             self.measured.stage(self.name, us)
         if len(acts) == 1:
@@ -429,7 +441,7 @@ class RingNode:
         core = self.core
         if isinstance(work, Forward):
             step: Step | None = work.step
-            core.starting([step.req_id], time.perf_counter())  # drafting is part of a trip's cost
+            core.starting([step.req_id], time.perf_counter(), [len(step.tokens)])  # drafting is part of a trip's cost
             if step.want_draft:
                 step = core.attach_draft(step.req_id, await self._propose(step))
                 if step is None:
@@ -437,10 +449,11 @@ class RingNode:
             steps = [step]
         else:
             steps = list(work.steps)
-            core.starting([st.req_id for st in steps], time.perf_counter())
+            core.starting([st.req_id for st in steps], time.perf_counter(), [len(st.tokens) for st in steps])
         hiddens, us = await self._compute(self._forward, [(st.slot, st.cache_len) for st in steps],
                                           [st.tokens for st in steps], [st.positions() for st in steps],
-                                          [st.mask() for st in steps])  # fmt: skip
+                                          [st.mask() for st in steps],
+                                          rows=sum(len(st.tokens) for st in steps))  # fmt: skip
         if isinstance(work, Forward):
             acts = [core.forwarded(steps[0], hiddens[0], us)]
         else:
