@@ -351,9 +351,8 @@ class HeadCore:
     def late(self, now: float, bound_s: Callable[[int], float]) -> float | None:
         """The watchdog: the bound (seconds) a step in flight has outlived, `bound_s(rows)` for a
         step feeding `rows` positions (a prefill chunk computes for longer); None if none has."""
-        over = [bound_s(self._rows.get(r, 1)) for r, t0 in self._started.items()
-                if now - t0 > bound_s(self._rows.get(r, 1))]  # fmt: skip
-        return max(over) if over else None
+        bounds = ((now - t0, bound_s(self._rows.get(r, 1))) for r, t0 in self._started.items())
+        return max((bound for age, bound in bounds if age > bound), default=None)
 
     # --- internals ---------------------------------------------------------------------------------
 
