@@ -19,6 +19,7 @@ import json
 import os
 import re
 import shutil
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -274,6 +275,33 @@ def test_the_page_in_a_real_browser_during_a_session(session, tmp_path):
         assert not outside, f"the page requested addresses outside the member: {outside}"
         errors = [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
         assert not errors, errors
+
+        # the load, on the head's page (its queue is live there): every stage, then a request being served
+        head = plan["head"]
+        driver.get(session.api(head) + "/")
+        stages = wait_for(driver, "a row per stage with its forwards", """
+            const rows = [...document.querySelectorAll('#load-stages tbody tr')].map(tr => ({
+                name: tr.dataset.name, steps: tr.querySelector('td.steps').textContent}));
+            return rows.length === 3 && rows.every(r => /^\\d+$/.test(r.steps) && +r.steps > 0) ? rows : null;""",
+                          timeout_s=30)  # fmt: skip
+        assert [r["name"] for r in stages] == plan["ring"]
+        assert driver.find_element("id", "load-slots").text.startswith("slots: ")
+        answer: list = []
+        long = threading.Thread(target=lambda: answer.append(post(session.api(head), "/v1/chat/completions", {
+            "model": model, "temperature": 0, "max_tokens": 200,
+            "messages": [{"role": "user", "content": "Write a long story about a cat who learns to fly."}]})))  # fmt: skip
+        long.start()
+        try:
+            row = wait_for(driver, "the request being served, with its origin and tokens", """
+                const tr = document.querySelector('#load-requests tbody tr');
+                return tr ? {origin: tr.querySelector('td.origin').textContent,
+                             state: tr.querySelector('td.state').textContent,
+                             tokens: tr.querySelector('td.tokens').textContent} : null;""", timeout_s=30)  # fmt: skip
+        finally:
+            long.join(timeout=120)
+            print("the long answer:", answer)
+        assert row["origin"] == head and row["state"] in ("prefill", "decode"), row
+        assert row["tokens"].endswith(" / 200"), row
     finally:
         driver.quit()
 

@@ -248,6 +248,33 @@ function drawTransfers(transfers) {
   }
 }
 
+// GET /status `load`: the head's slots and queue, every stage's requests and rows, the requests held
+function drawLoad(st) {
+  const load = st.load || {};
+  const batches = (load.micro_batches || []).filter((n) => n > 0);
+  const rows = batches.length ? `; micro-batches in flight: ${batches.join(" + ")} rows` : "";
+  $("load-slots").textContent = load.slots ? `slots: ${load.active} of ${load.slots} busy, ${load.queued} queued `
+    + `(at most ${load.max_queued} wait)${rows}` : "– (the head reports its queue once the session serves)";
+  const ring = (st.plan && st.plan.ring) || Object.keys(load.stages || {});
+  const stages = $("load-stages").querySelector("tbody");
+  stages.replaceChildren(...ring.map((name) => {
+    const s = (load.stages || {})[name] || {};
+    const tr = el("tr", {"data-name": name});
+    for (const [v, c] of [[name, "name"], [s.active, "active num"], [s.batch_rows, "rows num"], [s.steps, "steps num"]]) {
+      tr.append(el("td", {class: c}, v === undefined || v === null ? "–" : String(v)));
+    }
+    return tr;
+  }));
+  const reqs = $("load-requests").querySelector("tbody");
+  reqs.replaceChildren(...(load.requests || []).map((r) => {
+    const tr = el("tr", {"data-id": r.id});
+    const cells = [[r.id, "id"], [r.origin, "origin"], [r.state, "state"],
+      [`${r.tokens} / ${r.max_tokens}`, "tokens num"], [fmt(r.tok_s, 1), "tok-s num"]];
+    for (const [v, c] of cells) tr.append(el("td", {class: c}, String(v)));
+    return tr;
+  }));
+}
+
 async function poll() {
   try {
     const r = await fetch("/status", {cache: "no-store"});
@@ -255,6 +282,7 @@ async function poll() {
     drawFigures(st);
     drawRing(st);
     drawMembers(st);
+    drawLoad(st);
     drawHistory(st);
     document.body.dataset.updated = String(Date.now());
   } catch (err) {
