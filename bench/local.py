@@ -78,7 +78,8 @@ def chain_row(name: str, chain, prompt: list[int], new_tokens: int) -> Row:
     return Row(name, lambda: generate()[1], lambda: generate()[0])
 
 
-def rows(index, prompt_text: str, prompt: list[int], stages: tuple[int, ...], new_tokens: int) -> list[Row]:
+def rows(index, prompt_text: str, prompt: list[int], stages: tuple[int, ...], new_tokens: int,
+         mlx: bool = True) -> list[Row]:
     from kafila.engine.chain import LocalChain
 
     out = [genai_row(index.path, prompt_text, new_tokens)]
@@ -86,7 +87,7 @@ def rows(index, prompt_text: str, prompt: list[int], stages: tuple[int, ...], ne
         chain = LocalChain.build(index.path, k, "openvino", "serving", index=index)
         out.append(chain_row(f"kafila OpenVINO {k}-stage", chain, prompt, new_tokens))
     try:
-        extra = importlib.import_module("bench.local_mlx")
+        extra = importlib.import_module("bench.local_mlx") if mlx else None
     except ModuleNotFoundError:
         extra = None
     if extra is not None and hasattr(extra, "extra_rows"):
@@ -163,7 +164,8 @@ def memory(model: str, stages: tuple[int, ...], new_tokens: int) -> list[dict]:
 
 def table(samples: dict[str, list[float]], same: dict[str, str], mem: list[dict]) -> str:
     peer = samples.get(PEER, [])
-    lines = ["| configuration | tok/s (median of 5) | × peer (median of per-round ratios) | same tokens as 1-stage |",
+    rounds = len(peer) or REPEATS
+    lines = [f"| configuration | tok/s (median of {rounds}) | × peer (median of per-round ratios) | same tokens as 1-stage |",
              "|---|---:|---:|---|"]
     for name, s in samples.items():
         ratio = statistics.median(x / p for x, p in zip(s, peer))
@@ -185,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--warmups", type=int, default=WARMUPS)
     parser.add_argument("--repeats", type=int, default=REPEATS)
     parser.add_argument("--no-memory", action="store_true", help="skip the memory rows")
+    parser.add_argument("--no-mlx", action="store_true",
+                        help="skip the MLX rows (mlx-lm's peer reads Q4_0/Q4_1/Q8_0 GGUFs, not K-quants)")
     parser.add_argument("--memory-child", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.memory_child is not None:
@@ -200,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
     tok = load_tokenizer(index)
     prompt_text = tok.render_chat([{"role": "user", "content": PROMPT}])
     prompt = tok.encode(prompt_text)
-    rows_ = rows(index, prompt_text, prompt, stages, args.tokens)
+    rows_ = rows(index, prompt_text, prompt, stages, args.tokens, mlx=not args.no_mlx)
     same: dict[str, str] = {}
     first = next((r for r in rows_ if r.name.endswith("1-stage") and r.tokens), None)
     if first is not None:
