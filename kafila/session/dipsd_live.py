@@ -8,8 +8,10 @@ seed's optimiser) chooses jointly: the number of batches N, which request rides 
 each one's draft length l, maximising expected accepted tokens per unit time. Here it is fed the
 live figures:
 
-- the verifier: the ring's trip fit t(n) = c + β·n (`speculate.StepCost`, decode trips by
-  positions), split into a serial part and a ring delay. Only the busiest machine's compute is
+- the verifier: the ring's trip fit t(T) = c + β·T (`speculate.StepCost` over decode trips by
+  the positions T of all their rows: `HeadCore.batch_cost`, the paper's batch verification
+  cost; the scheduler's own fit counts each request's positions only, which with rows batched
+  holds the other rows' cost in c), split into a serial part and a ring delay. Only the busiest machine's compute is
   serial (stages on other machines, and the hops, work on other batches meanwhile: the same
   reading as `HeadCore.pipeline_depth`): v(T) = c_v + β·T with c_v = the busiest machine's
   1-position compute − β, and `Verifier.ring_ms` = c − c_v, a delay every batch spends away from
@@ -74,7 +76,7 @@ class LiveUser:
 class RingFit:
     """The ring's figures: the trip fit, the serial part of a 1-position trip, the row limit."""
 
-    c_ms: float  # StepCost.fit(): a trip of n positions takes c + β·n ms
+    c_ms: float  # StepCost.fit(): a trip whose rows feed T positions takes c + β·T ms
     beta_ms: float
     serial_ms: float | None  # the busiest machine's compute for a 1-position pass (None: unmeasured)
     max_rows: int  # rows a micro-batch may hold
@@ -99,6 +101,7 @@ class LiveSchedule:
     fallback: str | None
     solve_ms: float | None
     at: float  # `now` of the solve
+    verifier: tuple[float, float, float] = (0.0, 0.0, 0.0)  # (c_ms, beta_ms, ring_ms) it planned with
 
 
 class LiveDipsd:
@@ -167,8 +170,10 @@ class LiveDipsd:
         else:
             labels = _relabel(new, old.batches if old is not None else {})
         solve_ms = None if answer.solve_s is None else answer.solve_s * 1000
+        t = problem.target
         self.schedule = LiveSchedule(lengths, labels, len(set(labels.values())), answer.tokens_per_s,
-                                     answer.method, answer.fallback, solve_ms, now)  # fmt: skip
+                                     answer.method, answer.fallback, solve_ms, now,
+                                     (t.c_ms, t.beta_ms, t.ring_ms))  # fmt: skip
         return self.schedule
 
     def failed(self, reason: str) -> None:
@@ -187,7 +192,7 @@ class LiveDipsd:
             batches = {k: v for k, v in s.batches.items() if k != req_id}
             self.schedule = None if len(lengths) < MIN_USERS else LiveSchedule(
                 lengths, batches, len(set(batches.values())), s.tokens_per_s, s.method, s.fallback,
-                s.solve_ms, s.at)  # fmt: skip
+                s.solve_ms, s.at, s.verifier)  # fmt: skip
 
     def _keep_partition(self, problem: DipsdProblem, answer: DipsdSchedule, old: LiveSchedule) -> bool:
         """Whether the old partition, with the new lengths, is within MOVE_GAIN of the new one."""
@@ -225,6 +230,7 @@ class LiveDipsd:
         return {**out, "n_batches": s.n_batches, "tokens_per_s": round(s.tokens_per_s, 2),
                 "solved_by": s.method, "fallback": s.fallback,
                 "solve_ms": None if s.solve_ms is None else round(s.solve_ms, 2),
+                "verifier_ms": dict(zip(("c", "beta", "ring"), (round(x, 3) for x in s.verifier))),
                 "requests": [{"id": r, "l": s.lengths[r], "batch": s.batches[r]} for r in s.lengths]}  # fmt: skip
 
 

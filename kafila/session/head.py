@@ -58,7 +58,7 @@ from kafila.session.scheduler import (
     prefill_chunk_tokens,
 )  # fmt: skip
 from kafila.session.slots import DEFAULT_MAX_QUEUED
-from kafila.session.speculate import DRAFT_K, verify
+from kafila.session.speculate import DRAFT_K, StepCost, verify
 from kafila.session.timing import Measured, ema
 from planner.dipsd import DipsdProblem, DipsdSchedule
 
@@ -247,6 +247,7 @@ class HeadCore:
         use = dipsd and speculate != "off" and adaptive_k and draft_k >= 1
         self.dipsd = LiveDipsd(draft_k, method=dipsd_method) if use else None
         self._schedule: LiveSchedule | None = None  # the schedule the scheduler and batches follow
+        self.batch_cost = StepCost()  # decode trips' ms by the positions of all their rows
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -341,7 +342,7 @@ class HeadCore:
         return [LiveUser(req_id, alpha) for req_id, alpha in self.scheduler.speculating()]  # n-gram at the head
 
     def _ring_fit(self) -> RingFit:
-        c, beta = self.scheduler.step_cost.fit()
+        c, beta = self.batch_cost.fit()
         return RingFit(c, beta, self._serial_ms(), min(MAX_BATCH_ROWS, self.limits.slots))
 
     def _serial_ms(self) -> float | None:
@@ -398,6 +399,7 @@ class HeadCore:
     def complete(self, acts: Sequence[Activation], tokens: Sequence, now: float) -> list[Action]:
         """The rows came back and their tokens were picked: what follows for each request."""
         out: list[Action] = []
+        self._account_batch(acts, now)
         for act, token in zip(acts, tokens):
             self._account(act, now)
             out += self._actions(self.scheduler.complete(act.req_id, token), now)
@@ -434,6 +436,15 @@ class HeadCore:
         return max((bound for age, bound in bounds if age > bound), default=None)
 
     # --- internals ---------------------------------------------------------------------------------
+
+    def _account_batch(self, acts: Sequence[Activation], now: float) -> None:
+        """A decode trip's time by the positions of all its rows: the live optimiser's verifier
+        (a micro-batch's trip costs c + β·Σ positions; the scheduler's per-request fit, what
+        choose_k reads, counts only each request's own positions)."""
+        started = [self._started.get(a.req_id) for a in acts]
+        if self.dipsd is None or None in started or not all(self.scheduler.decoding(a.req_id) for a in acts):
+            return
+        self.batch_cost.observe(sum(a.n for a in acts), (now - min(started)) * 1000)
 
     def _account(self, act: Activation, now: float) -> None:
         started = self._started.pop(act.req_id, None)

@@ -287,6 +287,11 @@ class Scheduler:
         if req is not None and req.in_flight and req.cache_len >= len(req.prompt):
             self.step_cost.observe(positions, ms)
 
+    def decoding(self, req_id: str) -> bool:
+        """Whether `req_id`'s step in flight is a decode step (not a prefill chunk)."""
+        req = self._requests.get(req_id)
+        return req is not None and req.in_flight > 0 and req.cache_len >= len(req.prompt)
+
     def draft_of(self, req_id: str) -> tuple[int, ...]:
         """The drafts in `req_id`'s step in flight: the head verifies a row per position."""
         req = self._requests.get(req_id)
