@@ -39,7 +39,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         "serving a batched answer can part from its solo answer at a near-tie (bf16 sums "
                         "differ with the batch, as in llama.cpp's and vLLM's batching); f32 gives the same")
     p.add_argument("--dipsd", choices=("on", "off"), default="on",
-                   help="with --speculate and several requests speculating at once, the head's live "
+                   help="with --speculate ngram and several requests speculating at once, the head's live "
                         "DiP-SD optimiser chooses their draft lengths and micro-batches together "
                         "(default on); off: each request's draft length is chosen alone")
     p.add_argument("--precision", choices=("serving", "f32"), default="serving",

@@ -224,9 +224,9 @@ class HeadCore:
                  dipsd: bool = True, dipsd_method: str = "milp") -> None:  # fmt: skip
         """See ring.RingNode for the options; `batch`: plain decode steps go as micro-batches
         (every stage has forward_batch); `measured`: the node's figures, which the core adds to;
-        `dipsd`: with several requests speculating, the live DiP-SD optimiser chooses their
-        draft lengths and micro-batches (`dipsd_method` "milp" or "greedy"); off, or with
-        `adaptive_k` False, each request's K is choose_k's (or draft_k) alone."""
+        `dipsd`: with several requests speculating n-gram drafts, the live DiP-SD optimiser
+        chooses their draft lengths and micro-batches (`dipsd_method` "milp" or "greedy"); off,
+        with `adaptive_k` False or another drafter, each request's K is choose_k's (or draft_k)."""
         self.name = name
         self.ring = ring
         self.limits = limits
@@ -244,7 +244,9 @@ class HeadCore:
         self._rows: dict[str, int] = {}  # req_id → positions its step in flight feeds (its bound)
         self._pace: dict[str, tuple[float, float, int]] = {}  # req_id → (first token, last token, tokens)
         self._depth_at = 0.0  # when the micro-batches in flight were last re-estimated
-        use = dipsd and speculate != "off" and adaptive_k and draft_k >= 1
+        # n-gram drafts cost the head ~nothing; a draft model at the head runs on its compute thread,
+        # serial with its stage, which the live model leaves out: choose_k's alone there
+        use = dipsd and speculate == "ngram" and adaptive_k and draft_k >= 1
         self.dipsd = LiveDipsd(draft_k, method=dipsd_method) if use else None
         self._schedule: LiveSchedule | None = None  # the schedule the scheduler and batches follow
         self.batch_cost = StepCost()  # decode trips' ms by the positions of all their rows
