@@ -15,10 +15,10 @@ from kafila.session.microbatch import MicroBatches
 from kafila.session.scheduler import Scheduler
 from kafila.session.speculate import DRAFT_K
 from planner.dipsd import SolveLimits, greedy
-from tests.test_head_core import PROMPTS, Rig, solo
+from tests.test_head_core import PROMPTS, STAGE_US, Rig, solo
 
-# a 20 ms/hop loopback ring: a trip of n positions 80 + 1·n ms, of which 20 ms is compute
-FIT = RingFit(c_ms=80.0, beta_ms=1.0, serial_ms=21.0, max_rows=32)
+# a 20 ms/hop loopback ring: the machine computes a trip of T positions in 20 + 1·T ms, the hops take 60
+FIT = RingFit(c_ms=20.0, beta_ms=1.0, ring_ms=60.0, max_rows=32)
 
 
 def users(*alphas: float, prefix: str = "r") -> list[LiveUser]:
@@ -29,13 +29,25 @@ def solve(live: LiveDipsd, problem, now: float):
     return live.solved(problem, live.solve(problem), now)
 
 
-def test_the_ring_fit_splits_into_a_serial_part_and_a_ring_delay():
+def test_the_verifier_is_the_serial_fit_and_the_ring_delay():
     v = FIT.verifier()
-    assert v.c_ms == pytest.approx(20.0) and v.beta_ms == 1.0 and v.ring_ms == pytest.approx(60.0)
-    assert v.c_ms + v.beta_ms + v.ring_ms == pytest.approx(FIT.c_ms + FIT.beta_ms)  # one trip, as fitted
-    unmeasured = RingFit(80.0, 1.0, None, 4).verifier()
-    assert unmeasured.ring_ms == 0 and unmeasured.c_ms == pytest.approx(80.0)  # all serial
-    assert unmeasured.max_batch_users == 4
+    assert (v.c_ms, v.beta_ms, v.ring_ms, v.max_batch_users) == (20.0, 1.0, 60.0, 32)
+    odd = RingFit(-1.0, -0.5, -3.0, 0).verifier()  # a fit gone wrong still makes a valid verifier
+    assert odd.c_ms > 0 and odd.beta_ms == 0 and odd.ring_ms == 0 and odd.max_batch_users == 1
+    live = LiveDipsd(8)
+    assert live.due(0.0, users(0.6, 0.5), None) is None and not live.pending  # the ring not measured yet
+
+
+def test_the_head_fits_the_serial_part_from_the_traces_and_the_ring_from_the_edges():
+    rig = Rig(slots=4, batch=True, speculate="ngram", one_machine=True)
+    assert rig.core._ring_fit() is None
+    for r in "ab":
+        rig.submit(r, PROMPTS[r] * 3, max_new=8, stop_at_eos=False)
+    rig.run()
+    rig.core.pipeline_depth({n: 40.0 for n in rig.core.ring})  # the glue's once a second
+    fit = rig.core._ring_fit()
+    assert fit.c_ms + fit.beta_ms == pytest.approx(3 * STAGE_US / 1000, rel=0.5)  # one machine: all three stages
+    assert fit.ring_ms == pytest.approx(3 * 20.0)  # each edge's RTT/2; no other machine
 
 
 def test_re_solves_when_the_requests_change_or_alpha_drifts_at_most_every_interval():
@@ -80,7 +92,7 @@ def test_past_its_bound_the_solve_keeps_the_greedy_rule_and_says_so():
 def test_lengths_stay_within_bounds_and_every_request_has_a_batch(alphas):
     for method in ("milp", "greedy"):
         live = LiveDipsd(5, method=method)
-        problem = live.due(0.0, users(*alphas), RingFit(80.0, 1.0, 21.0, max_rows=2))
+        problem = live.due(0.0, users(*alphas), RingFit(20.0, 1.0, 60.0, max_rows=2))
         s = solve(live, problem, 0.0)
         assert set(s.lengths) == set(s.batches) == {u.id for u in problem.users}
         assert all(0 <= s.lengths[u] <= 5 for u in s.lengths)
@@ -94,7 +106,7 @@ def test_the_optimiser_hides_the_ring_delay_behind_other_batches():
     s = solve(live, live.due(0.0, users(0.6, 0.55, 0.5, 0.65), FIT), 0.0)
     assert s.n_batches >= 2  # 60 ms of hops per trip: batches overlap them (pipelining)
     compute_bound = LiveDipsd(8, method="milp")
-    fit = RingFit(c_ms=80.0, beta_ms=1.0, serial_ms=None, max_rows=32)  # all serial: one batch
+    fit = RingFit(c_ms=80.0, beta_ms=1.0, ring_ms=0.0, max_rows=32)  # all serial: one batch
     assert solve(compute_bound, compute_bound.due(0.0, users(0.6, 0.55, 0.5, 0.65), fit), 0.0).n_batches == 1
 
 
@@ -176,6 +188,9 @@ def test_the_head_with_the_live_optimiser_gives_every_request_its_plain_tokens()
 
 def test_the_head_asks_for_a_solve_only_with_several_speculating_requests():
     rig = Rig(slots=4, batch=True, speculate="ngram")
+    rig.submit("w", PROMPTS["e"], max_new=4)  # a request alone: the ring gets measured
+    rig.run()
+    assert rig.solves == [] and rig.core._ring_fit() is not None
     rig.submit("a", PROMPTS["a"] * 3, max_new=6, stop_at_eos=False)
     assert not any(isinstance(w, SolveDipsd) for w in rig.core.pump(rig.now))
     rig.submit("b", PROMPTS["b"] * 3, max_new=6, stop_at_eos=False, speculate=False)
@@ -183,3 +198,45 @@ def test_the_head_asks_for_a_solve_only_with_several_speculating_requests():
     rig.submit("c", PROMPTS["c"] * 3, max_new=6, stop_at_eos=False)
     (solve_work,) = [w for w in rig.core.pump(rig.now) if isinstance(w, SolveDipsd)]
     assert {u.id for u in solve_work.problem.users} == {"a", "c"}
+
+
+@pytest.mark.model
+def test_on_three_openvino_stages_the_optimised_requests_get_their_solo_ids(chain_factory, prompt_ids,
+                                                                            default_index):  # fmt: skip
+    """The real ring (RingNode on three OpenVINO stages at f32, rows batched): four requests
+    speculating at once under the live optimiser (solved on its thread), each equal to its plain
+    solo run; with it off, the same."""
+    import asyncio
+
+    from kafila.session.frames import Limits
+    from kafila.session.ring import RingNode
+    from tests.fake_link import Pipe
+    from tests.test_speculate import _generate
+
+    chain = chain_factory("openvino", 3, "f32")
+    limits = Limits(hidden=default_index.hparams.hidden, context=1024, slots=4, vocab=default_index.hparams.vocab)
+    names = ["m1", "m2", "m3"]
+
+    async def main(dipsd: bool):
+        nodes = [RingNode(nm, "m1", names, s, limits, speculate="ngram", dipsd=dipsd)
+                 for nm, s in zip(names, chain.shards)]
+        pipes = [Pipe() for _ in names]
+        for i, node in enumerate(nodes):
+            node.start(pipes[i - 1].reader, pipes[i])
+        if dipsd:
+            nodes[0].core.dipsd.every_s = 0.05  # re-solve often
+        try:
+            solo = [(await _generate(nodes[1], 1024, ids, 32, False))[0] for ids in prompt_ids[:4]]
+            together = await asyncio.gather(*(_generate(nodes[i % 3], 1024, ids, 32, True)
+                                              for i, ids in enumerate(prompt_ids[:4])))  # fmt: skip
+            return solo, together, nodes[0].core.dipsd_status()
+        finally:
+            for n in nodes:
+                await n.close()
+
+    solo, together, status = asyncio.run(main(True))
+    assert [t for t, _ in together] == solo
+    assert status["solves"] >= 1 and status["error"] is None, status
+    assert sum(st.extra["speculation"]["drafted"] for _, st in together) > 0
+    solo_off, together_off, off = asyncio.run(main(False))
+    assert off is None and [t for t, _ in together_off] == solo_off == solo

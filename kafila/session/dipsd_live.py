@@ -8,14 +8,15 @@ seed's optimiser) chooses jointly: the number of batches N, which request rides 
 each one's draft length l, maximising expected accepted tokens per unit time. Here it is fed the
 live figures:
 
-- the verifier: the ring's trip fit t(T) = c + β·T (`speculate.StepCost` over decode trips by
-  the positions T of all their rows: `HeadCore.batch_cost`, the paper's batch verification
-  cost; the scheduler's own fit counts each request's positions only, which with rows batched
-  holds the other rows' cost in c), split into a serial part and a ring delay. Only the busiest machine's compute is
-  serial (stages on other machines, and the hops, work on other batches meanwhile: the same
-  reading as `HeadCore.pipeline_depth`): v(T) = c_v + β·T with c_v = the busiest machine's
-  1-position compute − β, and `Verifier.ring_ms` = c − c_v, a delay every batch spends away from
-  the serial part, which other batches overlap. Unmeasured stages: all serial (ring 0);
+- the verifier: a trip splits into a serial part and a ring delay. Only the busiest machine's
+  compute is serial (stages on other machines, and the hops, work on other batches meanwhile:
+  the same reading as `HeadCore.pipeline_depth`): v(T) = c + β·T is that machine's compute for a
+  decode trip whose rows feed T positions in all (`speculate.StepCost` over the stage times each
+  trip's trace carries: `HeadCore.serial_cost`), and `Verifier.ring_ms` the rest of a trip (the
+  ring edges' RTT/2 each, the other machines' compute), which other batches overlap. (A whole
+  trip's time would not do: with several batches in flight it holds the wait behind the others'
+  compute, which the model counts itself; nor the scheduler's per-request fit, which with rows
+  batched holds the other rows' cost in its slope);
 - each request's acceptance α (`speculate.Acceptance.rate`), its drafting cost per token (the
   head's n-gram: ~0 ms) and per-round network delay (0 at the head; the fields an origin-side
   drafter fills in), and the rows a micro-batch holds (`Verifier.max_batch_users`).
@@ -74,19 +75,16 @@ class LiveUser:
 
 @dataclass(frozen=True)
 class RingFit:
-    """The ring's figures: the trip fit, the serial part of a 1-position trip, the row limit."""
+    """The ring's figures: the serial compute fit, the ring delay, the row limit."""
 
-    c_ms: float  # StepCost.fit(): a trip whose rows feed T positions takes c + β·T ms
+    c_ms: float  # the busiest machine computes a trip whose rows feed T positions in c + β·T ms
     beta_ms: float
-    serial_ms: float | None  # the busiest machine's compute for a 1-position pass (None: unmeasured)
+    ring_ms: float  # the rest of a trip: hops, the other machines' compute
     max_rows: int  # rows a micro-batch may hold
 
     def verifier(self) -> Verifier:
-        trip1 = self.c_ms + self.beta_ms
-        serial = trip1 if self.serial_ms is None else min(self.serial_ms, trip1)
-        c_v = max(serial - self.beta_ms, MIN_SERIAL_MS)
-        return Verifier(c_ms=c_v, beta_ms=max(self.beta_ms, 0.0), max_batch_users=max(1, self.max_rows),
-                        ring_ms=max(0.0, self.c_ms - c_v))  # fmt: skip
+        return Verifier(c_ms=max(self.c_ms, MIN_SERIAL_MS), beta_ms=max(self.beta_ms, 0.0),
+                        max_batch_users=max(1, self.max_rows), ring_ms=max(0.0, self.ring_ms))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -126,13 +124,14 @@ class LiveDipsd:
 
     # --- when to solve -------------------------------------------------------------------------
 
-    def due(self, now: float, users: Sequence[LiveUser], fit: RingFit) -> DipsdProblem | None:
-        """The problem to solve now, or None (nothing changed, too soon, one out already, or
-        fewer than MIN_USERS requests: then the schedule is dropped)."""
+    def due(self, now: float, users: Sequence[LiveUser], fit: RingFit | None) -> DipsdProblem | None:
+        """The problem to solve now, or None (nothing changed, too soon, one out already, the
+        ring not measured yet (`fit` None), or fewer than MIN_USERS requests: then the schedule
+        is dropped)."""
         if len(users) < MIN_USERS:
             self.schedule, self._alphas = None, {}
             return None
-        if self.pending:
+        if self.pending or fit is None:
             return None
         ids = {u.req_id for u in users}
         changed = ids != set(self._alphas) or any(

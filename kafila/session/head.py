@@ -249,7 +249,8 @@ class HeadCore:
         use = dipsd and speculate == "ngram" and adaptive_k and draft_k >= 1
         self.dipsd = LiveDipsd(draft_k, method=dipsd_method) if use else None
         self._schedule: LiveSchedule | None = None  # the schedule the scheduler and batches follow
-        self.batch_cost = StepCost()  # decode trips' ms by the positions of all their rows
+        self.serial_cost = StepCost()  # the busiest machine's compute of a decode trip, by its positions
+        self._net_ms: float | None = None  # the ring edges' RTT/2 each, together (pipeline_depth's)
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -343,20 +344,18 @@ class HeadCore:
     def _dipsd_users(self) -> list[LiveUser]:
         return [LiveUser(req_id, alpha) for req_id, alpha in self.scheduler.speculating()]  # n-gram at the head
 
-    def _ring_fit(self) -> RingFit:
-        c, beta = self.batch_cost.fit()
-        return RingFit(c, beta, self._serial_ms(), min(MAX_BATCH_ROWS, self.limits.slots))
-
-    def _serial_ms(self) -> float | None:
-        """The busiest machine's compute for one pass (its stages' ms together); None: unmeasured."""
+    def _ring_fit(self) -> RingFit | None:
+        """The live optimiser's verifier: the serial fit and the ring delay (None: not measured)."""
         stage_ms = self.measured.stage_ms
-        if not all(stage_ms.get(n) for n in self.ring):
+        if not self.serial_cost.as_dict()["by_positions"] or not all(stage_ms.get(n) for n in self.ring):
             return None
         busy: dict[str, float] = {}
         for n in self.ring:
             machine = self.machines.get(n, n)
             busy[machine] = busy.get(machine, 0.0) + stage_ms[n]
-        return max(busy.values())
+        others = sum(busy.values()) - max(busy.values())  # other machines' compute: off the serial part
+        c, beta = self.serial_cost.fit()
+        return RingFit(c, beta, (self._net_ms or 0.0) + others, min(MAX_BATCH_ROWS, self.limits.slots))
 
     def _follow(self) -> None:
         """Hand the schedule in force (if it changed) to the scheduler and the micro-batches."""
@@ -419,6 +418,8 @@ class HeadCore:
         of it (three stages on three machines and a fast network: 3; the same three on one
         machine: 1, since they cannot run side by side; 20 ms a hop adds as many as fill it).
         `rtts`: ring member → its successor edge's RTT in ms."""
+        net = sum(float(rtts.get(n) or 0.0) / 2 for n in self.ring) if len(self.ring) > 1 else 0.0
+        self._net_ms = net  # the live optimiser's ring delay reads it too
         stage_ms = self.measured.stage_ms
         if not all(stage_ms.get(n) for n in self.ring):
             return self.batches.groups  # not measured yet: one per machine
@@ -426,7 +427,6 @@ class HeadCore:
         for n in self.ring:
             machine = self.machines.get(n, n)
             busy[machine] = busy.get(machine, 0.0) + stage_ms[n]
-        net = sum(float(rtts.get(n) or 0.0) / 2 for n in self.ring) if len(self.ring) > 1 else 0.0
         trip = sum(stage_ms[n] for n in self.ring) + net
         # rounded up once past a quarter: a group too few leaves a machine idle for a whole share
         return max(1, min(MAX_BATCH_ROWS, math.ceil(trip / max(busy.values()) - 0.25)))
@@ -440,13 +440,16 @@ class HeadCore:
     # --- internals ---------------------------------------------------------------------------------
 
     def _account_batch(self, acts: Sequence[Activation], now: float) -> None:
-        """A decode trip's time by the positions of all its rows: the live optimiser's verifier
-        (a micro-batch's trip costs c + β·Σ positions; the scheduler's per-request fit, what
-        choose_k reads, counts only each request's own positions)."""
-        started = [self._started.get(a.req_id) for a in acts]
-        if self.dipsd is None or None in started or not all(self.scheduler.decoding(a.req_id) for a in acts):
+        """The busiest machine's compute of a decode trip (from its trace) by the positions of
+        all its rows: the live optimiser's verifier, v(T) = c + β·T (dipsd_live.py)."""
+        if self.dipsd is None or not acts or not all(self.scheduler.decoding(a.req_id) for a in acts):
             return
-        self.batch_cost.observe(sum(a.n for a in acts), (now - min(started)) * 1000)
+        busy: dict[str, float] = {}
+        for stage, us in acts[0].trace:  # every row of a micro-batch carries the same trace
+            machine = self.machines.get(stage, stage)
+            busy[machine] = busy.get(machine, 0.0) + us / 1000
+        if busy:
+            self.serial_cost.observe(sum(a.n for a in acts), max(busy.values()))
 
     def _account(self, act: Activation, now: float) -> None:
         started = self._started.pop(act.req_id, None)
