@@ -400,7 +400,7 @@ class HeadCore:
     def complete(self, acts: Sequence[Activation], tokens: Sequence, now: float) -> list[Action]:
         """The rows came back and their tokens were picked: what follows for each request."""
         out: list[Action] = []
-        self._account_batch(acts, now)
+        self._account_batch(acts)
         for act, token in zip(acts, tokens):
             self._account(act, now)
             out += self._actions(self.scheduler.complete(act.req_id, token), now)
@@ -439,7 +439,7 @@ class HeadCore:
 
     # --- internals ---------------------------------------------------------------------------------
 
-    def _account_batch(self, acts: Sequence[Activation], now: float) -> None:
+    def _account_batch(self, acts: Sequence[Activation]) -> None:
         """The busiest machine's compute of a decode trip (from its trace) by the positions of
         all its rows: the live optimiser's verifier, v(T) = c + β·T (dipsd_live.py)."""
         if self.dipsd is None or not acts or not all(self.scheduler.decoding(a.req_id) for a in acts):
