@@ -19,7 +19,10 @@ Latency model, all in ms (the units of `kafila.session.speculate.StepCost.fit`):
   the positions the target runs: Σ_{m∈n} (l_m + 1) (each user feeds its last token and its l_m
   drafts, as Kafila's scheduler does, `ragged`), or b_n · (max_{m∈n} l_m + 1) when the batch is
   padded to its longest draft (the paper's padding, `padded: true`);
-- batch n's draft completion D_n = max_{m∈n} d_m(l_m) (the paper's epigraph t_n^d);
+- batch n's draft completion D_n = max_{m∈n} d_m(l_m) + ring_ms (the paper's epigraph t_n^d;
+  `ring_ms`, 0 in the paper, is a fixed delay every batch spends away from the target's serial
+  part, which other batches overlap: Kafila's ring hops, where the verifier is a pipeline of
+  stages and only the busiest machine's compute is serial — kafila.session.dipsd_live);
 - the pipeline span (one full round of all N batches, the paper's S):
       S = max(Σ_n v_n, max_n (D_n + v_n)),
   i.e. the target is busy Σ v_n per round and batch n's cycle (verify, return, draft) must fit
@@ -142,6 +145,7 @@ class Verifier:
     beta_ms: float  # cost per position, ms (>= 0)
     max_batch_users: int | None = None  # memory bound: requests per batch (None: no bound)
     padded: bool = False  # positions = b · (max l + 1) instead of Σ (l + 1)
+    ring_ms: float = 0.0  # a pass's delay outside the serial target, overlapped by other batches
 
     def __post_init__(self) -> None:
         if not _is_number(self.c_ms) or self.c_ms <= 0:
@@ -155,6 +159,8 @@ class Verifier:
             )
         if not isinstance(self.padded, bool):
             raise PlanInputError(f'target: "padded" must be true or false, not {self.padded!r}')
+        if not _is_number(self.ring_ms) or self.ring_ms < 0:
+            raise PlanInputError(f'target: "ring_ms" must be a number >= 0, not {self.ring_ms!r}')
 
     def positions(self, lengths: Sequence[int]) -> int:
         """T_n: positions a batch with these draft lengths makes the target run."""
@@ -301,8 +307,8 @@ def evaluate(
 def _batch_times(
     problem: DipsdProblem, batch: Sequence[int], lengths: Sequence[int]
 ) -> tuple[float, float]:
-    """(D_n, v_n) of one batch."""
-    draft = max(problem.users[m].draft_ms(lengths[m]) for m in batch)
+    """(D_n, v_n) of one batch (D_n with the target's ring delay)."""
+    draft = max(problem.users[m].draft_ms(lengths[m]) for m in batch) + problem.target.ring_ms
     return draft, problem.target.verify_ms([lengths[m] for m in batch])
 
 
@@ -652,8 +658,8 @@ def parse_dipsd(data: Any) -> DipsdProblem:
          "users": [{"id": "laptop", "alpha": 0.8, "draft_ms_per_token": 12,
                     "network_ms": 6, "draft_overhead_ms": 0}, ...]}
 
-    `max_draft`, `min_draft`, `max_batch_users`, `padded`, `network_ms` and
-    `draft_overhead_ms` may be omitted (16, 0, null, false, 0, 0). Unknown keys (`note`,
+    `max_draft`, `min_draft`, `max_batch_users`, `padded`, `ring_ms`, `network_ms` and
+    `draft_overhead_ms` may be omitted (16, 0, null, false, 0, 0, 0). Unknown keys (`note`,
     `device`, ...) are ignored."""
     if not isinstance(data, Mapping):
         raise PlanInputError(f"users file must be a JSON object, not {_kind(data)}")
@@ -667,6 +673,7 @@ def parse_dipsd(data: Any) -> DipsdProblem:
         beta_ms=_required(raw_target, "beta_ms", "target"),
         max_batch_users=_integral(raw_target.get("max_batch_users")),
         padded=raw_target.get("padded", False),
+        ring_ms=raw_target.get("ring_ms", 0.0),
     )
     if "users" not in data:
         raise PlanInputError('missing "users" (a list of {"id", "alpha", "draft_ms_per_token"})')

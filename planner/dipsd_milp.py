@@ -17,7 +17,7 @@ beat λ is pruned at the root (the x/y form with big-M epigraphs took seconds on
   D[k] >= Σ_j d_m(j)·z[m,k,j] for each m                       (draft completion, epigraph);
   ragged: T[k] = Σ_{m,j} (j+1)·z[m,k,j];
   padded: Lk[k] >= Σ_j j·z[m,k,j], q[m,k] >= Lk[k] + 1 − (L+1)·(1 − x[m,k]), T[k] = Σ_m q[m,k];
-  v[k] = c + β·T[k];  S >= Σ_k v[k];  S >= D[k] + v[k];  maximise U − λ·S.
+  v[k] = c + β·T[k];  S >= Σ_k v[k];  S >= D[k] + ring + v[k];  maximise U − λ·S.
 Every auxiliary is bounded below only; minimising S makes the bounds tight, so the MILP's value
 is the model's (`planner.dipsd.evaluate` recomputes U and S of every solution anyway).
 
@@ -185,7 +185,7 @@ class _Milp:
             else:
                 total = quicksum((j + 1) * var for pairs in mine.values() for j, var in pairs)
             verify = target.c_ms + target.beta_ms * total
-            model.addCons(span >= done + verify)
+            model.addCons(span >= done + target.ring_ms + verify)
             verify_total.append(verify)
         model.addCons(span >= quicksum(verify_total))
         if target.padded:  # every user's positions count at least once (tightens the big-M)
@@ -196,7 +196,8 @@ class _Milp:
             )
         for m, user in enumerate(users):  # its own cycle fits in the span (a valid cut)
             own = [(j, var) for (mm, _, j), var in z.items() if mm == m]
-            cycle = [user.draft_ms(j) + target.c_ms + target.beta_ms * (j + 1) for j, _ in own]
+            cycle = [user.draft_ms(j) + target.ring_ms + target.c_ms + target.beta_ms * (j + 1)
+                     for j, _ in own]
             model.addCons(span >= quicksum(t * var for t, (_, var) in zip(cycle, own)))
         self.span = span
         self.tokens = quicksum(

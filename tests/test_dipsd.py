@@ -358,3 +358,20 @@ def test_limits_are_validated() -> None:
         SolveLimits(milp_s=0)
     with pytest.raises(PlanInputError):
         SolveLimits(max_iterations=0)
+
+
+@pytest.mark.parametrize("ring_ms", [0.0, 25.0, 120.0])
+def test_a_ring_delay_is_overlapped_by_other_batches_and_the_milp_agrees(ring_ms: float) -> None:
+    """`ring_ms` (Kafila's hops: a batch's delay outside the serial target) adds to each batch's
+    cycle, not to the target's busy time, so batches hide it behind each other's verification."""
+    raw = [(0.6, 0.0, 0.0, 0.0), (0.5, 0.0, 0.0, 0.0), (0.7, 0.0, 0.0, 0.0), (0.55, 0.0, 0.0, 0.0)]
+    users = tuple(user(f"u{i}", *r) for i, r in enumerate(raw))
+    problem = DipsdProblem(users, Verifier(20.0, 1.0, ring_ms=ring_ms), max_draft=4)
+    tokens, span = evaluate(problem, [[0, 1], [2, 3]], [2, 2, 2, 2])
+    assert span == pytest.approx(max(2 * (20 + 6), ring_ms + 20 + 6))
+    result = optimise(problem)
+    assert result.optimal and result.tokens_per_s == pytest.approx(brute_force(problem), rel=REL)
+    if ring_ms >= 120:
+        assert result.n_batches >= 3  # a long ring delay: more batches in flight
+    with pytest.raises(PlanInputError, match="ring_ms"):
+        Verifier(20.0, 1.0, ring_ms=-1.0)

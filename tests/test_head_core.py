@@ -86,6 +86,7 @@ class Rig:
         self.freed: list[int] = []
         self.ended: list[str] = []
         self.work: list[tuple[str, ...]] = []  # the req_ids of every forward the head ran, in order
+        self.solves: list = []  # the live optimiser's problems, in order
 
     # --- the ring node's part, by hand --------------------------------------------------------
 
@@ -96,6 +97,10 @@ class Rig:
 
     def pump(self) -> None:
         for w in self.core.pump(self.now):
+            if isinstance(w, head.SolveDipsd):  # the live optimiser, solved inline (the node: on a thread)
+                self.solves.append(w.problem)
+                self.core.dipsd_solved(head.Solved(w.problem, self.core.dipsd.solve(w.problem)), self.now)
+                continue
             steps = [w.step] if isinstance(w, Forward) else list(w.steps)
             assert isinstance(w, (Forward, ForwardRows))
             self.core.starting([s.req_id for s in steps], self.now, [len(s.tokens) for s in steps])

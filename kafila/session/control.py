@@ -136,6 +136,7 @@ class SessionTerms:
     speculate: str = "off"  # the head's drafter (speculate.SPECULATE_MODES; unknown: off)
     max_queued: int = 64
     batch_rows: bool = True
+    dipsd: bool = True  # the head's live DiP-SD optimiser (several speculating requests)
     concurrency_from: str = "--concurrency"  # or "memory" (auto)
     model: str | None = None
     sha256: str | None = None
@@ -149,6 +150,8 @@ class SessionTerms:
         _text(self.concurrency_from, "session.concurrency_from", 32)
         if not isinstance(self.batch_rows, bool):
             raise ControlError("session.batch_rows must be true or false")
+        if not isinstance(self.dipsd, bool):
+            raise ControlError("session.dipsd must be true or false")
         _opt_text(self.model, "session.model", 256)
         _opt_text(self.sha256, "session.sha256", 64)
 

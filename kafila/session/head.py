@@ -12,13 +12,18 @@ carries out what it answers:
     Submitted(request)               on_request / submit            [Action] / SchedulerError
     Cancelled(req_id)                cancel                         [Action]
     Broken(reason)                   fail_all (after halt)          [Action]
-    Pump()                           pump(now)                      [Forward | ForwardRows]
+    Pump()                           pump(now)                      [Forward | ForwardRows | SolveDipsd]
+    Solved(problem, answer)          dipsd_solved(ev, now)          (the schedule in force)
     (a step leaves)                  starting(req_ids, now)
     (the head's forward ran)         forwarded / forwarded_rows     Activation(s) to send
     (a frame too big to send)        send_failed(req_ids, reason)   [Action]
     Back(acts)                       picks(acts) → pick_tokens on   [Action]
                                      the compute thread → complete
     (the watchdog's tick)            late(now, bound_s)             the bound outlived, or None
+
+SolveDipsd(problem): several requests speculate and the live optimiser (dipsd_live.py) wants a
+new schedule; the driver runs `dipsd.solve` off its loop and answers Solved. Until then, and
+below two speculating requests, each request's K is choose_k's.
 
 Actions: Send(frame) (tokens for a request asked at another member: to the successor),
 Deliver(tokens) (asked here), FreeSlot(slot) (free its KV here, then send Free round the ring),
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kafila.sampling import Sampler
+from kafila.session.dipsd_live import LiveDipsd, LiveSchedule, LiveUser, RingFit
 from kafila.session.frames import MAX_BATCH_ROWS, Activation, Frame, Limits, Request, Tokens
 from kafila.session.microbatch import MicroBatches
 from kafila.session.scheduler import (
@@ -52,8 +58,9 @@ from kafila.session.scheduler import (
     prefill_chunk_tokens,
 )  # fmt: skip
 from kafila.session.slots import DEFAULT_MAX_QUEUED
-from kafila.session.speculate import DRAFT_K, verify
+from kafila.session.speculate import DRAFT_K, StepCost, verify
 from kafila.session.timing import Measured, ema
+from planner.dipsd import DipsdProblem, DipsdSchedule
 
 DEPTH_EVERY_S = 1.0  # how often the head re-estimates the micro-batches to keep in flight
 
@@ -94,7 +101,16 @@ class Pump:
     """Steps may start (a request was submitted at the head itself)."""
 
 
-HeadEvent = Submitted | Cancelled | Back | Broken | Pump
+@dataclass(frozen=True)
+class Solved:
+    """The live optimiser's answer to a SolveDipsd (`answer` None: it raised `error`)."""
+
+    problem: DipsdProblem
+    answer: DipsdSchedule | None
+    error: str = ""
+
+
+HeadEvent = Submitted | Cancelled | Back | Broken | Pump | Solved
 
 
 # --- answers ------------------------------------------------------------------------------------
@@ -145,7 +161,14 @@ class ForwardRows:
     steps: tuple[Step, ...]
 
 
-Work = Forward | ForwardRows
+@dataclass(frozen=True)
+class SolveDipsd:
+    """Run `HeadCore.dipsd.solve(problem, clock)` (off the event loop: tens of ms), then Solved."""
+
+    problem: DipsdProblem
+
+
+Work = Forward | ForwardRows | SolveDipsd
 
 
 @dataclass(frozen=True)
@@ -197,9 +220,13 @@ class HeadCore:
     def __init__(self, name: str, ring: list[str], limits: Limits, *, eos_ids: frozenset[int] = frozenset(),
                  prefill_chunk: int | None = None, speculate: str = "off", draft_k: int = DRAFT_K,
                  adaptive_k: bool = True, max_queued: int = DEFAULT_MAX_QUEUED, batch: bool = True,
-                 machines: dict[str, str] | None = None, measured: Measured | None = None) -> None:  # fmt: skip
+                 machines: dict[str, str] | None = None, measured: Measured | None = None,
+                 dipsd: bool = True, dipsd_method: str = "milp") -> None:  # fmt: skip
         """See ring.RingNode for the options; `batch`: plain decode steps go as micro-batches
-        (every stage has forward_batch); `measured`: the node's figures, which the core adds to."""
+        (every stage has forward_batch); `measured`: the node's figures, which the core adds to;
+        `dipsd`: with several requests speculating n-gram drafts, the live DiP-SD optimiser
+        chooses their draft lengths and micro-batches (`dipsd_method` "milp" or "greedy"); off,
+        with `adaptive_k` False or another drafter, each request's K is choose_k's (or draft_k)."""
         self.name = name
         self.ring = ring
         self.limits = limits
@@ -217,6 +244,13 @@ class HeadCore:
         self._rows: dict[str, int] = {}  # req_id → positions its step in flight feeds (its bound)
         self._pace: dict[str, tuple[float, float, int]] = {}  # req_id → (first token, last token, tokens)
         self._depth_at = 0.0  # when the micro-batches in flight were last re-estimated
+        # n-gram drafts cost the head ~nothing; a draft model at the head runs on its compute thread,
+        # serial with its stage, which the live model leaves out: choose_k's alone there
+        use = dipsd and speculate == "ngram" and adaptive_k and draft_k >= 1
+        self.dipsd = LiveDipsd(draft_k, method=dipsd_method) if use else None
+        self._schedule: LiveSchedule | None = None  # the schedule the scheduler and batches follow
+        self.serial_cost = StepCost()  # the busiest machine's compute of a decode trip, by its positions
+        self._net_ms: float | None = None  # the ring edges' RTT/2 each, together (pipeline_depth's)
 
     # --- requests ------------------------------------------------------------------------------
 
@@ -283,7 +317,54 @@ class HeadCore:
                     steps.append(group[0])
                 else:
                     work.append(ForwardRows(tuple(group)))
-        return work + [Forward(s) for s in steps]
+        work += [Forward(s) for s in steps]
+        if self.dipsd is not None:
+            problem = self.dipsd.due(now, self._dipsd_users(), self._ring_fit())
+            self._follow()
+            if problem is not None:
+                work.append(SolveDipsd(problem))
+        return work
+
+    # --- the live optimiser (dipsd_live.py) --------------------------------------------------------
+
+    def dipsd_solved(self, ev: Solved, now: float) -> None:
+        """The optimiser answered: its schedule decides lengths and batches from the next steps."""
+        if self.dipsd is None:
+            return
+        if ev.answer is None:
+            self.dipsd.failed(ev.error or "the solve failed")
+        else:
+            self.dipsd.solved(ev.problem, ev.answer, now)
+        self._follow()
+
+    def dipsd_status(self) -> dict | None:
+        """/status `speculation.dipsd`: None when the optimiser is off."""
+        return None if self.dipsd is None else self.dipsd.status()
+
+    def _dipsd_users(self) -> list[LiveUser]:
+        return [LiveUser(req_id, alpha) for req_id, alpha in self.scheduler.speculating()]  # n-gram at the head
+
+    def _ring_fit(self) -> RingFit | None:
+        """The live optimiser's verifier: the serial fit and the ring delay (None: not measured)."""
+        stage_ms = self.measured.stage_ms
+        if not self.serial_cost.as_dict()["by_positions"] or not all(stage_ms.get(n) for n in self.ring):
+            return None
+        busy: dict[str, float] = {}
+        for n in self.ring:
+            machine = self.machines.get(n, n)
+            busy[machine] = busy.get(machine, 0.0) + stage_ms[n]
+        others = sum(busy.values()) - max(busy.values())  # other machines' compute: off the serial part
+        c, beta = self.serial_cost.fit()
+        return RingFit(c, beta, (self._net_ms or 0.0) + others, min(MAX_BATCH_ROWS, self.limits.slots))
+
+    def _follow(self) -> None:
+        """Hand the schedule in force (if it changed) to the scheduler and the micro-batches."""
+        s = self.dipsd.schedule if self.dipsd is not None else None
+        if s is self._schedule:
+            return
+        self._schedule = s
+        self.scheduler.planned = dict(s.lengths) if s is not None else {}
+        self.batches.plan(s.batches if s is not None and self.batch else {})
 
     def starting(self, req_ids: Sequence[str], now: float, rows: Sequence[int] | None = None) -> None:
         """These requests' steps, feeding `rows` positions each (default 1), leave now (drafting is
@@ -319,6 +400,7 @@ class HeadCore:
     def complete(self, acts: Sequence[Activation], tokens: Sequence, now: float) -> list[Action]:
         """The rows came back and their tokens were picked: what follows for each request."""
         out: list[Action] = []
+        self._account_batch(acts)
         for act, token in zip(acts, tokens):
             self._account(act, now)
             out += self._actions(self.scheduler.complete(act.req_id, token), now)
@@ -336,6 +418,8 @@ class HeadCore:
         of it (three stages on three machines and a fast network: 3; the same three on one
         machine: 1, since they cannot run side by side; 20 ms a hop adds as many as fill it).
         `rtts`: ring member → its successor edge's RTT in ms."""
+        net = sum(float(rtts.get(n) or 0.0) / 2 for n in self.ring) if len(self.ring) > 1 else 0.0
+        self._net_ms = net  # the live optimiser's ring delay reads it too
         stage_ms = self.measured.stage_ms
         if not all(stage_ms.get(n) for n in self.ring):
             return self.batches.groups  # not measured yet: one per machine
@@ -343,7 +427,6 @@ class HeadCore:
         for n in self.ring:
             machine = self.machines.get(n, n)
             busy[machine] = busy.get(machine, 0.0) + stage_ms[n]
-        net = sum(float(rtts.get(n) or 0.0) / 2 for n in self.ring) if len(self.ring) > 1 else 0.0
         trip = sum(stage_ms[n] for n in self.ring) + net
         # rounded up once past a quarter: a group too few leaves a machine idle for a whole share
         return max(1, min(MAX_BATCH_ROWS, math.ceil(trip / max(busy.values()) - 0.25)))
@@ -355,6 +438,18 @@ class HeadCore:
         return max((bound for age, bound in bounds if age > bound), default=None)
 
     # --- internals ---------------------------------------------------------------------------------
+
+    def _account_batch(self, acts: Sequence[Activation]) -> None:
+        """The busiest machine's compute of a decode trip (from its trace) by the positions of
+        all its rows: the live optimiser's verifier, v(T) = c + β·T (dipsd_live.py)."""
+        if self.dipsd is None or not acts or not all(self.scheduler.decoding(a.req_id) for a in acts):
+            return
+        busy: dict[str, float] = {}
+        for stage, us in acts[0].trace:  # every row of a micro-batch carries the same trace
+            machine = self.machines.get(stage, stage)
+            busy[machine] = busy.get(machine, 0.0) + us / 1000
+        if busy:
+            self.serial_cost.observe(sum(a.n for a in acts), max(busy.values()))
 
     def _account(self, act: Activation, now: float) -> None:
         started = self._started.pop(act.req_id, None)
@@ -382,6 +477,9 @@ class HeadCore:
                 out.append(self._to_origin(Tokens(ev.req_id, ev.origin, (ev.token,))))
             elif isinstance(ev, Finished):
                 self.batches.leave(ev.req_id)
+                if self.dipsd is not None:
+                    self.dipsd.drop(ev.req_id)
+                    self._follow()
                 self._started.pop(ev.req_id, None)
                 self._rows.pop(ev.req_id, None)
                 self._samplers.pop(ev.req_id, None)

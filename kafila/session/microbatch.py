@@ -16,9 +16,14 @@ things make it pay, and both are decided here:
 A group leaves when every member's step is ready, which happens when the group comes back round
 the ring; a member that joined while its group was away waits for it (once, at most one trip).
 
+A plan (`plan`, the live DiP-SD optimiser's batches: dipsd_live.py) overrides the placement: a
+planned request rides in the group of its batch's label, and moves there at its next ready step
+if it is elsewhere (that move is a join: the optimiser moves requests only for a gain).
+
     ready(step)   a plain decode step of request req_id (its group is chosen on its first)
     leave(req_id)    the request ended, or its next step cannot share a forward (a prefill, drafts)
     due()         the groups to send now: [[step, ...], ...] (every member ready)
+    plan(labels)  req_id → batch label for the requests the optimiser placed ({}: none)
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ from typing import Any
 class _Group:
     members: list[str] = field(default_factory=list)  # in joining order: the rows' order
     ready: dict[str, Any] = field(default_factory=dict)  # req_id -> its step
+    label: int | None = None  # the planned batch it carries (None: placed by the rule below)
 
 
 class MicroBatches:
@@ -40,14 +46,35 @@ class MicroBatches:
         self._groups: dict[int, _Group] = {}
         self._of: dict[str, int] = {}
         self._next = 0
+        self._plan: dict[str, int] = {}
+
+    def plan(self, labels: dict[str, int]) -> None:
+        self._plan = dict(labels)
 
     def ready(self, step: Any) -> None:
         gid = self._of.get(step.req_id)
-        if gid is None:
+        label = self._plan.get(step.req_id)
+        if label is not None and (gid is None or self._groups[gid].label != label):
+            if gid is not None:  # planned into another batch: leave this one first
+                self._remove(step.req_id)
+            gid = self._labelled(label)
+            self._join(step.req_id, gid)
+        elif gid is None:
             gid = self._place()
-            self._groups[gid].members.append(step.req_id)
-            self._of[step.req_id] = gid
+            self._join(step.req_id, gid)
         self._groups[gid].ready[step.req_id] = step
+
+    def _join(self, req_id: str, gid: int) -> None:
+        self._groups[gid].members.append(req_id)
+        self._of[req_id] = gid
+
+    def _labelled(self, label: int) -> int:
+        for gid, grp in self._groups.items():
+            if grp.label == label:
+                return gid
+        self._next += 1
+        self._groups[self._next] = _Group(label=label)
+        return self._next
 
     def _place(self) -> int:
         open_groups = [g for g, grp in self._groups.items() if len(grp.members) < self.max_rows]
@@ -58,7 +85,11 @@ class MicroBatches:
         return min(open_groups, key=lambda g: (len(self._groups[g].members), g))
 
     def leave(self, req_id: str) -> Any | None:
-        """Take req_id out of its group; returns its step if one was waiting (the caller sends it)."""
+        """Take req_id out of its group; returns its step if one was waiting (the caller sends it).
+        Its plan stays (a prefill chunk leaves too): `plan` replaces the whole plan."""
+        return self._remove(req_id)
+
+    def _remove(self, req_id: str) -> Any | None:
         gid = self._of.pop(req_id, None)
         if gid is None:
             return None

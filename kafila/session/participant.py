@@ -89,6 +89,7 @@ class SessionConfig:
     concurrency: int | None = None  # requests served at once; None: as many as memory holds (slots.py)
     max_queued: int = DEFAULT_MAX_QUEUED  # requests that may wait for a slot (one more: 429)
     batch_rows: bool = True  # kafila host --batch-rows: ready decode steps travel as one micro-batch
+    dipsd: bool = True  # kafila host --dipsd: the head's live DiP-SD optimiser (session/dipsd_live.py)
     speculate: str = "off"  # the head's drafter (speculate.SPECULATE_MODES), sent in the session
     policy: str = "kafila"
     code_file: str | None = None
@@ -730,7 +731,8 @@ class Participant:
                              speculate=speculate, drafter=drafter,
                              max_queued=session_value(self.state.session, "max_queued", DEFAULT_MAX_QUEUED,
                                                       0, MAX_QUEUED_LIMIT),
-                             batch_rows=self.state.session.get("batch_rows", True) is not False)  # fmt: skip
+                             batch_rows=self.state.session.get("batch_rows", True) is not False,
+                             dipsd=self.state.session.get("dipsd", True) is not False)  # fmt: skip
         if len(role.ring) == 1:
             self.node.start()
             return
@@ -856,7 +858,7 @@ class Participant:
             # the head's finished requests together: drafted, accepted, acceptance, tokens a trip
             "speculation": None if node is None or node.scheduler is None else {
                 "mode": node.scheduler.speculate, **node.scheduler.spec.as_dict(),
-                "trip_ms": node.scheduler.step_cost.as_dict()},
+                "trip_ms": node.scheduler.step_cost.as_dict(), "dipsd": node.core.dipsd_status()},
             "history": list(s.history),  # membership: joined, left, planned, serving, degraded
             "signaling": None if self.net is None else self.net.signaling(),  # to the rendezvous
             # per stage: requests holding a KV slot, rows in its last forward; the head's queue and

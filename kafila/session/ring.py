@@ -53,6 +53,8 @@ from kafila.session.head import (
     HeadEvent,
     Pump,
     Send,
+    SolveDipsd,
+    Solved,
     Submitted,
     Work,
     check_prompt,
@@ -126,7 +128,7 @@ class RingNode:
                  draft_k: int = DRAFT_K, adaptive_k: bool = True, drafter=None,
                  stage_hang_s: float = STAGE_HANG_S, max_queued: int = DEFAULT_MAX_QUEUED,
                  batch_rows: bool = True, machines: dict[str, str] | None = None,
-                 edge_rtts: Callable[[], dict] | None = None) -> None:  # fmt: skip
+                 edge_rtts: Callable[[], dict] | None = None, dipsd: bool = True) -> None:  # fmt: skip
         """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
         hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
         frames over the limit: only tests set it, to exercise the per-request error.
@@ -140,7 +142,9 @@ class RingNode:
         all rows); off, every step travels alone. How many micro-batches to keep in flight comes
         from `machines` (ring member → the machine it runs on: stages of one machine share its
         cores) and `edge_rtts()` (ring member → its successor edge's RTT in ms); see
-        HeadCore.pipeline_depth."""
+        HeadCore.pipeline_depth. `dipsd`: the live DiP-SD optimiser chooses the draft lengths and
+        micro-batches of several speculating requests (HeadCore, dipsd_live.py); it solves on a
+        thread of its own, never on the loop or the stage's worker."""
         self.name = name
         self.head = head
         self.ring = ring
@@ -161,7 +165,7 @@ class RingNode:
         self.core = (HeadCore(name, ring, limits, eos_ids=eos_ids, prefill_chunk=prefill_chunk,
                               speculate=speculate, draft_k=draft_k, adaptive_k=adaptive_k,
                               max_queued=max_queued, batch=self.batch, machines=machines,
-                              measured=self.measured)
+                              measured=self.measured, dipsd=dipsd)
                      if self.is_head else None)  # fmt: skip
         self._events: asyncio.Queue[HeadEvent] = asyncio.Queue()
         # this stage's own load (/status): rows in its last forward and forwards run
@@ -173,6 +177,8 @@ class RingNode:
         self.stage_hang_s = stage_hang_s
         self.edge_rtts = edge_rtts
         self._rows_in: list[Activation] = []  # a micro-batch arriving, row by row
+        self._solver: ThreadPoolExecutor | None = None  # the live optimiser's thread (made at first use)
+        self._solving: asyncio.Future | None = None  # its solve out, if one is
 
     @property
     def scheduler(self):
@@ -201,6 +207,10 @@ class RingNode:
                 await t
         self._tasks.clear()
         self._fail_waiters(self.degraded or "the session is closing")
+        if self._solving is not None:
+            self._solving.cancel()
+        if self._solver is not None:
+            self._solver.shutdown(wait=True)  # a solve out ends within its bound
         if self.out is not None:
             self.out.close()
         await asyncio.get_running_loop().run_in_executor(self.executor, self.slots.free_all)
@@ -419,6 +429,8 @@ class RingNode:
                     await self._carry_out(core.on_request(ev.request))
                 elif isinstance(ev, Cancelled):
                     await self._carry_out(core.cancel(ev.req_id))
+                elif isinstance(ev, Solved):
+                    core.dipsd_solved(ev, time.perf_counter())
                 elif isinstance(ev, Back):  # one step, or a micro-batch's rows: all done before the next pump
                     tokens = await self._compute(pick_tokens, self.shard, core.picks(ev.acts))
                     await self._carry_out(core.complete(ev.acts, tokens, time.perf_counter()))
@@ -439,6 +451,9 @@ class RingNode:
     async def _run(self, work: Work) -> None:
         """One step (or micro-batch) of the head's: through its stage, then round the ring."""
         core = self.core
+        if isinstance(work, SolveDipsd):
+            self._solve(work)
+            return
         if isinstance(work, Forward):
             step: Step | None = work.step
             core.starting([step.req_id], time.perf_counter(), [len(step.tokens)])  # drafting is part of a trip's cost
@@ -466,6 +481,27 @@ class RingNode:
         except EncodeError as exc:  # nothing was written: these requests alone fail
             log.warning("request(s) %s failed: %s", ", ".join(st.req_id for st in steps), exc)
             await self._carry_out(core.send_failed([st.req_id for st in steps], str(exc)))
+
+    def _solve(self, work: SolveDipsd) -> None:
+        """The live optimiser's solve on its own thread (a MILP takes tens of ms, SCIP's import
+        hundreds the first time); its answer comes back to the driver as Solved."""
+        if self._solver is None:
+            self._solver = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"dipsd-{self.name}")
+        fut = asyncio.get_running_loop().run_in_executor(self._solver, self.core.dipsd.solve, work.problem,
+                                                         time.perf_counter)  # fmt: skip
+        self._solving = fut
+
+        def done(f: asyncio.Future) -> None:
+            self._solving = None
+            if f.cancelled():
+                return
+            exc = f.exception()
+            if exc is not None:
+                log.warning("the live DiP-SD solve failed (%s: %s): choose_k decides meanwhile", type(exc).__name__, exc)
+            self._events.put_nowait(Solved(work.problem, None if exc else f.result(),
+                                           "" if exc is None else f"{type(exc).__name__}: {exc}"))  # fmt: skip
+
+        fut.add_done_callback(done)
 
     async def _propose(self, step: Step) -> tuple[int, ...]:
         """The draft model's proposals for `step` (none without a drafter or when it fails: a

@@ -164,6 +164,7 @@ class Scheduler:
         self.spec = SpecStats()  # every finished request's counts
         self.step_cost = StepCost()  # decode trips' measured ms by position count
         self.acceptance = Acceptance()  # every request's trips: a new request's prior
+        self.planned: dict[str, int] = {}  # req_id → draft length the live optimiser chose (dipsd_live)
         if max_queue < 0:
             raise ValueError("max_queue cannot be negative")
         if slots < 1 or context < 2:
@@ -258,14 +259,17 @@ class Scheduler:
         """How many drafts `req`'s next decode step may carry. K is bounded by the tokens still
         wanted and by the physical room: room − K − 1 ≥ tokens still wanted keeps the invariant
         room ≥ wanted (a step of K drafts uses K+1 positions and yields at least one token), so
-        speculation never ends a request earlier than plain decoding would."""
+        speculation never ends a request earlier than plain decoding would. Within that bound the
+        live optimiser's length for the request (`planned`, several speculating: dipsd_live.py)
+        decides, else choose_k."""
         if not req.speculate:
             return 0
         wanted = req.max_new - len(req.generated)
         room = self.context - req.cache_len
         k = min(self.draft_k, wanted - 1, room - wanted - 1)
         if k >= 1 and self.adaptive_k:
-            k = choose_k(req.acceptance.rate, self.step_cost, k)
+            planned = self.planned.get(req.req_id)
+            k = min(k, planned) if planned is not None else choose_k(req.acceptance.rate, self.step_cost, k)
         return max(k, 0)
 
     def _draft(self, req: _Request) -> tuple[int, ...]:
@@ -282,6 +286,11 @@ class Scheduler:
         req = self._requests.get(req_id)
         if req is not None and req.in_flight and req.cache_len >= len(req.prompt):
             self.step_cost.observe(positions, ms)
+
+    def decoding(self, req_id: str) -> bool:
+        """Whether `req_id`'s step in flight is a decode step (not a prefill chunk)."""
+        req = self._requests.get(req_id)
+        return req is not None and req.in_flight > 0 and req.cache_len >= len(req.prompt)
 
     def draft_of(self, req_id: str) -> tuple[int, ...]:
         """The drafts in `req_id`'s step in flight: the head verifies a row per position."""
@@ -368,6 +377,7 @@ class Scheduler:
 
     def _finish(self, req: _Request, finish: str, error: str = "", status: int = 0) -> list[Event]:
         del self._requests[req.req_id]
+        self.planned.pop(req.req_id, None)
         spec = req.spec if req.speculate else None
         if spec is not None:
             self.spec.merge(spec)
@@ -390,6 +400,11 @@ class Scheduler:
     @property
     def free_slots(self) -> int:
         return len(self._free)
+
+    def speculating(self) -> list[tuple[str, float]]:
+        """(req_id, α) of every request with a slot that may draft (the live optimiser's users)."""
+        return [(r.req_id, r.acceptance.rate) for r in self._requests.values()
+                if r.speculate and r.slot is not None and not r.cancelled]  # fmt: skip
 
     def in_flight(self) -> list[str]:
         return [r.req_id for r in self._requests.values() if r.in_flight]

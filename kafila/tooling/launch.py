@@ -88,6 +88,7 @@ class LocalSession:
     concurrency: int | str = "auto"  # kafila host --concurrency: N, or auto (as many as memory holds)
     max_queued: int | None = None  # kafila host --max-queued (None: its default)
     batch_rows: bool = True  # kafila host --batch-rows on|off
+    dipsd: bool = True  # kafila host --dipsd on|off (passed only when off: older trees lack it)
     latency_ms: float = 0.0
     speculate: str = "off"  # the head's drafter: "off" | "ngram" (kafila host --speculate)
     precision: str = "serving"  # every stage's compute (kafila host --precision)
@@ -185,6 +186,7 @@ class LocalSession:
                 "--concurrency", str(self.concurrency),
                 *(["--max-queued", str(self.max_queued)] if self.max_queued is not None else []),
                 "--batch-rows", "on" if self.batch_rows else "off",
+                *(["--dipsd", "off"] if not self.dipsd else []),
                 "--speculate", self.speculate, "--precision", self.precision,
                 *(["--auto-replan"] if self.auto_replan else []),
             ], ports[1])  # fmt: skip

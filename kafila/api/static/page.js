@@ -203,6 +203,7 @@ function drawFigures(st) {
   $("inflight").textContent = st.api ? String(st.api.inflight_requests) : "–";
   const spec = st.speculation || st.speculative;
   $("acceptance").textContent = spec && spec.acceptance !== undefined ? `${fmt(100 * spec.acceptance, 0)} %` : "– (not speculating)";
+  $("dipsd").textContent = dipsdText(spec && spec.dipsd);
   $("uptime").textContent = s.uptime_s !== undefined ? `${fmt(s.uptime_s, 0)} s` : "–";
   const w = st.weights || {};
   const bar = $("weights-bar");
@@ -222,6 +223,15 @@ function drawFigures(st) {
     $("weights-text").textContent = s.host === true ? "the host serves them" : "waiting";
   }
   drawTransfers(st.transfers || {});
+}
+
+// the head's live DiP-SD schedule (speculation.dipsd): N batches, each request's draft length
+function dipsdText(d) {
+  if (!d) return "– (off, or not the head)";
+  if (!d.active) return `– (under two requests speculating; ${d.solves} solves)`;
+  const lengths = d.requests.map((r) => `${r.id} l=${r.l} b${r.batch}`).join(", ");
+  const fb = d.fallback ? ", greedy fallback" : "";
+  return `N=${d.n_batches}: ${lengths} (${fmt(d.tokens_per_s, 1)} tok/s expected, ${d.solved_by}${fb})`;
 }
 
 // one weight transfer's figures (TransferProgress.as_dict) in words
