@@ -263,6 +263,10 @@ class HeadCore:
     def attach_draft(self, req_id: str, draft: tuple[int, ...]) -> Step | None:
         return self.scheduler.attach_draft(req_id, draft)
 
+    def offer_draft(self, req_id: str, base: int, draft: tuple[int, ...]) -> bool:
+        """A draft of a request typed here (--speculate origin: the same drafter, no frame)."""
+        return self.scheduler.offer_draft(req_id, base, draft)
+
     # --- steps out -------------------------------------------------------------------------------
 
     def pump(self, now: float) -> list[Work]:
@@ -321,6 +325,8 @@ class HeadCore:
         out: list[Action] = []
         for act, token in zip(acts, tokens):
             self._account(act, now)
+            if act.draft:  # the origin's draft rode along (--speculate origin): for the next step
+                self.scheduler.offer_draft(act.req_id, act.dbase, act.draft)
             out += self._actions(self.scheduler.complete(act.req_id, token), now)
         return out
 
