@@ -50,8 +50,9 @@ PROMPTS = [
 ]
 
 
-def one_level(session, users: int, max_tokens: int) -> dict:
-    """`users` requests started together; their timings as seen by each client."""
+def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS, extra: dict | None = None) -> dict:
+    """`users` requests started together (user i types prompts[i] at member i mod members;
+    `extra`: more fields of each request's body); their timings as seen by each client."""
     from kafila.tooling.launch import stream_chat
 
     results: list = [None] * users
@@ -60,7 +61,7 @@ def one_level(session, users: int, max_tokens: int) -> dict:
     def user(i: int) -> None:
         api = session.api(session.names[i % len(session.names)])
         start.wait()
-        results[i] = stream_chat(api, PROMPTS[i % len(PROMPTS)], max_tokens)
+        results[i] = stream_chat(api, prompts[i % len(prompts)], max_tokens, extra=extra)
 
     threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
     for t in threads:
@@ -75,7 +76,8 @@ def one_level(session, users: int, max_tokens: int) -> dict:
     return {"users": users, "tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall,
             "tpot_ms_median": statistics.median(tpots), "tpot_ms_max": max(tpots),
             "ttft_ms_median": statistics.median(r["ttft_ms"] for r in results),
-            "short_answers": sum((r["tokens"] or 0) < max_tokens for r in results)}  # fmt: skip
+            "short_answers": sum((r["tokens"] or 0) < max_tokens for r in results),
+            "texts": [r["text"] for r in results], "speculation": [r["speculation"] for r in results]}  # fmt: skip
 
 
 def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: int, model: str,
