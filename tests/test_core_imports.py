@@ -36,6 +36,7 @@ CORES = [
     "kafila/session/scheduler.py",
     "kafila/session/microbatch.py",
     "kafila/session/speculate.py",
+    "kafila/session/origin.py",
     "kafila/session/replans.py",
     "kafila/session/frames.py",
     "kafila/session/fields.py",
