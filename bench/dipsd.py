@@ -12,7 +12,8 @@ round measures the same users twice, in alternating order (A B, then B A): A wit
 head, the head's n-grams where they are stale; kafila/session/origin.py), B with `"speculate":
 false` (plain decoding, the same micro-batched rows). Reported per latency, median over rounds:
 aggregate committed tok/s (every user's tokens ÷ first request sent → last token received,
-prefill included), A ÷ B, the acceptance (accepted ÷ drafted), tokens per trip, the share of
+prefill included), A ÷ B, the same for decoding only (tokens after each user's first ÷ the
+earliest first token → the last token), the acceptance (accepted ÷ drafted), tokens per trip, the share of
 drafting steps whose drafts came from the origin (the rest: the head's fallback), and how many
 answers were the same text as plain decoding (at serving precision a K+1-row step can flip a
 near-tie; at --precision f32 they are the same, tests/test_origin_session.py).
@@ -78,7 +79,10 @@ def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, mod
     return {"latency_ms": latency_ms, "users": users, "plan": st["plan"], "slots": st["session"]["concurrency"],
             "plain_tok_s": med(plain, "aggregate_tok_s"), "origin_tok_s": med(spec, "aggregate_tok_s"),
             "ratio": med(spec, "aggregate_tok_s") / med(plain, "aggregate_tok_s"),
-            "ratio_per_round": ratios, "plain_tpot_ms": med(plain, "tpot_ms_median"),
+            "ratio_per_round": ratios, "plain_decode_tok_s": med(plain, "decode_aggregate_tok_s"),
+            "origin_decode_tok_s": med(spec, "decode_aggregate_tok_s"),
+            "decode_ratio": med(spec, "decode_aggregate_tok_s") / med(plain, "decode_aggregate_tok_s"),
+            "ttft_ms": [med(plain, "ttft_ms_median"), med(spec, "ttft_ms_median")], "plain_tpot_ms": med(plain, "tpot_ms_median"),
             "origin_tpot_ms": med(spec, "tpot_ms_median"), **spec_totals(spec),
             "same_text": same, "answers": users * rounds,
             "short_answers": sum(r["short_answers"] for r in spec + plain), "session_speculation": session_spec,
@@ -112,7 +116,8 @@ def main(argv: list[str] | None = None) -> int:
         r = out[f"{ms:g}"] = run_latency(ms, args.users, args.max_tokens, args.rounds, args.model, args.precision)
         print(f"{ms:>4g} ms/hop  plain (batched rows) {r['plain_tok_s']:6.1f} tok/s  origin drafting "
               f"{r['origin_tok_s']:6.1f} tok/s  ratio {r['ratio']:.2f}× (rounds "
-              f"{', '.join(f'{x:.2f}' for x in r['ratio_per_round'])})  acceptance {fmt(r['acceptance'])}  "
+              f"{', '.join(f'{x:.2f}' for x in r['ratio_per_round'])})  decoding only {r['plain_decode_tok_s']:.1f} → "
+              f"{r['origin_decode_tok_s']:.1f} tok/s {r['decode_ratio']:.2f}×  TTFT {r['ttft_ms'][0]:.0f} / {r['ttft_ms'][1]:.0f} ms  acceptance {fmt(r['acceptance'])}  "
               f"tokens/trip {fmt(r['tokens_per_trip'])}  origin share {fmt(r['origin_share'])} "
               f"({r['origin_steps']} of {r['origin_steps'] + r['fallback_steps']} drafting steps)  "
               f"same text {r['same_text']}/{r['answers']}  TPOT {r['plain_tpot_ms']:.0f} → {r['origin_tpot_ms']:.0f} ms"
