@@ -1,7 +1,7 @@
 """DiP-SD on a 3-member session: 4 users each drafting at their own member vs batched plain decoding.
 
     .venv/bin/python -m bench.dipsd [--latency 20,50] [--users 4] [--max-tokens 48] [--rounds 3]
-                                    [--precision serving|f32] [--json]
+                                    [--precision serving|f32] [--speculate origin|ngram] [--json]
 
 One loopback session of separate processes per hop latency (kafila demo's launcher, as
 bench.multiuser and bench.spec), started with `--speculate origin` and batched decode rows on.
@@ -17,6 +17,8 @@ earliest first token → the last token), the acceptance (accepted ÷ drafted), 
 drafting steps whose drafts came from the origin (the rest: the head's fallback), and how many
 answers were the same text as plain decoding (at serving precision a K+1-row step can flip a
 near-tie; at --precision f32 they are the same, tests/test_origin_session.py).
+`--speculate ngram` runs the same with every draft made at the head (the comparison: what
+drafting at the origin costs or gains against the head's own n-grams).
 """
 
 from __future__ import annotations
@@ -50,11 +52,12 @@ def spec_totals(levels: list[dict]) -> dict:
             "origin_share": tot["origin_steps"] / steps if steps else None}  # fmt: skip
 
 
-def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, model: str, precision: str) -> dict:
+def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, model: str, precision: str,
+                speculate: str = "origin") -> dict:  # fmt: skip
     from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     prompts = json.loads(PROMPTS.read_text())["grounded"]
-    s = LocalSession(members=3, model=model, latency_ms=latency_ms, speculate="origin", precision=precision,
+    s = LocalSession(members=3, model=model, latency_ms=latency_ms, speculate=speculate, precision=precision,
                      batch_rows=True, log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
                      cache_root=tempfile.mkdtemp(prefix="kafila-bench-cache-"))  # fmt: skip
     t0 = time.monotonic()
@@ -97,6 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3, help="A/B pairs measured per latency (median)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--precision", choices=("serving", "f32"), default="serving")
+    p.add_argument("--speculate", choices=("origin", "ngram"), default="origin",
+                   help="the session's drafting: at each request's member (default) or at the head")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -109,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     print(machine(), flush=True)
     print(f"3 members on loopback, {args.model} at {args.precision} precision, {args.users} users typed at m1, m2, m3 "
-          f"in turn, grounded prompts, {args.max_tokens} tokens each, median of {args.rounds} A/B rounds", flush=True)
+          f"in turn, grounded prompts, {args.max_tokens} tokens each, median of {args.rounds} A/B rounds, "
+          f"--speculate {args.speculate}", flush=True)
     fmt = lambda x, d=2: "—" if x is None else f"{x:.{d}f}"  # noqa: E731
     out = {}
     for ms in latencies:
-        r = out[f"{ms:g}"] = run_latency(ms, args.users, args.max_tokens, args.rounds, args.model, args.precision)
-        print(f"{ms:>4g} ms/hop  plain (batched rows) {r['plain_tok_s']:6.1f} tok/s  origin drafting "
+        r = out[f"{ms:g}"] = run_latency(ms, args.users, args.max_tokens, args.rounds, args.model, args.precision,
+                                         args.speculate)  # fmt: skip
+        print(f"{ms:>4g} ms/hop  plain (batched rows) {r['plain_tok_s']:6.1f} tok/s  {args.speculate} drafting "
               f"{r['origin_tok_s']:6.1f} tok/s  ratio {r['ratio']:.2f}× (rounds "
               f"{', '.join(f'{x:.2f}' for x in r['ratio_per_round'])})  decoding only {r['plain_decode_tok_s']:.1f} → "
               f"{r['origin_decode_tok_s']:.1f} tok/s {r['decode_ratio']:.2f}×  TTFT {r['ttft_ms'][0]:.0f} / {r['ttft_ms'][1]:.0f} ms  acceptance {fmt(r['acceptance'])}  "
