@@ -175,3 +175,23 @@ def test_malformed_origin_drafts_are_the_peers_frame_error(fields):
     bad = F.PREFIX.pack(len(h), plen) + h + data[F.PREFIX.size + hlen :]
     with pytest.raises(F.FrameError):
         F.FrameDecoder(LIM).feed(bad)
+
+
+def test_the_head_takes_the_draft_that_rode_on_a_returning_activation():
+    """HeadCore.complete hands an activation's origin draft to the scheduler: the next step of
+    that request carries the draft's next tokens (a request typed at m2, its prefill back)."""
+    from kafila.session.frames import Activation, Request
+    from kafila.session.head import Forward, HeadCore, Send
+
+    lim = F.Limits(hidden=8, context=64, slots=2, vocab=100)
+    core = HeadCore("m1", ["m1", "m2", "m3"], lim, speculate="origin", draft_k=3, adaptive_k=False, batch=False)
+    assert core.on_request(Request("m2:1", "m2", "m1", 10, False, np.array(PROMPT, dtype=np.int32))) == []
+    (work,) = core.pump(0.0)
+    assert isinstance(work, Forward) and len(work.step.tokens) == len(PROMPT)
+    core.starting(["m2:1"], 0.0, [len(PROMPT)])
+    back = Activation("m2:1", work.step.slot, 0, 0, (), np.zeros((len(PROMPT), 8), np.float32),
+                      draft=(7, 40, 41, 42, 43), dbase=len(PROMPT))  # fmt: skip
+    (sent,) = core.complete([back], [7], 0.05)
+    assert isinstance(sent, Send) and sent.frame.ids == (7,) and sent.frame.dst == "m2"
+    (work,) = core.pump(0.05)
+    assert tuple(work.step.tokens) == (7, 40, 41, 42) and work.step.drafted == 3
