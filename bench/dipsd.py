@@ -13,7 +13,9 @@ head, the head's n-grams where they are stale; kafila/session/origin.py), B with
 false` (plain decoding, the same micro-batched rows). Reported per latency, median over rounds:
 aggregate committed tok/s (every user's tokens ÷ first request sent → last token received,
 prefill included), A ÷ B, the same for decoding only (tokens after each user's first ÷ the
-earliest first token → the last token), the acceptance (accepted ÷ drafted), tokens per trip, the share of
+earliest first token → the last token), the sum of the users' own rates (each user's tokens ÷ its
+request → its last token: the throughput of users who keep asking, DiP-SD's measure; the
+aggregate above is bound by the slowest answer), the acceptance (accepted ÷ drafted), tokens per trip, the share of
 drafting steps whose drafts came from the origin (the rest: the head's fallback), and how many
 answers were the same text as plain decoding (at serving precision a K+1-row step can flip a
 near-tie; at --precision f32 they are the same, tests/test_origin_session.py).
@@ -85,7 +87,8 @@ def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, mod
             "ratio_per_round": ratios, "plain_decode_tok_s": med(plain, "decode_aggregate_tok_s"),
             "origin_decode_tok_s": med(spec, "decode_aggregate_tok_s"),
             "decode_ratio": med(spec, "decode_aggregate_tok_s") / med(plain, "decode_aggregate_tok_s"),
-            "ttft_ms": [med(plain, "ttft_ms_median"), med(spec, "ttft_ms_median")], "plain_tpot_ms": med(plain, "tpot_ms_median"),
+            "ttft_ms": [med(plain, "ttft_ms_median"), med(spec, "ttft_ms_median")],
+            "users_sum": [med(plain, "users_tok_s_sum"), med(spec, "users_tok_s_sum")], "plain_tpot_ms": med(plain, "tpot_ms_median"),
             "origin_tpot_ms": med(spec, "tpot_ms_median"), **spec_totals(spec),
             "same_text": same, "answers": users * rounds,
             "short_answers": sum(r["short_answers"] for r in spec + plain), "session_speculation": session_spec,
@@ -124,7 +127,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{ms:>4g} ms/hop  plain (batched rows) {r['plain_tok_s']:6.1f} tok/s  {args.speculate} drafting "
               f"{r['origin_tok_s']:6.1f} tok/s  ratio {r['ratio']:.2f}× (rounds "
               f"{', '.join(f'{x:.2f}' for x in r['ratio_per_round'])})  decoding only {r['plain_decode_tok_s']:.1f} → "
-              f"{r['origin_decode_tok_s']:.1f} tok/s {r['decode_ratio']:.2f}×  TTFT {r['ttft_ms'][0]:.0f} / {r['ttft_ms'][1]:.0f} ms  acceptance {fmt(r['acceptance'])}  "
+              f"{r['origin_decode_tok_s']:.1f} tok/s {r['decode_ratio']:.2f}×  users' own rates summed {r['users_sum'][0]:.1f} → {r['users_sum'][1]:.1f} tok/s "
+              f"{r['users_sum'][1] / r['users_sum'][0]:.2f}×  TTFT {r['ttft_ms'][0]:.0f} / {r['ttft_ms'][1]:.0f} ms  acceptance {fmt(r['acceptance'])}  "
               f"tokens/trip {fmt(r['tokens_per_trip'])}  origin share {fmt(r['origin_share'])} "
               f"({r['origin_steps']} of {r['origin_steps'] + r['fallback_steps']} drafting steps)  "
               f"same text {r['same_text']}/{r['answers']}  TPOT {r['plain_tpot_ms']:.0f} → {r['origin_tpot_ms']:.0f} ms"

@@ -77,6 +77,8 @@ def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS
     decode_wall = max(r["last_s"] for r in results) - min(r["started_s"] + r["ttft_ms"] / 1000 for r in results)
     return {"users": users, "tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall,
             "decode_aggregate_tok_s": (tokens - users) / decode_wall if decode_wall > 0 else None,
+            # steady state (users who keep asking, DiP-SD's throughput): each user's tokens ÷ its own time
+            "users_tok_s_sum": sum((r["tokens"] or 0) / (r["last_s"] - r["started_s"]) for r in results),
             "tpot_ms_median": statistics.median(tpots), "tpot_ms_max": max(tpots),
             "ttft_ms_median": statistics.median(r["ttft_ms"] for r in results),
             "short_answers": sum((r["tokens"] or 0) < max_tokens for r in results),
