@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kafila.session.fields import MAX_ORIGIN_DRAFT
 from kafila.session.frames import Activation, Cancel, EncodeError, Frame, FrameError, Free, Limits, Request, Tokens
 from kafila.session.head import (
     Action,
@@ -58,7 +59,6 @@ from kafila.session.head import (
     check_prompt,
     pick_tokens,
 )  # fmt: skip
-from kafila.session.fields import MAX_ORIGIN_DRAFT
 from kafila.session.origin import OriginDrafts
 from kafila.session.scheduler import SchedulerError, Step
 from kafila.session.slots import DEFAULT_MAX_QUEUED

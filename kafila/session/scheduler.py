@@ -38,7 +38,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kafila.session.fields import MAX_ORIGIN_DRAFT
 from kafila.session.frames import MAX_FRAME_BYTES
+from kafila.session.origin import aligned_draft
 from kafila.session.speculate import (
     DRAFT_K,
     MAX_DRAFT_K,
@@ -49,8 +51,6 @@ from kafila.session.speculate import (
     choose_k,
     ngram_draft,
 )  # fmt: skip
-from kafila.session.fields import MAX_ORIGIN_DRAFT
-from kafila.session.origin import aligned_draft
 
 F32_BYTES = 4
 QUEUE_FULL_STATUS = 429  # the queue is full: the API answers Too Many Requests with Retry-After
