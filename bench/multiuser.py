@@ -50,8 +50,9 @@ PROMPTS = [
 ]
 
 
-def one_level(session, users: int, max_tokens: int) -> dict:
-    """`users` requests started together; their timings as seen by each client."""
+def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS, extra: dict | None = None) -> dict:
+    """`users` requests started together (user i types prompts[i] at member i mod members;
+    `extra`: more fields of each request's body); their timings as seen by each client."""
     from kafila.tooling.launch import stream_chat
 
     results: list = [None] * users
@@ -60,7 +61,7 @@ def one_level(session, users: int, max_tokens: int) -> dict:
     def user(i: int) -> None:
         api = session.api(session.names[i % len(session.names)])
         start.wait()
-        results[i] = stream_chat(api, PROMPTS[i % len(PROMPTS)], max_tokens)
+        results[i] = stream_chat(api, prompts[i % len(prompts)], max_tokens, extra=extra)
 
     threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
     for t in threads:
@@ -72,10 +73,16 @@ def one_level(session, users: int, max_tokens: int) -> dict:
     tokens = sum(r["tokens"] or 0 for r in results)
     wall = max(r["last_s"] for r in results) - min(r["started_s"] for r in results)
     tpots = [1000.0 / r["tok_s"] for r in results if r["tok_s"]]
+    # decode only: tokens after each user's first ÷ (the earliest first token → the last token)
+    decode_wall = max(r["last_s"] for r in results) - min(r["started_s"] + r["ttft_ms"] / 1000 for r in results)
     return {"users": users, "tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall,
+            "decode_aggregate_tok_s": (tokens - users) / decode_wall if decode_wall > 0 else None,
+            # steady state (users who keep asking, DiP-SD's throughput): each user's tokens ÷ its own time
+            "users_tok_s_sum": sum((r["tokens"] or 0) / (r["last_s"] - r["started_s"]) for r in results),
             "tpot_ms_median": statistics.median(tpots), "tpot_ms_max": max(tpots),
             "ttft_ms_median": statistics.median(r["ttft_ms"] for r in results),
-            "short_answers": sum((r["tokens"] or 0) < max_tokens for r in results)}  # fmt: skip
+            "short_answers": sum((r["tokens"] or 0) < max_tokens for r in results),
+            "texts": [r["text"] for r in results], "speculation": [r["speculation"] for r in results]}  # fmt: skip
 
 
 def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: int, model: str,

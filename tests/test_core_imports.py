@@ -37,6 +37,7 @@ CORES = [
     "kafila/session/microbatch.py",
     "kafila/session/speculate.py",
     "kafila/session/dipsd_live.py",
+    "kafila/session/origin.py",
     "kafila/session/replans.py",
     "kafila/session/frames.py",
     "kafila/session/fields.py",

@@ -71,9 +71,9 @@ def _demo(*args: str) -> dict:
 @pytest.mark.session
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("mode", ["ngram", "draft"])
+@pytest.mark.parametrize("mode", ["ngram", "draft", "origin"])
 def test_a_speculating_session_answers_as_without(mode, tmp_path):
-    """`kafila demo --speculate ngram` and `--speculate draft --draft smollm2-135m` (the model
+    """`kafila demo --speculate ngram`, `origin` and `--speculate draft --draft smollm2-135m` (the model
     drafting for itself: an upper bound on acceptance), 3 processes at f32, answer exactly what
     `--speculate off` answers."""
     plain = _demo("--speculate", "off", "--cache-dir", str(tmp_path / "a"))

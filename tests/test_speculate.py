@@ -234,6 +234,15 @@ def test_ngram_on_three_openvino_stages_gives_the_ids_without_speculation(chain_
 
 
 @pytest.mark.model
+def test_origin_drafts_on_three_openvino_stages_give_the_ids_without_speculation(chain_factory, prompt_ids,
+                                                                                 default_index):  # fmt: skip
+    """speculate="origin", asked at m3 (two hops from the head): its drafts ride the activations
+    as bytes over the pipes, the head verifies them or drafts its own; the same ids as plain."""
+    chain = chain_factory("openvino", 3, "f32")
+    _exactness(chain.shards, default_index, prompt_ids, asked_at=2, speculate="origin")
+
+
+@pytest.mark.model
 @pytest.mark.slow  # MLX's CPU kernels: 8 prompts × 64 tokens twice take a minute or two
 def test_ngram_on_a_mixed_openvino_mlx_chain_gives_the_ids_without_speculation(chain_factory, prompt_ids,
                                                                                 default_index):  # fmt: skip

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="the session's context (kafila host --context; default 2048, or the model's own if shorter)")
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
     p.add_argument("--max-tokens", type=int, default=64, metavar="N")
-    p.add_argument("--speculate", choices=("off", "ngram", "draft"), default="off",
+    p.add_argument("--speculate", choices=("off", "ngram", "draft", "origin"), default="off",
                    help="the session's speculative decoding (kafila host --speculate)")
     p.add_argument("--draft", metavar="GGUF", default=None,
                    help="the draft model for --speculate draft (every member gets it: the head runs it)")

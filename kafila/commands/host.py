@@ -26,9 +26,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--max-queued", default="64", metavar="N",
                    help="requests that may wait for a slot (default 64); one more is answered HTTP 429 "
                         "with Retry-After")
-    p.add_argument("--speculate", choices=("off", "ngram", "draft"), default="off",
+    p.add_argument("--speculate", choices=("off", "ngram", "draft", "origin"), default="off",
                    help="speculative decoding: off, ngram (drafts looked up in the request's own prompt "
-                        "and output) or draft (a draft model, --draft, at the head); drafts are verified "
+                        "and output), draft (a draft model, --draft, at the head) or origin (n-gram drafts "
+                        "made at the member where each request was typed, carried to the head on its "
+                        "activations; the head's own n-grams where they are stale); drafts are verified "
                         "in one trip round the ring, as many as pay (none when they do not)")
     p.add_argument("--policy", choices=("kafila", "uniform", "memory"), default="kafila",
                    help="how blocks are divided (default kafila: the planner)")

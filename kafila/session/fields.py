@@ -13,6 +13,7 @@ from rendezvous.errors import LocalProtocolError, RemoteProtocolError
 MAX_NAME_CHARS = 64
 MAX_TRACE_ENTRIES = 64
 MAX_HOPS = 255  # the wire's bound on a routed frame's hops; the ring's own is len(ring) + 1
+MAX_ORIGIN_DRAFT = 65  # an origin's draft on an activation: 2 × speculate.MAX_DRAFT_K + 1 tokens
 
 
 class FrameError(RemoteProtocolError):
@@ -93,3 +94,14 @@ def check_shape(h: dict, dtype: str, dims: int) -> tuple[int, ...]:
     ):
         raise FrameError(f"shape must be a list of {dims} non-negative integers, got {s!r}")
     return tuple(s)
+
+
+def check_draft(h: dict, vocab: int, context: int) -> None:
+    """An activation's origin draft: 1..MAX_ORIGIN_DRAFT ids in the vocabulary after `dbase`,
+    a history length inside the context (kafila/session/origin.py); both fields or neither."""
+    d = h.get("draft")
+    if not isinstance(d, list) or not 1 <= len(d) <= MAX_ORIGIN_DRAFT or not all(
+        isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab for t in d
+    ):
+        raise FrameError(f"an origin draft must be 1..{MAX_ORIGIN_DRAFT} token ids inside the vocabulary")
+    check_int(h, "dbase", 1, context)

@@ -46,21 +46,9 @@ import numpy as np
 
 from kafila.net.roster import is_ip
 # MAX_HOPS, MAX_NAME_CHARS, MAX_TRACE_ENTRIES, FrameError and EncodeError stay importable from here
-from kafila.session.fields import (
-    KEY_RE,
-    MAX_HOPS,
-    MAX_NAME_CHARS,
-    MAX_TRACE_ENTRIES,
-    EncodeError,
-    FrameError,
-    check_bool,
-    check_float,
-    check_hops,
-    check_int,
-    check_pairs,
-    check_shape,
-    check_str,
-)
+from kafila.session.fields import (KEY_RE, MAX_HOPS, MAX_NAME_CHARS, MAX_TRACE_ENTRIES, EncodeError, FrameError,
+                                   check_bool, check_draft, check_float, check_hops, check_int, check_pairs,
+                                   check_shape, check_str)  # fmt: skip
 
 PREFIX = struct.Struct(">II")
 MAX_HEADER_BYTES = 64 << 10  # mask zeros and prompts' ids live in payloads or stay small
@@ -161,6 +149,10 @@ class Activation(_Kind):
     # row `row` of them; every stage runs them as one forward and passes them on together
     rows: int = 1
     row: int = 0
+    # the origin member's latest draft of this request, continuing its first `dbase` tokens
+    # (--speculate origin, kafila/session/origin.py); () on every other activation
+    draft: tuple[int, ...] = ()
+    dbase: int = 0
     TAG: ClassVar[str] = "act"
     NOUN: ClassVar[str] = "an activation"
 
@@ -182,7 +174,8 @@ class Activation(_Kind):
         h = {"k": "act", "rid": self.req_id, "slot": self.slot, "cache": self.cache_len,
              "pos0": self.pos0, "zeros": list(self.zeros), "dtype": "f32",
              "shape": list(x.shape), "trace": [list(t) for t in self.trace],
-             **({"rows": self.rows, "row": self.row} if self.rows > 1 else {})}  # fmt: skip
+             **({"rows": self.rows, "row": self.row} if self.rows > 1 else {}),
+             **({"draft": list(self.draft), "dbase": self.dbase} if self.draft else {})}  # fmt: skip
         return h, x.data.cast("B"), MAX_FRAME_BYTES if limits is None else limits.frame_bytes
 
     @staticmethod
@@ -206,6 +199,8 @@ class Activation(_Kind):
         if "rows" in h:
             rows = check_int(h, "rows", 2, MAX_BATCH_ROWS)
             check_int(h, "row", 0, rows - 1)
+        if "draft" in h or "dbase" in h:
+            check_draft(h, limits.vocab, limits.context)
         size = n * hidden * 4
         if size > limits.frame_bytes:
             raise FrameError(f"activation of {size} bytes exceeds this ring's frame limit {limits.frame_bytes}")
@@ -217,7 +212,7 @@ class Activation(_Kind):
         x = np.frombuffer(bytearray(payload), dtype="<f4").reshape(h["shape"])
         trace = tuple((a, b) for a, b in h.get("trace", []))
         return cls(h["rid"], h["slot"], h["cache"], h["pos0"], tuple(h["zeros"]), x, trace,
-                   h.get("rows", 1), h.get("row", 0))  # fmt: skip
+                   h.get("rows", 1), h.get("row", 0), tuple(h.get("draft", ())), h.get("dbase", 0))  # fmt: skip
 
 
 @dataclass(frozen=True)

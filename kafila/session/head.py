@@ -246,7 +246,7 @@ class HeadCore:
         self._depth_at = 0.0  # when the micro-batches in flight were last re-estimated
         # n-gram drafts cost the head ~nothing; a draft model at the head runs on its compute thread,
         # serial with its stage, which the live model leaves out: choose_k's alone there
-        use = dipsd and speculate == "ngram" and adaptive_k and draft_k >= 1
+        use = dipsd and speculate in ("ngram", "origin") and adaptive_k and draft_k >= 1  # n-gram drafts either way
         self.dipsd = LiveDipsd(draft_k, method=dipsd_method) if use else None
         self._schedule: LiveSchedule | None = None  # the schedule the scheduler and batches follow
         self.serial_cost = StepCost()  # the busiest machine's compute of a decode trip, by its positions
@@ -296,6 +296,10 @@ class HeadCore:
 
     def attach_draft(self, req_id: str, draft: tuple[int, ...]) -> Step | None:
         return self.scheduler.attach_draft(req_id, draft)
+
+    def offer_draft(self, req_id: str, base: int, draft: tuple[int, ...]) -> bool:
+        """A draft of a request typed here (--speculate origin: the same drafter, no frame)."""
+        return self.scheduler.offer_draft(req_id, base, draft)
 
     # --- steps out -------------------------------------------------------------------------------
 
@@ -403,6 +407,8 @@ class HeadCore:
         self._account_batch(acts)
         for act, token in zip(acts, tokens):
             self._account(act, now)
+            if act.draft:  # the origin's draft rode along (--speculate origin): for the next step
+                self.scheduler.offer_draft(act.req_id, act.dbase, act.draft)
             out += self._actions(self.scheduler.complete(act.req_id, token), now)
         return out
 

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kafila.session.fields import MAX_ORIGIN_DRAFT
 from kafila.session.frames import Activation, Cancel, EncodeError, Frame, FrameError, Free, Limits, Request, Tokens
 from kafila.session.head import (
     Action,
@@ -60,6 +61,7 @@ from kafila.session.head import (
     check_prompt,
     pick_tokens,
 )  # fmt: skip
+from kafila.session.origin import OriginDrafts
 from kafila.session.scheduler import SchedulerError, Step
 from kafila.session.slots import DEFAULT_MAX_QUEUED
 from kafila.session.speculate import DRAFT_K
@@ -132,7 +134,8 @@ class RingNode:
         """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
         hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
         frames over the limit: only tests set it, to exercise the per-request error.
-        `speculate`: "off" or "ngram" (the head's drafter, speculate.py), at most `draft_k`
+        `speculate`: "off", "ngram" (the head's drafter, speculate.py) or "origin" (every member
+        drafts for the requests typed at it, origin.py; the same on every member), at most `draft_k`
         drafts a trip (chosen online unless `adaptive_k` is False: see Scheduler). `drafter`:
         the head's draft model (draft.ModelDrafter) for speculate="draft". `stage_hang_s`: the
         watchdog's bound on one step of this stage (twice it for a trip round the ring).
@@ -159,6 +162,10 @@ class RingNode:
         self.on_degraded = on_degraded
         self.measured = Measured()
         self.speculate = speculate
+        # --speculate origin: this member drafts for the requests typed at it (origin.py); its
+        # drafts ride on their activations as they pass its stage (the head: handed over directly)
+        self.origin_drafts = (OriginDrafts(min(2 * draft_k + 1, MAX_ORIGIN_DRAFT))
+                              if speculate == "origin" and draft_k > 0 else None)  # fmt: skip
         # micro-batches need every stage's forward_batch; a draft model's steps go alone (the
         # drafter runs between the scheduler's step and its send), n-gram drafts ride in rows
         self.batch = batch_rows and hasattr(shard, "forward_batch") and speculate != "draft"
@@ -234,6 +241,8 @@ class RingNode:
     def _fail_waiters(self, reason: str) -> None:
         for req_id, w in list(self.waiters.items()):
             w.queue.put_nowait(Tokens(req_id, self.name, (), True, "error", reason[:500], 503))
+        if self.origin_drafts is not None:
+            self.origin_drafts.clear()
 
     async def _compute(self, fn, *args, rows: int = 1):
         """fn(*args) on the stage's worker thread, watched: past hang_bound_s(stage_hang_s, rows)
@@ -276,22 +285,36 @@ class RingNode:
         req = Request(req_id, self.name, self.head, max_new, stop_at_eos, np.asarray(prompt, dtype=np.int32),
                       float(temperature), float(top_p), -1 if seed is None else int(seed), bool(speculate))  # fmt: skip
         waiter = self.waiters[req_id] = Waiter()
+        if self.origin_drafts is not None and speculate:
+            self.origin_drafts.start(req_id, prompt)
         try:
             if self.core is not None:
                 self.core.submit(req)
+                self._offer_draft(req_id)
                 self._events.put_nowait(Pump())
             else:
                 await self._send(req)
         except SchedulerError:
-            del self.waiters[req_id]
+            self._forget(req_id)
             raise
         except EncodeError as exc:
-            del self.waiters[req_id]
+            self._forget(req_id)
             raise SchedulerError(f"this request cannot travel to the head: {exc}", 400) from None
         return req_id, waiter
 
-    async def cancel(self, req_id: str) -> None:
+    def _forget(self, req_id: str) -> None:
         self.waiters.pop(req_id, None)
+        if self.origin_drafts is not None:
+            self.origin_drafts.end(req_id)
+
+    def _offer_draft(self, req_id: str) -> None:
+        """At the head: the latest draft of a request typed here goes to its scheduler directly."""
+        d = self.origin_drafts.draft(req_id) if self.origin_drafts is not None else None
+        if d is not None and self.core is not None:
+            self.core.offer_draft(req_id, *d)
+
+    async def cancel(self, req_id: str) -> None:
+        self._forget(req_id)
         if self.degraded:
             return
         if self.is_head:
@@ -376,12 +399,14 @@ class RingNode:
                                           rows=sum(a.n for a in acts))  # fmt: skip
         if len(acts) > 1 or acts[0].n == 1:  # decode steps only: a prefill's cost grows with the prompt
             self.measured.stage(self.name, us)
-        if len(acts) == 1:
-            a = acts[0]
-            await self._send(Activation(a.req_id, a.slot, a.cache_len, a.pos0, a.zeros, hiddens[0],
-                                        a.trace + ((self.name, us),)))  # fmt: skip
-        else:
-            await self._send(*(replace(a, hidden=h, trace=a.trace + ((self.name, us),)) for a, h in zip(acts, hiddens)))
+        await self._send(*(self._passed(a, h, us) for a, h in zip(acts, hiddens)))
+
+    def _passed(self, act: Activation, hidden: np.ndarray, us: int) -> Activation:
+        """`act` leaving this stage: its output, this stage's µs, and this member's latest draft
+        when the request was typed here (--speculate origin), else the draft it came with."""
+        d = self.origin_drafts.draft(act.req_id) if self.origin_drafts is not None else None
+        draft, dbase = (act.draft, act.dbase) if d is None else (d[1], d[0])
+        return replace(act, hidden=hidden, trace=act.trace + ((self.name, us),), draft=draft, dbase=dbase)
 
     def _forward(self, where: list[tuple[int, int]], xs, positions, masks) -> tuple[list[np.ndarray], int]:
         """This stage's forward on the worker thread (the head's too: xs are token ids there): one
@@ -413,7 +438,10 @@ class RingNode:
             w.queue.put_nowait(t)
         if frame.done:
             w.queue.put_nowait(frame)
-            self.waiters.pop(frame.req_id, None)
+            self._forget(frame.req_id)
+        elif self.origin_drafts is not None and frame.ids:
+            self.origin_drafts.add(frame.req_id, frame.ids)  # drafting ahead of the next activation
+            self._offer_draft(frame.req_id)
 
     # --- the head's driver: HeadCore's events in, its actions out ----------------------------------
 

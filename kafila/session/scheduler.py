@@ -20,6 +20,8 @@ after the last one (K+1 positions), K chosen per request and step from the measu
 (the accepted drafts and one more), adding the rejected drafts' physical positions to the
 request's `zeros`, so every stage masks them out from the next step on. Drafting keeps enough
 physical room that a request never runs out of context earlier than it would without it.
+With `speculate="origin"` the drafts come from the member where the request was typed
+(`offer_draft`, origin.py) when its latest one is aligned with the history, else from n-grams.
 
 States of a request: QUEUED → ACTIVE (has a slot) ⇄ IN_FLIGHT → DONE; cancel or fail from any.
 Fairness: slots go to queued requests in arrival order, and every active request without a step
@@ -36,7 +38,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kafila.session.fields import MAX_ORIGIN_DRAFT
 from kafila.session.frames import MAX_FRAME_BYTES
+from kafila.session.origin import aligned_draft
 from kafila.session.speculate import (
     DRAFT_K,
     MAX_DRAFT_K,
@@ -144,6 +148,7 @@ class _Request:
     zeros: list[int] = field(default_factory=list)  # masked-out physical positions
     draft: tuple[int, ...] = ()  # the drafts of the step in flight
     want_draft: int = 0  # speculate="draft": the drafts asked of the head's drafter (attach_draft)
+    offered: tuple[int, tuple[int, ...]] | None = None  # speculate="origin": the origin's latest (base, draft)
     spec: SpecStats = field(default_factory=SpecStats)
     acceptance: Acceptance = field(default_factory=Acceptance)
 
@@ -273,12 +278,42 @@ class Scheduler:
         return max(k, 0)
 
     def _draft(self, req: _Request) -> tuple[int, ...]:
-        """The n-gram drafts of `req`'s next decode step (at most _draft_k of them)."""
+        """The drafts of `req`'s next decode step (at most _draft_k of them): the origin's latest
+        draft when it is aligned with the history (speculate="origin"), else n-grams."""
         k = self._draft_k(req)
-        draft = ngram_draft(self._history(req), k) if k >= 1 else ()
+        draft: tuple[int, ...] = ()
+        if k >= 1 and self.speculate == "origin":
+            if req.offered is not None:
+                draft = aligned_draft(self._history(req), *req.offered, k)
+            if draft:
+                req.spec.origin += 1
+            else:
+                req.spec.fallback += 1
+        if k >= 1 and not draft:
+            draft = ngram_draft(self._history(req), k)
         if not draft:
             req.acceptance.idle()
         return draft
+
+    def offer_draft(self, req_id: str, base: int, tokens) -> bool:
+        """The origin member's latest draft of `req_id`, continuing its first `base` tokens
+        (speculate="origin"). Kept if it is one: 1..MAX_ORIGIN_DRAFT non-negative ids after a
+        history the head has produced (`base` ≤ its length), not older than the one kept;
+        False (and nothing kept) otherwise. Whether it is still aligned is for the next step."""
+        req = self._requests.get(req_id)
+        if req is None or not req.speculate or self.speculate != "origin":
+            return False
+        toks = tuple(tokens)
+        if not isinstance(base, int) or isinstance(base, bool) or not 1 <= len(toks) <= MAX_ORIGIN_DRAFT:
+            return False
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in toks):
+            return False
+        if not 0 < base <= len(req.prompt) + len(req.generated):
+            return False
+        if req.offered is not None and base < req.offered[0]:
+            return False
+        req.offered = (base, tuple(int(t) for t in toks))
+        return True
 
     def observe_step(self, req_id: str, positions: int, ms: float) -> None:
         """The head measured `req_id`'s step in flight round the ring: `ms` for `positions`

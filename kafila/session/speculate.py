@@ -39,7 +39,9 @@ import numpy as np
 
 from kafila.sampling import sample_token, token_probs
 
-SPECULATE_MODES = ("off", "ngram", "draft")  # draft: a draft model at the head (draft.py)
+# draft: a draft model at the head (draft.py); origin: n-gram drafts made at the member where each
+# request was typed, carried to the head on its activations, the head's own n-grams when stale (origin.py)
+SPECULATE_MODES = ("off", "ngram", "draft", "origin")
 DRAFT_K = 8  # the most draft tokens per trip choose_k may pick (positions per step: DRAFT_K + 1)
 MAX_DRAFT_K = 32  # the most a session may ask for
 NGRAM_MAX_N = 4  # longest suffix matched (tokens)
@@ -200,6 +202,8 @@ class SpecStats:
     accepted: int = 0
     trips: int = 0  # every decode step (with or without drafts)
     tokens: int = 0  # tokens those steps yielded
+    origin: int = 0  # --speculate origin: steps whose drafts came from the request's origin member
+    fallback: int = 0  # steps that wanted drafts and had no aligned origin draft (the head's n-grams)
 
     def add(self, drafted: int, yielded: int) -> None:
         self.drafted += drafted
@@ -212,6 +216,8 @@ class SpecStats:
         self.accepted += other.accepted
         self.trips += other.trips
         self.tokens += other.tokens
+        self.origin += other.origin
+        self.fallback += other.fallback
 
     @property
     def acceptance(self) -> float | None:
@@ -226,15 +232,20 @@ class SpecStats:
         return {"drafted": self.drafted, "accepted": self.accepted,
                 "acceptance_rate": None if acc is None else round(acc, 4),
                 "tokens_per_trip": None if tpt is None else round(tpt, 4),
-                "drafts_per_trip": round(self.drafted / self.trips, 4) if self.trips else None}  # fmt: skip
+                "drafts_per_trip": round(self.drafted / self.trips, 4) if self.trips else None,
+                **({"origin_steps": self.origin, "fallback_steps": self.fallback}
+                   if self.origin or self.fallback else {})}  # fmt: skip
 
     def as_pairs(self) -> tuple[tuple[str, float], ...]:
         return (("spec:drafted", self.drafted), ("spec:accepted", self.accepted),
-                ("spec:trips", self.trips), ("spec:tokens", self.tokens))  # fmt: skip
+                ("spec:trips", self.trips), ("spec:tokens", self.tokens),
+                *((("spec:origin", self.origin), ("spec:fallback", self.fallback))
+                  if self.origin or self.fallback else ()))  # fmt: skip
 
     @classmethod
     def from_pairs(cls, pairs) -> SpecStats | None:
         d = {k[5:]: int(v) for k, v in pairs if isinstance(k, str) and k.startswith("spec:")}
         if not d:
             return None
-        return cls(d.get("drafted", 0), d.get("accepted", 0), d.get("trips", 0), d.get("tokens", 0))
+        return cls(d.get("drafted", 0), d.get("accepted", 0), d.get("trips", 0), d.get("tokens", 0),
+                   d.get("origin", 0), d.get("fallback", 0))

@@ -90,7 +90,7 @@ class LocalSession:
     batch_rows: bool = True  # kafila host --batch-rows on|off
     dipsd: bool = True  # kafila host --dipsd on|off (passed only when off: older trees lack it)
     latency_ms: float = 0.0
-    speculate: str = "off"  # the head's drafter: "off" | "ngram" (kafila host --speculate)
+    speculate: str = "off"  # kafila host --speculate: "off" | "ngram" | "draft" | "origin"
     precision: str = "serving"  # every stage's compute (kafila host --precision)
     draft: str | None = None  # a draft model every member gets (--speculate draft: the head runs it)
     throttle: dict[str, float] = field(default_factory=dict)

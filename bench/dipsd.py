@@ -1,0 +1,142 @@
+"""DiP-SD on a 3-member session: 4 users each drafting at their own member vs batched plain decoding.
+
+    .venv/bin/python -m bench.dipsd [--latency 20,50] [--users 4] [--max-tokens 48] [--rounds 3]
+                                    [--precision serving|f32] [--speculate origin|ngram] [--json]
+
+One loopback session of separate processes per hop latency (kafila demo's launcher, as
+bench.multiuser and bench.spec), started with `--speculate origin` and batched decode rows on.
+`--users` users start together, user i typing grounded prompt i of bench/spec_prompts.json at
+member m1, m2, m3 in turn (bench.multiuser.one_level), greedy, each asking for --max-tokens. Each
+round measures the same users twice, in alternating order (A B, then B A): A with speculation
+(`"speculate": true`: drafts made at each request's origin member ride its activations to the
+head, the head's n-grams where they are stale; kafila/session/origin.py), B with `"speculate":
+false` (plain decoding, the same micro-batched rows). Reported per latency, median over rounds:
+aggregate committed tok/s (every user's tokens ÷ first request sent → last token received,
+prefill included), A ÷ B, the same for decoding only (tokens after each user's first ÷ the
+earliest first token → the last token), the sum of the users' own rates (each user's tokens ÷ its
+request → its last token: the throughput of users who keep asking, DiP-SD's measure; the
+aggregate above is bound by the slowest answer), the acceptance (accepted ÷ drafted), tokens per trip, the share of
+drafting steps whose drafts came from the origin (the rest: the head's fallback), and how many
+answers were the same text as plain decoding (at serving precision a K+1-row step can flip a
+near-tie; at --precision f32 they are the same, tests/test_origin_session.py).
+`--speculate ngram` runs the same with every draft made at the head (the comparison: what
+drafting at the origin costs or gains against the head's own n-grams).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import tempfile
+import time
+
+from bench.llamacpp_speed import machine
+from bench.multiuser import one_level
+from bench.spec import PROMPTS
+
+
+def spec_totals(levels: list[dict]) -> dict:
+    """Every speculating answer's counts together."""
+    keys = ("drafted", "accepted", "origin_steps", "fallback_steps")
+    tot = dict.fromkeys(keys, 0)
+    per_trip = []
+    for level in levels:
+        for s in level["speculation"]:
+            for k in keys:
+                tot[k] += (s or {}).get(k) or 0
+            if s and s.get("tokens_per_trip"):
+                per_trip.append(s["tokens_per_trip"])
+    steps = tot["origin_steps"] + tot["fallback_steps"]
+    return {**tot, "acceptance": tot["accepted"] / tot["drafted"] if tot["drafted"] else None,
+            "tokens_per_trip": statistics.mean(per_trip) if per_trip else None,
+            "origin_share": tot["origin_steps"] / steps if steps else None}  # fmt: skip
+
+
+def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, model: str, precision: str,
+                speculate: str = "origin") -> dict:  # fmt: skip
+    from kafila.tooling.launch import LocalSession, get_json, stream_chat
+
+    prompts = json.loads(PROMPTS.read_text())["grounded"]
+    s = LocalSession(members=3, model=model, latency_ms=latency_ms, speculate=speculate, precision=precision,
+                     batch_rows=True, log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
+                     cache_root=tempfile.mkdtemp(prefix="kafila-bench-cache-"))  # fmt: skip
+    t0 = time.monotonic()
+    s.start(timeout_s=600)
+    try:
+        st = get_json(s.api("m1"), "/status")
+        head = st["plan"]["head"]
+        for name in s.names:  # warm-up: the backends prepare kernels per new step shape at first use
+            stream_chat(s.api(name), prompts[0], 16, extra={"speculate": True})
+        one_level(s, users, 8, prompts, {"speculate": True})  # and the batched shapes
+        spec, plain = [], []
+        for r in range(rounds):
+            order = [(spec, True), (plain, False)] if r % 2 == 0 else [(plain, False), (spec, True)]
+            for rows, flag in order:
+                rows.append(one_level(s, users, max_tokens, prompts, {"speculate": flag}))
+        session_spec = get_json(s.api(head), "/status").get("speculation")
+    finally:
+        s.stop()
+    med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+    same = sum(a == b for x, y in zip(spec, plain) for a, b in zip(x["texts"], y["texts"]))
+    ratios = [a["aggregate_tok_s"] / b["aggregate_tok_s"] for a, b in zip(spec, plain)]
+    return {"latency_ms": latency_ms, "users": users, "plan": st["plan"], "slots": st["session"]["concurrency"],
+            "plain_tok_s": med(plain, "aggregate_tok_s"), "origin_tok_s": med(spec, "aggregate_tok_s"),
+            "ratio": med(spec, "aggregate_tok_s") / med(plain, "aggregate_tok_s"),
+            "ratio_per_round": ratios, "plain_decode_tok_s": med(plain, "decode_aggregate_tok_s"),
+            "origin_decode_tok_s": med(spec, "decode_aggregate_tok_s"),
+            "decode_ratio": med(spec, "decode_aggregate_tok_s") / med(plain, "decode_aggregate_tok_s"),
+            "ttft_ms": [med(plain, "ttft_ms_median"), med(spec, "ttft_ms_median")],
+            "users_sum": [med(plain, "users_tok_s_sum"), med(spec, "users_tok_s_sum")], "plain_tpot_ms": med(plain, "tpot_ms_median"),
+            "origin_tpot_ms": med(spec, "tpot_ms_median"), **spec_totals(spec),
+            "same_text": same, "answers": users * rounds,
+            "short_answers": sum(r["short_answers"] for r in spec + plain), "session_speculation": session_spec,
+            "rounds": {"origin": spec, "plain": plain}, "session_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="bench.dipsd", description=__doc__.split("\n\n")[0])
+    p.add_argument("--latency", default="20,50", help="hop latencies in ms, comma-separated")
+    p.add_argument("--users", type=int, default=4, help="concurrent users (typed at m1, m2, m3 in turn)")
+    p.add_argument("--max-tokens", type=int, default=48, help="tokens each user asks for")
+    p.add_argument("--rounds", type=int, default=3, help="A/B pairs measured per latency (median)")
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--precision", choices=("serving", "f32"), default="serving")
+    p.add_argument("--speculate", choices=("origin", "ngram"), default="origin",
+                   help="the session's drafting: at each request's member (default) or at the head")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    try:
+        latencies = [float(x) for x in args.latency.split(",")]
+    except ValueError:
+        print("bench.dipsd: --latency takes comma-separated numbers", file=sys.stderr)
+        return 2
+    if not 1 <= args.users <= 16 or not 1 <= args.max_tokens <= 1024 or not 1 <= args.rounds <= 20 or min(latencies) < 0:
+        print("bench.dipsd: --users 1..16, --max-tokens 1..1024, --rounds 1..20, latencies ≥ 0", file=sys.stderr)
+        return 2
+    print(machine(), flush=True)
+    print(f"3 members on loopback, {args.model} at {args.precision} precision, {args.users} users typed at m1, m2, m3 "
+          f"in turn, grounded prompts, {args.max_tokens} tokens each, median of {args.rounds} A/B rounds, "
+          f"--speculate {args.speculate}", flush=True)
+    fmt = lambda x, d=2: "—" if x is None else f"{x:.{d}f}"  # noqa: E731
+    out = {}
+    for ms in latencies:
+        r = out[f"{ms:g}"] = run_latency(ms, args.users, args.max_tokens, args.rounds, args.model, args.precision,
+                                         args.speculate)  # fmt: skip
+        print(f"{ms:>4g} ms/hop  plain (batched rows) {r['plain_tok_s']:6.1f} tok/s  {args.speculate} drafting "
+              f"{r['origin_tok_s']:6.1f} tok/s  ratio {r['ratio']:.2f}× (rounds "
+              f"{', '.join(f'{x:.2f}' for x in r['ratio_per_round'])})  decoding only {r['plain_decode_tok_s']:.1f} → "
+              f"{r['origin_decode_tok_s']:.1f} tok/s {r['decode_ratio']:.2f}×  users' own rates summed {r['users_sum'][0]:.1f} → {r['users_sum'][1]:.1f} tok/s "
+              f"{r['users_sum'][1] / r['users_sum'][0]:.2f}×  TTFT {r['ttft_ms'][0]:.0f} / {r['ttft_ms'][1]:.0f} ms  acceptance {fmt(r['acceptance'])}  "
+              f"tokens/trip {fmt(r['tokens_per_trip'])}  origin share {fmt(r['origin_share'])} "
+              f"({r['origin_steps']} of {r['origin_steps'] + r['fallback_steps']} drafting steps)  "
+              f"same text {r['same_text']}/{r['answers']}  TPOT {r['plain_tpot_ms']:.0f} → {r['origin_tpot_ms']:.0f} ms"
+              + (f"  ({r['short_answers']} answers ended early)" if r["short_answers"] else ""), flush=True)  # fmt: skip
+    if args.json:
+        print(json.dumps(out, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
