@@ -27,28 +27,13 @@ import time
 from pathlib import Path
 
 from bench.llamacpp_speed import machine
+from bench.multiuser import run_users
 
 PROMPTS = Path(__file__).with_name("spec_prompts.json")
 
 
 def one_round(session, texts: list[str], max_tokens: int) -> dict:
-    from kafila.tooling.launch import stream_chat
-
-    results: list = [None] * len(texts)
-    start = threading.Barrier(len(texts))
-
-    def user(i: int) -> None:
-        api = session.api(session.names[i % len(session.names)])
-        start.wait()
-        results[i] = stream_chat(api, texts[i], max_tokens, extra={"speculate": True})
-
-    threads = [threading.Thread(target=user, args=(i,)) for i in range(len(texts))]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(600)
-    if any(r is None for r in results):
-        raise RuntimeError(f"{sum(r is None for r in results)} of {len(texts)} users got no answer (see the logs)")
+    results = run_users(session, texts, max_tokens, extra={"speculate": True})
     tokens = sum(r["tokens"] or 0 for r in results)
     wall = max(r["last_s"] for r in results) - min(r["started_s"] for r in results)
     spec = [r["speculation"] or {} for r in results]

@@ -50,26 +50,33 @@ PROMPTS = [
 ]
 
 
-def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS, extra: dict | None = None) -> dict:
-    """`users` requests started together (user i types prompts[i] at member i mod members;
-    `extra`: more fields of each request's body); their timings as seen by each client."""
+def run_users(session, texts: list[str], max_tokens: int, extra: dict | None = None) -> list[dict]:
+    """One request a text, started together (user i types texts[i] at member i mod members;
+    `extra`: more fields of each request's body): each client's stream_chat result."""
     from kafila.tooling.launch import stream_chat
 
-    results: list = [None] * users
-    start = threading.Barrier(users)
+    results: list = [None] * len(texts)
+    start = threading.Barrier(len(texts))
 
     def user(i: int) -> None:
         api = session.api(session.names[i % len(session.names)])
         start.wait()
-        results[i] = stream_chat(api, prompts[i % len(prompts)], max_tokens, extra=extra)
+        results[i] = stream_chat(api, texts[i], max_tokens, extra=extra)
 
-    threads = [threading.Thread(target=user, args=(i,)) for i in range(users)]
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(len(texts))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(600)
     if any(r is None for r in results):
-        raise RuntimeError(f"{sum(r is None for r in results)} of {users} users got no answer (see the logs)")
+        raise RuntimeError(f"{sum(r is None for r in results)} of {len(texts)} users got no answer (see the logs)")
+    return results
+
+
+def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS, extra: dict | None = None) -> dict:
+    """`users` requests started together (user i types prompts[i] at member i mod members;
+    `extra`: more fields of each request's body); their timings as seen by each client."""
+    results = run_users(session, [prompts[i % len(prompts)] for i in range(users)], max_tokens, extra)
     tokens = sum(r["tokens"] or 0 for r in results)
     wall = max(r["last_s"] for r in results) - min(r["started_s"] for r in results)
     tpots = [1000.0 / r["tok_s"] for r in results if r["tok_s"]]
