@@ -92,7 +92,10 @@ class SpillFile:
         """A file-backed copy of array (same dtype and shape)."""
         array = np.ascontiguousarray(array)
         offset = -(-self._size // self.ALIGN) * self.ALIGN
-        os.pwrite(self._file.fileno(), array.tobytes(), offset)  # (memoryview(array) fails on f16)
+        data = memoryview(array.reshape(-1).view(np.uint8))  # no copy (memoryview of f16 fails)
+        done = 0
+        while done < len(data):  # pwrite may write less than asked (Linux: at most ~2 GiB a call)
+            done += os.pwrite(self._file.fileno(), data[done:], offset + done)
         self._size = offset + array.nbytes
         if array.nbytes == 0:
             return array
@@ -248,7 +251,7 @@ class WeightBank:
         elif b.qtype == "Q5_0":  # q − 16 as i8 [rows, groups, 32] in −16..15
             q = self._const((b.q.astype(np.int16) - 16).astype(np.int8))
         else:  # Q8_0, Q6_K (stored as q − 32): i8 [rows, groups, 32 | 16]
-            q = self._const(b.q.astype(np.int8))
+            q = self._const(b.q.astype(np.int8, copy=False))
         scale_type = np.float32 if b.qtype == "Q6_K" else np.float16  # Q8_0/Q4_0/Q5_0: the file's f16 d
         return Packed(q, self._const(b.scale.astype(scale_type)[..., None]), None, rows, groups * group)
 

@@ -874,7 +874,7 @@ class Participant:
         if role is None or self.index is None or not sess:
             return member_memory(None, 0, 0, False, 0, 0)
         return member_memory(self.index, role.first, role.last, role.head == self.cfg.name,
-                             int(sess["context"]), int(sess["concurrency"]))  # fmt: skip
+                             int(sess["context"]), int(sess["concurrency"]), self.cfg.backend)  # fmt: skip
 
     @property
     def code(self) -> str:
