@@ -13,16 +13,18 @@ while serving, read off the constant forms (backends/openvino/weights.py, backen
   K-quants); Q6_K is padded to groups of 32 (12 bits of codes + 4 bits of f32 scale/bias = 2 B).
 - reference: every weight dequantized to float64 (8 B; a yardstick, not a serving path).
 
-PROCESS_BYTES: a session member's fixed resident set before any weight: Python, numpy, the
-backend runtime (OpenVINO's CPU plugin and its thread pools), QUIC, the session, the HTTP API.
-RUN_PROCESS_BYTES: the same for `kafila run` (no QUIC, session or API). Measured on the
-Llama-3.2-1B shape with bench/memory_big.py (docs/BENCHMARKS.md, issue 10) as RSS minus the
-weights' resident forms: members without the head 285 and 302 MB, `kafila run` 127 MB (its
-tokenizer taken out). MLX's figures are not measured (no Apple machine here): the OpenVINO ones.
-
-HEAD_WORK_BYTES_PER_VOCAB: the head's extra beside its lm_head, per vocabulary entry: the
-tokenizer's tables (Llama 3's 128,256 tokens and 280k merges: 136 MB in Python, measured with
-`load_tokenizer` alone), the f32 logits and the sampler's buffers.
+PROCESS_BYTES: a session member's fixed resident set before any weight and beside its tokenizer:
+Python, numpy, the backend runtime (OpenVINO's CPU plugin and its thread pools), QUIC, the session,
+the HTTP API. TOKENIZER_BYTES_PER_VOCAB: the tokenizer every member loads (each serves the API),
+per vocabulary entry: Llama 3's 128,256 tokens and 280k merges take 136 MB in Python (measured with
+`load_tokenizer` alone). ANCHOR_BYTES: the host's extra (weight serving, the bulk lane, digests).
+HEAD_WORK_BYTES_PER_VOCAB: the head's extra beside its lm_head (f32 logits, the plugin's top-1
+scratch, the sampler), per vocabulary entry. RUN_PROCESS_BYTES: `kafila run`'s fixed part (no
+QUIC, session or API), its tokenizer included.
+Fitted on two runs of bench/memory_big.py on the Llama-3.2-1B shape (docs/BENCHMARKS.md, issue
+10) as RSS minus the weights' resident forms: members without the head or the host 285, 302 and
+316 MB (→ 165 MB + the tokenizer), the host 55 MB more, the head 46–52 MB beyond its lm_head,
+`kafila run` 211 MB. MLX's figures are not measured (no Apple machine here): the OpenVINO ones.
 """
 
 from __future__ import annotations
@@ -38,9 +40,11 @@ RESIDENT_BYTES_PER_WEIGHT: dict[str, dict[str, float]] = {
 }
 REFERENCE_BYTES_PER_WEIGHT = 8.0
 
-PROCESS_BYTES: dict[str, float] = {"openvino": 295e6, "mlx": 295e6, "reference": 295e6}
-RUN_PROCESS_BYTES: dict[str, float] = {"openvino": 130e6, "mlx": 130e6, "reference": 130e6}
-HEAD_WORK_BYTES_PER_VOCAB = 1100
+PROCESS_BYTES: dict[str, float] = {"openvino": 165e6, "mlx": 165e6, "reference": 165e6}
+ANCHOR_BYTES: dict[str, float] = {"openvino": 55e6, "mlx": 55e6, "reference": 55e6}
+RUN_PROCESS_BYTES: dict[str, float] = {"openvino": 211e6, "mlx": 211e6, "reference": 211e6}
+TOKENIZER_BYTES_PER_VOCAB = 1060
+HEAD_WORK_BYTES_PER_VOCAB = 390
 
 
 def bytes_per_weight(backend: str, qtype: str) -> float:

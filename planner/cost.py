@@ -20,7 +20,8 @@ and, for a division already chosen (n_i blocks each), the slots its memory leave
     slots(i) = floor((memory_i − π − [i = head]·ρ_head − n_i·ρ_block) / (n_i·kv·context))
 
 Memory is priced in what a member really holds, not the file's bytes (issue 10): π is the
-model's `process_bytes` (a member's fixed runtime: interpreter, backend plugin, QUIC, API),
+model's `process_bytes` (a member's fixed runtime: interpreter, backend plugin, tokenizer, QUIC,
+API; the anchor adds `anchor_bytes`),
 ρ_block / ρ_head its weights in the serving backend's forms (`Model.block_memory`,
 `Model.head_memory`; β_block / β_head when a fleet does not give them, and π = 0). Costs per
 token keep β (the bytes a token streams from the file's layout). `member_bytes` is the one
@@ -99,23 +100,24 @@ def bytes_per_block(fleet: Fleet) -> float:
     return model.block_memory + kv
 
 
-def member_bytes(model: Model, blocks: int, is_head: bool, kv_tokens: float) -> float:
+def member_bytes(model: Model, blocks: int, is_head: bool, kv_tokens: float, is_anchor: bool = False) -> float:
     """What a member holding `blocks` blocks (and the head) is expected to hold resident, with
     `kv_tokens` positions of KV per block (context × concurrency at the declared load):
-    π + n·(ρ_block + kv·kv_tokens) + [head]·ρ_head. A member with no blocks holds nothing."""
+    π + [anchor]·α + n·(ρ_block + kv·kv_tokens) + [head]·ρ_head. A member with no blocks (and
+    not the head) holds nothing of the model."""
     if blocks <= 0 and not is_head:
         return 0.0
     per_block = model.block_memory + model.kv_bytes_per_token_per_block * kv_tokens
-    return model.process_bytes + blocks * per_block + (model.head_memory if is_head else 0.0)
+    return _fixed(model, is_head, is_anchor) + blocks * per_block
 
 
-def _fixed(model: Model, is_head: bool) -> float:
-    return model.process_bytes + (model.head_memory if is_head else 0.0)
+def _fixed(model: Model, is_head: bool, is_anchor: bool) -> float:
+    return model.process_bytes + (model.anchor_bytes if is_anchor else 0.0) + (model.head_memory if is_head else 0.0)
 
 
 def block_limit(device: Device, fleet: Fleet, is_head: bool) -> int:
     """lim(i): the most blocks `device` can hold (0 when even the fixed part and head do not fit)."""
-    room = device.memory_bytes - _fixed(fleet.model, is_head)
+    room = device.memory_bytes - _fixed(fleet.model, is_head, device.name == fleet.anchor)
     if room <= 0:
         return 0
     return math.floor(room / bytes_per_block(fleet))
@@ -123,7 +125,8 @@ def block_limit(device: Device, fleet: Fleet, is_head: bool) -> int:
 
 def short_bytes(device: Device, fleet: Fleet, blocks: int, is_head: bool) -> int:
     """Bytes `device` lacks to hold `blocks` blocks (and the head); 0 when it fits."""
-    needed = member_bytes(fleet.model, blocks, is_head, fleet.context * fleet.concurrency)
+    needed = member_bytes(fleet.model, blocks, is_head, fleet.context * fleet.concurrency,
+                          device.name == fleet.anchor)
     return max(0, math.ceil(needed - device.memory_bytes))
 
 
@@ -140,7 +143,7 @@ def slots_that_fit(fleet: Fleet, blocks: Mapping[str, int], head: str, most: int
         n = blocks.get(device.name, 0)
         if n <= 0:
             continue
-        room = device.memory_bytes - _fixed(model, device.name == head) - n * model.block_memory
+        room = device.memory_bytes - _fixed(model, device.name == head, device.name == fleet.anchor) - n * model.block_memory
         per_slot = n * model.kv_bytes_per_token_per_block * fleet.context
         if room < per_slot:
             return 0

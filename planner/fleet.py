@@ -7,7 +7,7 @@ Units follow the contract: GB means 10**9 bytes, bandwidth is GB/s, overhead µs
 
 Required: `context`, `concurrency`, `anchor`, the model's five fields, and each device's
 `name` and `memory_gb`. Optional model fields for memory (planner.cost): `process_bytes` (a
-member's fixed bytes), `block_resident_bytes` and `head_resident_bytes` (weights in the serving
+member's fixed bytes), `anchor_bytes` (the anchor's extra), `block_resident_bytes` and `head_resident_bytes` (weights in the serving
 backend's forms; absent: `block_bytes`/`head_bytes`). A measurement (`bandwidth_gbps`, `overhead_us`, `tflops`, `rtt_ms`,
 `nat`) that is absent or `null` means the device could not measure it: that is what moves a
 session down an admission tier (see `planner.admission`), so it is not an input error. A
@@ -51,6 +51,7 @@ class Model:
     process_bytes: float = 0.0  # what a member process holds before any weight (runtime, API)
     block_resident_bytes: float | None = None  # one block's weights as the backend holds them
     head_resident_bytes: float | None = None  # the head's (embedding, lm_head, sampler) likewise
+    anchor_bytes: float = 0.0  # the anchor's extra: it hosts the session (serves weights, digests)
 
     @property
     def block_memory(self) -> float:
@@ -166,6 +167,7 @@ def _model(raw: Any, key: str | None) -> Model:
         process_bytes=_number(raw, "process_bytes", where, positive=False) if "process_bytes" in raw else 0.0,
         block_resident_bytes=_optional(raw, "block_resident_bytes", where),
         head_resident_bytes=_optional(raw, "head_resident_bytes", where),
+        anchor_bytes=_number(raw, "anchor_bytes", where, positive=False) if "anchor_bytes" in raw else 0.0,
     )
 
 

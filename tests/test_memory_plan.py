@@ -7,7 +7,13 @@ import pytest
 
 from backends.gguf import open_model
 from backends.gguf import quant
-from backends.memory import PROCESS_BYTES, RESIDENT_BYTES_PER_WEIGHT, bytes_per_weight, resident_bytes
+from backends.memory import (
+    PROCESS_BYTES,
+    RESIDENT_BYTES_PER_WEIGHT,
+    TOKENIZER_BYTES_PER_VOCAB,
+    bytes_per_weight,
+    resident_bytes,
+)
 from planner import PlanInputError, block_limit, member_bytes, parse_fleet, short_bytes, slots_that_fit
 from tests.synthetic_gguf import write_llama_gguf
 
@@ -41,7 +47,17 @@ def test_process_term_and_resident_forms_price_every_member():
     assert slots_that_fit(f, {"a": 2}, "a", 100) == 16
 
 
-@pytest.mark.parametrize("key", ["process_bytes", "block_resident_bytes", "head_resident_bytes"])
+def test_the_anchor_carries_its_extra():
+    f = parse_fleet({"context": 10, "concurrency": 1, "anchor": "a",
+                     "model": {**MODEL, "process_bytes": 300.0, "anchor_bytes": 100.0},
+                     "devices": [{"name": "a", "memory_gb": 1e-6}, {"name": "b", "memory_gb": 1e-6}]})  # fmt: skip
+    assert member_bytes(f.model, 2, False, 10, is_anchor=True) == 300 + 100 + 2 * 110
+    assert block_limit(f.device("a"), f, is_head=False) == (1000 - 400) // 110
+    assert block_limit(f.device("b"), f, is_head=False) == (1000 - 300) // 110
+    assert short_bytes(f.device("a"), f, 7, is_head=False) == 400 + 7 * 110 - 1000
+
+
+@pytest.mark.parametrize("key", ["process_bytes", "anchor_bytes", "block_resident_bytes", "head_resident_bytes"])
 @pytest.mark.parametrize("bad", [-1, "x", float("inf"), True])
 def test_bad_memory_fields_are_one_line_errors(key, bad):
     with pytest.raises(PlanInputError, match=key):
@@ -84,7 +100,7 @@ def test_planner_model_carries_the_resident_figures(kquant_model):
     ov = index.planner_model("openvino")
     blocks = [resident_bytes("openvino", index.block_tensors(b)) for b in range(2)]
     assert ov["block_resident_bytes"] == pytest.approx(sum(blocks) / 2)
-    assert ov["process_bytes"] == PROCESS_BYTES["openvino"]
+    assert ov["process_bytes"] == PROCESS_BYTES["openvino"] + TOKENIZER_BYTES_PER_VOCAB * index.hparams.vocab
     # tied: the Q6_K table once, in OpenVINO's form (1.25 B/weight), plus the norm and the head's work
     embd = index.tensors["token_embd.weight"]
     assert ov["head_resident_bytes"] > np.prod(embd.shape) * 1.25

@@ -76,12 +76,13 @@ def _resident_model(index, kinds: set[str]) -> dict:
     Model serves every member, so a mixed ring takes each memory figure from its largest backend."""
     models = [index.planner_model(kind) for kind in sorted(kinds)]
     out = dict(models[0])
-    for key in ("process_bytes", "block_resident_bytes", "head_resident_bytes"):
+    for key in ("process_bytes", "anchor_bytes", "block_resident_bytes", "head_resident_bytes"):
         out[key] = max(m[key] for m in models)
     return out
 
 
 class HostParticipant(Participant):
+    IS_ANCHOR = True  # planner.member_bytes: the anchor also serves weights and digests
     is_host = True
 
     def __init__(self, cfg, console=None) -> None:

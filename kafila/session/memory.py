@@ -41,7 +41,7 @@ def process_memory() -> dict:
 
 
 def shard_memory(index, first: int, last: int, head: bool, context: int, concurrency: int,
-                 backend: str = "openvino", process_bytes: float | None = None) -> dict:  # fmt: skip
+                 backend: str = "openvino", process_bytes: float | None = None, anchor: bool = False) -> dict:  # fmt: skip
     """{"shard_bytes", "kv_bytes", "planned_bytes", "planned_weights_bytes"} of blocks [first, last)
     (+ the head) of `index` on `backend`: planned is planner.member_bytes at context × concurrency
     (what admission checked), planned_weights the same without KV (what a member holds before
@@ -57,19 +57,19 @@ def shard_memory(index, first: int, last: int, head: bool, context: int, concurr
                          "devices": [{"name": "a", "memory_gb": 1}]}).model  # fmt: skip
     kv = int(model.kv_bytes_per_token_per_block * context * concurrency * blocks)
     return {"shard_bytes": shard, "kv_bytes": kv,
-            "planned_bytes": int(member_bytes(model, blocks, head, context * concurrency)),
-            "planned_weights_bytes": int(member_bytes(model, blocks, head, 0))}  # fmt: skip
+            "planned_bytes": int(member_bytes(model, blocks, head, context * concurrency, anchor)),
+            "planned_weights_bytes": int(member_bytes(model, blocks, head, 0, anchor))}  # fmt: skip
 
 
 def member_memory(index, first: int, last: int, head: bool, context: int, concurrency: int,
-                  backend: str = "openvino") -> dict:
+                  backend: str = "openvino", anchor: bool = False) -> dict:
     """What /status reports under "memory": the process's figures and the plan's for its shard,
     with RSS/PSS/peak as multiples of (shard + KV) and of the planned bytes."""
     out = process_memory()
     if index is None:
         return {**out, "shard_bytes": None, "kv_bytes": None, "planned_bytes": None,
                 "planned_weights_bytes": None}  # fmt: skip
-    out.update(shard_memory(index, first, last, head, context, concurrency, backend))
+    out.update(shard_memory(index, first, last, head, context, concurrency, backend, anchor=anchor))
     base = out["shard_bytes"] + out["kv_bytes"]
     for key in ("rss_bytes", "pss_bytes", "peak_rss_bytes"):
         value = out[key]
