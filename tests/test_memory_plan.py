@@ -120,3 +120,51 @@ def test_split_blocks_by_row_blocks_equals_one_pass(tmp_path, monkeypatch, qtype
             assert b is None
         else:
             assert a.dtype == b.dtype and np.array_equal(a, b)
+
+
+def _const_arrays(packed):
+    out = []
+    for node in (packed.q, packed.scale, packed.zero):
+        out.append(None if node is None else (str(node.get_element_type()), list(node.get_shape()),
+                                              node.get_data().tobytes()))  # fmt: skip
+    return out
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
+def test_openvino_pack_by_rows_builds_the_same_constants(tmp_path, monkeypatch, qtype):
+    pytest.importorskip("openvino")
+    from backends.openvino import weights
+
+    index = open_model(write_llama_gguf(tmp_path / "m.gguf", blocks=1, hidden=256, heads=4, kv_heads=2,
+                                        ffn=512, qtype=qtype, embed_qtype=qtype))  # fmt: skip
+    t = index.tensors["token_embd.weight"]
+    first = weights.WeightBank(index, spill=True)  # kept: its constants point into its buffers
+    whole = first.pack(index.blocks_of(t.name))
+    monkeypatch.setattr(weights, "SPILL_ROWS_BYTES", 5 * t.n_bytes // t.shape[0])  # 5 rows a part
+    bank = weights.WeightBank(index, spill=True)
+    parts = bank.pack_by_rows(t.name)
+    assert (parts.rows, parts.cols) == (whole.rows, whole.cols)
+    assert _const_arrays(parts) == _const_arrays(whole)
+    bank.release_pages()  # the constants stay readable after their pages are dropped
+    assert _const_arrays(parts) == _const_arrays(whole)
+
+
+def test_a_shard_built_by_rows_answers_as_before(tmp_path, monkeypatch):
+    """The whole head (embedding, tied Q6_K lm_head) built by row parts: the same f32 logits."""
+    pytest.importorskip("openvino")
+    from backends.base import ShardSpec
+    from backends.openvino import weights
+    from backends.openvino.shard import OpenVINOShard
+
+    path = write_llama_gguf(tmp_path / "m.gguf", blocks=2, hidden=256, heads=4, kv_heads=2, ffn=512,
+                            qtype="Q4_K", embed_qtype="Q6_K", tensor_types={"attn_v.weight": "Q6_K"})  # fmt: skip
+    spec = ShardSpec(path, 0, 2, embed=True, head=True)
+    ids, pos, mask = np.array([3, 17, 42, 99, 5]), np.arange(5), np.ones(5, np.int64)
+
+    def logits():
+        shard = OpenVINOShard(spec, "f32")
+        return shard.logits(shard.forward(shard.open_slot(), ids, pos, mask))
+
+    want = logits()
+    monkeypatch.setattr(weights, "SPILL_ROWS_BYTES", 4096)
+    assert np.array_equal(logits(), want)
