@@ -7,11 +7,12 @@ Units follow the contract: GB means 10**9 bytes, bandwidth is GB/s, overhead µs
 
 Required: `context`, `concurrency`, `anchor`, the model's five fields, and each device's
 `name` and `memory_gb`. Optional model fields for memory (planner.cost): `process_bytes` (a
-member's fixed bytes), `anchor_bytes` (the anchor's extra), `block_resident_bytes` and `head_resident_bytes` (weights in the serving
-backend's forms; absent: `block_bytes`/`head_bytes`). A measurement (`bandwidth_gbps`, `overhead_us`, `tflops`, `rtt_ms`,
-`nat`) that is absent or `null` means the device could not measure it: that is what moves a
-session down an admission tier (see `planner.admission`), so it is not an input error. A
-measurement that is present must be valid (bandwidth and TFLOP/s > 0, overhead and RTT >= 0).
+member's fixed bytes), `anchor_bytes` (the anchor's extra), `block_resident_bytes` and
+`head_resident_bytes` (weights in the serving backend's forms; absent: `block_bytes` and
+`head_bytes`). A measurement (`bandwidth_gbps`, `overhead_us`, `tflops`, `rtt_ms`, `nat`) that
+is absent or `null` means the device could not measure it: that is what moves a session down an
+admission tier (see `planner.admission`), so it is not an input error. A measurement that is
+present must be valid (bandwidth and TFLOP/s > 0, overhead and RTT >= 0).
 Unknown keys (`site`, `source`, ...) are ignored.
 """
 
@@ -164,10 +165,10 @@ def _model(raw: Any, key: str | None) -> Model:
         kv_bytes_per_token_per_block=_number(
             raw, "kv_bytes_per_token_per_block", where, positive=False
         ),
-        process_bytes=_number(raw, "process_bytes", where, positive=False) if "process_bytes" in raw else 0.0,
+        process_bytes=_optional(raw, "process_bytes", where) or 0.0,
         block_resident_bytes=_optional(raw, "block_resident_bytes", where),
         head_resident_bytes=_optional(raw, "head_resident_bytes", where),
-        anchor_bytes=_number(raw, "anchor_bytes", where, positive=False) if "anchor_bytes" in raw else 0.0,
+        anchor_bytes=_optional(raw, "anchor_bytes", where) or 0.0,
     )
 
 
