@@ -168,3 +168,18 @@ def test_a_shard_built_by_rows_answers_as_before(tmp_path, monkeypatch):
     want = logits()
     monkeypatch.setattr(weights, "SPILL_ROWS_BYTES", 4096)
     assert np.array_equal(logits(), want)
+
+
+def test_the_hosts_plan_prices_a_mixed_ring_by_its_largest_backend(kquant_model):
+    from kafila.session.host import _resident_model
+
+    index = open_model(kquant_model)
+    ov, mlx = index.planner_model("openvino"), index.planner_model("mlx")
+    both = _resident_model(index, {"openvino", "mlx"})
+    for key in ("process_bytes", "anchor_bytes", "block_resident_bytes", "head_resident_bytes"):
+        assert both[key] == max(ov[key], mlx[key])
+    assert both["block_bytes"] == ov["block_bytes"]  # the cost side stays the file's bytes
+    assert _resident_model(index, {"openvino"}) == ov
+    fleet = parse_fleet({"context": 64, "concurrency": 1, "anchor": "a", "model": both,
+                         "devices": [{"name": "a", "memory_gb": 1.0}]})  # fmt: skip
+    assert fleet.model.block_memory == both["block_resident_bytes"]
