@@ -42,7 +42,8 @@ def _proc_memory(pid: int) -> dict | None:
     from kafila.session.memory import _status_kib
 
     return {"rss_bytes": _status_kib(status, "VmRSS"), "peak_rss_bytes": _status_kib(status, "VmHWM"),
-            "pss_bytes": _status_kib(rollup, "Pss")}  # fmt: skip
+            "pss_bytes": _status_kib(rollup, "Pss"), "pss_anon_bytes": _status_kib(rollup, "Pss_Anon"),
+            "pss_file_bytes": _status_kib(rollup, "Pss_File")}  # fmt: skip
 
 
 def one_stage(model: str, backend: str, context: int, concurrency: int, max_tokens: int) -> dict:
