@@ -66,10 +66,13 @@ def one_stage(model: str, backend: str, context: int, concurrency: int, max_toke
     if p.returncode != 0 or not samples:
         raise RuntimeError(f"kafila run failed ({p.returncode}): {err[-1000:]}")
     result = json.loads(out.strip().splitlines()[-1])
-    # serving: the last sample before the process tore its shard down to exit (RSS still at
-    # least half its largest); the peak is the kernel's VmHWM (the build's transient included)
+    # serving: what the process read of itself right after its last token (`kafila run --json`
+    # "memory"); sampling from outside caught an 8B process part way through its teardown. The
+    # peak is the kernel's VmHWM (the build's transient included), the anon/file split sampled.
     top = max(s["rss_bytes"] for s in samples)
-    serving = [s for s in samples if s["rss_bytes"] >= top / 2][-1]
+    last = [s for s in samples if s["rss_bytes"] >= top / 2][-1]
+    own = result.get("memory") or {}
+    serving = {**last, **{k: own[k] for k in ("rss_bytes", "pss_bytes") if own.get(k)}}
     from backends.memory import RUN_PROCESS_BYTES
 
     planned = shard_memory(index, 0, index.hparams.n_blocks, True, context, concurrency, backend,
