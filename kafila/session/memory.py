@@ -41,11 +41,13 @@ def process_memory() -> dict:
 
 
 def shard_memory(index, first: int, last: int, head: bool, context: int, concurrency: int,
-                 backend: str = "openvino", process_bytes: float | None = None, anchor: bool = False) -> dict:  # fmt: skip
+                 backend: str = "openvino", process_bytes: float | None = None,
+                 anchor: bool = False) -> dict:  # fmt: skip
     """{"shard_bytes", "kv_bytes", "planned_bytes", "planned_weights_bytes"} of blocks [first, last)
     (+ the head) of `index` on `backend`: planned is planner.member_bytes at context × concurrency
     (what admission checked), planned_weights the same without KV (what a member holds before
-    its KV fills). `process_bytes` replaces the backend's per-process term (`kafila run`)."""
+    its KV fills). `process_bytes` replaces the backend's per-process term (`kafila run`);
+    `anchor`: the member is the host (planner's anchor_bytes)."""
     from planner import member_bytes, parse_fleet
 
     blocks = last - first
