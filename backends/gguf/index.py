@@ -161,16 +161,16 @@ class ModelIndex:
         return out
 
     def head_resident_bytes(self, backend: str) -> float:
-        """The head's resident bytes on `backend`: lm_head (output.weight, or the tied embedding)
-        and the final norm in the backend's form, the logits/sampler buffers, and an untied
-        embedding table: OpenVINO gathers its rows from the graph's constants in the spill
-        file (pages dropped, only the rows read come back), MLX holds it in its form."""
+        """The head's resident bytes on `backend`: lm_head (output.weight, or the tied embedding),
+        an untied embedding table and the final norm in the backend's form (the OpenVINO plugin
+        keeps its own copy of the Gather's table too: the 8B shape's 1-stage RSS held it), and
+        the logits/sampler buffers."""
         from backends.memory import HEAD_WORK_BYTES_PER_VOCAB, resident_bytes
 
         lm = self.tensors.get("output.weight") or self.tensors.get("token_embd.weight")
         parts = [t for t in (lm, self.tensors.get("output_norm.weight")) if t is not None]
         embd = self.tensors.get("token_embd.weight")
-        if embd is not None and embd is not lm and backend != "openvino":
+        if embd is not None and embd is not lm:
             parts.append(embd)
         return resident_bytes(backend, parts) + HEAD_WORK_BYTES_PER_VOCAB * self.hparams.vocab
 
