@@ -12,7 +12,10 @@ For each shape (a synthetic Q4_K_M GGUF from tests/big_gguf.py with the real mod
    RSS, PSS of the process, its shard's tensor bytes, its KV at the planned context×concurrency,
    and the planner's bytes for it).
 Ratios printed: RSS, PSS and peak against shard + KV (target ≤ 1.25×) and against the planner's
-prediction (target within 10%: 0.90–1.10×). The model files and the members' weight caches live
+prediction (target within 10%: 0.90–1.10×): "planned" is planner.member_bytes at the planned
+context × concurrency (what admission checks), "predicted now" the same formula at the KV the
+process holds when measured (its KV is allocated as it fills). 1-stage uses `kafila run`'s
+per-process term (backends.memory.RUN_PROCESS_BYTES), members the session's. The model files and the members' weight caches live
 under tests/big_gguf's cache directory and are reused across runs.
 """
 
@@ -39,7 +42,8 @@ def _proc_memory(pid: int) -> dict | None:
     from kafila.session.memory import _status_kib
 
     return {"rss_bytes": _status_kib(status, "VmRSS"), "peak_rss_bytes": _status_kib(status, "VmHWM"),
-            "pss_bytes": _status_kib(rollup, "Pss")}  # fmt: skip
+            "pss_bytes": _status_kib(rollup, "Pss"), "pss_anon_bytes": _status_kib(rollup, "Pss_Anon"),
+            "pss_file_bytes": _status_kib(rollup, "Pss_File")}  # fmt: skip
 
 
 def one_stage(model: str, backend: str, context: int, concurrency: int, max_tokens: int) -> dict:
@@ -62,11 +66,19 @@ def one_stage(model: str, backend: str, context: int, concurrency: int, max_toke
     if p.returncode != 0 or not samples:
         raise RuntimeError(f"kafila run failed ({p.returncode}): {err[-1000:]}")
     result = json.loads(out.strip().splitlines()[-1])
-    # serving: the last sample before the process tore its shard down to exit (RSS still at
-    # least half its largest); the peak is the kernel's VmHWM (the build's transient included)
+    # serving: what the process read of itself right after its last token (`kafila run --json`
+    # "memory"); sampling from outside caught an 8B process part way through its teardown. The
+    # peak is the kernel's VmHWM (the build's transient included), the anon/file split sampled.
     top = max(s["rss_bytes"] for s in samples)
-    serving = [s for s in samples if s["rss_bytes"] >= top / 2][-1]
-    mem = {**serving, "peak_rss_bytes": samples[-1]["peak_rss_bytes"], **shard_memory(index, 0, index.hparams.n_blocks, True, context, concurrency)}
+    last = [s for s in samples if s["rss_bytes"] >= top / 2][-1]
+    own = result.get("memory") or {}
+    serving = {**last, **{k: own[k] for k in ("rss_bytes", "pss_bytes") if own.get(k)}}
+    from backends.memory import RUN_PROCESS_BYTES
+
+    planned = shard_memory(index, 0, index.hparams.n_blocks, True, context, concurrency, backend,
+                           RUN_PROCESS_BYTES[backend])  # fmt: skip
+    mem = {**serving, "peak_rss_bytes": samples[-1]["peak_rss_bytes"], **planned,
+           "kv_used_tokens": len(result["prompt_ids"]) + result["tokens"]}  # fmt: skip
     return {"name": "1-stage", "blocks": index.hparams.n_blocks, "head": True, **mem,
             "tok_s": result.get("tok_s"), "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
 
@@ -82,15 +94,32 @@ def session(model: str, backend: str, members: int, context: int, concurrency: i
     try:
         formed = time.monotonic() - start
         answer = stream_chat(s.api(s.names[-1]), PROMPT, max_tokens, timeout_s=900)
+        used = _prompt_tokens(model) + (answer.get("tokens") or max_tokens)
         plan = s.plan or get_json(s.api(s.names[0]), "/status")["plan"]
         rows = []
         for name in plan["ring"]:
             mem = get_json(s.api(name), "/status")["memory"]
             rows.append({"name": name, "blocks": plan["blocks"][name], "head": name == plan["head"], **mem,
+                         "kv_used_tokens": used,
                          "tok_s": answer["tok_s"], "seconds": round(formed, 1)})  # fmt: skip
         return rows
     finally:
         s.stop()
+
+
+def _prompt_tokens(model: str) -> int:
+    from backends.gguf import open_model
+    from kafila.models import load_tokenizer
+
+    tok = load_tokenizer(open_model(model))
+    return len(tok.encode(tok.render_chat([{"role": "user", "content": PROMPT}])))
+
+
+def predicted_now(row: dict, context: int, concurrency: int) -> int:
+    """The planner's memory model (planner.member_bytes) at the KV the process holds when
+    measured (the positions of one answer), not at the planned context × concurrency: the KV is
+    allocated as it fills, so this is the figure RSS must match within 10%."""
+    return int(row["planned_weights_bytes"] + row["kv_bytes"] * row["kv_used_tokens"] / (context * concurrency))
 
 
 def ratios(row: dict) -> dict:
@@ -100,6 +129,7 @@ def ratios(row: dict) -> dict:
         v = row.get(f"{key}_bytes")
         out[f"{key}/shard+kv"] = None if v is None else round(v / base, 3)
         out[f"{key}/planned"] = None if v is None else round(v / row["planned_bytes"], 3)
+        out[f"{key}/predicted_now"] = None if v is None else round(v / row["predicted_now_bytes"], 3)
     return out
 
 
@@ -111,15 +141,18 @@ def table(shape: str, rows: list[dict]) -> str:
         return "?" if v is None else f"{v:.2f}×"
 
     lines = [f"### {shape}", "",
-             "| process | blocks | shard MB | KV MB | planned MB | RSS MB | PSS MB | peak MB "
-             "| RSS/(shard+KV) | PSS/(shard+KV) | peak/(shard+KV) | peak/planned |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+             "| process | blocks | shard MB | KV MB | planned MB | predicted now MB | RSS MB | PSS MB | peak MB "
+             "| RSS/(shard+KV) | PSS/(shard+KV) | peak/(shard+KV) | RSS/predicted now | peak/predicted now "
+             "| peak/planned |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         q = ratios(r)
         lines.append(f"| {r['name']}{' (head)' if r['head'] else ''} | {r['blocks']} | {mb(r['shard_bytes'])} "
-                     f"| {mb(r['kv_bytes'])} | {mb(r['planned_bytes'])} | {mb(r['rss_bytes'])} "
-                     f"| {mb(r['pss_bytes'])} | {mb(r['peak_rss_bytes'])} | {x(q['rss/shard+kv'])} "
-                     f"| {x(q['pss/shard+kv'])} | {x(q['peak_rss/shard+kv'])} | {x(q['peak_rss/planned'])} |")  # fmt: skip
+                     f"| {mb(r['kv_bytes'])} | {mb(r['planned_bytes'])} | {mb(r['predicted_now_bytes'])} "
+                     f"| {mb(r['rss_bytes'])} | {mb(r['pss_bytes'])} | {mb(r['peak_rss_bytes'])} "
+                     f"| {x(q['rss/shard+kv'])} | {x(q['pss/shard+kv'])} | {x(q['peak_rss/shard+kv'])} "
+                     f"| {x(q['rss/predicted_now'])} | {x(q['peak_rss/predicted_now'])} "
+                     f"| {x(q['peak_rss/planned'])} |")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -139,12 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     report = {}
     for shape in args.shapes.split(","):
         model = big_model(shape)
-        rows = [one_stage(model, args.backend, args.context, args.concurrency, args.max_tokens)]
+        now = lambda r: {**r, "predicted_now_bytes": predicted_now(r, args.context, args.concurrency)}  # noqa: E731
+        rows = [now(one_stage(model, args.backend, args.context, args.concurrency, args.max_tokens))]
         print(table(shape, rows), file=sys.stderr, flush=True)
         if not args.skip_session:
             cache = os.path.join(cache_dir(), "member-caches", shape)
-            rows += session(model, args.backend, args.members, args.context, args.concurrency,
-                            args.max_tokens, cache)  # fmt: skip
+            rows += [now(r) for r in session(model, args.backend, args.members, args.context,
+                                             args.concurrency, args.max_tokens, cache)]  # fmt: skip
         report[shape] = [{**r, **ratios(r)} for r in rows]
         print(table(shape, rows), flush=True)
         print(f"(context {args.context} × concurrency {args.concurrency}; targets: ≤ 1.25× shard+KV, "

@@ -16,6 +16,10 @@ Decisions the issue leaves open, taken here:
 - A member with no NAT class is treated as restrictive (the safe prediction, a relay); an edge
   with an end that has no RTT is unpriced (`ms` null). Ordering uses RTT pricing only when every
   member has an RTT, and the counting rule otherwise.
+- Memory is checked in what a member holds (issue 10): a fleet's model may give a per-process
+  term, the anchor's extra and the weights in the serving backend's forms (`process_bytes`,
+  `anchor_bytes`, `block_resident_bytes`, `head_resident_bytes`; the host fills them from
+  backends/memory.py); without them a block costs its file bytes, as before (`cost.member_bytes`).
 - When nothing fits, the plan shows the division the cost model would choose with memory
   ignored, and `refused` names each member short of room in it, with the bytes it lacks.
 - Baselines keep the head at the anchor and the planner's ring; exo's memory-proportional
@@ -38,6 +42,7 @@ from planner.cost import (
     Tier,
     block_limit,
     bytes_per_block,
+    member_bytes,
     short_bytes,
     slots_that_fit,
     stage_cost,
@@ -78,6 +83,7 @@ __all__ = [
     "Tier",
     "block_limit",
     "bytes_per_block",
+    "member_bytes",
     "choose_tier",
     "compare",
     "edge_between",

@@ -13,11 +13,20 @@ operations per weight, counting one weight per byte, at the reported TFLOP/s, wi
 overhead and no head term: per(i) = 2·β_block / (tflops·1e12) s. Its numbers are only
 meaningful relative to each other (they rank devices, they do not predict ms).
 
-    lim(i) = floor((memory_i − [i = head]·β_head) / (β_block + kv·context·concurrency))
+    lim(i) = floor((memory_i − f_i) / (ρ_block + kv·context·concurrency)),
+    f_i = π + [i = anchor]·α + [i = head]·ρ_head
 
 and, for a division already chosen (n_i blocks each), the slots its memory leaves room for:
 
-    slots(i) = floor((memory_i − [i = head]·β_head − n_i·β_block) / (n_i·kv·context))
+    slots(i) = floor((memory_i − f_i − n_i·ρ_block) / (n_i·kv·context))
+
+Memory is priced in what a member really holds, not the file's bytes (issue 10): π is the
+model's `process_bytes` (a member's fixed runtime: interpreter, backend plugin, tokenizer, QUIC,
+API), α its `anchor_bytes` (the host's extra),
+ρ_block / ρ_head its weights in the serving backend's forms (`Model.block_memory`,
+`Model.head_memory`; β_block / β_head when a fleet does not give them, and π = 0). Costs per
+token keep β (the bytes a token streams from the file's layout). `member_bytes` is the one
+formula of a member's resident bytes; the bench and /status compare it with RSS.
 """
 
 from __future__ import annotations
@@ -27,13 +36,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import Enum
 
-from planner.fleet import Device, Fleet
+from planner.fleet import Device, Fleet, Model
 
 __all__ = [
     "StageCost",
     "Tier",
     "block_limit",
     "bytes_per_block",
+    "member_bytes",
     "short_bytes",
     "slots_that_fit",
     "stage_cost",
@@ -85,15 +95,33 @@ def stage_cost(device: Device, fleet: Fleet, tier: Tier, is_head: bool) -> Stage
 
 
 def bytes_per_block(fleet: Fleet) -> float:
-    """Resident bytes one block needs: its weights plus its KV cache at the declared load."""
+    """Resident bytes one block needs: its weights (backend's form) and KV at the declared load."""
     model = fleet.model
     kv = model.kv_bytes_per_token_per_block * fleet.context * fleet.concurrency
-    return model.block_bytes + kv
+    return model.block_memory + kv
+
+
+def member_bytes(
+    model: Model, blocks: int, is_head: bool, kv_tokens: float, is_anchor: bool = False
+) -> float:
+    """What a member holding `blocks` blocks (and the head) is expected to hold resident, with
+    `kv_tokens` positions of KV per block (context × concurrency at the declared load):
+    π + [anchor]·α + n·(ρ_block + kv·kv_tokens) + [head]·ρ_head. A member with no blocks (and
+    not the head) holds nothing of the model."""
+    if blocks <= 0 and not is_head:
+        return 0.0
+    per_block = model.block_memory + model.kv_bytes_per_token_per_block * kv_tokens
+    return _fixed(model, is_head, is_anchor) + blocks * per_block
+
+
+def _fixed(model: Model, is_head: bool, is_anchor: bool) -> float:
+    anchor = model.anchor_bytes if is_anchor else 0.0
+    return model.process_bytes + anchor + (model.head_memory if is_head else 0.0)
 
 
 def block_limit(device: Device, fleet: Fleet, is_head: bool) -> int:
-    """lim(i): the most blocks `device` can hold (0 when even the head alone does not fit)."""
-    room = device.memory_bytes - (fleet.model.head_bytes if is_head else 0.0)
+    """lim(i): the most blocks `device` can hold (0 when not even its fixed part fits)."""
+    room = device.memory_bytes - _fixed(fleet.model, is_head, device.name == fleet.anchor)
     if room <= 0:
         return 0
     return math.floor(room / bytes_per_block(fleet))
@@ -101,7 +129,8 @@ def block_limit(device: Device, fleet: Fleet, is_head: bool) -> int:
 
 def short_bytes(device: Device, fleet: Fleet, blocks: int, is_head: bool) -> int:
     """Bytes `device` lacks to hold `blocks` blocks (and the head); 0 when it fits."""
-    needed = blocks * bytes_per_block(fleet) + (fleet.model.head_bytes if is_head else 0.0)
+    needed = member_bytes(fleet.model, blocks, is_head, fleet.context * fleet.concurrency,
+                          device.name == fleet.anchor)
     return max(0, math.ceil(needed - device.memory_bytes))
 
 
@@ -118,7 +147,8 @@ def slots_that_fit(fleet: Fleet, blocks: Mapping[str, int], head: str, most: int
         n = blocks.get(device.name, 0)
         if n <= 0:
             continue
-        room = device.memory_bytes - (model.head_bytes if device.name == head else 0.0) - n * model.block_bytes
+        fixed = _fixed(model, device.name == head, device.name == fleet.anchor)
+        room = device.memory_bytes - fixed - n * model.block_memory
         per_slot = n * model.kv_bytes_per_token_per_block * fleet.context
         if room < per_slot:
             return 0

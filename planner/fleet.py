@@ -6,10 +6,13 @@ issue and `fleets/*.json`) into a `Fleet`, or raises `PlanInputError` with one l
 Units follow the contract: GB means 10**9 bytes, bandwidth is GB/s, overhead µs, RTT ms.
 
 Required: `context`, `concurrency`, `anchor`, the model's five fields, and each device's
-`name` and `memory_gb`. A measurement (`bandwidth_gbps`, `overhead_us`, `tflops`, `rtt_ms`,
-`nat`) that is absent or `null` means the device could not measure it: that is what moves a
-session down an admission tier (see `planner.admission`), so it is not an input error. A
-measurement that is present must be valid (bandwidth and TFLOP/s > 0, overhead and RTT >= 0).
+`name` and `memory_gb`. Optional model fields for memory (planner.cost): `process_bytes` (a
+member's fixed bytes), `anchor_bytes` (the anchor's extra), `block_resident_bytes` and
+`head_resident_bytes` (weights in the serving backend's forms; absent: `block_bytes` and
+`head_bytes`). A measurement (`bandwidth_gbps`, `overhead_us`, `tflops`, `rtt_ms`, `nat`) that
+is absent or `null` means the device could not measure it: that is what moves a session down an
+admission tier (see `planner.admission`), so it is not an input error. A measurement that is
+present must be valid (bandwidth and TFLOP/s > 0, overhead and RTT >= 0).
 Unknown keys (`site`, `source`, ...) are ignored.
 """
 
@@ -45,6 +48,21 @@ class Model:
     block_bytes: float  # β_block, bytes of one block's weights
     head_bytes: float  # β_head, embedding + unembedding bytes
     kv_bytes_per_token_per_block: float  # KV cache bytes per token per block
+    # Memory in the serving backend's forms (optional; absent: the file's bytes, no fixed term).
+    process_bytes: float = 0.0  # what a member process holds before any weight (runtime, API)
+    block_resident_bytes: float | None = None  # one block's weights as the backend holds them
+    head_resident_bytes: float | None = None  # the head's (embedding, lm_head, sampler) likewise
+    anchor_bytes: float = 0.0  # the anchor's extra: it hosts the session (serves weights, digests)
+
+    @property
+    def block_memory(self) -> float:
+        """Resident bytes of one block's weights (β_block when the backend's form is not given)."""
+        return self.block_bytes if self.block_resident_bytes is None else self.block_resident_bytes
+
+    @property
+    def head_memory(self) -> float:
+        """Resident bytes of the head (β_head when the backend's form is not given)."""
+        return self.head_bytes if self.head_resident_bytes is None else self.head_resident_bytes
 
 
 @dataclass(frozen=True)
@@ -147,7 +165,16 @@ def _model(raw: Any, key: str | None) -> Model:
         kv_bytes_per_token_per_block=_number(
             raw, "kv_bytes_per_token_per_block", where, positive=False
         ),
+        process_bytes=_optional(raw, "process_bytes", where) or 0.0,
+        block_resident_bytes=_optional(raw, "block_resident_bytes", where),
+        head_resident_bytes=_optional(raw, "head_resident_bytes", where),
+        anchor_bytes=_optional(raw, "anchor_bytes", where) or 0.0,
     )
+
+
+def _optional(raw: Mapping[str, Any], key: str, where: str) -> float | None:
+    """An optional byte count: absent or null → None, else a number >= 0."""
+    return None if raw.get(key) is None else _number(raw, key, where, positive=False)
 
 
 def _devices(data: Mapping[str, Any]) -> tuple[Device, ...]:

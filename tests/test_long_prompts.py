@@ -213,3 +213,44 @@ def test_real_shards_chunked_round_the_ring_give_kafila_runs_ids():
     got, rows = asyncio.run(main())
     assert max(rows) == 48 and rows.count(48) >= 3 * 3
     assert got == [t for t in want if t not in tok.eos_ids]
+
+
+# --- kafila run / LocalChain: the same chunked prefill in one process --------------------------
+
+
+class Recorder:
+    """A real shard whose forward calls are recorded (positions per call); nothing else changes."""
+
+    def __init__(self, shard):
+        self.shard, self.sizes = shard, []
+
+    def __getattr__(self, name):
+        return getattr(self.shard, name)
+
+    def forward(self, slot, x, positions, mask):
+        self.sizes.append(len(positions))
+        return self.shard.forward(slot, x, positions, mask)
+
+
+@pytest.mark.parametrize("stages", [1, 2])
+def test_local_chain_prefills_in_chunks_with_the_one_shot_ids(synthetic_model, stages):
+    """A 400-token prompt on the synthetic model at f32: chunks of 37 positions (11 feeds, none
+    larger) give the greedy ids of one 400-position batch; the default chunk follows the rule."""
+    from backends.gguf import open_model
+    from kafila.engine.chain import LocalChain
+
+    index = open_model(synthetic_model)
+    ids = [int(t) for t in np.random.default_rng(3).integers(1, index.hparams.vocab, 400)]
+    one = LocalChain.build(synthetic_model, stages, "openvino", "f32", index=index, chunk_tokens=10**6)
+    want = list(one.generate(ids, 16))
+    chunked = LocalChain.build(synthetic_model, stages, "openvino", "f32", index=index, chunk_tokens=37)
+    rec = [Recorder(s) for s in chunked.shards]
+    chunked.shards = rec
+    chunked.head = next(r for r in rec if r.spec.head)
+    got = list(chunked.generate(ids, 16))
+    assert got == want
+    prefill = rec[0].sizes[: -(len(got) - 1)]
+    assert prefill == [37] * 10 + [30] and max(rec[0].sizes) == 37
+    assert LocalChain.build(synthetic_model, 1, "openvino", index=index).chunk_tokens == prefill_chunk_tokens(
+        index.hparams.hidden)
+

@@ -137,15 +137,42 @@ class ModelIndex:
         h = self.hparams
         return 2 * h.n_kv_heads * h.head_dim * bytes_per_value
 
-    def planner_model(self) -> dict:
-        """The model entry of the planner's fleet format."""
-        return {
+    def planner_model(self, backend: str | None = None) -> dict:
+        """The model entry of the planner's fleet format; with `backend`, also what a member
+        holds resident on it (backends.memory): `process_bytes`, `block_resident_bytes` (a
+        mean block) and `head_resident_bytes` (see `head_resident_bytes`)."""
+        out = {
             "name": self.name,
             "blocks": self.hparams.n_blocks,
             "block_bytes": float(self.block_bytes),
             "head_bytes": float(self.head_bytes),
             "kv_bytes_per_token_per_block": self.kv_bytes_per_token_per_block(),
         }
+        if backend is not None:
+            from backends.memory import ANCHOR_BYTES, PROCESS_BYTES, TOKENIZER_BYTES_PER_VOCAB, resident_bytes
+
+            # the mean block, not the largest: Q4_K_M gives some blocks Q6_K tensors (Llama-3.2-1B:
+            # 54.5 MB the largest, 50.1 MB the mean), and a share holds a mix of both kinds
+            n = self.hparams.n_blocks
+            blocks = sum(resident_bytes(backend, self.block_tensors(b)) for b in range(n))
+            out.update(process_bytes=PROCESS_BYTES[backend] + TOKENIZER_BYTES_PER_VOCAB * self.hparams.vocab,
+                       anchor_bytes=ANCHOR_BYTES[backend], block_resident_bytes=blocks / n,
+                       head_resident_bytes=self.head_resident_bytes(backend))  # fmt: skip
+        return out
+
+    def head_resident_bytes(self, backend: str) -> float:
+        """The head's resident bytes on `backend`: lm_head (output.weight, or the tied embedding),
+        an untied embedding table and the final norm in the backend's form (the OpenVINO plugin
+        keeps its own copy of the Gather's table too: the 8B shape's 1-stage RSS held it), and
+        the logits/sampler buffers."""
+        from backends.memory import HEAD_WORK_BYTES_PER_VOCAB, resident_bytes
+
+        lm = self.tensors.get("output.weight") or self.tensors.get("token_embd.weight")
+        parts = [t for t in (lm, self.tensors.get("output_norm.weight")) if t is not None]
+        embd = self.tensors.get("token_embd.weight")
+        if embd is not None and embd is not lm:
+            parts.append(embd)
+        return resident_bytes(backend, parts) + HEAD_WORK_BYTES_PER_VOCAB * self.hparams.vocab
 
     @cached_property
     def sha256(self) -> str:

@@ -144,10 +144,33 @@ def _split_k(qtype: str, blocks: np.ndarray) -> QuantBlocks:
     return QuantBlocks(qtype, np.ascontiguousarray(q.reshape(rows, nsb * 8, 32)), scale, offset)
 
 
+# Rows are decoded this many raw bytes at a time: the decoders' temporaries (int16 codes, the
+# stacked nibbles) are several times a part's size, and on a whole 128256-row embedding they made
+# the build's peak (1.8 GB for Llama-3.2-1B's 215 MB Q6_K table; issue 10).
+SPLIT_CHUNK_BYTES = 8 << 20
+
+
 def split_blocks(qtype: str, raw: np.ndarray, rows: int, cols: int) -> QuantBlocks:
-    """Split the raw bytes of a [rows, cols] tensor of type `qtype` into its parts."""
+    """Split the raw bytes of a [rows, cols] tensor of type `qtype` into its parts, decoding
+    SPLIT_CHUNK_BYTES of rows at a time into the whole outputs (rows are independent: the same
+    values as one pass)."""
     nb = cols // BLOCK_WEIGHTS[qtype]
     blocks = np.asarray(raw, dtype=np.uint8).reshape(rows, nb, BLOCK_BYTES[qtype])
+    step = max(1, SPLIT_CHUNK_BYTES // max(1, nb * BLOCK_BYTES[qtype]))
+    if rows <= step:
+        return _split_rows(qtype, blocks)
+    part = _split_rows(qtype, blocks[:step])
+    out = [None if a is None else np.empty((rows, *a.shape[1:]), a.dtype) for a in (part.q, part.scale, part.offset)]
+    for r in range(0, rows, step):
+        if r:
+            part = _split_rows(qtype, blocks[r:r + step])
+        for whole, a in zip(out, (part.q, part.scale, part.offset)):
+            if whole is not None:
+                whole[r:r + step] = a
+    return QuantBlocks(qtype, out[0], out[1], out[2])
+
+
+def _split_rows(qtype: str, blocks: np.ndarray) -> QuantBlocks:
     if qtype in ("Q4_K", "Q5_K", "Q6_K"):
         return _split_k(qtype, blocks)
     scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]

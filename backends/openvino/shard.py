@@ -17,9 +17,11 @@ exactly as before, and a slot never in a group costs one dict lookup more per fo
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -47,6 +49,32 @@ CONFIGS = {"serving": SERVING_CONFIG, "f32": F32_CONFIG}
 # The CPU plugin prepares (repacks) weights at the first inferences of each shape kind
 # (prefill, decode); after this many forwards the original constants' pages are released.
 RELEASE_AFTER = 3
+# While those first inferences repack, the constants' file pages the plugin has read are dropped
+# every RELEASE_EVERY_S by a helper thread (infer() runs without the GIL): otherwise the whole
+# spill file is resident beside the plugin's new copy at once, and that was the serving peak
+# (Llama-3.2-1B one stage: 2.5 GB peak for 1.4 GB serving; issue 10).
+RELEASE_EVERY_S = 0.02
+
+
+@contextlib.contextmanager
+def _releasing(bank: WeightBank, active: bool) -> Iterator[None]:
+    """Drop the spill file's pages every RELEASE_EVERY_S while the block runs (when `active`)."""
+    if not active or bank.spill is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def loop() -> None:
+        while not stop.wait(RELEASE_EVERY_S):
+            bank.release_pages()
+
+    thread = threading.Thread(target=loop, name="kafila-ov-release", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def _trim_heap() -> None:
@@ -73,7 +101,7 @@ class OpenVINOShard(HeadOps):
         self.index = index if index is not None else open_model(spec.model_path)
         self.index.check_range(spec.first, spec.last)
         cfg = dict(CONFIGS[precision]) if config is None else dict(config)
-        bank = WeightBank(self.index, spill=True)
+        bank = self._bank = WeightBank(self.index, spill=True)
         builder = StageBuilder(self.index, bank)
         # A shard with the head and the last block computes the greedy token in its stage graph;
         # its separate head graph (logits, or greedy on other hidden states) is compiled lazily.
@@ -88,7 +116,6 @@ class OpenVINOShard(HeadOps):
         # Constants point into these buffers; the compiled models may too. Keep them alive. They
         # live in a spill file whose pages are dropped from the resident set once the plugin has
         # repacked the weights (after the first forwards, RELEASE_AFTER), see WeightBank.spill.
-        self._bank = bank
         self._forwards = 0
         self._batch_forwards = 0
         _trim_heap()
@@ -204,7 +231,8 @@ class OpenVINOShard(HeadOps):
         req.set_input_tensor(0, ov.Tensor(x, shared_memory=True))
         req.set_input_tensor(1, ov.Tensor(np.ascontiguousarray(mask, dtype=np.int64)[None], shared_memory=True))
         req.set_input_tensor(2, ov.Tensor(np.ascontiguousarray(positions, dtype=np.int64)[None], shared_memory=True))
-        req.infer()
+        with _releasing(self._bank, self._forwards < RELEASE_AFTER):
+            req.infer()
         if self._forwards < RELEASE_AFTER:
             self._forwards += 1
             self.release_weight_pages()
@@ -233,7 +261,8 @@ class OpenVINOShard(HeadOps):
         req.set_input_tensor(1, ov.Tensor(step.mask, shared_memory=True))
         req.set_input_tensor(2, ov.Tensor(step.positions, shared_memory=True))
         req.set_input_tensor(3, ov.Tensor(step.beam, shared_memory=True))
-        req.infer()
+        with _releasing(self._bank, self._batch_forwards < RELEASE_AFTER):
+            req.infer()
         L = step.x.shape[1]
         rowmod.advance(group, slots, step.n, L)
         if self._batch_forwards < RELEASE_AFTER:  # the batched shapes' first inferences repack too
@@ -277,6 +306,9 @@ class OpenVINOShard(HeadOps):
                 raise ValueError(f"shard [{self.spec.first}, {self.spec.last}) holds no head")
             builder, device, cfg = self._head_build
             self._head = core().compile_model(builder.head(), device, cfg).create_infer_request()
+            with _releasing(self._bank, True):  # its first inference repacks the lm_head
+                self._head.infer({0: np.zeros((1, self.index.hparams.hidden), np.float32)})
+            self.release_weight_pages()
         return self._head
 
     def runtime_model(self) -> ov.Model:

@@ -46,10 +46,14 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from backends.gguf import ModelIndex
-from backends.gguf.quant import FLOAT_TYPES, QuantBlocks
+from backends.gguf.quant import FLOAT_TYPES, QuantBlocks, split_blocks
 
 F32 = ov.Type.f32
 ZERO_POINT_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = (q − z)·s with an f32 zero point
+# A quantized tensor larger than this is packed this many file bytes of rows at a time straight
+# into the spill file (WeightBank.pack_by_rows): whole, a 128256-row table's codes, scales and file
+# pages were the head's build peak (Llama-3.2-1B: 1.8 GB for a 215 MB Q6_K embedding; issue 10).
+SPILL_ROWS_BYTES = 16 << 20
 
 
 def pack_u4(q: np.ndarray) -> np.ndarray:
@@ -88,11 +92,37 @@ class SpillFile:
         self._size = 0
         self.maps: list[np.memmap] = []
 
+    def reserve(self, shape: tuple[int, ...], dtype) -> tuple[int, tuple[int, ...], np.dtype]:
+        """Room for an array of `shape` and `dtype`, filled by `write`, mapped by `view`."""
+        dtype = np.dtype(dtype)
+        offset = -(-self._size // self.ALIGN) * self.ALIGN
+        self._size = offset + int(np.prod(shape)) * dtype.itemsize
+        return offset, tuple(shape), dtype
+
+    def write(self, region: tuple[int, tuple[int, ...], np.dtype], row: int, part: np.ndarray) -> None:
+        """Rows row.. of a reserved array ← `part` (same trailing shape and dtype)."""
+        offset, shape, dtype = region
+        part = np.ascontiguousarray(part, dtype=dtype)
+        row_bytes = int(np.prod(shape[1:])) * dtype.itemsize
+        self._pwrite(part, offset + row * row_bytes)
+
+    def view(self, region: tuple[int, tuple[int, ...], np.dtype]) -> np.ndarray:
+        offset, shape, dtype = region
+        view = np.memmap(self._file, dtype=dtype, mode="r+", offset=offset, shape=shape)
+        self.maps.append(view)
+        return view
+
+    def _pwrite(self, array: np.ndarray, offset: int) -> None:
+        data = memoryview(array.reshape(-1).view(np.uint8))  # no copy (memoryview of f16 fails)
+        done = 0
+        while done < len(data):  # pwrite may write less than asked (Linux: at most ~2 GiB a call)
+            done += os.pwrite(self._file.fileno(), data[done:], offset + done)
+
     def put(self, array: np.ndarray) -> np.ndarray:
         """A file-backed copy of array (same dtype and shape)."""
         array = np.ascontiguousarray(array)
         offset = -(-self._size // self.ALIGN) * self.ALIGN
-        os.pwrite(self._file.fileno(), array.tobytes(), offset)  # (memoryview(array) fails on f16)
+        self._pwrite(array, offset)
         self._size = offset + array.nbytes
         if array.nbytes == 0:
             return array
@@ -135,9 +165,10 @@ class WeightBank:
         if self.spill is not None:
             self.spill.release()
 
-    def _const(self, array: np.ndarray, element_type: ov.Type | None = None, shape=None) -> ov.Node:
+    def _const(self, array: np.ndarray, element_type: ov.Type | None = None, shape=None,
+               spilled: bool = False) -> ov.Node:
         array = np.ascontiguousarray(array)
-        if self.spill is not None and array.nbytes >= 4096:
+        if self.spill is not None and array.nbytes >= 4096 and not spilled:
             array = self.spill.put(array)
         self.keep.append(array)
         if element_type is None:
@@ -164,8 +195,11 @@ class WeightBank:
         """The tensor's constants as stored (no un-permuting), made once: a tied embedding and
         lm_head, and the stage and head models, share one buffer."""
         if name not in self._shared:
-            if self.index.tensors[name].qtype in FLOAT_TYPES:
+            t = self.index.tensors[name]
+            if t.qtype in FLOAT_TYPES:
                 self._shared[name] = self._const(self._dense(name))
+            elif self.spill is not None and t.n_bytes > SPILL_ROWS_BYTES:
+                self._shared[name] = self.pack_by_rows(name)
             else:
                 self._shared[name] = self.pack(self.blocks(name))
         return self._shared[name]
@@ -236,21 +270,56 @@ class WeightBank:
     def pack(self, b: QuantBlocks) -> Packed:
         """The constants of GGML blocks b in their compressed form (see the module docstring)."""
         rows, groups, group = b.q.shape
-        if b.qtype in ZERO_POINT_TYPES:
-            codes, scale, zero = _zero_point_form(b)
-            if b.bits == 5:  # Q5_1, Q5_K
-                q = self._const(codes)  # u8 [rows, groups, 32] in 0..31
-            else:
-                q = self._const(pack_u4(codes), ov.Type.u4, b.q.shape)  # u4 [rows, groups, 32]
-            return Packed(q, self._const(scale[..., None]), self._const(zero[..., None]), rows, groups * group)
-        if b.qtype == "Q4_0":  # q − 8 as i4 (two's complement nibble = q xor 8)
-            q = self._const(pack_u4(b.q ^ np.uint8(8)), ov.Type.i4, b.q.shape)
-        elif b.qtype == "Q5_0":  # q − 16 as i8 [rows, groups, 32] in −16..15
-            q = self._const((b.q.astype(np.int16) - 16).astype(np.int8))
-        else:  # Q8_0, Q6_K (stored as q − 32): i8 [rows, groups, 32 | 16]
-            q = self._const(b.q.astype(np.int8))
-        scale_type = np.float32 if b.qtype == "Q6_K" else np.float16  # Q8_0/Q4_0/Q5_0: the file's f16 d
-        return Packed(q, self._const(b.scale.astype(scale_type)[..., None]), None, rows, groups * group)
+        c = [None if a is None else self._const(a, kind, b.q.shape if kind else None) for a, kind in _forms(b)]
+        return Packed(c[0], c[1], c[2], rows, groups * group)
+
+    def pack_by_rows(self, name: str) -> Packed:
+        """`pack(self.blocks(name))` made SPILL_ROWS_BYTES of the file's rows at a time straight
+        into the spill file (rows are independent: the same constants), so the whole tensor's
+        codes, scales and file pages are never in memory at once."""
+        t = self.index.tensors[name]
+        rows, cols = t.shape
+        row_bytes = t.n_bytes // rows
+        raw = self.index.raw(name)
+        step = max(1, SPILL_ROWS_BYTES // row_bytes)
+        regions: list = []
+        kinds: list = []
+        for r in range(0, rows, step):
+            n = min(step, rows - r)
+            b = split_blocks(t.qtype, raw[r * row_bytes: (r + n) * row_bytes], n, cols)
+            forms = _forms(b)
+            if not regions:
+                regions = [None if a is None else self.spill.reserve((rows, *a.shape[1:]), a.dtype) for a, _ in forms]
+                kinds = [kind for _, kind in forms]
+                shape = (rows, *b.q.shape[1:])
+            for region, (a, _) in zip(regions, forms):
+                if a is not None:
+                    self.spill.write(region, r, a)
+            raw._mmap.madvise(mmap.MADV_DONTNEED)  # the file's pages are read once, not kept
+        c = [None if reg is None else self._const(self.spill.view(reg), kind, shape if kind else None, spilled=True)
+             for reg, kind in zip(regions, kinds)]  # fmt: skip
+        return Packed(c[0], c[1], c[2], rows, cols)
+
+
+def _forms(b: QuantBlocks) -> list[tuple[np.ndarray | None, ov.Type | None]]:
+    """The constant arrays of GGML blocks b as [codes, scale, zero point], each (array, element
+    type of packed 4-bit codes or None); the zero point's array is None where there is none (see
+    the module docstring). Each row's constants depend on that row alone."""
+    if b.qtype in ZERO_POINT_TYPES:
+        codes, scale, zero = _zero_point_form(b)
+        if b.bits == 5:  # Q5_1, Q5_K: u8 [rows, groups, 32] in 0..31
+            q = (codes, None)
+        else:  # u4 [rows, groups, 32]
+            q = (pack_u4(codes), ov.Type.u4)
+        return [q, (scale[..., None], None), (zero[..., None], None)]
+    if b.qtype == "Q4_0":  # q − 8 as i4 (two's complement nibble = q xor 8)
+        q = (pack_u4(b.q ^ np.uint8(8)), ov.Type.i4)
+    elif b.qtype == "Q5_0":  # q − 16 as i8 [rows, groups, 32] in −16..15
+        q = ((b.q.astype(np.int16) - 16).astype(np.int8), None)
+    else:  # Q8_0, Q6_K (stored as q − 32): i8 [rows, groups, 32 | 16]
+        q = (b.q.astype(np.int8, copy=False), None)
+    scale_type = np.float32 if b.qtype == "Q6_K" else np.float16  # Q8_0/Q4_0/Q5_0: the file's f16 d
+    return [q, (b.scale.astype(scale_type)[..., None], None), (None, None)]
 
 
 def _zero_point_form(b: QuantBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

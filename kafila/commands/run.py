@@ -24,10 +24,11 @@ def register(subparsers) -> None:
     p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="new tokens at most (default 128)")
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true",
-                   help='print one line {"text", "tokens", "tok_s", "stages", "ids", "prompt_ids", "ttft_ms"} instead '
-                        'of streaming: ids are the generated token ids (EOS not included), prompt_ids the '
-                        'prompt\'s ids as fed (chat-templated unless --raw), ttft_ms the time from the start '
-                        'of the prefill (the shards built) to the first token')
+                   help='print one line {"text", "tokens", "tok_s", "stages", "ids", "prompt_ids", "ttft_ms", '
+                        '"memory"} instead of streaming: ids are the generated token ids (EOS not included), '
+                        'prompt_ids the prompt\'s ids as fed (chat-templated unless --raw), ttft_ms the time '
+                        'from the start of the prefill (the shards built) to the first token, memory this '
+                        'process\'s RSS, peak RSS and PSS in bytes right after the last token')
     p.add_argument("prompt", metavar="PROMPT")
     p.set_defaults(handler=run)
 
@@ -73,7 +74,9 @@ def run(args) -> int:
     elapsed = time.perf_counter() - first_at if first_at is not None else 0.0
     tok_s = (len(tokens) - 1) / elapsed if len(tokens) > 1 and elapsed > 0 else 0.0  # decode rate
     if args.json:
-        print(json.dumps({"text": tokenizer.decode(tokens), "tokens": len(tokens),
+        from kafila.session.memory import process_memory
+
+        print(json.dumps({"memory": process_memory(),"text": tokenizer.decode(tokens), "tokens": len(tokens),
                           "tok_s": round(tok_s, 2), "stages": chain.stages,
                           "ids": tokens, "prompt_ids": list(ids),
                           "ttft_ms": None if first_at is None else round((first_at - started) * 1000, 1)}))

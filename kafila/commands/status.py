@@ -146,8 +146,8 @@ def render(st: dict) -> Group:
         parts.append(Text(f"weights to {name}: {transfer_line(t)}"))
     mem = st.get("memory") or {}
     if mem.get("rss_bytes"):
-        parts.append(Text(f"memory here: {mem['rss_bytes'] / 1e6:.0f} MB resident for a "
-                          f"{(mem.get('planned_bytes') or 0) / 1e6:.1f} MB shard + KV"))  # fmt: skip
+        parts.append(Text(f"memory here: {mem['rss_bytes'] / 1e6:.0f} MB resident; the plan expects "
+                          f"{(mem.get('planned_bytes') or 0) / 1e6:.1f} MB with its KV full"))  # fmt: skip
     history = [h for h in st.get("history") or [] if isinstance(h, dict)]
     if history:
         parts.append(Text("history: " + "; ".join(history_line(h) for h in history[-8:])))

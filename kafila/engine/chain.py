@@ -6,6 +6,9 @@ length, the logical position and a `valid` vector over physical positions. Each 
 `mask = valid[:cache_len] ++ ones(n)` and `positions = logical .. logical + n − 1` to every stage;
 `rewind(k)` masks the last k live positions out and moves the logical position back by k.
 Hidden states cross from stage to stage as float32 (so stages may run on different backends).
+A prompt is fed in chunks of at most `chunk_tokens` positions (`prefill`), the rule the ring's
+head uses (kafila.session.scheduler.prefill_chunk_tokens), so a long prompt never runs one
+unbounded batch through a stage; only the last chunk's hidden states are kept.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ class LocalChain:
     """Shards in ring order; the first holds the embedding, the head (`logits`/`greedy`) is the
     shard whose spec has head=True (the first, as in a Kafila ring)."""
 
-    def __init__(self, shards: Sequence[Shard]) -> None:
+    def __init__(self, shards: Sequence[Shard], chunk_tokens: int | None = None) -> None:
         if not shards:
             raise BadInput("a chain needs at least one shard")
         if not shards[0].spec.embed:
@@ -54,10 +57,19 @@ class LocalChain:
             raise BadInput("exactly one shard of a chain must hold the head (final norm + lm_head)")
         self.shards = list(shards)
         self.head = heads[0]
+        if chunk_tokens is None:
+            from kafila.session.scheduler import prefill_chunk_tokens
+
+            index = getattr(shards[0], "index", None) or open_model(shards[0].spec.model_path)
+            chunk_tokens = prefill_chunk_tokens(index.hparams.hidden)
+        if chunk_tokens < 1:
+            raise BadInput(f"chunk_tokens must be at least 1 (got {chunk_tokens})")
+        self.chunk_tokens = chunk_tokens
 
     @classmethod
     def build(cls, model_path: str, stages: int, backend_names: str | Sequence[str] = "openvino",
-              precision: str = "serving", index: ModelIndex | None = None) -> LocalChain:
+              precision: str = "serving", index: ModelIndex | None = None,
+              chunk_tokens: int | None = None) -> LocalChain:
         """Cut the model into `stages` near-equal block ranges, stage i on backend_names[i]."""
         index = index if index is not None else open_model(model_path)
         names = parse_backends(backend_names, stages)
@@ -66,7 +78,11 @@ class LocalChain:
             spec = ShardSpec(index.path, first, last, embed=i == 0, head=i == 0)
             extra = {"index": index} if name in ("openvino", "reference") else {}
             shards.append(backends.load_shard(name, spec, precision, **extra))
-        return cls(shards)
+        if chunk_tokens is None:
+            from kafila.session.scheduler import prefill_chunk_tokens
+
+            chunk_tokens = prefill_chunk_tokens(index.hparams.hidden)
+        return cls(shards, chunk_tokens)
 
     @property
     def stages(self) -> list[dict]:
@@ -102,6 +118,15 @@ class LocalChain:
         cursor.logical += n
         return x
 
+    def prefill(self, cursor: Cursor, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
+        """`feed` in chunks of at most `chunk_tokens` positions; the last chunk's hidden states."""
+        ids = np.asarray(tokens, dtype=np.int64)
+        if len(ids) == 0:
+            raise BadInput("nothing to feed: the token list is empty")
+        for start in range(0, len(ids), self.chunk_tokens):
+            hidden = self.feed(cursor, ids[start: start + self.chunk_tokens])
+        return hidden
+
     def rewind(self, cursor: Cursor, k: int) -> None:
         """Forget the last k live tokens by masking them out (no cache surgery)."""
         if not 0 <= k <= cursor.logical:
@@ -124,7 +149,7 @@ class LocalChain:
         own = cursor is None
         cursor = self.open() if own else cursor
         try:
-            hidden = self.feed(cursor, prompt)
+            hidden = self.prefill(cursor, prompt)
             for i in range(max_tokens):
                 token = self.next_token(hidden)
                 yield token

@@ -217,7 +217,7 @@ def _sampled(chain, request: GenerationRequest, stop) -> Iterator[int]:
     sampler = Sampler(request.temperature, request.top_p, np.random.default_rng(request.seed))  # its own stream
     cursor = chain.open()
     try:
-        hidden = chain.feed(cursor, request.prompt_ids)
+        hidden = chain.prefill(cursor, request.prompt_ids)
         for i in range(request.max_new_tokens):
             logits = chain.logits(hidden[-1:])[0]
             token = sampler.draw(logits)

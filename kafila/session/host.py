@@ -16,6 +16,7 @@ from rich.live import Live
 from rich.table import Table
 
 from backends.errors import BadInput, Refused, describe_error
+from backends.memory import RESIDENT_BYTES_PER_WEIGHT
 from kafila.net.codefile import write_private
 from kafila.session import control, lifecycle
 from kafila.session.control import PlanMessage, SessionTerms
@@ -70,7 +71,18 @@ def members_table(rows: list[dict], title: str) -> Table:
     return t
 
 
+def _resident_model(index, kinds: set[str]) -> dict:
+    """The plan's model entry with memory in the members' backends' forms (backends.memory): one
+    Model serves every member, so a mixed ring takes each memory figure from its largest backend."""
+    models = [index.planner_model(kind) for kind in sorted(kinds)]
+    out = dict(models[0])
+    for key in ("process_bytes", "anchor_bytes", "block_resident_bytes", "head_resident_bytes"):
+        out[key] = max(m[key] for m in models)
+    return out
+
+
 class HostParticipant(Participant):
+    IS_ANCHOR = True  # planner.member_bytes: the anchor also serves weights and digests
     is_host = True
 
     def __init__(self, cfg, console=None) -> None:
@@ -461,7 +473,7 @@ class HostParticipant(Participant):
         plan made for one request and as many slots as its memory then holds (slots.py)."""
         from planner import PlanInputError, plan_fleet
 
-        devices = []
+        devices, kinds = [], {self.cfg.backend}
         for name, info in self.net.roster().items():
             d = info.descriptor or {}
             dev = {"name": name, "memory_gb": d.get("memory_gb") or 1.0, "nat": info.nat,
@@ -470,8 +482,10 @@ class HostParticipant(Participant):
                 if d.get(k) is not None:
                     dev[k] = d[k]
             devices.append(dev)
+            if d.get("backend") in RESIDENT_BYTES_PER_WEIGHT:
+                kinds.add(d["backend"])
         fleet = {"context": self.cfg.context, "concurrency": self.cfg.concurrency or 1,
-                 "anchor": self.cfg.name, "model": index.planner_model(), "devices": devices}  # fmt: skip
+                 "anchor": self.cfg.name, "model": _resident_model(index, kinds), "devices": devices}  # fmt: skip
         try:
             plan = plan_fleet(fleet, None, self.cfg.policy)
             if self.cfg.concurrency is not None:

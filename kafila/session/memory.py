@@ -5,9 +5,10 @@ set (PSS: shared pages divided among the processes mapping them, from /proc/self
 Linux; elsewhere RSS and PSS are unknown (None) and the peak comes from getrusage. Pages of a
 memory-mapped model file count in RSS/PSS while resident: a file on tmpfs is memory either way.
 
-`shard_memory()` is the planner's side (planner.cost.bytes_per_block and block_limit): the shard's
-tensor bytes, its KV cache at the session's context and concurrency, and their sum for the member's
-blocks (plus the head's bytes on the head) — the bytes admission checked against the member's memory.
+`shard_memory()` is the planner's side (planner.member_bytes, the formula admission checks): the
+shard's tensor bytes, its KV cache at the session's context and concurrency, and what the planner
+expects the member to hold — the backend's fixed per-process term, the weights in the backend's
+forms, the head's extra (backends.memory) and the KV.
 """
 
 from __future__ import annotations
@@ -39,23 +40,38 @@ def process_memory() -> dict:
     return out
 
 
-def shard_memory(index, first: int, last: int, head: bool, context: int, concurrency: int) -> dict:
-    """{"shard_bytes", "kv_bytes", "planned_bytes"} of blocks [first, last) (+ the head) of `index`."""
+def shard_memory(index, first: int, last: int, head: bool, context: int, concurrency: int,
+                 backend: str = "openvino", process_bytes: float | None = None,
+                 anchor: bool = False) -> dict:  # fmt: skip
+    """{"shard_bytes", "kv_bytes", "planned_bytes", "planned_weights_bytes"} of blocks [first, last)
+    (+ the head) of `index` on `backend`: planned is planner.member_bytes at context × concurrency
+    (what admission checked), planned_weights the same without KV (what a member holds before
+    its KV fills). `process_bytes` replaces the backend's per-process term (`kafila run`);
+    `anchor`: the member is the host (planner's anchor_bytes)."""
+    from planner import member_bytes, parse_fleet
+
     blocks = last - first
     shard = sum(t.n_bytes for t in index.shard_tensors(first, last, head))
-    model = index.planner_model()
-    kv = int(model["kv_bytes_per_token_per_block"] * context * concurrency * blocks)
-    planned = blocks * model["block_bytes"] + kv + (model["head_bytes"] if head else 0.0)
-    return {"shard_bytes": shard, "kv_bytes": kv, "planned_bytes": int(planned)}
+    raw = index.planner_model(backend)
+    if process_bytes is not None:
+        raw["process_bytes"] = process_bytes
+    model = parse_fleet({"context": 1, "concurrency": 1, "anchor": "a", "model": raw,
+                         "devices": [{"name": "a", "memory_gb": 1}]}).model  # fmt: skip
+    kv = int(model.kv_bytes_per_token_per_block * context * concurrency * blocks)
+    return {"shard_bytes": shard, "kv_bytes": kv,
+            "planned_bytes": int(member_bytes(model, blocks, head, context * concurrency, anchor)),
+            "planned_weights_bytes": int(member_bytes(model, blocks, head, 0, anchor))}  # fmt: skip
 
 
-def member_memory(index, first: int, last: int, head: bool, context: int, concurrency: int) -> dict:
+def member_memory(index, first: int, last: int, head: bool, context: int, concurrency: int,
+                  backend: str = "openvino", anchor: bool = False) -> dict:
     """What /status reports under "memory": the process's figures and the plan's for its shard,
     with RSS/PSS/peak as multiples of (shard + KV) and of the planned bytes."""
     out = process_memory()
     if index is None:
-        return {**out, "shard_bytes": None, "kv_bytes": None, "planned_bytes": None}
-    out.update(shard_memory(index, first, last, head, context, concurrency))
+        return {**out, "shard_bytes": None, "kv_bytes": None, "planned_bytes": None,
+                "planned_weights_bytes": None}  # fmt: skip
+    out.update(shard_memory(index, first, last, head, context, concurrency, backend, anchor=anchor))
     base = out["shard_bytes"] + out["kv_bytes"]
     for key in ("rss_bytes", "pss_bytes", "peak_rss_bytes"):
         value = out[key]

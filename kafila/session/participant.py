@@ -174,6 +174,8 @@ def history_entry(kind: str, fields: dict) -> dict:
 class Participant:
     """One process in a session. The host subclass adds planning and weight serving."""
 
+    IS_ANCHOR = False  # planner.member_bytes: only the host (the anchor) adds anchor_bytes
+
     is_host = False
 
     def __init__(self, cfg: SessionConfig, console: Console | None = None) -> None:
@@ -876,7 +878,8 @@ class Participant:
         if role is None or self.index is None or not sess:
             return member_memory(None, 0, 0, False, 0, 0)
         return member_memory(self.index, role.first, role.last, role.head == self.cfg.name,
-                             int(sess["context"]), int(sess["concurrency"]))  # fmt: skip
+                             int(sess["context"]), int(sess["concurrency"]), self.cfg.backend,
+                             self.IS_ANCHOR)  # fmt: skip
 
     @property
     def code(self) -> str:

@@ -1,0 +1,66 @@
+"""What a shard holds in memory on each backend: the planner's memory model inputs (issue 10).
+
+Light on purpose (no backend imports): the host builds the plan's model entry from it.
+
+RESIDENT_BYTES_PER_WEIGHT: bytes per weight of each GGUF type in the form the backend keeps
+while serving, read off the constant forms (backends/openvino/weights.py, backends/mlx/weights.py):
+- OpenVINO: codes + f32 scale (+ f32 zero point) per group (32; 16 for Q6_K); the CPU plugin's
+  repacked copy is what stays resident (the graph's constants live in a spill file whose pages are
+  dropped). Q4_K = 0.5 + 4/32 + 4/32 = 0.75, Q6_K = 1 + 4/16 = 1.25; floats are f32 (4).
+  Checked on the Llama-3.2-1B shape: a 4-block shard's anonymous memory grows by 53 MB a block
+  (the forms give 53.2 MB; the GGUF holds 36.6 MB).
+- MLX: packed codes + scale + bias per group of 32 (f16 for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, f32 for the
+  K-quants); Q6_K is padded to groups of 32 (12 bits of codes + 4 bits of f32 scale/bias = 2 B).
+- reference: every weight dequantized to float64 (8 B; a yardstick, not a serving path).
+
+PROCESS_BYTES: a session member's fixed resident set before any weight and beside its tokenizer:
+Python, numpy, the backend runtime (OpenVINO's CPU plugin and its thread pools), QUIC, the session,
+the HTTP API. TOKENIZER_BYTES_PER_VOCAB: the tokenizer every member loads (each serves the API),
+per vocabulary entry: Llama 3's 128,256 tokens and 280k merges take 136 MB in Python (measured with
+`load_tokenizer` alone). ANCHOR_BYTES: the host's extra (weight serving, the bulk lane, digests).
+HEAD_WORK_BYTES_PER_VOCAB: the head's extra beside its lm_head (f32 logits, the plugin's top-1
+scratch, the sampler), per vocabulary entry. RUN_PROCESS_BYTES: `kafila run`'s fixed part (no
+QUIC, session or API), its tokenizer included.
+Fitted on two runs of bench/memory_big.py on the Llama-3.2-1B shape (docs/BENCHMARKS.md, issue
+10) as RSS minus the weights' resident forms: members without the head or the host 285, 302 and
+316 MB (→ 165 MB + the tokenizer), the host 55 MB more, the head 46–52 MB beyond its lm_head,
+`kafila run` 211 MB. MLX's figures are not measured (no Apple machine here): the OpenVINO ones.
+"""
+
+from __future__ import annotations
+
+_FLOAT = {"F32": 4.0, "F16": 4.0, "BF16": 4.0}  # dense f32 in memory on every backend
+
+RESIDENT_BYTES_PER_WEIGHT: dict[str, dict[str, float]] = {
+    "openvino": {"Q4_0": 0.5625, "Q4_1": 0.75, "Q5_0": 1.0625, "Q5_1": 1.25, "Q8_0": 1.0625,
+                 "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25, **_FLOAT},  # fmt: skip
+    "mlx": {"Q4_0": 0.625, "Q4_1": 0.625, "Q5_0": 0.75, "Q5_1": 0.75, "Q8_0": 1.125,
+            "Q4_K": 0.75, "Q5_K": 0.875, "Q6_K": 2.0, **_FLOAT},  # fmt: skip
+    "reference": {},  # every type: float64
+}
+REFERENCE_BYTES_PER_WEIGHT = 8.0
+
+PROCESS_BYTES: dict[str, float] = {"openvino": 165e6, "mlx": 165e6, "reference": 165e6}
+ANCHOR_BYTES: dict[str, float] = {"openvino": 55e6, "mlx": 55e6, "reference": 55e6}
+RUN_PROCESS_BYTES: dict[str, float] = {"openvino": 211e6, "mlx": 211e6, "reference": 211e6}
+TOKENIZER_BYTES_PER_VOCAB = 1060
+HEAD_WORK_BYTES_PER_VOCAB = 390
+
+
+def bytes_per_weight(backend: str, qtype: str) -> float:
+    """Resident bytes of one weight of GGUF type `qtype` on `backend` (KeyError: unknown backend)."""
+    table = RESIDENT_BYTES_PER_WEIGHT[backend]
+    if backend == "reference":
+        return REFERENCE_BYTES_PER_WEIGHT
+    return table.get(qtype, 4.0)
+
+
+def resident_bytes(backend: str, tensors) -> float:
+    """Resident bytes of `tensors` (TensorInfo: .qtype, .shape) on `backend`."""
+    total = 0.0
+    for t in tensors:
+        n = 1
+        for d in t.shape:
+            n *= int(d)
+        total += n * bytes_per_weight(backend, t.qtype)
+    return total
