@@ -7,15 +7,17 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from kafila.session.dipsd_live import LiveDipsd, LiveUser, RingFit, _relabel
+from kafila.session.frames import Activation
 from kafila.session.head import SolveDipsd
 from kafila.session.microbatch import MicroBatches
 from kafila.session.scheduler import Scheduler
 from kafila.session.speculate import DRAFT_K
 from planner.dipsd import SolveLimits, greedy
-from tests.test_head_core import PROMPTS, STAGE_US, Rig, solo
+from tests.test_head_core import H, PROMPTS, STAGE_US, Rig, solo
 
 # a 20 ms/hop loopback ring: the machine computes a trip of T positions in 20 + 1·T ms, the hops take 60
 FIT = RingFit(c_ms=20.0, beta_ms=1.0, ring_ms=60.0, max_rows=32)
@@ -48,6 +50,34 @@ def test_the_head_fits_the_serial_part_from_the_traces_and_the_ring_from_the_edg
     fit = rig.core._ring_fit()
     assert fit.c_ms + fit.beta_ms == pytest.approx(3 * STAGE_US / 1000, rel=0.5)  # one machine: all three stages
     assert fit.ring_ms == pytest.approx(3 * 20.0)  # each edge's RTT/2; no other machine
+
+
+def test_padded_rows_make_a_batch_draft_alike():
+    """OpenVINO pads a micro-batch's rows to its longest: a shorter draft saves nothing there, so
+    the optimiser gives every request of a batch the same length; ragged rows (MLX) need not."""
+    assert not FIT.verifier().padded and RingFit(20.0, 1.0, 60.0, 32, padded=True).verifier().padded
+    for method in ("greedy", "milp"):
+        live = LiveDipsd(8, method=method)
+        fit = RingFit(c_ms=20.0, beta_ms=4.0, ring_ms=60.0, max_rows=32, padded=True)
+        s = solve(live, live.due(0.0, users(0.9, 0.6, 0.3), fit), 0.0)
+        by_batch: dict = {}
+        for req_id, length in s.lengths.items():
+            by_batch.setdefault(s.batches[req_id], set()).add(length)
+        assert all(len(lengths) == 1 for lengths in by_batch.values()), (method, s.lengths, s.batches)
+
+
+def test_the_head_counts_a_padded_batch_at_its_longest_row():
+    rig = Rig(slots=4, batch=True, speculate="ngram", one_machine=True)
+    assert rig.core.padded_rows  # the default: OpenVINO stages
+    acts = [Activation(r, i, 5, 5, (), np.zeros((n, H), np.float32), (("m1", 1000), ("m2", 1000), ("m3", 1000)))
+            for i, (r, n) in enumerate((("a", 1), ("b", 4)))]  # fmt: skip
+    for a in acts:
+        rig.core.scheduler.submit(a.req_id, "m1", [1, 2, 3, 4, 5], 4, False)
+    rig.core.scheduler.steps()
+    for req in rig.core.scheduler._requests.values():
+        req.cache_len, req.in_flight = 5, 1  # decoding
+    rig.core._account_batch(acts)
+    assert list(rig.core.serial_cost.as_dict()["by_positions"]) == [8]  # 2 rows × 4 positions, not 1 + 4
 
 
 def test_re_solves_when_the_requests_change_or_alpha_drifts_at_most_every_interval():

@@ -81,10 +81,12 @@ class RingFit:
     beta_ms: float
     ring_ms: float  # the rest of a trip: hops, the other machines' compute
     max_rows: int  # rows a micro-batch may hold
+    padded: bool = False  # a stage pads a batch's rows to its longest (OpenVINO; MLX's are ragged)
 
     def verifier(self) -> Verifier:
         return Verifier(c_ms=max(self.c_ms, MIN_SERIAL_MS), beta_ms=max(self.beta_ms, 0.0),
-                        max_batch_users=max(1, self.max_rows), ring_ms=max(0.0, self.ring_ms))  # fmt: skip
+                        max_batch_users=max(1, self.max_rows), padded=self.padded,
+                        ring_ms=max(0.0, self.ring_ms))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -221,12 +221,14 @@ class HeadCore:
                  prefill_chunk: int | None = None, speculate: str = "off", draft_k: int = DRAFT_K,
                  adaptive_k: bool = True, max_queued: int = DEFAULT_MAX_QUEUED, batch: bool = True,
                  machines: dict[str, str] | None = None, measured: Measured | None = None,
-                 dipsd: bool = True, dipsd_method: str = "milp") -> None:  # fmt: skip
+                 dipsd: bool = True, dipsd_method: str = "milp", padded_rows: bool = True) -> None:  # fmt: skip
         """See ring.RingNode for the options; `batch`: plain decode steps go as micro-batches
         (every stage has forward_batch); `measured`: the node's figures, which the core adds to;
         `dipsd`: with several requests speculating n-gram drafts, the live DiP-SD optimiser
         chooses their draft lengths and micro-batches (`dipsd_method` "milp" or "greedy"); off,
-        with `adaptive_k` False or another drafter, each request's K is choose_k's (or draft_k)."""
+        with `adaptive_k` False or another drafter, each request's K is choose_k's (or draft_k);
+        `padded_rows`: some stage pads a micro-batch's rows to its longest (OpenVINO does)."""
+        self.padded_rows = padded_rows
         self.name = name
         self.ring = ring
         self.limits = limits
@@ -359,7 +361,8 @@ class HeadCore:
             busy[machine] = busy.get(machine, 0.0) + stage_ms[n]
         others = sum(busy.values()) - max(busy.values())  # other machines' compute: off the serial part
         c, beta = self.serial_cost.fit()
-        return RingFit(c, beta, (self._net_ms or 0.0) + others, min(MAX_BATCH_ROWS, self.limits.slots))
+        return RingFit(c, beta, (self._net_ms or 0.0) + others, min(MAX_BATCH_ROWS, self.limits.slots),
+                       self.padded_rows)  # fmt: skip
 
     def _follow(self) -> None:
         """Hand the schedule in force (if it changed) to the scheduler and the micro-batches."""
@@ -454,8 +457,9 @@ class HeadCore:
         for stage, us in acts[0].trace:  # every row of a micro-batch carries the same trace
             machine = self.machines.get(stage, stage)
             busy[machine] = busy.get(machine, 0.0) + us / 1000
-        if busy:
-            self.serial_cost.observe(sum(a.n for a in acts), max(busy.values()))
+        if busy:  # the positions computed: every row at the longest's where a stage pads them
+            positions = len(acts) * max(a.n for a in acts) if self.padded_rows else sum(a.n for a in acts)
+            self.serial_cost.observe(positions, max(busy.values()))
 
     def _account(self, act: Activation, now: float) -> None:
         started = self._started.pop(act.req_id, None)

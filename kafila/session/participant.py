@@ -726,6 +726,9 @@ class Participant:
         # one micro-batch per machine of the ring (pipelining), not one per stage
         roster = self.net.roster() if self.net is not None else {}
         machines = {n: str((roster[n].descriptor or {}).get("machine") or n) if n in roster else n for n in role.ring}
+        # OpenVINO pads a micro-batch's rows to its longest, MLX does not: the live optimiser's cost
+        backends = [self.cfg.backend if n == me else str((roster[n].descriptor or {}).get("backend", "openvino"))
+                    if n in roster else "openvino" for n in role.ring]  # fmt: skip
         self.node = RingNode(me, role.head, role.ring, self.shard, limits, machines=machines,
                              edge_rtts=self._edge_rtts,
                              eos_ids=frozenset(self.tokenizer.eos_ids),
@@ -734,7 +737,8 @@ class Participant:
                              max_queued=session_value(self.state.session, "max_queued", DEFAULT_MAX_QUEUED,
                                                       0, MAX_QUEUED_LIMIT),
                              batch_rows=self.state.session.get("batch_rows", True) is not False,
-                             dipsd=self.state.session.get("dipsd", True) is not False)  # fmt: skip
+                             dipsd=self.state.session.get("dipsd", True) is not False,
+                             padded_rows=any(b != "mlx" for b in backends))  # fmt: skip
         if len(role.ring) == 1:
             self.node.start()
             return

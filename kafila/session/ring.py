@@ -130,7 +130,8 @@ class RingNode:
                  draft_k: int = DRAFT_K, adaptive_k: bool = True, drafter=None,
                  stage_hang_s: float = STAGE_HANG_S, max_queued: int = DEFAULT_MAX_QUEUED,
                  batch_rows: bool = True, machines: dict[str, str] | None = None,
-                 edge_rtts: Callable[[], dict] | None = None, dipsd: bool = True) -> None:  # fmt: skip
+                 edge_rtts: Callable[[], dict] | None = None, dipsd: bool = True,
+                 padded_rows: bool = True) -> None:  # fmt: skip
         """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
         hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
         frames over the limit: only tests set it, to exercise the per-request error.
@@ -172,7 +173,7 @@ class RingNode:
         self.core = (HeadCore(name, ring, limits, eos_ids=eos_ids, prefill_chunk=prefill_chunk,
                               speculate=speculate, draft_k=draft_k, adaptive_k=adaptive_k,
                               max_queued=max_queued, batch=self.batch, machines=machines,
-                              measured=self.measured, dipsd=dipsd)
+                              measured=self.measured, dipsd=dipsd, padded_rows=padded_rows)
                      if self.is_head else None)  # fmt: skip
         self._events: asyncio.Queue[HeadEvent] = asyncio.Queue()
         # this stage's own load (/status): rows in its last forward and forwards run
