@@ -76,10 +76,11 @@ def run(args) -> int:
     if args.json:
         from kafila.session.memory import process_memory
 
-        print(json.dumps({"memory": process_memory(),"text": tokenizer.decode(tokens), "tokens": len(tokens),
+        print(json.dumps({"text": tokenizer.decode(tokens), "tokens": len(tokens),
                           "tok_s": round(tok_s, 2), "stages": chain.stages,
                           "ids": tokens, "prompt_ids": list(ids),
-                          "ttft_ms": None if first_at is None else round((first_at - started) * 1000, 1)}))
+                          "ttft_ms": None if first_at is None else round((first_at - started) * 1000, 1),
+                          "memory": process_memory()}))
     else:
         sys.stdout.write("\n")
         sys.stdout.flush()

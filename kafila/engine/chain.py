@@ -43,6 +43,13 @@ class Cursor:
             self.valid = grown
 
 
+def _chunk_tokens(index: ModelIndex) -> int:
+    """Prefill positions per feed: the ring head's rule (a frame's worth at this hidden size)."""
+    from kafila.session.scheduler import prefill_chunk_tokens
+
+    return prefill_chunk_tokens(index.hparams.hidden)
+
+
 class LocalChain:
     """Shards in ring order; the first holds the embedding, the head (`logits`/`greedy`) is the
     shard whose spec has head=True (the first, as in a Kafila ring)."""
@@ -58,10 +65,7 @@ class LocalChain:
         self.shards = list(shards)
         self.head = heads[0]
         if chunk_tokens is None:
-            from kafila.session.scheduler import prefill_chunk_tokens
-
-            index = getattr(shards[0], "index", None) or open_model(shards[0].spec.model_path)
-            chunk_tokens = prefill_chunk_tokens(index.hparams.hidden)
+            chunk_tokens = _chunk_tokens(getattr(shards[0], "index", None) or open_model(shards[0].spec.model_path))
         if chunk_tokens < 1:
             raise BadInput(f"chunk_tokens must be at least 1 (got {chunk_tokens})")
         self.chunk_tokens = chunk_tokens
@@ -78,11 +82,7 @@ class LocalChain:
             spec = ShardSpec(index.path, first, last, embed=i == 0, head=i == 0)
             extra = {"index": index} if name in ("openvino", "reference") else {}
             shards.append(backends.load_shard(name, spec, precision, **extra))
-        if chunk_tokens is None:
-            from kafila.session.scheduler import prefill_chunk_tokens
-
-            chunk_tokens = prefill_chunk_tokens(index.hparams.hidden)
-        return cls(shards, chunk_tokens)
+        return cls(shards, chunk_tokens if chunk_tokens is not None else _chunk_tokens(index))
 
     @property
     def stages(self) -> list[dict]:

@@ -228,10 +228,10 @@ class HeadCore:
         chooses their draft lengths and micro-batches (`dipsd_method` "milp" or "greedy"); off,
         with `adaptive_k` False or another drafter, each request's K is choose_k's (or draft_k);
         `padded_rows`: some stage pads a micro-batch's rows to its longest (OpenVINO does)."""
-        self.padded_rows = padded_rows
         self.name = name
         self.ring = ring
         self.limits = limits
+        self.padded_rows = padded_rows
         chunk = prefill_chunk or prefill_chunk_tokens(limits.hidden, limits.frame_bytes)
         self.scheduler = Scheduler(limits.slots, limits.context, eos_ids, max_queue=max_queued,
                                    chunk_tokens=chunk, speculate=speculate, draft_k=draft_k,
@@ -353,12 +353,9 @@ class HeadCore:
     def _ring_fit(self) -> RingFit | None:
         """The live optimiser's verifier: the serial fit and the ring delay (None: not measured)."""
         stage_ms = self.measured.stage_ms
-        if not self.serial_cost.as_dict()["by_positions"] or not all(stage_ms.get(n) for n in self.ring):
+        if not self.serial_cost.sizes() or not all(stage_ms.get(n) for n in self.ring):
             return None
-        busy: dict[str, float] = {}
-        for n in self.ring:
-            machine = self.machines.get(n, n)
-            busy[machine] = busy.get(machine, 0.0) + stage_ms[n]
+        busy = self._by_machine((n, stage_ms[n]) for n in self.ring)
         others = sum(busy.values()) - max(busy.values())  # other machines' compute: off the serial part
         c, beta = self.serial_cost.fit()
         return RingFit(c, beta, (self._net_ms or 0.0) + others, min(MAX_BATCH_ROWS, self.limits.slots),
@@ -432,10 +429,7 @@ class HeadCore:
         stage_ms = self.measured.stage_ms
         if not all(stage_ms.get(n) for n in self.ring):
             return self.batches.groups  # not measured yet: one per machine
-        busy: dict[str, float] = {}
-        for n in self.ring:
-            machine = self.machines.get(n, n)
-            busy[machine] = busy.get(machine, 0.0) + stage_ms[n]
+        busy = self._by_machine((n, stage_ms[n]) for n in self.ring)
         trip = sum(stage_ms[n] for n in self.ring) + net
         # rounded up once past a quarter: a group too few leaves a machine idle for a whole share
         return max(1, min(MAX_BATCH_ROWS, math.ceil(trip / max(busy.values()) - 0.25)))
@@ -453,13 +447,19 @@ class HeadCore:
         all its rows: the live optimiser's verifier, v(T) = c + β·T (dipsd_live.py)."""
         if self.dipsd is None or not acts or not all(self.scheduler.decoding(a.req_id) for a in acts):
             return
-        busy: dict[str, float] = {}
-        for stage, us in acts[0].trace:  # every row of a micro-batch carries the same trace
-            machine = self.machines.get(stage, stage)
-            busy[machine] = busy.get(machine, 0.0) + us / 1000
+        busy = self._by_machine((stage, us / 1000) for stage, us in acts[0].trace)  # one trace for all rows
         if busy:  # the positions computed: every row at the longest's where a stage pads them
             positions = len(acts) * max(a.n for a in acts) if self.padded_rows else sum(a.n for a in acts)
             self.serial_cost.observe(positions, max(busy.values()))
+
+    def _by_machine(self, stage_ms) -> dict[str, float]:
+        """(stage, ms) pairs summed by the machine each stage runs on (stages of one machine
+        share its cores: their times add up)."""
+        busy: dict[str, float] = {}
+        for stage, ms in stage_ms:
+            machine = self.machines.get(stage, stage)
+            busy[machine] = busy.get(machine, 0.0) + ms
+        return busy
 
     def _account(self, act: Activation, now: float) -> None:
         started = self._started.pop(act.req_id, None)

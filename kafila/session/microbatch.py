@@ -56,7 +56,7 @@ class MicroBatches:
         label = self._plan.get(step.req_id)
         if label is not None and (gid is None or self._groups[gid].label != label):
             if gid is not None:  # planned into another batch: leave this one first
-                self._remove(step.req_id)
+                self.leave(step.req_id)
             gid = self._labelled(label)
             self._join(step.req_id, gid)
         elif gid is None:
@@ -87,9 +87,6 @@ class MicroBatches:
     def leave(self, req_id: str) -> Any | None:
         """Take req_id out of its group; returns its step if one was waiting (the caller sends it).
         Its plan stays (a prefill chunk leaves too): `plan` replaces the whole plan."""
-        return self._remove(req_id)
-
-    def _remove(self, req_id: str) -> Any | None:
         gid = self._of.pop(req_id, None)
         if gid is None:
             return None

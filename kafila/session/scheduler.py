@@ -281,16 +281,20 @@ class Scheduler:
         """The drafts of `req`'s next decode step (at most _draft_k of them): the origin's latest
         draft when it is aligned with the history (speculate="origin"), else n-grams."""
         k = self._draft_k(req)
+        if k < 1:
+            req.acceptance.idle()
+            return ()
+        history = self._history(req)
         draft: tuple[int, ...] = ()
-        if k >= 1 and self.speculate == "origin":
+        if self.speculate == "origin":
             if req.offered is not None:
-                draft = aligned_draft(self._history(req), *req.offered, k)
+                draft = aligned_draft(history, *req.offered, k)
             if draft:
                 req.spec.origin += 1
             else:
                 req.spec.fallback += 1
-        if k >= 1 and not draft:
-            draft = ngram_draft(self._history(req), k)
+        if not draft:
+            draft = ngram_draft(history, k)
         if not draft:
             req.acceptance.idle()
         return draft

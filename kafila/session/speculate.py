@@ -136,6 +136,10 @@ class StepCost:
             return max(t - beta * n, 1e-6), beta
         return 1.0, PRIOR_SLOPE
 
+    def sizes(self) -> int:
+        """How many different position counts have been measured."""
+        return len(self._ms)
+
     def predict(self, n: int) -> float:
         c, beta = self.fit()
         return c + beta * n
