@@ -134,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
               f"same text {r['same_text']}/{r['answers']}  TPOT {r['plain_tpot_ms']:.0f} → {r['origin_tpot_ms']:.0f} ms"
               + (f"  ({r['short_answers']} answers ended early)" if r["short_answers"] else ""), flush=True)  # fmt: skip
     if args.json:
-        print(json.dumps(out, indent=1, default=str))
+        print(json.dumps(out, default=str))  # one line: bench.before_after reads the last
     return 0
 
 

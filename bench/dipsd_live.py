@@ -144,7 +144,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  on ÷ off: {out['ratio_median']:.2f}× (rounds: {', '.join(f'{r:.2f}' for r in ratios)}); "
           f"same text {out['same_text']}; solves {out['solves']}; schedules seen {out['schedules']}")
     if args.json:
-        print(json.dumps(out, indent=1, default=str))
+        print(json.dumps(out, default=str))  # one line: bench.before_after reads the last
     return 0
 
 

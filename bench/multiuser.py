@@ -182,7 +182,7 @@ def main(argv: list[str] | None = None) -> int:
                                for a, b in zip(other["table"], r["table"]))  # fmt: skip
             print(f"  aggregate tok/s, rows on ÷ off, by users: {ratios}", flush=True)
     if args.json:
-        print(json.dumps(out, indent=1, default=str))
+        print(json.dumps(out, default=str))  # one line: bench.before_after reads the last
     return 0
 
 

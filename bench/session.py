@@ -1,6 +1,7 @@
 """Session benchmark, everything measured side by side in one run on this machine.
 
-    .venv/bin/python -m bench.session [--max-tokens 64] [--runs 3] [--pairs 3] [--skip-latency] [--skip-hetero]
+    .venv/bin/python -m bench.session [--model M] [--local-stages 3] [--max-tokens 64] [--runs 3] [--pairs 3]
+        [--skip-latency] [--skip-hetero]
 
 1. Speed: a 3-member loopback session (separate processes, QUIC edges) vs LocalChain with 3
    stages in one process (what `kafila run --stages 3` runs), same prompt, same greedy tokens;
@@ -85,6 +86,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-latency", action="store_true")
     p.add_argument("--skip-hetero", action="store_true")
     p.add_argument("--skip-speed", action="store_true", help="skip the loopback speed comparison")
+    p.add_argument("--local-stages", type=int, default=3,
+                   help="stages of the in-process chain the session is compared with (1: `kafila run --stages 1`)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -102,20 +105,25 @@ def main(argv: list[str] | None = None) -> int:
               file=sys.stderr, flush=True)
 
     if not args.skip_speed:
-        out["local_3"] = local_chain(path, 3, ids, args.max_tokens, args.runs, tok.eos_ids)
-        show("LocalChain, 3 stages, one process", out["local_3"])
+        stages = out["local_stages"] = args.local_stages  # (the keys say local_3 whatever it is: kept for bench.before_after)
+        out["local_3"] = local_chain(path, stages, ids, args.max_tokens, args.runs, tok.eos_ids)
+        show(f"LocalChain, {stages} stage(s), one process", out["local_3"])
         out["session"] = session_runs(args.runs, args.max_tokens, model=args.model)
         show("session, 3 processes, loopback", out["session"])
-        out["local_3_after"] = local_chain(path, 3, ids, args.max_tokens, args.runs, tok.eos_ids)
-        show("LocalChain, 3 stages, one process (again)", out["local_3_after"])
+        out["local_3_after"] = local_chain(path, stages, ids, args.max_tokens, args.runs, tok.eos_ids)
+        show(f"LocalChain, {stages} stage(s), one process (again)", out["local_3_after"])
         base = (out["local_3"]["tok_s"] + out["local_3_after"]["tok_s"]) / 2  # the machine's load drifts
         out["ratio_session_vs_local_3"] = out["session"]["tok_s"] / base
-        print(f"  ratio session / local 3-stage (mean of before and after): "
+        print(f"  ratio session / local {stages}-stage (mean of before and after): "
               f"{out['ratio_session_vs_local_3']:.2f}×  (stage compute {out['session']['stage_compute_ms']}, "
               f"ring network {out['session']['network_ms']} ms/step)", file=sys.stderr)
     if not args.skip_latency:
         out["session_20ms"] = session_runs(args.runs, args.max_tokens, model=args.model, latency_ms=20)
         show("session, 3 processes, --latency-ms 20", out["session_20ms"])
+        if "local_3" in out:
+            base = (out["local_3"]["tok_s"] + out["local_3_after"]["tok_s"]) / 2
+            print(f"  ratio session at 20 ms / local {args.local_stages}-stage: {out['session_20ms']['tok_s'] / base:.2f}×",
+                  file=sys.stderr)
     if not args.skip_hetero:
         pairs = []
         for i in range(args.pairs):  # A B A B …: each ratio compares two neighbouring sessions

@@ -1,0 +1,138 @@
+"""Where the CPU plugin's decode time goes on K-quant weights: one matrix, then a whole model, by config.
+
+    .venv/bin/python -m bench.ov_kernels [--rows 14336] [--cols 4096] [--model GGUF] [--tokens 24]
+
+1. One Q4_K-shaped matrix-vector product (u4 codes, a scale and an offset per 32 weights, random
+   values), compiled alone, in two exact forms:
+   - `zero point`: (Convert(q) − z)·s with an f32 zero point z = offset / scale, Kafila's form
+     (backends/openvino/weights.py), which the plugin folds into one compressed FullyConnected;
+   - `split`: Convert(q)·s as a compressed FullyConnected without a zero point, minus the offsets
+     times each group's sum of x (a matrix 1/32 the size): the same product, summed in another order.
+   Each at `serving` (the plugin's defaults: bf16 where the CPU has it, dynamic quantization of
+   activations in groups of 32) and `f32`; median ms of 40 calls after 5, and the GB/s that is
+   over the matrix's bytes.
+2. `--model GGUF`: Kafila's 1-stage chain on that file under several plugin configs (serving,
+   dynamic quantization off, groups of 128, f32 inference), decode tok/s of `--tokens` greedy
+   tokens, 3 rounds each: whether a config changes the kernels the plugin picks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import numpy as np
+
+CONFIGS = {
+    "serving": {},
+    "dynamic quantization off": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"},
+    "dynamic quantization 128": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "128"},
+    "f32 inference": {"INFERENCE_PRECISION_HINT": "f32"},
+}
+GROUP = 32
+
+
+def _matrix_model(form: str, q: np.ndarray, s: np.ndarray, o: np.ndarray, keep: list):
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from backends.openvino.weights import pack_u4
+
+    rows, groups, _ = q.shape
+    cols = groups * GROUP
+    f32 = ov.Type.f32
+    x = ops.parameter([1, 1, cols], f32)
+    codes = np.ascontiguousarray(pack_u4(q))
+    keep.append(codes)
+    w = ops.convert(ov.op.Constant(ov.Tensor(codes, ov.Shape(list(q.shape)), ov.Type.u4)), f32)
+    flat = ops.constant(np.array([rows, cols], np.int64))
+    if form == "zero point":  # w = (q − o/s)·s
+        w = ops.reshape(ops.multiply(ops.subtract(w, ops.constant(o / s)), ops.constant(s)), flat, False)
+        y = ops.matmul(x, w, False, True)
+    else:  # w·x = (q·s)·x − o·(group sums of x)
+        w = ops.reshape(ops.multiply(w, ops.constant(s)), flat, False)
+        sums = ops.reduce_sum(ops.reshape(x, ops.constant(np.array([1, 1, groups, GROUP], np.int64)), False),
+                              ops.constant(np.array([3], np.int64)), False)  # fmt: skip
+        y = ops.subtract(ops.matmul(x, w, False, True), ops.matmul(sums, ops.constant(o[..., 0]), False, True))
+    return ov.Model([y], [x])
+
+
+def matrix(rows: int, cols: int, calls: int = 40) -> list[dict]:
+    from backends.openvino.shard import CONFIGS as PRECISIONS
+    from backends.openvino.shard import core
+
+    rng = np.random.default_rng(0)
+    q = rng.integers(0, 16, (rows, cols // GROUP, GROUP), dtype=np.uint8)
+    s = (rng.random((rows, cols // GROUP, 1), dtype=np.float32) + 0.5) * 0.01
+    o = rng.random((rows, cols // GROUP, 1), dtype=np.float32) * 0.05
+    x = rng.standard_normal((1, 1, cols)).astype(np.float32)
+    exact = (q.astype(np.float64) * s - o).reshape(rows, cols) @ x[0, 0].astype(np.float64)
+    mb = (q.size / 2 + s.nbytes + o.nbytes) / 1e6
+    out = []
+    for form in ("zero point", "split"):
+        for precision in ("serving", "f32"):
+            keep: list = []
+            req = core().compile_model(_matrix_model(form, q, s, o, keep), "CPU", PRECISIONS[precision]).create_infer_request()
+            times = []
+            for i in range(calls + 5):
+                t = time.perf_counter()
+                req.infer({0: x})
+                times.append(time.perf_counter() - t)
+            y = req.get_output_tensor(0).data.reshape(-1)
+            ms = statistics.median(times[5:]) * 1000
+            out.append({"form": form, "precision": precision, "ms": ms, "GB_s": mb / ms,
+                        "max_rel_err": float(np.abs(y - exact).max() / np.abs(exact).max())})  # fmt: skip
+    return out
+
+
+def model(path: str, tokens: int) -> list[dict]:
+    import backends.openvino.shard as shard_mod
+    from kafila.engine.chain import LocalChain
+
+    out = []
+    serving = dict(shard_mod.CONFIGS["serving"])
+    try:
+        for name, cfg in CONFIGS.items():
+            shard_mod.CONFIGS["serving"] = {**serving, **cfg}
+            chain = LocalChain.build(path, 1)
+            rates = []
+            for _ in range(3):
+                times = [time.perf_counter() for _ in chain.generate(list(range(1000, 1030)), tokens)]
+                rates.append((len(times) - 1) / (times[-1] - times[0]))
+            out.append({"config": name, "plugin": cfg, "tok_s": rates})
+            del chain
+    finally:
+        shard_mod.CONFIGS["serving"] = serving
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", type=int, default=14336, help="the matrix's rows (default: Llama-3-8B's FFN)")
+    ap.add_argument("--cols", type=int, default=4096, help="its columns, a multiple of 32 (default: hidden 4096)")
+    ap.add_argument("--model", help="also time Kafila's 1-stage chain on this GGUF under each config")
+    ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--json", action="store_true")
+    a = ap.parse_args(argv)
+    from bench.llamacpp_speed import machine
+
+    res = {"machine": machine(), "matrix": matrix(a.rows, a.cols)}
+    if a.model:
+        res["model"] = model(a.model, a.tokens)
+    if a.json:
+        print(json.dumps(res))
+        return 0
+    print(res["machine"])
+    print(f"one {a.rows} × {a.cols} Q4_K-shaped matrix × vector:")
+    for r in res["matrix"]:
+        print(f"  {r['form']:10s} {r['precision']:8s} {r['ms']:6.2f} ms  {r['GB_s']:5.1f} GB/s  "
+              f"max error {r['max_rel_err']:.1e} of the largest output")  # fmt: skip
+    for r in res.get("model", []):
+        print(f"  model, {r['config']:26s} tok/s {', '.join(f'{x:.2f}' for x in r['tok_s'])}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
