@@ -44,18 +44,21 @@ def _matrix_model(form: str, q: np.ndarray, s: np.ndarray, o: np.ndarray, keep: 
     cols = groups * GROUP
     f32 = ov.Type.f32
     x = ops.parameter([1, 1, cols], f32)
-    codes = np.ascontiguousarray(pack_u4(q))
+    signed = form == "split i4"
+    codes = np.ascontiguousarray(pack_u4(q ^ 8 if signed else q))  # i4 q − 8: the nibble with its top bit flipped
     keep.append(codes)
-    w = ops.convert(ov.op.Constant(ov.Tensor(codes, ov.Shape(list(q.shape)), ov.Type.u4)), f32)
+    w = ops.convert(ov.op.Constant(ov.Tensor(codes, ov.Shape(list(q.shape)), ov.Type.i4 if signed else ov.Type.u4)), f32)
     flat = ops.constant(np.array([rows, cols], np.int64))
     if form == "zero point":  # w = (q − o/s)·s
         w = ops.reshape(ops.multiply(ops.subtract(w, ops.constant(o / s)), ops.constant(s)), flat, False)
         y = ops.matmul(x, w, False, True)
-    else:  # w·x = (q·s)·x − o·(group sums of x)
-        w = ops.reshape(ops.multiply(w, ops.constant(s)), flat, False)
+    else:  # w·x = (q·s)·x − o·(group sums of x); i4: ((q − 8)·s)·x − (o − 8s)·(group sums)
+        scale = ops.constant(s) if form != "split f16" else ops.convert(ops.constant(s.astype(np.float16)), f32)
+        w = ops.reshape(ops.multiply(w, scale), flat, False)
         sums = ops.reduce_sum(ops.reshape(x, ops.constant(np.array([1, 1, groups, GROUP], np.int64)), False),
                               ops.constant(np.array([3], np.int64)), False)  # fmt: skip
-        y = ops.subtract(ops.matmul(x, w, False, True), ops.matmul(sums, ops.constant(o[..., 0]), False, True))
+        off = (o - 8 * s) if signed else o
+        y = ops.subtract(ops.matmul(x, w, False, True), ops.matmul(sums, ops.constant(off[..., 0]), False, True))
     return ov.Model([y], [x])
 
 
@@ -69,9 +72,9 @@ def matrix(rows: int, cols: int, calls: int = 40) -> list[dict]:
     o = rng.random((rows, cols // GROUP, 1), dtype=np.float32) * 0.05
     x = rng.standard_normal((1, 1, cols)).astype(np.float32)
     exact = (q.astype(np.float64) * s - o).reshape(rows, cols) @ x[0, 0].astype(np.float64)
-    mb = (q.size / 2 + s.nbytes + o.nbytes) / 1e6
     out = []
-    for form in ("zero point", "split"):
+    for form in ("zero point", "split", "split i4", "split f16"):
+        mb = (q.size / 2 + s.nbytes // (2 if form == "split f16" else 1) + o.nbytes) / 1e6
         for precision in ("serving", "f32"):
             keep: list = []
             req = core().compile_model(_matrix_model(form, q, s, o, keep), "CPU", PRECISIONS[precision]).create_infer_request()
