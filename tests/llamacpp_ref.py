@@ -12,6 +12,31 @@ import os
 import numpy as np
 
 
+@contextlib.contextmanager
+def _plain_cpu_buffers():
+    """Llama() loads its weights into plain CPU buffers: no extra buffer types (AMX, repacked).
+
+    llama.cpp's AMX buffers crash the process on some AMX machines (a general protection fault in
+    libggml-cpu at the first inference: ggml-org/llama.cpp#20824, the fix #26954 is open), and a
+    native build uses them wherever the CPU has AMX. A reference needs the plain kernels' answer,
+    not their speed; llama-cpp-python has no argument for this, so the default model parameters
+    it starts from are wrapped while it loads."""
+    import llama_cpp.llama_cpp as low
+
+    default = low.llama_model_default_params
+
+    def plain():
+        params = default()
+        params.use_extra_bufts = False
+        return params
+
+    low.llama_model_default_params = plain
+    try:
+        yield
+    finally:
+        low.llama_model_default_params = default
+
+
 def _llama(path: str, n_ctx: int, threads: int, f32_kv: bool):
     import llama_cpp
 
@@ -19,7 +44,7 @@ def _llama(path: str, n_ctx: int, threads: int, f32_kv: bool):
               n_threads_batch=threads, logits_all=False, verbose=False, seed=0)  # fmt: skip
     if f32_kv:
         kw.update(type_k=llama_cpp.GGML_TYPE_F32, type_v=llama_cpp.GGML_TYPE_F32)
-    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null), _plain_cpu_buffers():
         return llama_cpp.Llama(**kw)
 
 
