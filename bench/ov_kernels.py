@@ -28,7 +28,7 @@ import time
 
 import numpy as np
 
-CONFIGS = {
+PLUGIN_CONFIGS = {
     "serving": {},
     "dynamic quantization off": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"},
     "dynamic quantization 128": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "128"},
@@ -103,7 +103,7 @@ def model(path: str, tokens: int) -> list[dict]:
     out = []
     serving = dict(shard_mod.CONFIGS["serving"])
     try:
-        for name, cfg in CONFIGS.items():
+        for name, cfg in PLUGIN_CONFIGS.items():
             shard_mod.CONFIGS["serving"] = {**serving, **cfg}
             chain = LocalChain.build(path, 1)
             rates = []

@@ -45,15 +45,14 @@ from bench.session import PROMPT
 _HEAD = struct.Struct("<III")  # cache_len, n positions, hidden width (0: stop)
 
 
-def _stage(model_path: str, first: int, last: int):
+def _stage(index, first: int, last: int, head: bool = False):
+    """Blocks first..last of the opened model `index` as an OpenVINO shard at serving precision;
+    `head`: with the embedding and the lm_head, as a ring's head holds them."""
     import backends
     from backends.base import ShardSpec
-    from backends.gguf import open_model
 
-    index = open_model(model_path)
-    shard = backends.load_shard("openvino", ShardSpec(index.path, first, last, embed=False, head=False),
-                                "serving", index=index)  # fmt: skip
-    return shard
+    return backends.load_shard("openvino", ShardSpec(index.path, first, last, embed=head, head=head), "serving",
+                               index=index)  # fmt: skip
 
 
 def _unpack(data: bytes) -> tuple[int, np.ndarray]:
@@ -73,7 +72,9 @@ def _step(shard, slot: int, cache_len: int, x: np.ndarray) -> np.ndarray:
 
 def _member(model_path: str, first: int, last: int, rx, tx, threaded: bool, ready) -> None:
     """One stage's process: read a step from `rx`, compute, write it to `tx`, until a stop."""
-    shard = _stage(model_path, first, last)
+    from backends.gguf import open_model
+
+    shard = _stage(open_model(model_path), first, last)
     ready.put(first)
     slot = None
 
@@ -114,15 +115,11 @@ class PipeRing:
     """Stage 0 and the head here; stages 1.. in processes of their own, joined by pipes in a ring."""
 
     def __init__(self, model_path: str, threaded: bool) -> None:
-        import backends
-        from backends.base import ShardSpec
         from backends.gguf import open_model
 
         index = open_model(model_path)
         splits = index.split_blocks(3)
-        first, last = splits[0]
-        self.head = backends.load_shard("openvino", ShardSpec(index.path, first, last, embed=True, head=True),
-                                        "serving", index=index)  # fmt: skip
+        self.head = _stage(index, *splits[0], head=True)
         ctx = mp.get_context("spawn")
         pipes = [ctx.Pipe(duplex=False) for _ in splits]  # pipes[i]: into stage i (0: back to the head)
         ready = ctx.Queue()
@@ -176,20 +173,16 @@ def _rate(times: list[float]) -> float:
 
 
 def chain_times(chain, prompt: list[int], max_tokens: int) -> list[float]:
-    times = []
-    for _ in chain.generate(prompt, max_tokens):
-        times.append(time.perf_counter())
-    return times
+    return [time.perf_counter() for _ in chain.generate(prompt, max_tokens)]
 
 
 def pause_costs(model_path: str, pauses_ms: list[float], n: int = 40) -> dict[str, dict[str, float]]:
     """ms per decode forward of stage 1's shard after each pause, sleeping and spinning."""
     from backends.gguf import open_model
 
-    first, last = open_model(model_path).split_blocks(3)[1]
-    shard = _stage(model_path, first, last)
-    width = open_model(model_path).hparams.hidden
-    x = np.full((1, width), 0.01, np.float32)
+    index = open_model(model_path)
+    shard = _stage(index, *index.split_blocks(3)[1])
+    x = np.full((1, index.hparams.hidden), 0.01, np.float32)
     out: dict[str, dict[str, float]] = {}
     for pause in pauses_ms:
         row = {}
