@@ -102,3 +102,29 @@ def chain_factory(default_index):
         return built[key]
 
     return make
+
+
+@pytest.fixture(params=["zero-point", "split"])
+def ov_form(request, monkeypatch) -> str:
+    """Both exact forms of OpenVINO's offset types (Q4_1, Q5_1, Q4_K, Q5_K; backends/openvino/
+    weights.py) on every matrix, whatever its size: the split form is chosen by size, and the
+    tests' models are small."""
+    pytest.importorskip("openvino")
+    from backends.openvino import weights
+
+    monkeypatch.setattr(weights, "SPLIT_MIN_WEIGHTS", 0 if request.param == "split" else 1 << 62)
+    return request.param
+
+
+def fc_precisions_in(form: str, zero_point_fcs: dict[str, int]) -> dict[str, int]:
+    """The FullyConnected precisions a stage compiles to in `form`, from those of the zero point
+    form: the split form's codes are signed (u4 → i4, u8 → i8), and each of those FullyConnected
+    layers has a second one in f32 for the offsets."""
+    if form == "zero-point":
+        return dict(zero_point_fcs)
+    out = {k: v for k, v in zero_point_fcs.items() if k not in ("u4", "u8")}
+    for unsigned, signed in (("u4", "i4"), ("u8", "i8")):
+        if zero_point_fcs.get(unsigned):
+            out[signed] = out.get(signed, 0) + zero_point_fcs[unsigned]
+            out["f32"] = out.get("f32", 0) + zero_point_fcs[unsigned]
+    return out

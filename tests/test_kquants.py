@@ -20,6 +20,7 @@ from backends import ShardSpec, load_shard, status
 from backends.errors import BadInput
 from backends.gguf import open_model
 from backends.gguf.quant import BLOCK_BYTES, split_blocks
+from tests.conftest import fc_precisions_in
 from tests.kquant_encode import encode_k
 from tests.mlx_chain import assert_embedding_rows_exact, assert_stages_match_reference
 from tests.synthetic_gguf import write_llama_gguf
@@ -117,7 +118,7 @@ def _fc_precisions(model) -> Counter:
 
 @needs_openvino
 @pytest.mark.parametrize("name", list(MODELS))
-def test_openvino_matches_the_reference(tmp_path, name):
+def test_openvino_matches_the_reference(tmp_path, name, ov_form):
     from tests.test_openvino_numerics import REL_BOUND, compare_chain
 
     index = open_model(write_llama_gguf(tmp_path / "m.gguf", **MODELS[name]))
@@ -127,24 +128,26 @@ def test_openvino_matches_the_reference(tmp_path, name):
 
 @needs_openvino
 @pytest.mark.parametrize("name", ["q4_k", "q5_k", "q6_k", "mixed"])
-def test_openvino_keeps_k_quants_compressed(tmp_path, name):
+def test_openvino_keeps_k_quants_compressed(tmp_path, name, ov_form):
     """The compiled stage runs every K-quant projection as a FullyConnected at its code precision
-    (Q4_K u4, Q5_K u8, Q6_K i8 with groups of 16); a mix gives one per run of equal types."""
+    (Q4_K u4, Q5_K u8, Q6_K i8 with groups of 16; split: i4, i8 and an f32 one for the offsets);
+    a mix gives one per run of equal types."""
     from backends.openvino import OpenVINOShard
 
     index = open_model(write_llama_gguf(tmp_path / "m.gguf", blocks=2, **MODELS[name]))
     shard = OpenVINOShard(ShardSpec(index.path, 0, 2, embed=True, head=False), "f32", index=index)
     fcs = _fc_precisions(shard.runtime_model())
     if name == "mixed":  # per block: q+k u4, v i8, o u4, gate+up u4, down i8; block 1: gate u4, up u8
-        assert fcs == Counter({"u4": 6, "i8": 4, "u8": 1}), fcs
+        assert fcs == Counter(fc_precisions_in(ov_form, {"u4": 6, "i8": 4, "u8": 1})), fcs
     else:
-        assert fcs == Counter({p: 2 * n for p, n in BLOCK_FCS[name].items()}), fcs
+        assert fcs == Counter(fc_precisions_in(ov_form, {p: 2 * n for p, n in BLOCK_FCS[name].items()})), fcs
 
 
 @needs_openvino
-def test_zero_scale_groups_stay_exact():
+def test_zero_scale_groups_stay_exact(ov_form):
     """A K group with d·sc = 0 but dmin·m ≠ 0 is the constant −dmin·m; it is stored as codes 1,
-    zero point 0, scale −dmin·m, and the projection stays exact and compressed."""
+    zero point 0, scale −dmin·m (split: codes × 0 + offset), and the projection stays exact and
+    compressed."""
     import openvino as ov
     import openvino.opset13 as ops
 
@@ -165,7 +168,7 @@ def test_zero_scale_groups_stay_exact():
     bank = WeightBank(None)
     compiled = core().compile_model(ov.Model([ops.result(bank.quantized_linear(x_in.output(0), b))], [x_in]),
                                     "CPU", F32_CONFIG)
-    assert _fc_precisions(compiled.get_runtime_model()) == Counter({"u4": 1})
+    assert _fc_precisions(compiled.get_runtime_model()) == Counter(fc_precisions_in(ov_form, {"u4": 1}))
     x = rng.normal(0, 1, (3, nsb * 256)).astype(np.float32)
     ours = compiled.create_infer_request().infer({0: x})[0]
     ref = x.astype(np.float64) @ b.dequantize(np.float64).T

@@ -124,14 +124,14 @@ def test_split_blocks_by_row_blocks_equals_one_pass(tmp_path, monkeypatch, qtype
 
 def _const_arrays(packed):
     out = []
-    for node in (packed.q, packed.scale, packed.zero):
+    for node in (packed.q, packed.scale, packed.zero, packed.offset):
         out.append(None if node is None else (str(node.get_element_type()), list(node.get_shape()),
                                               node.get_data().tobytes()))  # fmt: skip
     return out
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q5_K", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1"])
-def test_openvino_pack_by_rows_builds_the_same_constants(tmp_path, monkeypatch, qtype):
+def test_openvino_pack_by_rows_builds_the_same_constants(tmp_path, monkeypatch, qtype, ov_form):
     pytest.importorskip("openvino")
     from backends.openvino import weights
 
@@ -149,7 +149,7 @@ def test_openvino_pack_by_rows_builds_the_same_constants(tmp_path, monkeypatch, 
     assert _const_arrays(parts) == _const_arrays(whole)
 
 
-def test_a_shard_built_by_rows_answers_as_before(tmp_path, monkeypatch):
+def test_a_shard_built_by_rows_answers_as_before(tmp_path, monkeypatch, ov_form):
     """The whole head (embedding, tied Q6_K lm_head) built by row parts: the same f32 logits."""
     pytest.importorskip("openvino")
     from backends.base import ShardSpec

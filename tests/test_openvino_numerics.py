@@ -69,9 +69,10 @@ def test_default_model_shards_match_reference(default_index, default_tokenizer):
 
 
 @pytest.mark.parametrize("zero_scale", [False, True], ids=["zero-point", "d0-fallback"])
-def test_q4_1_linear_is_exact(zero_scale):
+def test_q4_1_linear_is_exact(zero_scale, ov_form):
     """Q4_1 runs as u4 with an f32 zero point −m/d; a block with d = 0, m ≠ 0 (no zero point) is
-    stored as codes 1, zero point 0, scale m. Both match w = d·q + m in float64."""
+    stored as codes 1, zero point 0, scale m; or in the split form, i4 q − 8 and offsets m + 8d.
+    All match w = d·q + m in float64."""
     import openvino as ov
     import openvino.opset13 as ops
 

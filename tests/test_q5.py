@@ -22,6 +22,7 @@ from gguf import quants
 from backends import ShardSpec, load_shard, status
 from backends.gguf import open_model
 from backends.gguf.quant import BLOCK_BYTES, split_blocks
+from tests.conftest import fc_precisions_in
 from tests.mlx_chain import assert_embedding_rows_exact, assert_stages_match_reference
 from tests.synthetic_gguf import write_llama_gguf
 
@@ -97,7 +98,7 @@ def test_files_dequantize_as_gguf_does(tmp_path, name):
 
 @needs_openvino
 @pytest.mark.parametrize("name", list(MODELS))
-def test_openvino_matches_the_reference(tmp_path, name):
+def test_openvino_matches_the_reference(tmp_path, name, ov_form):
     from tests.test_openvino_numerics import REL_BOUND, compare_chain
 
     index = open_model(write_llama_gguf(tmp_path / "m.gguf", **MODELS[name]))
@@ -107,7 +108,7 @@ def test_openvino_matches_the_reference(tmp_path, name):
 
 @needs_openvino
 @pytest.mark.parametrize("name", list(MODELS))
-def test_openvino_keeps_q5_compressed(tmp_path, name):
+def test_openvino_keeps_q5_compressed(tmp_path, name, ov_form):
     """Every projection is a FullyConnected at its code precision (Q5_0 i8, Q5_1 u8, Q8_0 i8)."""
     from backends.openvino import OpenVINOShard
     from tests.test_kquants import _fc_precisions
@@ -117,13 +118,13 @@ def test_openvino_keeps_q5_compressed(tmp_path, name):
     fcs = _fc_precisions(shard.runtime_model())
     if name == "mixed":  # per block: q+k i8 (Q5_0), v i8 (Q8_0), o, gate+up, down i8 (Q8_0);
         # block 1 splits gate (i8) from up (u8)
-        assert fcs == Counter({"i8": 10, "u8": 1}), fcs
+        assert fcs == Counter(fc_precisions_in(ov_form, {"i8": 10, "u8": 1})), fcs
     else:
-        assert fcs == Counter({FC_PRECISION[MODELS[name]["qtype"]]: 8}), fcs
+        assert fcs == Counter(fc_precisions_in(ov_form, {FC_PRECISION[MODELS[name]["qtype"]]: 8})), fcs
 
 
 @needs_openvino
-def test_q5_1_zero_scale_groups_stay_exact():
+def test_q5_1_zero_scale_groups_stay_exact(ov_form):
     """A Q5_1 group with d = 0 is the constant m: stored as codes 1, zero point 0, scale m."""
     import openvino as ov
     import openvino.opset13 as ops
@@ -142,7 +143,7 @@ def test_q5_1_zero_scale_groups_stay_exact():
     bank = WeightBank(None)  # holds the buffers the constants point into: keep it alive
     compiled = core().compile_model(
         ov.Model([ops.result(bank.quantized_linear(x_in.output(0), b))], [x_in]), "CPU", F32_CONFIG)
-    assert _fc_precisions(compiled.get_runtime_model()) == Counter({"u8": 1})
+    assert _fc_precisions(compiled.get_runtime_model()) == Counter(fc_precisions_in(ov_form, {"u8": 1}))
     x = rng.normal(0, 1, (3, 128)).astype(np.float32)
     ours = compiled.create_infer_request().infer({0: x})[0]
     ref = x.astype(np.float64) @ b.dequantize(np.float64).T

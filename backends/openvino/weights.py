@@ -7,24 +7,36 @@ FullyConnected (checked in tests/test_openvino_fusion.py and tests/test_kquants.
 
     Constant codes [out, groups, group] → Convert(f32) [→ Subtract(zero point f32 [out, groups, 1])]
         → Multiply(scale [out, groups, 1]) → Reshape [out, in] → MatMul(x, ·ᵀ)
+        [+ MatMul(each group's sum of x, offset [out, groups]ᵀ)]   (the split form)
 
-  type   codes                   group  scale                zero point        FullyConnected
-  Q8_0   i8 q                    32     f16 d (→ Convert)    —                 i8
-  Q4_0   i4 q − 8                32     f16 d (→ Convert)    —                 i4
-  Q4_1   u4 q                    32     f32 d                −m/d              u4
-  Q5_0   i8 q − 16               32     f16 d (→ Convert)    —                 i8
-  Q5_1   u8 q (0..31)            32     f32 d                −m/d              u8
-  Q4_K   u4 q                    32     f32 d·sc             dmin·m/(d·sc)     u4
-  Q5_K   u8 q (0..31)            32     f32 d·sc             dmin·m/(d·sc)     u8
-  Q6_K   i8 q − 32               16     f32 d·sc             —                 i8
+  type   codes                 group  scale               zero point      | split form: codes, offset   FullyConnected
+  Q8_0   i8 q                  32     f16 d (→ Convert)   —               |                             i8
+  Q4_0   i4 q − 8              32     f16 d (→ Convert)   —               |                             i4
+  Q4_1   u4 q                  32     f32 d               −m/d            | i4 q − 8, m + 8d            u4 | i4
+  Q5_0   i8 q − 16             32     f16 d (→ Convert)   —               |                             i8
+  Q5_1   u8 q (0..31)          32     f32 d               −m/d            | i8 q − 16, m + 16d          u8 | i8
+  Q4_K   u4 q                  32     f32 d·sc            dmin·m/(d·sc)   | i4 q − 8, 8·d·sc − dmin·m   u4 | i4
+  Q5_K   u8 q (0..31)          32     f32 d·sc            dmin·m/(d·sc)   | i8 q − 16, 16·d·sc − dmin·m u8 | i8
+  Q6_K   i8 q − 32             16     f32 d·sc            —               |                             i8
 
-Scales are exact (f16 d, or f16 × a 6/8-bit integer in f32); the f32 zero point makes
-(q − z)·s equal d·q + m (Q4_1, Q5_1) or (d·sc)·q − dmin·m (K) to f32 rounding (openvino_genai's u4 zero
-point round(−m/d) is lossy). A group whose scale is 0 holds one value, its offset, for every
-weight: it is stored as codes 1, zero point 0 and scale = offset, exact again, so no type needs
-a fallback. f32 scales: an f16 scale behind a Convert gets folded into an extra f32 copy of
-every scale inside the compiled model. F32, F16 and BF16 matrices become f32 constants (F16 and
-BF16: 4 bytes per weight in memory against 2 in the file).
+Types with an offset per group (w = s·q + o) take one of two exact forms.
+- Zero point: (q − z)·s with an f32 z = −o/s, equal to s·q + o to f32 rounding (openvino_genai's
+  u4 zero point round(−m/d) is lossy). A group whose scale is 0 holds one value, its offset: it is
+  stored as codes 1, zero point 0 and scale = offset, exact again.
+- Split, for matrices of SPLIT_MIN_WEIGHTS weights or more: w·x = Σ_g s_g·(q − c)·x_g +
+  Σ_g (o_g + c·s_g)·Σx_g, a compressed FullyConnected without a zero point plus a small f32 matrix
+  (1/32 of the weights, the zero point's bytes) applied to each group's sum of x; exact at f32
+  (another summation order), and a scale-0 group needs no special case. The plugin's kernel
+  decompresses a weight with one multiply instead of a subtract and a multiply: on a Llama-3.2-1B
+  shape the gate/up FullyConnected runs 1.9× faster (bench/ov_kernels.py, docs/BENCHMARKS.md), but
+  the second FullyConnected and the ReduceSum cost a fixed 15–20 µs, more than a small matrix
+  saves (SmolLM2-135M's are under a million weights). Signed codes q − c keep the offsets small;
+  with u4 codes the two products nearly cancel for a centred group and bf16 rounding of the group
+  sums shows (28× the zero point form's error); with i4 the error at serving precision is that of
+  llama.cpp's own Q8_K-activation dot products.
+Scales are exact (f16 d, or f16 × a 6/8-bit integer in f32). f32 scales: an f16 scale behind a
+Convert gets folded into an extra f32 copy of every scale inside the compiled model. F32, F16 and
+BF16 matrices become f32 constants (F16 and BF16: 4 bytes per weight in memory against 2 in the file).
 
 Projections that read the same input (q/k/v; gate/up) are concatenated into one matrix where
 they share a type; in a mix (Q4_K_M files hold some attn_v/ffn_down in Q6_K) each run of equal
@@ -49,7 +61,8 @@ from backends.gguf import ModelIndex
 from backends.gguf.quant import FLOAT_TYPES, QuantBlocks, split_blocks
 
 F32 = ov.Type.f32
-ZERO_POINT_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = (q − z)·s with an f32 zero point
+OFFSET_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = s·q + o: a zero point or the split form
+SPLIT_MIN_WEIGHTS = 1 << 22  # matrices this large take the split form (module docstring)
 # A quantized tensor larger than this is packed this many file bytes of rows at a time straight
 # into the spill file (WeightBank.pack_by_rows): whole, a 128256-row table's codes, scales and file
 # pages were the head's build peak (Llama-3.2-1B: 1.8 GB for a 215 MB Q6_K embedding; issue 10).
@@ -142,11 +155,12 @@ class SpillFile:
 
 @dataclass(frozen=True)
 class Packed:
-    """A quantized matrix's constants: w = (Convert(q) − zero)·Convert(scale), [rows, groups, group]."""
+    """A quantized matrix's constants: w = (Convert(q) [− zero])·Convert(scale) [+ offset], [rows, groups, group]."""
 
     q: ov.Node  # codes [rows, groups, group]: i8 | i4 | u4 | u8
     scale: ov.Node  # [rows, groups, 1] f32, or f16 (Q8_0, Q4_0, Q5_0)
-    zero: ov.Node | None  # [rows, groups, 1] f32 (Q4_1, Q5_1, Q4_K, Q5_K)
+    zero: ov.Node | None  # [rows, groups, 1] f32: OFFSET_TYPES in the zero point form
+    offset: ov.Node | None  # [rows, groups] f32, added to each group's weights: the split form
     rows: int
     cols: int
 
@@ -218,7 +232,7 @@ class WeightBank:
             run = parts[i:j]  # parts[i:j] share a type: one matrix
             if len(run) == 1 and not run[0][1]:
                 whole = self._whole(run[0][0])
-                y = linear(x, self.weight(whole) if isinstance(whole, Packed) else whole.output(0))
+                y = self.packed_linear(x, whole) if isinstance(whole, Packed) else linear(x, whole.output(0))
             elif kinds[i] == "float":
                 y = linear(x, self._const(np.concatenate([self._dense(n, h) for n, h in run])).output(0))
             else:
@@ -239,12 +253,21 @@ class WeightBank:
 
     def quantized_linear(self, x: ov.Output, b: QuantBlocks) -> ov.Output:
         """x [..., in] @ w[out, in]ᵀ for GGML blocks b, exactly (see the module docstring)."""
-        return linear(x, self.weight(self.pack(b)))
+        return self.packed_linear(x, self.pack(b))
 
-    def weight(self, p: Packed) -> ov.Output:
-        """The decompression subgraph of a whole matrix → f32 [out, in]."""
-        w = self._decompress(p, lambda node: node)  # [out, groups, group]
-        return ops.reshape(w, ops.constant(np.array([p.rows, p.cols], np.int64)), False).output(0)
+    @staticmethod
+    def packed_linear(x: ov.Output, p: Packed) -> ov.Output:
+        """x [..., in] @ w[out, in]ᵀ: the compressed FullyConnected of the codes and scales, plus
+        the offsets times each group's sum of x where the type has offsets (the split form)."""
+        w = _scaled_codes(p, lambda node: node)  # [out, groups, group]
+        y = linear(x, ops.reshape(w, ops.constant(np.array([p.rows, p.cols], np.int64)), False).output(0))
+        if p.offset is None:
+            return y
+        groups = p.offset.get_output_shape(0)[1]
+        lead = [0] * (x.get_partial_shape().rank.get_length() - 1)
+        grouped = ops.reshape(x, ops.constant(np.array([*lead, groups, p.cols // groups], np.int64)), True)
+        sums = ops.reduce_sum(grouped, ops.constant(np.int64(-1)), False)  # [..., groups]
+        return ops.add(y, linear(sums.output(0), p.offset.output(0))).output(0)
 
     def embedding(self, name: str, input_ids: ov.Output) -> ov.Output:
         """token ids [B, L] → rows of table `name` [B, L, H] in f32, gathered from the compressed
@@ -258,20 +281,17 @@ class WeightBank:
 
     @staticmethod
     def _decompress(p: Packed, pick) -> ov.Output:
-        """(Convert(q) − zero)·scale over the rows `pick` selects."""
-        w = ops.convert(pick(p.q), F32)
-        if p.zero is not None:
-            w = ops.subtract(w, pick(p.zero))
-        scale = pick(p.scale)
-        if scale.get_output_element_type(0) != F32:
-            scale = ops.convert(scale, F32)
-        return ops.multiply(w, scale).output(0)
+        """The weights of the rows `pick` selects, offsets included."""
+        w = _scaled_codes(p, pick)
+        if p.offset is None:  # (a zero point is inside _scaled_codes)
+            return w
+        return ops.add(w, ops.unsqueeze(pick(p.offset), ops.constant(np.int64(-1)))).output(0)
 
     def pack(self, b: QuantBlocks) -> Packed:
         """The constants of GGML blocks b in their compressed form (see the module docstring)."""
         rows, groups, group = b.q.shape
-        c = [None if a is None else self._const(a, kind, b.q.shape if kind else None) for a, kind in _forms(b)]
-        return Packed(c[0], c[1], c[2], rows, groups * group)
+        c = [None if a is None else self._const(a, kind, b.q.shape if kind else None) for a, kind in _forms(b, rows * groups * group)]
+        return Packed(*c, rows, groups * group)
 
     def pack_by_rows(self, name: str) -> Packed:
         """`pack(self.blocks(name))` made SPILL_ROWS_BYTES of the file's rows at a time straight
@@ -287,7 +307,7 @@ class WeightBank:
         for r in range(0, rows, step):
             n = min(step, rows - r)
             b = split_blocks(t.qtype, raw[r * row_bytes: (r + n) * row_bytes], n, cols)
-            forms = _forms(b)
+            forms = _forms(b, rows * cols)
             if not regions:
                 regions = [None if a is None else self.spill.reserve((rows, *a.shape[1:]), a.dtype) for a, _ in forms]
                 kinds = [kind for _, kind in forms]
@@ -298,28 +318,41 @@ class WeightBank:
             raw._mmap.madvise(mmap.MADV_DONTNEED)  # the file's pages are read once, not kept
         c = [None if reg is None else self._const(self.spill.view(reg), kind, shape if kind else None, spilled=True)
              for reg, kind in zip(regions, kinds)]  # fmt: skip
-        return Packed(c[0], c[1], c[2], rows, cols)
+        return Packed(*c, rows, cols)
 
 
-def _forms(b: QuantBlocks) -> list[tuple[np.ndarray | None, ov.Type | None]]:
-    """The constant arrays of GGML blocks b as [codes, scale, zero point], each (array, element
-    type of packed 4-bit codes or None); the zero point's array is None where there is none (see
-    the module docstring). Each row's constants depend on that row alone."""
-    if b.qtype in ZERO_POINT_TYPES:
+def _scaled_codes(p: Packed, pick) -> ov.Output:
+    """(Convert(q) [− zero])·scale over the rows `pick` selects (the pattern the plugin compresses)."""
+    w = ops.convert(pick(p.q), F32)
+    if p.zero is not None:
+        w = ops.subtract(w, pick(p.zero))
+    scale = pick(p.scale)
+    if scale.get_output_element_type(0) != F32:
+        scale = ops.convert(scale, F32)
+    return ops.multiply(w, scale).output(0)
+
+
+def _forms(b: QuantBlocks, weights: int) -> list[tuple[np.ndarray | None, ov.Type | None]]:
+    """The constant arrays of GGML blocks b, of a matrix of `weights` weights, as [codes, scale,
+    zero point, offset], each (array, element type of packed 4-bit codes or None); an array is None
+    where the form has none (see the module docstring). Each row's constants depend on that row alone."""
+    none = (None, None)
+    if b.qtype in OFFSET_TYPES and weights < SPLIT_MIN_WEIGHTS:
         codes, scale, zero = _zero_point_form(b)
-        if b.bits == 5:  # Q5_1, Q5_K: u8 [rows, groups, 32] in 0..31
-            q = (codes, None)
-        else:  # u4 [rows, groups, 32]
-            q = (pack_u4(codes), ov.Type.u4)
-        return [q, (scale[..., None], None), (zero[..., None], None)]
-    if b.qtype == "Q4_0":  # q − 8 as i4 (two's complement nibble = q xor 8)
+        q = (codes, None) if b.bits == 5 else (pack_u4(codes), ov.Type.u4)  # u8 0..31 | u4
+        return [q, (scale[..., None], None), (zero[..., None], None), none]
+    if b.qtype == "Q4_0" or b.qtype in OFFSET_TYPES and b.bits == 4:  # q − 8 as i4 (nibble q xor 8)
         q = (pack_u4(b.q ^ np.uint8(8)), ov.Type.i4)
-    elif b.qtype == "Q5_0":  # q − 16 as i8 [rows, groups, 32] in −16..15
+    elif b.qtype == "Q5_0" or b.qtype in OFFSET_TYPES:  # q − 16 as i8 [rows, groups, 32] in −16..15
         q = ((b.q.astype(np.int16) - 16).astype(np.int8), None)
     else:  # Q8_0, Q6_K (stored as q − 32): i8 [rows, groups, 32 | 16]
         q = (b.q.astype(np.int8, copy=False), None)
+    if b.qtype in OFFSET_TYPES:  # the split form: w = s·q + o = s·(q − c) + (o + c·s)
+        s = b.scale.astype(np.float32)
+        o = b.offset.astype(np.float32) + np.float32(1 << (b.bits - 1)) * s
+        return [q, (s[..., None], None), none, (o, None)]
     scale_type = np.float32 if b.qtype == "Q6_K" else np.float16  # Q8_0/Q4_0/Q5_0: the file's f16 d
-    return [q, (b.scale.astype(scale_type)[..., None], None), (None, None)]
+    return [q, (b.scale.astype(scale_type)[..., None], None), none, none]
 
 
 def _zero_point_form(b: QuantBlocks) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
