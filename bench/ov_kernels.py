@@ -3,20 +3,26 @@
     .venv/bin/python -m bench.ov_kernels [--rows 14336] [--cols 4096] [--model GGUF] [--tokens 24]
 
 1. One Q4_K-shaped matrix-vector product (u4 codes, a scale and an offset per 32 weights, random
-   values), compiled alone, in two exact forms:
-   - `zero point`: (Convert(q) − z)·s with an f32 zero point z = −offset / scale, Kafila's form
-     (backends/openvino/weights.py), which the plugin folds into one compressed FullyConnected;
+   values), compiled alone, in exact forms (backends/openvino/weights.py):
+   - `zero point`: (Convert(q) − z)·s with an f32 zero point z = −offset / scale, which the plugin
+     folds into one compressed FullyConnected (Kafila's form for small matrices);
    - `split`: Convert(q)·s as a compressed FullyConnected without a zero point, plus the offsets
-     times each group's sum of x (a matrix 1/32 the size): the same product, summed in another order.
-   Weights are centred like a trained model's (offset ≈ −7.5 scales), so the split form's two
-   products nearly cancel.
+     times each group's sum of x (a matrix 1/32 the size): the same product, summed in another order;
+     `split i4` the same with signed codes q − 8 and offsets o + 8s (Kafila's form for large
+     matrices), `split f16` with f16 scales (not exact).
+   Weights are centred like a trained model's (offset ≈ −7.5 scales), so the u4 split form's two
+   products nearly cancel. A matrix that fits the CPU's last-level cache (the 1B shape's do on a
+   large-cache EPYC) times the kernels, not memory: `--model` is the whole-model answer.
    Each at `serving` (the plugin's defaults: bf16 where the CPU has it, dynamic quantization of
    activations in groups of 32) and `f32`; median ms of 40 calls after 5, the GB/s that is over
    the matrix's bytes, and the error against float64 (x is N(0.3, 1): activations are rarely
    centred, and at bf16 the split form rounds each group's sum of x, which then grows with the mean).
 2. `--model GGUF`: Kafila's 1-stage chain on that file under several plugin configs (serving,
-   dynamic quantization off, groups of 128, f32 inference), decode tok/s of `--tokens` greedy
-   tokens, 3 rounds each: whether a config changes the kernels the plugin picks.
+   dynamic quantization off, groups of 128, f32 inference) and with the offset types' matrices in
+   the zero point form however large they are (`zero point form`: what Kafila built before the
+   split form), decode tok/s of `--tokens` greedy tokens: every chain is built first, then
+   `--rounds` rounds run each once in turn, so load from elsewhere falls on all alike
+   (`--configs` picks some: a chain of the 8B shape holds about 7 GB).
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ import numpy as np
 
 PLUGIN_CONFIGS = {
     "serving": {},
+    "zero point form": {},  # serving, with weights.SPLIT_MIN_WEIGHTS out of reach
     "dynamic quantization off": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"},
     "dynamic quantization 128": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "128"},
     "f32 inference": {"INFERENCE_PRECISION_HINT": "f32"},
@@ -96,25 +103,26 @@ def matrix(rows: int, cols: int, calls: int = 40) -> list[dict]:
     return out
 
 
-def model(path: str, tokens: int) -> list[dict]:
+def model(path: str, tokens: int, configs: list[str], rounds: int = 3) -> list[dict]:
     import backends.openvino.shard as shard_mod
+    from backends.openvino import weights
     from kafila.engine.chain import LocalChain
 
-    out = []
-    serving = dict(shard_mod.CONFIGS["serving"])
+    serving, split_min = dict(shard_mod.CONFIGS["serving"]), weights.SPLIT_MIN_WEIGHTS
+    chains = {}
     try:
-        for name, cfg in PLUGIN_CONFIGS.items():
-            shard_mod.CONFIGS["serving"] = {**serving, **cfg}
-            chain = LocalChain.build(path, 1)
-            rates = []
-            for _ in range(3):
-                times = [time.perf_counter() for _ in chain.generate(list(range(1000, 1030)), tokens)]
-                rates.append((len(times) - 1) / (times[-1] - times[0]))
-            out.append({"config": name, "plugin": cfg, "tok_s": rates})
-            del chain
+        for name in configs:
+            shard_mod.CONFIGS["serving"] = {**serving, **PLUGIN_CONFIGS[name]}
+            weights.SPLIT_MIN_WEIGHTS = 1 << 62 if name == "zero point form" else split_min
+            chains[name] = LocalChain.build(path, 1)
     finally:
-        shard_mod.CONFIGS["serving"] = serving
-    return out
+        shard_mod.CONFIGS["serving"], weights.SPLIT_MIN_WEIGHTS = serving, split_min
+    rates: dict[str, list[float]] = {name: [] for name in configs}
+    for _ in range(rounds):
+        for name, chain in chains.items():
+            times = [time.perf_counter() for _ in chain.generate(list(range(1000, 1030)), tokens)]
+            rates[name].append((len(times) - 1) / (times[-1] - times[0]))
+    return [{"config": name, "plugin": PLUGIN_CONFIGS[name], "tok_s": rates[name]} for name in configs]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,24 +131,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--cols", type=int, default=4096, help="its columns, a multiple of 32 (default: hidden 4096)")
     ap.add_argument("--model", help="also time Kafila's 1-stage chain on this GGUF under each config")
     ap.add_argument("--tokens", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--configs", default=",".join(PLUGIN_CONFIGS), help=f"some of: {', '.join(PLUGIN_CONFIGS)}")
+    ap.add_argument("--skip-matrix", action="store_true", help="only the --model rows")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
     from bench.llamacpp_speed import machine
 
-    res = {"machine": machine(), "matrix": matrix(a.rows, a.cols)}
+    configs = [c.strip() for c in a.configs.split(",") if c.strip()]
+    if unknown := [c for c in configs if c not in PLUGIN_CONFIGS]:
+        ap.error(f"--configs: unknown {', '.join(unknown)} (choose from {', '.join(PLUGIN_CONFIGS)})")
+    res = {"machine": machine(), "matrix": [] if a.skip_matrix else matrix(a.rows, a.cols)}
     if a.model:
-        res["model"] = model(a.model, a.tokens)
+        res["model"] = model(a.model, a.tokens, configs, a.rounds)
     if a.json:
         print(json.dumps(res))
         return 0
     print(res["machine"])
-    print(f"one {a.rows} × {a.cols} Q4_K-shaped matrix × vector:")
+    if res["matrix"]:
+        print(f"one {a.rows} × {a.cols} Q4_K-shaped matrix × vector:")
     for r in res["matrix"]:
         print(f"  {r['form']:10s} {r['precision']:8s} {r['ms']:6.2f} ms  {r['GB_s']:5.1f} GB/s  "
               f"max error {r['max_rel_err']:.1e} of the largest output, mean error {r['mean_abs_err']:.3f} "
               f"(outputs {r['mean_abs_out']:.1f})")  # fmt: skip
     for r in res.get("model", []):
-        print(f"  model, {r['config']:26s} tok/s {', '.join(f'{x:.2f}' for x in r['tok_s'])}")
+        print(f"  model, {r['config']:26s} tok/s {', '.join(f'{x:.2f}' for x in r['tok_s'])}"
+              f"  (median {statistics.median(r['tok_s']):.2f})")
     return 0
 
 
