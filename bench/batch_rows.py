@@ -21,7 +21,8 @@ Precision `--precision` (default serving: the CPU plugin's defaults, bf16 where 
 u8 KV, dynamic quantization; or f32). Memory: the 1B shard with 16 slots of a few hundred
 positions stays under 2 GiB.
 
-Run: `.venv/bin/python -m bench.batch_rows [--blocks 0:16] [--rows 1,2,4,8] [--context 128]`.
+Run: `.venv/bin/python -m bench.batch_rows [--blocks 0:16] [--rows 1,2,4,8] [--context 128]`;
+`--model smollm2-135m` (or any GGUF) for another model than the 1B shape.
 """
 
 from __future__ import annotations
@@ -118,8 +119,11 @@ def table(rows: list[dict]) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama-3.2-1b", help="a tests/big_gguf shape")
+    ap.add_argument("--model", help="a GGUF path or alias instead of --shape (e.g. smollm2-135m)")
     ap.add_argument("--blocks", default="", help="FIRST:LAST (default: every block)")
     ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--head", action="store_true",
+                    help="with the lm_head and its greedy pick, as `kafila run` builds one stage (needs the last block)")
     ap.add_argument("--context", type=int, default=128, help="row i's prompt is CONTEXT + 8·i tokens")
     ap.add_argument("--precision", default="serving", choices=("serving", "f32"))
     ap.add_argument("--steps", type=int, default=STEPS)
@@ -131,17 +135,21 @@ def main(argv: list[str] | None = None) -> int:
     from backends.gguf import open_model
     from backends.openvino import OpenVINOShard
     from bench.llamacpp_speed import machine
+    from kafila.models.registry import resolve_model
     from tests.big_gguf import big_model
 
-    index = open_model(big_model(args.shape))
+    index = open_model(resolve_model(args.model) if args.model else big_model(args.shape))
+    name = args.model or args.shape
     hp = index.hparams
     first, last = (int(v) for v in args.blocks.split(":")) if args.blocks else (0, hp.n_blocks)
-    spec = ShardSpec(index.path, first, last, embed=first == 0, head=False)
+    if args.head and last != hp.n_blocks:
+        ap.error("--head needs the shard to end at the last block")
+    spec = ShardSpec(index.path, first, last, embed=first == 0, head=args.head)
     built = time.perf_counter()
     shard = OpenVINOShard(spec, args.precision, index=index)
     print(machine(), flush=True)
-    print(f"model {args.shape} ({index.path}), shard blocks [{first}, {last}) of {hp.n_blocks}"
-          f"{' + embedding' if spec.embed else ''}, precision {args.precision}, "
+    print(f"model {name} ({index.path}), shard blocks [{first}, {last}) of {hp.n_blocks}"
+          f"{' + embedding' if spec.embed else ''}{' + lm_head' if spec.head else ''}, precision {args.precision}, "
           f"built in {time.perf_counter() - built:.1f} s", flush=True)  # fmt: skip
     rows = []
     for b in (int(v) for v in args.rows.split(",")):
@@ -151,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(rows))
     print(f"(cache lengths {args.context} + 8·i per row; {args.steps} steps × {args.repeats} rounds, medians)")
     if args.json:
-        print(json.dumps({"machine": machine(), "shape": args.shape, "blocks": [first, last],
+        print(json.dumps({"machine": machine(), "shape": name, "blocks": [first, last],
                           "precision": args.precision, "rows": rows}))  # fmt: skip
     return 0
 

@@ -20,9 +20,9 @@
 2. `--model GGUF`: Kafila's 1-stage chain on that file under several plugin configs (serving,
    dynamic quantization off, groups of 128, f32 inference) and with the offset types' matrices in
    the zero point form however large they are (`zero point form`: what Kafila built before the
-   split form), decode tok/s of `--tokens` greedy tokens: every chain is built first, then
-   `--rounds` rounds run each once in turn, so load from elsewhere falls on all alike
-   (`--configs` picks some: a chain of the 8B shape holds about 7 GB).
+   split form) or in the split form however small (`split form`), decode tok/s of `--tokens`
+   greedy tokens: every chain is built first, then `--rounds` rounds run each once in turn, so
+   load from elsewhere falls on all alike (`--configs` picks some: an 8B-shape chain holds ~7 GB).
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ import numpy as np
 PLUGIN_CONFIGS = {
     "serving": {},
     "zero point form": {},  # serving, with weights.SPLIT_MIN_WEIGHTS out of reach
+    "split form": {},  # serving, with every offset-type matrix in the split form
     "dynamic quantization off": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"},
     "dynamic quantization 128": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "128"},
     "f32 inference": {"INFERENCE_PRECISION_HINT": "f32"},
@@ -113,7 +114,7 @@ def model(path: str, tokens: int, configs: list[str], rounds: int = 3) -> list[d
     try:
         for name in configs:
             shard_mod.CONFIGS["serving"] = {**serving, **PLUGIN_CONFIGS[name]}
-            weights.SPLIT_MIN_WEIGHTS = 1 << 62 if name == "zero point form" else split_min
+            weights.SPLIT_MIN_WEIGHTS = {"zero point form": 1 << 62, "split form": 0}.get(name, split_min)
             chains[name] = LocalChain.build(path, 1)
     finally:
         shard_mod.CONFIGS["serving"], weights.SPLIT_MIN_WEIGHTS = serving, split_min
