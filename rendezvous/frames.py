@@ -42,9 +42,12 @@ KIND_QUIC = "quic"
 DATA_HEADER_BYTES = 1 + EDGE_ID_BYTES
 
 
-def kind_of(datagram: bytes) -> str | None:
-    """Which protocol a datagram belongs to, or None for garbage (to be dropped)."""
-    if not datagram or len(datagram) > MAX_DATAGRAM_BYTES:
+def kind_of(datagram: bytes, max_bytes: int = MAX_DATAGRAM_BYTES) -> str | None:
+    """Which protocol a datagram belongs to, or None for garbage (to be dropped); only QUIC may
+    be longer than MAX_DATAGRAM_BYTES, up to `max_bytes` (a member's peer on its own machine)."""
+    if not datagram or len(datagram) > max(max_bytes, MAX_DATAGRAM_BYTES):
+        return None
+    if len(datagram) > MAX_DATAGRAM_BYTES and not datagram[0] & 0x40:
         return None
     first = datagram[0]
     if first & 0x40:

@@ -524,6 +524,23 @@ def test_first_byte_demux() -> None:
     assert frames.kind_of(b"\xc3" + b"\x00" * 30) == frames.KIND_QUIC
     assert frames.kind_of(b"\x7f" * 2000) is None  # oversized
     assert frames.kind_of(b"\x05hello") is None
+    # only QUIC may be longer, where the caller allows it (a member's peer on its own machine)
+    assert frames.kind_of(b"\x7f" * 2000, max_bytes=16000) == frames.KIND_QUIC
+    assert frames.kind_of(b"\x7f" * 16001, max_bytes=16000) is None
+    assert frames.kind_of(bytes([frames.DATA]) + b"q" * 2000, max_bytes=16000) is None
+
+
+def test_member_socket_takes_large_quic_datagrams_from_loopback_only() -> None:
+    from kafila.net.sock import LOOPBACK_MAX_DATAGRAM_BYTES, MemberSocket
+
+    sock = MemberSocket()
+    got: list = []
+    sock.handlers[frames.KIND_QUIC] = lambda data, src: got.append((len(data), src[0]))
+    big = b"\x7f" * LOOPBACK_MAX_DATAGRAM_BYTES
+    for src in (("127.0.0.1", 1), ("::1", 1), ("203.0.113.9", 1), ("not an address", 1)):
+        sock.datagram_received(big, src)
+    sock.datagram_received(big + b"x", ("127.0.0.1", 1))
+    assert got == [(len(big), "127.0.0.1"), (len(big), "::1")] and sock.dropped == 3
 
 
 def test_distinct_name_numbers_a_taken_name_and_stays_valid() -> None:

@@ -39,6 +39,7 @@ from backends.errors import Refused
 from kafila.net.certs import Identity, fingerprint, verify_signature
 from kafila.net.handshake import derive
 from kafila.net.punch import DIRECT, Puncher
+from kafila.net.sock import LOOPBACK_MAX_DATAGRAM_BYTES
 from rendezvous import frames
 from rendezvous.errors import ProtocolError
 
@@ -54,12 +55,11 @@ EDGE_MAX_DATA_BYTES = 256 * 1024 * 1024  # connection flow-control window
 EDGE_MAX_STREAM_DATA_BYTES = 64 * 1024 * 1024  # per stream
 EDGE_MAX_DATAGRAM_BYTES = 1350  # + 9 bytes of relay header stays under common MTUs
 # A direct route to a loopback address (peer on this machine) crosses no link (lo's MTU is
-# 65536): packets there may be larger, and Python's cost is per packet. aioquic 1.7.2 loses the
-# connection with packets of 2 KiB and more (tried: 1452/1500/1600 work, 2048 and 16384 fail),
-# so 1452 (what a 1500-byte Ethernet LAN takes). Every other path keeps EDGE_MAX_DATAGRAM_BYTES:
-# there is no path-MTU probing yet, and a LAN address may sit behind a VPN-style link with a
-# smaller MTU (a too-large packet there is silently lost, on every retransmission).
-LOOPBACK_MAX_DATAGRAM_BYTES = 1452
+# 65536): packets there may be larger, up to what a MemberSocket accepts from loopback
+# (LOOPBACK_MAX_DATAGRAM_BYTES, kafila/net/sock.py), and Python's cost is per packet. Every other
+# path keeps EDGE_MAX_DATAGRAM_BYTES: there is no path-MTU probing yet, and a LAN address may sit
+# behind a VPN-style link with a smaller MTU (a too-large packet there is silently lost, on every
+# retransmission).
 EDGE_IDLE_TIMEOUT_S = 60.0
 EDGE_CONNECT_TIMEOUT_S = 10.0
 QUIC_PING_S = 15.0  # keeps QUIC's idle timer (and the NAT) alive on a quiet edge

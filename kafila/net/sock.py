@@ -19,12 +19,14 @@ from __future__ import annotations
 import asyncio
 import collections
 import errno
+import ipaddress
 import logging
 import socket
 from collections.abc import Callable
 
 from rendezvous.errors import ProtocolError
 from rendezvous.frames import kind_of
+from rendezvous.limits import MAX_DATAGRAM_BYTES
 
 log = logging.getLogger("kafila.net")
 
@@ -32,6 +34,10 @@ Address = tuple[str, int]
 Handler = Callable[[bytes, Address], None]
 READ_BURST = 256  # datagrams read per readiness event before yielding to the loop
 RECV_MAX_BYTES = 65535
+# A peer on this machine (a loopback source) may send QUIC datagrams this large: lo's MTU is
+# 65536, and Python's cost is per packet (kafila/net/edge.py sends them on a loopback route).
+# aioquic writes a packet's length in a 2-byte varint, so a packet stays under 16384 bytes.
+LOOPBACK_MAX_DATAGRAM_BYTES = 16000
 SOCKET_BUFFER_BYTES = 4 << 20  # asked for; the kernel caps it at net.core.[rw]mem_max
 HANDLER_ERRORS_LOGGED = 3  # then only debug lines: a stranger's datagrams must not flood the log
 SEND_QUEUE_MAX = 4096  # datagrams waiting for a full send buffer; beyond that they drop (UDP)
@@ -176,7 +182,8 @@ class MemberSocket:
             self._run_deferred()
 
     def datagram_received(self, data: bytes, addr: tuple) -> None:
-        kind = kind_of(data)
+        kind = kind_of(data, LOOPBACK_MAX_DATAGRAM_BYTES if len(data) > MAX_DATAGRAM_BYTES and _is_loopback(addr[0])
+                       else MAX_DATAGRAM_BYTES)  # fmt: skip
         handler = self.handlers.get(kind) if kind else None
         if handler is None:
             self.dropped += 1
@@ -283,3 +290,10 @@ class MemberSocket:
                 self._loop.remove_reader(self._sock.fileno())
                 self._loop.remove_writer(self._sock.fileno())
             self._sock.close()
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
