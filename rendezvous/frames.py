@@ -45,9 +45,9 @@ DATA_HEADER_BYTES = 1 + EDGE_ID_BYTES
 def kind_of(datagram: bytes, max_bytes: int = MAX_DATAGRAM_BYTES) -> str | None:
     """Which protocol a datagram belongs to, or None for garbage (to be dropped); only QUIC may
     be longer than MAX_DATAGRAM_BYTES, up to `max_bytes` (a member's peer on its own machine)."""
-    if not datagram or len(datagram) > max(max_bytes, MAX_DATAGRAM_BYTES):
+    if not datagram:
         return None
-    if len(datagram) > MAX_DATAGRAM_BYTES and not datagram[0] & 0x40:
+    if len(datagram) > MAX_DATAGRAM_BYTES and (len(datagram) > max_bytes or not datagram[0] & 0x40):
         return None
     first = datagram[0]
     if first & 0x40:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import ipaddress
 import logging
 import os
 import random
@@ -39,7 +38,7 @@ from backends.errors import Refused
 from kafila.net.certs import Identity, fingerprint, verify_signature
 from kafila.net.handshake import derive
 from kafila.net.punch import DIRECT, Puncher
-from kafila.net.sock import LOOPBACK_MAX_DATAGRAM_BYTES
+from kafila.net.sock import LOOPBACK_MAX_DATAGRAM_BYTES, is_loopback
 from rendezvous import frames
 from rendezvous.errors import ProtocolError
 
@@ -159,12 +158,7 @@ class _RouteTransport:
 
 
 def _is_loopback(addr: Address | None) -> bool:
-    if addr is None:
-        return False
-    try:
-        return ipaddress.ip_address(addr[0]).is_loopback
-    except ValueError:
-        return False
+    return addr is not None and is_loopback(addr[0])
 
 
 class _EdgeProtocol(QuicConnectionProtocol):

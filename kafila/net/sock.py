@@ -182,8 +182,8 @@ class MemberSocket:
             self._run_deferred()
 
     def datagram_received(self, data: bytes, addr: tuple) -> None:
-        kind = kind_of(data, LOOPBACK_MAX_DATAGRAM_BYTES if len(data) > MAX_DATAGRAM_BYTES and _is_loopback(addr[0])
-                       else MAX_DATAGRAM_BYTES)  # fmt: skip
+        large = len(data) > MAX_DATAGRAM_BYTES and is_loopback(addr[0])
+        kind = kind_of(data, LOOPBACK_MAX_DATAGRAM_BYTES if large else MAX_DATAGRAM_BYTES)
         handler = self.handlers.get(kind) if kind else None
         if handler is None:
             self.dropped += 1
@@ -292,7 +292,7 @@ class MemberSocket:
             self._sock.close()
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
