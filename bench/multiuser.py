@@ -1,7 +1,7 @@
 """Many users at once on a 3-member session: aggregate tok/s and per-user time per token.
 
     .venv/bin/python -m bench.multiuser [--users 1,2,4,8,16] [--latency 0,20] [--max-tokens 48]
-                                        [--rounds 2] [--batch-rows on,off] [--json]
+                                        [--rounds 2] [--batch-rows on,off] [--ring-lane auto,quic] [--json]
 
 One loopback session of separate processes (kafila demo's launcher, `--concurrency auto`) per
 hop latency. For each number of users n, n greedy chat requests (different prompts, typed at
@@ -15,7 +15,9 @@ single-user figure is the mean of both). Reported per n, median over --rounds:
 A number of users above the session's slots (its `/status` concurrency) is left out and said so.
 --batch-rows on,off runs a session with batched decode rows (`kafila host --batch-rows on`, the
 default: ready decode steps go round as micro-batches, one forward per stage) and one without,
-one after the other at each latency, and prints on ÷ off per number of users.
+one after the other at each latency, and prints on ÷ off per number of users. --ring-lane
+auto,quic does the same for the ring's frames: over the TCP lane where it connects (`auto`, the
+default) and over the QUIC edges only (`kafila join --ring-lane quic`), printing auto ÷ quic.
 """
 
 from __future__ import annotations
@@ -93,10 +95,10 @@ def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS
 
 
 def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: int, model: str,
-                batch_rows: bool = True) -> dict:  # fmt: skip
+                batch_rows: bool = True, ring_lane: str = "auto") -> dict:  # fmt: skip
     from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
-    s = LocalSession(members=3, model=model, latency_ms=latency_ms, batch_rows=batch_rows,
+    s = LocalSession(members=3, model=model, latency_ms=latency_ms, batch_rows=batch_rows, ring_lane=ring_lane,
                      log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
                      cache_root=tempfile.mkdtemp(prefix="kafila-bench-cache-"))  # fmt: skip
     t0 = time.monotonic()
@@ -129,7 +131,7 @@ def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: i
                       "tpot_ms": med(rows, "tpot_ms_median"), "tpot_ratio": med(rows, "tpot_ms_median") / solo_tpot,
                       "tpot_max_ratio": med(rows, "tpot_ms_max") / solo_tpot, "ttft_ms": med(rows, "ttft_ms_median"),
                       "short_answers": sum(r["short_answers"] for r in rows), "rounds": rows})  # fmt: skip
-    return {"latency_ms": latency_ms, "batch_rows": batch_rows, "slots": slots, "plan": st["plan"], "left_out": [n for n in levels if n > slots],
+    return {"latency_ms": latency_ms, "batch_rows": batch_rows, "ring_lane": ring_lane, "slots": slots, "plan": st["plan"], "left_out": [n for n in levels if n > slots],
             "solo_tok_s": solo_agg, "solo_tpot_ms": solo_tpot, "table": table,
             "head_stage_batch_rows": (load["stages"].get(head) or {}).get("batch_rows"),
             "session_s": round(time.monotonic() - t0, 1)}  # fmt: skip
@@ -143,11 +145,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=2, help="times each number of users is measured (median)")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch-rows", default="on", help="on, off or on,off (both, side by side)")
+    p.add_argument("--ring-lane", default="auto", help="auto, quic or auto,quic (both, side by side)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.batch_rows.split(",")]
+    lanes = [m.strip() for m in args.ring_lane.split(",")]
     if not modes or any(m not in ("on", "off") for m in modes):
         print("bench.multiuser: --batch-rows takes on, off or on,off", file=sys.stderr)
+        return 2
+    if not lanes or any(m not in ("auto", "quic") for m in lanes):
+        print("bench.multiuser: --ring-lane takes auto, quic or auto,quic", file=sys.stderr)
         return 2
     try:
         levels = sorted({int(x) for x in args.users.split(",")} | {1})
@@ -162,10 +169,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"3 members on loopback, {args.model}, {args.max_tokens} tokens per user, median of {args.rounds} "
           "rounds; aggregate = all users' tokens / (first request sent → last token)", flush=True)  # fmt: skip
     out = {}
-    for ms, mode in [(ms, mode) for ms in latencies for mode in modes]:
-        r = out[f"{ms:g} ms, rows {mode}"] = run_latency(ms, levels, args.max_tokens, args.rounds, args.model,
-                                                         mode == "on")  # fmt: skip
-        print(f"\n{ms:g} ms/hop, batched rows {mode}: {r['slots']} slots (auto), ring {' → '.join(r['plan']['ring'])}, "
+    for ms, mode, lane in [(ms, mode, lane) for ms in latencies for mode in modes for lane in lanes]:
+        key = f"{ms:g} ms, rows {mode}" + (", ring lane quic" if lane == "quic" else "")
+        r = out[key] = run_latency(ms, levels, args.max_tokens, args.rounds, args.model, mode == "on", lane)
+        print(f"\n{ms:g} ms/hop, batched rows {mode}, ring lane {lane}: {r['slots']} slots (auto), ring {' → '.join(r['plan']['ring'])}, "
               f"1 user {r['solo_tok_s']:.1f} tok/s, TPOT {r['solo_tpot_ms']:.1f} ms", flush=True)
         print(f"{'users':>5} {'aggregate tok/s':>16} {'÷ 1 user':>9} {'TPOT ms':>8} {'÷ solo':>7} "
               f"{'slowest ÷ solo':>15} {'TTFT ms':>8}")
@@ -176,11 +183,13 @@ def main(argv: list[str] | None = None) -> int:
                                                if row["short_answers"] else ""), flush=True)  # fmt: skip
         if r["left_out"]:
             print(f"  left out (more users than slots): {r['left_out']}")
-        other = out.get(f"{ms:g} ms, rows on") if mode == "off" else None
-        if other is not None:
-            ratios = ", ".join(f"{a['users']}: {a['aggregate_tok_s'] / b['aggregate_tok_s']:.2f}×"
-                               for a, b in zip(other["table"], r["table"]))  # fmt: skip
-            print(f"  aggregate tok/s, rows on ÷ off, by users: {ratios}", flush=True)
+        for other, what in ((out.get(f"{ms:g} ms, rows on") if mode == "off" and lane == "auto" else None,
+                             "rows on ÷ off"),
+                            (out.get(f"{ms:g} ms, rows {mode}") if lane == "quic" else None, "ring lane auto ÷ quic")):
+            if other is not None:
+                ratios = ", ".join(f"{a['users']}: {a['aggregate_tok_s'] / b['aggregate_tok_s']:.2f}×"
+                                   for a, b in zip(other["table"], r["table"]))  # fmt: skip
+                print(f"  aggregate tok/s, {what}, by users: {ratios}", flush=True)
     if args.json:
         print(json.dumps(out, default=str))  # one line: bench.before_after reads the last
     return 0

@@ -1,9 +1,9 @@
 """Where a loopback ring's time goes: the same 3 stages in one process, across processes, and in a session.
 
     .venv/bin/python -m bench.ring_floor [--model smollm2-135m] [--max-tokens 64] [--rounds 3] [--pauses 0,5,15]
-        [--no-session] [--json]
+        [--sessions tcp,quic] [--no-session] [--json]
 
-Four ways to run LocalChain's 3-stage split of the model, greedy, the same prompt, side by side,
+Five ways to run LocalChain's 3-stage split of the model, greedy, the same prompt, side by side,
 each round running every way once in turn (so drifting load falls on all of them):
 
 - `chain`: LocalChain in this process (what `kafila run --stages 3` runs).
@@ -14,8 +14,10 @@ each round running every way once in turn (so drifting load falls on all of them
   one-thread executor, as a ring member does (kafila/session/ring.py's hand-off to the stage's
   worker and back): what the loop ↔ compute-thread hand-offs add.
 - `session`: a real 3-member loopback session (kafila.tooling.launch.LocalSession: QUIC edges,
-  the ring's frames, the head's scheduler); its own block division (the planner's), so it is
-  compared by tok/s only.
+  ring frames over the TCP lane (kafila/session/ring_lane.py), the head's scheduler); its own
+  block division (the planner's), so it is compared by tok/s only.
+- `session (quic)`: the same with `--ring-lane quic`: ring frames over the QUIC edges, as every
+  session carried them before the lane (and as one does where TCP cannot connect).
 
 The differences between neighbours split the ring's cost into processes, thread hand-offs and the
 rest (QUIC, frames, scheduling). Decode tok/s is tokens after the first over the time from the
@@ -209,7 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", default="smollm2-135m")
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--no-session", action="store_true", help="skip the real session")
+    ap.add_argument("--no-session", action="store_true", help="skip the real sessions")
+    ap.add_argument("--sessions", default="tcp,quic",
+                    help="the sessions to run, by ring lane: tcp (--ring-lane auto), quic (--ring-lane quic)")
     ap.add_argument("--pauses", default="", help="ms, comma-separated: also time a forward after each pause")
     ap.add_argument("--json", action="store_true")
     a = ap.parse_args(argv)
@@ -224,28 +228,31 @@ def main(argv: list[str] | None = None) -> int:
     prompt = tok.encode(PROMPT)
     chain = LocalChain.build(path, 3)
     rings = {"pipes": PipeRing(path, threaded=False), "pipes+thread": PipeRing(path, threaded=True)}
-    session = None
-    if not a.no_session:
-        from kafila.tooling.launch import LocalSession
-
-        session = LocalSession(members=3, log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
-                               cache_root=tempfile.mkdtemp(prefix="kafila-bench-cache-"))  # fmt: skip
-        session.start(timeout_s=600)
-    rates: dict[str, list[float]] = {"chain": [], **{k: [] for k in rings}, **({"session": []} if session else {})}
+    sessions = {}
     try:
+        for lane in ([] if a.no_session else [x for x in a.sessions.split(",") if x]):
+            from kafila.tooling.launch import LocalSession
+
+            if lane not in ("tcp", "quic"):
+                raise SystemExit(f"--sessions: {lane!r} is not tcp or quic")
+            sessions["session" if lane == "tcp" else "session (quic)"] = LocalSession(
+                members=3, ring_lane="auto" if lane == "tcp" else "quic",
+                log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
+                cache_root=tempfile.mkdtemp(prefix="kafila-bench-cache-")).start(timeout_s=600)  # fmt: skip
+        rates: dict[str, list[float]] = {"chain": [], **{k: [] for k in rings}, **{k: [] for k in sessions}}
         for r in range(a.rounds + 1):  # the first round warms up
             got = {"chain": _rate(chain_times(chain, prompt, a.max_tokens))}
             for name, ring in rings.items():
                 got[name] = _rate(ring.generate(prompt, a.max_tokens))
-            if session is not None:
-                got["session"] = _session_rate(session, a.max_tokens)
+            for name, session in sessions.items():
+                got[name] = _session_rate(session, a.max_tokens)
             if r:
                 for k, v in got.items():
                     rates[k].append(v)
     finally:
         for ring in rings.values():
             ring.close()
-        if session is not None:
+        for session in sessions.values():
             session.stop()
     med = {k: statistics.median(v) for k, v in rates.items()}
     step_ms = {k: 1000 / v for k, v in med.items()}
@@ -261,7 +268,7 @@ def main(argv: list[str] | None = None) -> int:
     prev = None
     for k in rates:
         extra = f"   +{step_ms[k] - step_ms[prev]:.2f} ms/step over {prev}" if prev else ""
-        print(f"  {k:13s} {med[k]:6.1f} tok/s  {step_ms[k]:6.2f} ms/step  {med[k] / med['chain']:.2f}× chain{extra}")
+        print(f"  {k:15s} {med[k]:6.1f} tok/s  {step_ms[k]:6.2f} ms/step  {med[k] / med['chain']:.2f}× chain{extra}")
         prev = k
     for pause, row in out.get("pause_ms", {}).items():
         print(f"  a forward of stage 1 after a {pause} ms pause: {row['sleep']:.2f} ms sleeping, {row['spin']:.2f} ms spinning")

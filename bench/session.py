@@ -1,9 +1,10 @@
 """Session benchmark, everything measured side by side in one run on this machine.
 
     .venv/bin/python -m bench.session [--model M] [--local-stages 3] [--max-tokens 64] [--runs 3] [--pairs 3]
-        [--skip-latency] [--skip-hetero]
+        [--skip-latency] [--skip-hetero] [--ring-lane auto|quic]
 
-1. Speed: a 3-member loopback session (separate processes, QUIC edges) vs LocalChain with 3
+1. Speed: a 3-member loopback session (separate processes, QUIC edges; ring frames over the TCP
+   lane, or the QUIC edges with `--ring-lane quic`) vs LocalChain with 3
    stages in one process (what `kafila run --stages 3` runs; `--local-stages 1`: one stage, as
    `kafila run --stages 1`), same prompt, same greedy tokens;
    decode tok/s (first to last token) and time to first token, medians of --runs after a warm-up.
@@ -73,7 +74,7 @@ def session_runs(runs: int, max_tokens: int, ask: str = "m3", **kw) -> dict:
         "plan": status["plan"],
         "stage_compute_ms": {n: v["compute_ms"] for n, v in status["stages"].items()},
         "network_ms": status["network_ms"],
-        "edges": [(e["from"], e["to"], e.get("kind")) for e in status["edges"]],
+        "edges": [(e["from"], e["to"], e.get("kind"), e.get("lane")) for e in status["edges"]],
         "formed_s": round(formed_s, 1),
     }
 
@@ -89,6 +90,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip-speed", action="store_true", help="skip the loopback speed comparison")
     p.add_argument("--local-stages", type=int, default=3,
                    help="stages of the in-process chain the session is compared with (1: `kafila run --stages 1`)")
+    p.add_argument("--ring-lane", choices=("auto", "quic"), default="auto",
+                   help="the speed and latency sessions' ring frames: auto (TCP lane) or quic")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
 
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         stages = out["local_stages"] = args.local_stages  # (the keys say local_3 whatever it is: kept for bench.before_after)
         out["local_3"] = local_chain(path, stages, ids, args.max_tokens, args.runs, tok.eos_ids)
         show(f"LocalChain, {stages} stage(s), one process", out["local_3"])
-        out["session"] = session_runs(args.runs, args.max_tokens, model=args.model)
+        out["session"] = session_runs(args.runs, args.max_tokens, model=args.model, ring_lane=args.ring_lane)
         show("session, 3 processes, loopback", out["session"])
         out["local_3_after"] = local_chain(path, stages, ids, args.max_tokens, args.runs, tok.eos_ids)
         show(f"LocalChain, {stages} stage(s), one process (again)", out["local_3_after"])
@@ -120,7 +123,8 @@ def main(argv: list[str] | None = None) -> int:
               f"{out['ratio_session_vs_local_3']:.2f}×  (stage compute {out['session']['stage_compute_ms']}, "
               f"ring network {out['session']['network_ms']} ms/step)", file=sys.stderr)
     if not args.skip_latency:
-        out["session_20ms"] = session_runs(args.runs, args.max_tokens, model=args.model, latency_ms=20)
+        out["session_20ms"] = session_runs(args.runs, args.max_tokens, model=args.model, latency_ms=20,
+                                           ring_lane=args.ring_lane)
         show("session, 3 processes, --latency-ms 20", out["session_20ms"])
         if local is not None:
             print(f"  ratio session at 20 ms / local {args.local_stages}-stage: "

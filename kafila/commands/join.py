@@ -33,6 +33,9 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--weights-lane", choices=("auto", "quic"), default="auto",
                    help="auto (default): weights over TCP when the peer is reachable, else the QUIC "
                    "edge; quic: the QUIC edge only")
+    p.add_argument("--ring-lane", choices=("auto", "quic"), default="auto",
+                   help="auto (default): ring frames to and from this member over TCP when the peer "
+                   "is reachable, else the QUIC edge; quic: the QUIC edge only")
     p.add_argument("--draft", metavar="GGUF", default=None,
                    help="a small model of the same vocabulary this member drafts with when it is the "
                         "head of a session started with --speculate draft")
@@ -64,7 +67,7 @@ def common_config(args: argparse.Namespace, host: bool):
                          draft_path=draft,
                          api=api, api_tries=api_tries, bind_host=args.bind, send_delay_ms=args.latency_ms,
                          cache_dir=os.path.abspath(args.cache_dir), json_events=args.json_events,
-                         weights_lane=args.weights_lane)  # fmt: skip
+                         weights_lane=args.weights_lane, ring_lane=args.ring_lane)  # fmt: skip
 
 
 def check_backend(name: str) -> None:

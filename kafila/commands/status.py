@@ -116,11 +116,12 @@ def render(st: dict) -> Group:
     measured = {e.get("from"): e for e in st.get("edges") or []}
     if len(ring) > 1:
         e_t = Table(title="ring edges", title_justify="left")
-        for col in ("edge", "kind", "RTT ms", "plan ms", "NAT (from / to)"):
+        for col in ("edge", "kind", "frames over", "RTT ms", "plan ms", "NAT (from / to)"):
             e_t.add_column(col)
         for e in plan.get("edges") or []:
             got = measured.get(e["from"]) or {}
             e_t.add_row(f"{e['from']} → {e['to']}", got.get("kind") or f"{e.get('kind')} (planned)",
+                        {"tcp": "TCP", "quic": "QUIC"}.get(got.get("lane"), "–"),
                         _f(got.get("rtt_ms"), 2), _f(e.get("ms"), 2),
                         f"{(members.get(e['from']) or {}).get('nat', '?')} / "
                         f"{(members.get(e['to']) or {}).get('nat', '?')}")  # fmt: skip

@@ -82,17 +82,18 @@ class SecureReader:
         self._pos = 0  # bytes of _parts[0] already read
         self._have = 0  # bytes buffered: sum of _parts - _pos
         self.bytes_received = 0  # on the wire
+        self.idle_timeout_s: float | None = BULK_IDLE_TIMEOUT_S  # None: no bound (a ring lane)
 
     async def _record(self) -> bytes | None:
         if self._opener.ended:
             return None
         try:
-            prefix = await asyncio.wait_for(self._raw.readexactly(RECORD_PREFIX.size), BULK_IDLE_TIMEOUT_S)
+            prefix = await asyncio.wait_for(self._raw.readexactly(RECORD_PREFIX.size), self.idle_timeout_s)
             body = await self._raw.readexactly(self._opener.record_length(prefix))
         except asyncio.IncompleteReadError:
             raise ConnectionError("the bulk lane was cut (no end marker)") from None
         except TimeoutError:
-            raise ConnectionError(f"the bulk lane was silent for {BULK_IDLE_TIMEOUT_S:g} s") from None
+            raise ConnectionError(f"the bulk lane was silent for {self.idle_timeout_s:g} s") from None
         self.bytes_received += len(prefix) + len(body)
         plaintext = self._opener.open(prefix, body)
         return plaintext or None
@@ -139,6 +140,9 @@ class SecureWriter:
         self.bytes_sent = 0
         with contextlib.suppress(Exception):
             raw.transport.set_write_buffer_limits(high=WRITE_HIGH_WATER_BYTES)
+
+    def is_closing(self) -> bool:
+        return self._raw.is_closing()
 
     def write(self, data) -> None:
         if self._raw.is_closing():

@@ -94,7 +94,6 @@ class HostParticipant(Participant):
         self._hash_cancel = threading.Event()  # stops a hashing worker when the host leaves
         self._transfers: dict[str, TransferProgress] = {}  # member → the weights it was sent
         self._lanes: dict[str, str] = {}  # member → "tcp" | "quic": how its weights went
-        self._bulk = None  # kafila.session.bulk.BulkListener, opened with the first weight stream
         self._bars = None  # rich Progress: one bar per member while the session forms (a terminal)
         self._bar_ids: dict[str, int] = {}
         self._plans_made = 0  # epochs handed out
@@ -123,10 +122,6 @@ class HostParticipant(Participant):
             with contextlib.suppress(Exception):
                 asyncio.get_running_loop().remove_reader(sys.stdin.fileno())
         self._hash_cancel.set()
-        if self._bulk is not None:
-            with contextlib.suppress(Exception):
-                await self._bulk.close()
-            self._bulk = None
         if self.rendezvous_service is not None:
             with contextlib.suppress(Exception):
                 await self.rendezvous_service.close()
@@ -524,21 +519,9 @@ class HostParticipant(Participant):
                 await edge.close()
 
     async def _bulk_listener(self):
-        """The bulk lane's TCP listener (one per process, opened with the first weight stream);
-        None with --weights-lane quic, or when it cannot listen (the QUIC stream serves then)."""
-        if self._bulk is None and self.cfg.weights_lane != "quic":
-            from kafila.session.bulk import BulkListener
-
-            own = self.net.roster().get(self.cfg.name) if self.net is not None else None
-            hosts = [h for h, _ in getattr(own, "candidates", None) or ()]
-            try:
-                self._bulk = await BulkListener.start(self.cfg.bind_host, hosts)
-            except OSError as exc:
-                self.say(f"{self.cfg.name}: no TCP lane for weights ({exc}); members fetch over QUIC")
-                self.cfg = replace(self.cfg, weights_lane="quic")
-                return None
-            log.info("bulk lane: listening on port %d for %s", self._bulk.port, ", ".join(self._bulk.hosts))
-        return self._bulk
+        """The bulk lane's TCP listener for weights; None with --weights-lane quic, or when it
+        cannot listen (the QUIC stream serves then)."""
+        return None if self.cfg.weights_lane == "quic" else await self.bulk_listener()
 
     # --- each member's weights, as the host serves them -------------------------------------------
 
@@ -590,7 +573,7 @@ class HostParticipant(Participant):
             edges = dict(self.state.edges)
             own = getattr(self, "succ_edge", None)
             if own is not None:
-                edges[self.cfg.name] = edge_stats(own)
+                edges[self.cfg.name] = edge_stats(own, self.succ_lane)
                 self.state.edges[self.cfg.name] = edges[self.cfg.name]
             measured = self.node.measured.as_pairs() if self.node is not None else ()
             loads = dict(self.state.loads)

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import logging
 import os
 import signal
@@ -50,9 +51,11 @@ from kafila.engine.ring import RESUME_WAIT_S, RingEngine
 from kafila.session import control, lifecycle
 from kafila.session.frames import Hello, Limits, encode
 from kafila.session.load import MAX_REPORTED_REQUESTS, clean_head, clean_stage, ring_load
+from kafila.session.bulk import dial as bulk_dial
 from kafila.session.ring import RingNode
+from kafila.session.ring_lane import offer_lane, take_lane
 from kafila.session.slots import DEFAULT_MAX_QUEUED, MAX_QUEUED_LIMIT, session_value
-from kafila.session.streams import read_frame
+from kafila.session.streams import StreamClosed, read_frame
 from planner import Plan, PlanInputError, ring_neighbour
 from kafila.session.weights import (
     Manifest,
@@ -100,6 +103,9 @@ class SessionConfig:
     # "auto": weights over the bulk lane (TCP, kafila.session.bulk) when the peer is reachable,
     # else the QUIC stream; "quic": never offer or take the TCP lane
     weights_lane: str = "auto"
+    # the same for ring frames (kafila.session.ring_lane): "auto" over TCP where the successor is
+    # reachable, "quic": this member neither offers nor takes a TCP lane on its ring edges
+    ring_lane: str = "auto"
 
 
 @dataclass
@@ -201,6 +207,10 @@ class Participant:
         self._pred_streams: dict[int, asyncio.Future] = {}  # epoch → (edge, reader, writer) from the predecessor
         self._planned = asyncio.Event()  # set once `role` is known: a ring Hello waits for it
         self._ring_edges: list = []
+        self._lanes_out: list = []  # ring_lane.Lane of this member's ring edges (both ends)
+        self.succ_lane = None  # ring_lane.Lane to the successor: what /status says it carries frames on
+        self._bulk = None  # kafila.session.bulk.BulkListener: the TCP lanes' (opened at first use)
+        self._bulk_failed = False  # it could not listen: not tried again
         self._shard_key: tuple | None = None  # what self.shard was built for (reused when unchanged)
         self._serving = asyncio.Event()
         self.leaving = False  # SIGINT/SIGTERM: the lifecycle is being cancelled
@@ -302,14 +312,43 @@ class Participant:
             with contextlib.suppress(Exception):
                 await self.node.close()
             self.node = None
-        for edge in self._ring_edges:
-            with contextlib.suppress(Exception):
-                await edge.close()
+        await self._close_ring_edges()
         if self.net is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self.net.close(), 3.0)
             self.net = None
+        if self._bulk is not None:
+            with contextlib.suppress(Exception):
+                await self._bulk.close()
+            self._bulk = None
         await self.close_extra()
+
+    async def _close_ring_edges(self) -> None:
+        edges, self._ring_edges = self._ring_edges, []
+        lanes, self._lanes_out = self._lanes_out, []
+        for edge in edges:
+            with contextlib.suppress(Exception):
+                await edge.close()
+        for lane in lanes:
+            await lane.close()
+        self.succ_edge = self.succ_lane = None
+
+    async def bulk_listener(self):
+        """This process's TCP listener for the bulk lanes (weights at the host, ring frames at
+        every member), opened at first use; None when it cannot listen (QUIC carries it all)."""
+        if self._bulk is None and not self._bulk_failed:
+            from kafila.session.bulk import BulkListener
+
+            own = self.net.roster().get(self.cfg.name) if self.net is not None else None
+            hosts = [h for h, _ in getattr(own, "candidates", None) or ()]
+            try:
+                self._bulk = await BulkListener.start(self.cfg.bind_host, hosts)
+            except OSError as exc:
+                self.say(f"{self.cfg.name}: no TCP listener ({exc}): weights and ring frames go over QUIC")
+                self._bulk_failed = True
+                return None
+            log.info("bulk lane: listening on port %d for %s", self._bulk.port, ", ".join(self._bulk.hosts))
+        return self._bulk
 
     async def close_extra(self) -> None:
         """The host's embedded rendezvous."""
@@ -552,8 +591,7 @@ class Participant:
                               "total_bytes": manifest.tensor_bytes, "state": "connecting"}  # fmt: skip
         edge = await self.net.connect(host)
         # the TCP lane tries where the edge already reached the host first (its punched address)
-        direct = (getattr(edge, "stats", dict)() or {}).get("direct_address")
-        prefer = [direct.rpartition(":")[0]] if direct else []
+        prefer = punched_host(edge)
         lanes = None if cfg.weights_lane == "quic" else Lanes(lambda offer: dial(offer, prefer))
 
         def lane() -> str:
@@ -653,11 +691,23 @@ class Participant:
                 await edge.close()
                 return
             fut = self._pred_future(hello.epoch)
-            if not fut.done():
-                self._ring_edges.append(edge)
-                fut.set_result((edge, reader, writer))
+            if fut.done():
+                await edge.close()
                 return
-            await edge.close()
+            self._ring_edges.append(edge)
+            if hello.bulk:
+                try:
+                    listener = await self.bulk_listener() if self.cfg.ring_lane != "quic" else None
+                    reader, lane = await offer_lane(reader, writer, listener)
+                except StreamClosed as exc:
+                    log.warning("ring stream from %s dropped: %s", edge.peer, exc)
+                    await edge.close()
+                    return
+                self._lanes_out.append(lane)
+                if fut.done():  # a replan while the lane was offered: this stream is stale
+                    await lane.close()
+                    return
+            fut.set_result((edge, reader, writer))
         else:
             await self.serve_weights(edge, reader, writer, hello)
 
@@ -703,11 +753,7 @@ class Participant:
             node.degrade(reason)
             with contextlib.suppress(Exception):
                 await node.close()
-        edges, self._ring_edges = self._ring_edges, []
-        for edge in edges:
-            with contextlib.suppress(Exception):
-                await edge.close()
-        self.succ_edge = None
+        await self._close_ring_edges()
 
     async def serve_weights(self, edge, reader, writer, hello: Hello | None = None) -> None:
         await edge.close()  # only the host serves weights
@@ -748,13 +794,21 @@ class Participant:
         async def edge_to_successor():
             edge = await self.net.connect(succ)
             self._ring_edges.append(edge)
-            _, writer = await edge.open_stream()
-            writer.write(encode(Hello(me, "ring", epoch)))
+            reader, writer = await edge.open_stream()
+            dial = None
+            if self.cfg.ring_lane != "quic":
+                dial = functools.partial(bulk_dial, prefer=punched_host(edge))
+            writer.write(encode(Hello(me, "ring", epoch, bulk=dial is not None)))
             await writer.drain()
-            return edge, writer
+            try:
+                writer, lane = await take_lane(reader, writer, dial, self.cfg.send_delay_ms)
+            except StreamClosed as exc:
+                raise Refused(f"{self._who(succ)} closed the ring stream from {me}: {exc}") from None
+            self._lanes_out.append(lane)
+            return edge, lane, writer
 
-        self.succ_edge, writer = await _step(f"the ring edge from {me} to {self._who(succ)}",
-                                             edge_to_successor(), RING_EDGE_TIMEOUT_S)  # fmt: skip
+        self.succ_edge, self.succ_lane, writer = await _step(f"the ring edge from {me} to {self._who(succ)}",
+                                                             edge_to_successor(), RING_EDGE_TIMEOUT_S)  # fmt: skip
         try:
             # the predecessor opens its edge once its own weights and shard are ready
             _, reader, _ = await asyncio.wait_for(pred_stream, READY_TIMEOUT_S)
@@ -813,7 +867,7 @@ class Participant:
                 node = self.node
                 head = node is not None and node.is_head  # the head times every stage
                 try:
-                    report = control.EdgeReport(edge_stats(edge), None if node is None else node.stage_load(),
+                    report = control.EdgeReport(edge_stats(edge, self.succ_lane), None if node is None else node.stage_load(),
                                                 node.measured.as_pairs() if head else None,
                                                 node.head_load(MAX_REPORTED_REQUESTS) if head else None)  # fmt: skip
                 except control.ControlError as exc:  # ours: a bug to see, not a reason to stop reporting
@@ -833,7 +887,7 @@ class Participant:
         own_edge = getattr(self, "succ_edge", None)
         edges = dict(s.edges)
         if own_edge is not None:
-            edges[self.cfg.name] = edge_stats(own_edge)
+            edges[self.cfg.name] = edge_stats(own_edge, self.succ_lane)
         plan, core = self.plan, self.core
         ring = list(plan.ring) if plan is not None else []
         blocks = dict(zip(ring, plan.blocks, strict=True)) if plan is not None else {}
@@ -944,10 +998,18 @@ def _r6(v):
     return None if v is None else round(v, 6)  # as Plan.to_json
 
 
-def edge_stats(edge) -> dict:
+def punched_host(edge) -> list[str]:
+    """[the IP the edge reached its peer at directly], or [] (relayed): a TCP lane tries it first."""
+    direct = (getattr(edge, "stats", dict)() or {}).get("direct_address")
+    return [direct.rpartition(":")[0]] if direct else []
+
+
+def edge_stats(edge, lane=None) -> dict:
+    """An edge's row for /status; with its ring_lane.Lane, what carries the ring's frames."""
     s = edge.stats()
-    return {k: s.get(k) for k in ("peer", "kind", "predicted", "rtt_ms", "bytes_sent", "bytes_received",
-                                  "time_to_data_s", "time_to_direct_s")}  # fmt: skip
+    row = {k: s.get(k) for k in ("peer", "kind", "predicted", "rtt_ms", "bytes_sent", "bytes_received",
+                                 "time_to_data_s", "time_to_direct_s")}  # fmt: skip
+    return row | (lane.as_dict() if lane is not None else {})
 
 
 def stdin_is_terminal() -> bool:

@@ -95,6 +95,7 @@ class LocalSession:
     draft: str | None = None  # a draft model every member gets (--speculate draft: the head runs it)
     throttle: dict[str, float] = field(default_factory=dict)
     weights_lane: dict[str, str] = field(default_factory=dict)  # name → "quic": no TCP lane (--weights-lane)
+    ring_lane: str = "auto"  # "quic": every member's ring frames over its QUIC edges (--ring-lane)
     cache_root: str = ""  # per-member weight caches live in cache_root/<name>
     log_dir: str = ""
     names: list[str] = field(default_factory=list)
@@ -129,6 +130,8 @@ class LocalSession:
             cmd += ["--draft", self.draft]
         if name in self.weights_lane:
             cmd += ["--weights-lane", self.weights_lane[name]]
+        if self.ring_lane != "auto":
+            cmd += ["--ring-lane", self.ring_lane]
         quota = CpuQuota.create(name, self.throttle[name]) if name in self.throttle else None
         log_path = os.path.join(self.log_dir, f"{name}.log")
         env = dict(os.environ, PYTHONUNBUFFERED="1")
