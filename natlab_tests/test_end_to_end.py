@@ -111,10 +111,14 @@ def test_session_across_three_nats_answers_and_reports_edges(lab, tmp_path):
     statuses = {name: _http(lab, node, "/status") for name, node in nodes.items()}
     text = answer["choices"][0]["message"]["content"]
     assert answer["usage"]["completion_tokens"] > 0 and text.strip(), answer
-    achieved = {}
+    achieved, lanes = {}, {}
     for name, status in statuses.items():
         for edge in status["edges"]:
             achieved[frozenset((edge["from"], edge["to"]))] = edge["kind"]
+            lanes[(edge["from"], edge["to"])] = (edge.get("lane"), edge.get("lane_note"))
+    # ring frames: no member reaches another's TCP listener through these NATs (no inbound
+    # mapping for TCP), so every edge tried the lane, said why not, and carries them on QUIC
+    assert all(lane == "quic" and "cannot reach" in (note or "") for lane, note in lanes.values()), lanes
     ring = statuses["hp"]["plan"]["ring"]
     ring_edges = {frozenset((ring[i], ring[(i + 1) % 3])) for i in range(3)}
     assert ring_edges <= set(achieved), (ring_edges, achieved)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+import time
 
 import pytest
 
@@ -57,3 +58,12 @@ def test_default_host_and_printed_join_command_on_a_lan(lab, tmp_path):
     answer = _ask(lab, pi)
     text = answer["choices"][0]["message"]["content"]
     assert answer["usage"]["completion_tokens"] > 0 and text.strip(), answer
+    # one LAN: every ring edge's frames take the TCP lane (the members reach each other directly)
+    deadline = time.monotonic() + 15  # the host hears each member's edge every 2 s
+    while True:
+        status = json.loads(lab.run(desk, [PY, "-c", "import urllib.request; print(urllib.request.urlopen("
+                                           "'http://127.0.0.1:8740/status', timeout=30).read().decode())"]))  # fmt: skip
+        if len(status["edges"]) == 3 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert len(status["edges"]) == 3 and {e.get("lane") for e in status["edges"]} == {"tcp"}, status["edges"]

@@ -361,7 +361,7 @@ def test_a_server_without_a_lane_or_from_before_it_serves_over_quic(model, tmp_p
         assert ("no bulk lane offer within" if old else "offers no TCP lane") in lanes.note
 
 
-# --- a session: one member over TCP, one over QUIC, both answer --------------------------------
+# --- a session: one member over TCP, one over QUIC, both answer; its ring frames on QUIC ---------
 
 
 @pytest.mark.session
@@ -374,10 +374,14 @@ def test_a_session_fetches_over_both_lanes_and_answers(tmp_path):
 
     if MODEL is None:
         pytest.skip("default model not installed")
-    s = LocalSession(members=3, context=256, concurrency=1, weights_lane={"m3": "quic"},
+    s = LocalSession(members=3, context=256, concurrency=1, weights_lane={"m3": "quic"}, ring_lane="quic",
                      log_dir=str(tmp_path), cache_root=str(tmp_path / "cache"))  # fmt: skip
     s.start(timeout_s=240)
     try:
+        # --ring-lane quic: the ring's frames stay on the QUIC edges (what a NAT between members
+        # leaves), while the weights lane is unaffected
+        edges = get_json(s.api("m1"), "/status")["edges"]
+        assert len(edges) == 3 and {e["lane"] for e in edges} == {"quic"}, edges
         lanes = {n: get_json(s.api(n), "/status")["weights"] for n in ("m2", "m3")}
         assert lanes["m2"]["lane"] == "tcp" and lanes["m3"]["lane"] == "quic", lanes
         assert all(w["state"] == "done" and w["mb_s"] > 0 for w in lanes.values()), lanes

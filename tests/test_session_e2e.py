@@ -121,6 +121,7 @@ def test_status_at_every_member_shows_stages_and_edges(session):
             time.sleep(0.5)
         assert st["session"]["state"] == "serving"
         assert {e["kind"] for e in edges} <= {"direct", "relay"}
+        assert {e["lane"] for e in edges} == {"tcp"}, edges  # ring frames over the TCP lane on one machine
         assert {(e["from"], e["to"]) for e in edges} == {
             (a, b) for a, b in zip(st["plan"]["ring"], st["plan"]["ring"][1:] + st["plan"]["ring"][:1])}
         assert st["network_ms"] is not None

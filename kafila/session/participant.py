@@ -706,6 +706,7 @@ class Participant:
                 self._lanes_out.append(lane)
                 if fut.done():  # a replan while the lane was offered: this stream is stale
                     await lane.close()
+                    await edge.close()
                     return
             fut.set_result((edge, reader, writer))
         else:

@@ -120,9 +120,9 @@ async def offer_lane(reader, writer, listener) -> tuple[object, Lane]:
             lane = Lane("tcp", stream_writer=writer)
             lane.watcher = asyncio.create_task(_tie(reader, None, tcp_writer, listener, ticket), name="ring-lane-tie")
             return tcp_reader, lane
-        if not done:
+        if decline not in done:  # nothing in time, or the offer withdrawn (the listener closing)
             raise StreamClosed(f"the predecessor neither took nor declined the TCP lane within {ANSWER_WAIT_S:g} s")
-        frame = await decline
+        frame = decline.result()
         if not (isinstance(frame, BulkOffer) and frame.declined):
             raise StreamClosed(f"the predecessor answered the lane offer with a {type(frame).__name__} frame")
         return reader, Lane(note="the predecessor could not reach this member over TCP")
