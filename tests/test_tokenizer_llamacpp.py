@@ -348,3 +348,22 @@ def test_default_pretokenizer_matches_llama_cpp(vocab_dir, tmp_path):
     finally:
         llm.close()
     assert not failures
+
+
+@pytest.mark.parametrize("name", ["llama-spm", "llama-bpe"])
+def test_stream_decoding_spells_what_decode_spells(vocab_dir, name):
+    """The API's streamed pieces (StreamDecoder, grown a token at a time) join to decode(ids) at
+    every length: multi-byte characters held back whole, SentencePiece's leading space removed
+    once, after a BOS too."""
+    from kafila.models.tokenizer import StreamDecoder
+
+    tok = tokenizer(name)
+    text = "Hello world, ça coûte 10 € — 東京タワー 🎉 ok\n  indented"
+    for ids in (tok.encode(text, add_special=False), [tok.bos_id, *tok.encode(text, add_special=False)]):
+        dec, pieces = StreamDecoder(tok), []
+        for i, t in enumerate(ids):
+            pieces.append(dec.push(t))
+            full = tok.decode(ids[:i + 1])
+            if not full.endswith("\ufffd"):
+                assert "".join(pieces) == full, (name, i)
+        assert "".join(pieces) == tok.decode(ids) and "東京" in "".join(pieces)

@@ -173,10 +173,15 @@ class StreamDecoder:
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.emitted = ""
+        self._bytes = b""  # decode_bytes(ids), grown a piece at a time (not re-joined per token)
 
     def push(self, token: int) -> str:
         self.ids.append(token)
-        text = self.tokenizer.decode(self.ids)
+        if len(self.ids) <= 2:  # the leading-space rule looks at the first two tokens only
+            self._bytes = self.tokenizer.decode_bytes(self.ids)
+        else:
+            self._bytes += self.tokenizer.piece(token, False)
+        text = self._bytes.decode("utf-8", errors="replace")
         if text.endswith("\ufffd"):
             return ""  # a multi-byte character still incomplete
         piece, self.emitted = text[len(self.emitted):], text
