@@ -163,15 +163,24 @@ def test_a_successor_that_closes_the_stream_is_one_clear_error_at_the_predecesso
     asyncio.run(run())
 
 
-def test_latency_emulation_delays_the_lane_too():
+def test_latency_emulation_delays_the_lane_but_not_its_sender():
+    """--latency-ms on the lane is a link's latency: frames arrive that much later, in order, while
+    the sender goes on at once (as on a QUIC edge, whose datagrams are delayed below the stream),
+    so several micro-batches can be in flight on one edge."""
+
     async def run(delay_ms):
         listener = await B.BulkListener.start("127.0.0.1", [])
         try:
             writer, p_lane, reader, s_lane, s = await form(listener, B.dial, send_delay_ms=delay_ms)
+            out = FrameWriter(writer, LIMITS)
             t0 = time.monotonic()
-            await carry(writer, reader, 1)
-            return time.monotonic() - t0
+            for i in range(3):
+                await out.send(activation(i))
+            sent = time.monotonic() - t0
+            got = [await read_frame(reader, LIMITS) for _ in range(3)]
+            return sent, time.monotonic() - t0, [f.pos0 for f in got]
         finally:
             await listener.close()
 
-    assert asyncio.run(run(120.0)) >= 0.12
+    sent, arrived, order = asyncio.run(run(120.0))
+    assert sent < 0.06 and arrived >= 0.12 and order == [0, 1, 2], (sent, arrived)

@@ -48,10 +48,13 @@ class DelayedWriter:
 
     The signaling connection's half of the WAN emulation: `write` queues, `drain` waits until
     the queue has been written and then drains the stream, `close` drops what is still queued.
+    With `wait_delivery=False`, `drain` does not wait for the delay (a link with latency, not a
+    slow one: a ring edge's sender goes on while its frames are in flight, as on a QUIC edge).
     """
 
-    def __init__(self, writer: asyncio.StreamWriter, send_delay_ms: float) -> None:
+    def __init__(self, writer: asyncio.StreamWriter, send_delay_ms: float, wait_delivery: bool = True) -> None:
         self.writer = writer
+        self.wait_delivery = wait_delivery
         self.send_delay_s = max(0.0, float(send_delay_ms)) / 1000.0
         self._queue: collections.deque[tuple[float, bytes]] = collections.deque()
         self._timer: asyncio.TimerHandle | None = None
@@ -80,7 +83,8 @@ class DelayedWriter:
             self._empty.set()
 
     async def drain(self) -> None:
-        await self._empty.wait()
+        if self.wait_delivery:
+            await self._empty.wait()
         await self.writer.drain()
 
     def is_closing(self) -> bool:
@@ -99,10 +103,10 @@ class DelayedWriter:
 
 
 def delayed_writer(
-    writer: asyncio.StreamWriter, send_delay_ms: float
+    writer: asyncio.StreamWriter, send_delay_ms: float, wait_delivery: bool = True
 ) -> asyncio.StreamWriter | DelayedWriter:
     """`writer` itself without a delay, else a DelayedWriter around it."""
-    return DelayedWriter(writer, send_delay_ms) if send_delay_ms > 0 else writer
+    return DelayedWriter(writer, send_delay_ms, wait_delivery) if send_delay_ms > 0 else writer
 
 
 class MemberSocket:

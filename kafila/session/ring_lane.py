@@ -93,7 +93,7 @@ async def take_lane(reader, writer, dial: Dial | None, send_delay_ms: float = 0.
     tcp_reader.idle_timeout_s = None  # the successor never writes here; an idle ring is not a dead one
     lane = Lane("tcp", stream_writer=writer)
     lane.watcher = asyncio.create_task(_tie(reader, tcp_reader, tcp_writer), name="ring-lane-tie")
-    return delayed_writer(tcp_writer, send_delay_ms), lane
+    return delayed_writer(tcp_writer, send_delay_ms, wait_delivery=False), lane
 
 
 # --- the successor's end: it reads ------------------------------------------------------------
