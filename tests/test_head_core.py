@@ -287,6 +287,22 @@ def test_pipeline_depth_is_a_function_of_stages_machines_and_rtts(machines, rtt_
     assert core.depth_due(5.0) and not core.depth_due(5.5) and core.depth_due(6.1)
 
 
+def test_the_depth_follows_the_measured_batch_cost_once_two_sizes_were_seen():
+    """One machine, 20 ms a hop: one-row stage times alone say 3 groups (a trip of 90 ms over 30
+    of compute); batches of 2 and 4 rows measured at 43 and 61 ms say that 8 requests go round
+    fastest as 2 groups of 4, and newcomers are placed for that before they join."""
+    one = {n: "a" for n in NAMES}
+    core = HeadCore("m1", NAMES, Limits(hidden=H, context=64, slots=8, vocab=V), machines=one)
+    core.measured.stage_ms.update({"m1": 10.0, "m2": 10.0, "m3": 10.0})
+    rtts = {n: 40.0 for n in NAMES}
+    assert core.pipeline_depth(rtts) == 3
+    core.serial_cost.observe(2, 43.4)
+    assert core.pipeline_depth(rtts) == 3  # one size measured: no slope yet
+    core.serial_cost.observe(4, 60.8)
+    assert core._groups_for(8) == 2 and core._groups_for(1) == 1
+    assert core.pipeline_depth(rtts) == 1  # nobody decoding now: one group for the next one
+
+
 def test_ngram_speculation_gives_the_plain_tokens():
     prompt = [5, 6, 7, 5, 6, 7, 5, 6]
     plain = solo("p", prompt, max_new=24, stop_at_eos=False)

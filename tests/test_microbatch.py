@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from kafila.session.microbatch import MicroBatches
+from kafila.session.microbatch import MicroBatches, best_groups
 
 
 def step(rid):
@@ -46,3 +46,19 @@ def test_a_full_group_opens_another():
     for rid in "abc":
         mb.ready(step(rid))
     assert sorted(mb.sizes) == [1, 2]
+
+
+def test_best_groups_weighs_trips_against_compute():
+    # one machine, 20 ms a hop (60 ms a trip of hops), a batch of r rows computing 26 + 8.7·r ms
+    # (the default model's three stages on two AVX2 cores): 8 rows go as 2 groups of 4 (a round
+    # of 122 ms) rather than 1 of 8 (156 ms) or 3 of 3 (156 ms); 16 rows too
+    assert [best_groups(r, 26.0, 8.7, 60.0, 0.0, 32) for r in (1, 2, 4, 8, 16)] == [1, 2, 2, 2, 2]
+    # no hops to hide (one machine, loopback): one group, every row in one forward
+    assert {best_groups(r, 26.0, 8.7, 0.0, 0.0, 32) for r in (1, 2, 8, 32)} == {1}
+    # three machines of 10 ms a stage on a fast network: three groups keep all three busy
+    assert best_groups(3, 9.0, 1.0, 0.5, 20.0, 32) == 3 and best_groups(12, 9.0, 1.0, 0.5, 20.0, 32) == 3
+    # long hops: as many groups as rows, but never more than allowed, never fewer than one
+    assert best_groups(2, 1.0, 1.0, 1000.0, 0.0, 32) == 2 and best_groups(64, 1.0, 1.0, 1000.0, 0.0, 4) == 4
+    # a batch that costs what one row costs (β = 0): nothing to gain from splitting it
+    assert best_groups(8, 5.0, 0.0, 1000.0, 0.0, 32) == 1
+    assert best_groups(0, 26.0, 8.7, 60.0, 0.0, 32) == 1

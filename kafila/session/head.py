@@ -47,7 +47,7 @@ import numpy as np
 from kafila.sampling import Sampler
 from kafila.session.dipsd_live import LiveDipsd, LiveSchedule, LiveUser, RingFit
 from kafila.session.frames import MAX_BATCH_ROWS, Activation, Frame, Limits, Request, Tokens
-from kafila.session.microbatch import MicroBatches
+from kafila.session.microbatch import MicroBatches, best_groups
 from kafila.session.scheduler import (
     Finished,
     Scheduler,
@@ -312,6 +312,9 @@ class HeadCore:
         steps = self.scheduler.steps()
         work: list[Work] = []
         if self.batch:  # plain decode steps wait for their micro-batch; the rest go as they come
+            joining = sum(1 for st in steps if batchable(st) and not self.batches.placed(st.req_id))
+            if joining and (groups := self._groups_for(self.batches.rows + joining)) is not None:
+                self.batches.groups = groups  # sized for everyone decoding, before the newcomers are placed
             for step in steps:
                 if batchable(step):
                     self.batches.ready(step)
@@ -429,10 +432,22 @@ class HeadCore:
         stage_ms = self.measured.stage_ms
         if not all(stage_ms.get(n) for n in self.ring):
             return self.batches.groups  # not measured yet: one per machine
+        by_rows = self._groups_for(self.batches.rows)
+        if by_rows is not None:
+            return by_rows
         busy = self._by_machine((n, stage_ms[n]) for n in self.ring)
         trip = sum(stage_ms[n] for n in self.ring) + net
         # rounded up once past a quarter: a group too few leaves a machine idle for a whole share
         return max(1, min(MAX_BATCH_ROWS, math.ceil(trip / max(busy.values()) - 0.25)))
+
+    def _groups_for(self, rows: int) -> int | None:
+        """microbatch.best_groups for `rows` decode steps on the measured batch cost (None until
+        batches of two sizes and the hops were measured: pipeline_depth's one-row rule then)."""
+        fit = self._ring_fit() if self.serial_cost.sizes() >= 2 and self._net_ms is not None else None
+        if fit is None:
+            return None
+        net = self._net_ms  # ring_ms is the hops and the other machines' compute
+        return best_groups(rows, fit.c_ms, fit.beta_ms, net, max(0.0, fit.ring_ms - net), MAX_BATCH_ROWS)
 
     def late(self, now: float, bound_s: Callable[[int], float]) -> float | None:
         """The watchdog: the bound (seconds) a step in flight has outlived, `bound_s(rows)` for a
@@ -444,8 +459,9 @@ class HeadCore:
 
     def _account_batch(self, acts: Sequence[Activation]) -> None:
         """The busiest machine's compute of a decode trip (from its trace) by the positions of
-        all its rows: the live optimiser's verifier, v(T) = c + β·T (dipsd_live.py)."""
-        if self.dipsd is None or not acts or not all(self.scheduler.decoding(a.req_id) for a in acts):
+        all its rows: the live optimiser's verifier, v(T) = c + β·T (dipsd_live.py), and how
+        many micro-batches to keep (best_groups)."""
+        if not acts or not all(self.scheduler.decoding(a.req_id) for a in acts):
             return
         busy = self._by_machine((stage, us / 1000) for stage, us in acts[0].trace)  # one trace for all rows
         if busy:  # the positions computed: every row at the longest's where a stage pads them

@@ -24,10 +24,16 @@ if it is elsewhere (that move is a join: the optimiser moves requests only for a
     leave(req_id)    the request ended, or its next step cannot share a forward (a prefill, drafts)
     due()         the groups to send now: [[step, ...], ...] (every member ready)
     plan(labels)  req_id → batch label for the requests the optimiser placed ({}: none)
+
+How many groups: `best_groups` weighs a longer trip per group (fewer, bigger batches) against
+more compute per round (more, smaller ones, each reading the weights again) on the measured
+compute of a batch of r rows, so 8 users 20 ms a hop from each other on one machine go round
+as two groups of 4, not three of 3 or one of 8.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,3 +117,29 @@ class MicroBatches:
     @property
     def sizes(self) -> list[int]:
         return [len(g.members) for g in self._groups.values()]
+
+    def placed(self, req_id: str) -> bool:
+        return req_id in self._of
+
+    @property
+    def rows(self) -> int:
+        """Requests in a group now."""
+        return len(self._of)
+
+
+def best_groups(rows: int, c_ms: float, beta_ms: float, net_ms: float, others_ms: float, most: int) -> int:
+    """How many micro-batches `rows` decode steps should go round in (1..most). A batch of r rows
+    costs the busiest machine busy(r) = c + β·r; a group's trip is net_ms (the hops), the other
+    machines' compute (others_ms for one row, grown as the busiest machine's) and busy(r); a
+    round of every group takes the longer of one trip and the busiest machine's compute for all
+    groups, g·busy(r). The g with the shortest round (each round moves every row one token);
+    the fewer groups on a tie."""
+    rows = max(1, rows)
+    one = max(c_ms + beta_ms, 1e-9)
+    best, best_ms = 1, math.inf
+    for g in range(1, max(1, min(most, rows)) + 1):
+        busy = c_ms + beta_ms * math.ceil(rows / g)
+        round_ms = max(net_ms + others_ms * busy / one + busy, g * busy)
+        if round_ms < best_ms - 1e-9:
+            best, best_ms = g, round_ms
+    return best
