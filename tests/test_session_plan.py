@@ -54,3 +54,19 @@ def test_plan_preview_names_the_bottleneck_with_its_tok_s():
     out = console.export_text()
     assert "5.00 ◀ bottleneck" in out and out.count("◀ bottleneck") == 1  # the plan table marks it
     assert line in out  # `kafila status` says the same as the host's preview
+
+
+def test_kafila_status_says_what_carries_each_edges_frames():
+    from rich.console import Console
+
+    from kafila.commands.status import render
+
+    edges = [{"from": "m1", "to": "m3", "kind": "direct", "rtt_ms": 0.3, "lane": "tcp"},
+             {"from": "m3", "to": "m2", "kind": "relay", "rtt_ms": 9.0, "lane": "quic",
+              "lane_note": "cannot reach 10.2.0.2 port 40475: no answer within 1.5 s"}]  # fmt: skip
+    console = Console(width=200, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
+    console.print(render({"session": {"name": "m1", "state": "serving"}, "plan": PLAN, "edges": edges}))
+    out = console.export_text()
+    assert "frames over" in out
+    lines = {ln.split("│")[1].strip(): ln for ln in out.splitlines() if "→" in ln and "│" in ln}
+    assert "TCP" in lines["m1 → m3"] and "QUIC" in lines["m3 → m2"] and "–" in lines["m2 → m1"], out

@@ -545,21 +545,30 @@ class RingNode:
             return ()
 
     async def _carry_out(self, actions: list[Action]) -> None:
+        tokens: list[Frame] = []  # tokens for other members, in order: one write for a batch's rows
         for a in actions:
             if isinstance(a, Deliver):
                 self._deliver(a.tokens)
-            elif isinstance(a, Send):  # tokens for another member
-                if not self.degraded:
-                    await self._send(a.frame)
-                else:  # a broken ring may still carry it part of the way; the host tells the rest
-                    with contextlib.suppress(StreamClosed):
-                        await self._send(a.frame)
+            elif isinstance(a, Send):
+                tokens.append(a.frame)
             elif isinstance(a, FreeSlot):
+                await self._send_tokens(tokens)
+                tokens = []
                 await self._compute(self.slots.free, a.slot)
                 if self.out is not None and not self.degraded:
                     await self._send(Free(a.slot))
             elif isinstance(a, Ended) and self.drafter is not None:
                 self.drafter.release(a.req_id)
+        await self._send_tokens(tokens)
+
+    async def _send_tokens(self, frames: list[Frame]) -> None:
+        if not frames:
+            return
+        if not self.degraded:
+            await self._send(*frames)
+        else:  # a broken ring may still carry them part of the way; the host tells the rest
+            with contextlib.suppress(StreamClosed):
+                await self._send(*frames)
 
     def _pipeline_depth(self) -> int:
         """Micro-batches worth keeping in flight (HeadCore.pipeline_depth over this node's edges)."""
