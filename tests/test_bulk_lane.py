@@ -9,6 +9,7 @@ import dataclasses
 import os
 import pathlib
 import socket
+import time
 
 import pytest
 
@@ -380,7 +381,9 @@ def test_a_session_fetches_over_both_lanes_and_answers(tmp_path):
     try:
         # --ring-lane quic: the ring's frames stay on the QUIC edges (what a NAT between members
         # leaves), while the weights lane is unaffected
-        edges = get_json(s.api("m1"), "/status")["edges"]
+        deadline = time.monotonic() + 15  # the host hears each member's edge every 2 s
+        while len(edges := get_json(s.api("m1"), "/status")["edges"]) < 3 and time.monotonic() < deadline:
+            time.sleep(0.5)
         assert len(edges) == 3 and {e["lane"] for e in edges} == {"quic"}, edges
         lanes = {n: get_json(s.api(n), "/status")["weights"] for n in ("m2", "m3")}
         assert lanes["m2"]["lane"] == "tcp" and lanes["m3"]["lane"] == "quic", lanes

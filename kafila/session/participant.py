@@ -49,9 +49,9 @@ from rich.console import Console
 from backends.errors import BadInput, KafilaError, Refused, describe_error
 from kafila.engine.ring import RESUME_WAIT_S, RingEngine
 from kafila.session import control, lifecycle
+from kafila.session.bulk import dial as bulk_dial
 from kafila.session.frames import Hello, Limits, encode
 from kafila.session.load import MAX_REPORTED_REQUESTS, clean_head, clean_stage, ring_load
-from kafila.session.bulk import dial as bulk_dial
 from kafila.session.ring import RingNode
 from kafila.session.ring_lane import offer_lane, take_lane
 from kafila.session.slots import DEFAULT_MAX_QUEUED, MAX_QUEUED_LIMIT, session_value
@@ -578,7 +578,6 @@ class Participant:
             TransferSpeedColumn,
         )  # fmt: skip
 
-        from kafila.session.bulk import dial
         from kafila.session.transfer import Lanes, check_local_file, fetch_weights
 
         cfg = self.cfg
@@ -592,7 +591,7 @@ class Participant:
         edge = await self.net.connect(host)
         # the TCP lane tries where the edge already reached the host first (its punched address)
         prefer = punched_host(edge)
-        lanes = None if cfg.weights_lane == "quic" else Lanes(lambda offer: dial(offer, prefer))
+        lanes = None if cfg.weights_lane == "quic" else Lanes(lambda offer: bulk_dial(offer, prefer))
 
         def lane() -> str:
             return lanes.lane if lanes is not None else "quic"
