@@ -66,4 +66,6 @@ def test_default_host_and_printed_join_command_on_a_lan(lab, tmp_path):
         if len(status["edges"]) == 3 or time.monotonic() > deadline:
             break
         time.sleep(1)
-    assert len(status["edges"]) == 3 and {e.get("lane") for e in status["edges"]} == {"tcp"}, status["edges"]
+    lanes = {(e["from"], e["to"]): (e.get("kind"), e.get("lane"), e.get("lane_note")) for e in status["edges"]}
+    print("lanes:", lanes)
+    assert len(lanes) == 3 and {lane for _, lane, _ in lanes.values()} == {"tcp"}, lanes

@@ -26,6 +26,7 @@ pyscipopt is imported inside `dinkelbach` only: importing the planner never load
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ from planner.dipsd import (
     evaluate,
     expected_accepted,
 )
+
+MIN_BETA_MS = 1e-6  # a verifier slope below this (ms a position) is modelled as 0
 
 __all__ = ["DinkelbachOutcome", "dinkelbach"]
 
@@ -132,6 +135,10 @@ class _Milp:
         from pyscipopt import Model, quicksum
 
         users, target, top = problem.users, problem.target, problem.max_draft
+        if 0 < target.beta_ms < MIN_BETA_MS:
+            # a slope this small adds nothing measurable, but next to the big-M terms it sits
+            # under SCIP's feasibility tolerance and made a one-user model "infeasible"
+            target = dataclasses.replace(target, beta_ms=0.0)
         count = len(users)
         model = Model("dipsd")
         model.hideOutput()

@@ -22,7 +22,14 @@ from kafila.session import control, lifecycle
 from kafila.session.control import PlanMessage, SessionTerms
 from kafila.session.lifecycle import BREAK_GRACE_S  # noqa: F401 (re-exported)
 from kafila.session.load import MAX_REPORTED_REQUESTS, clean_head, clean_stage
-from kafila.session.participant import STATUS_EVERY_S, Participant, cancel_and_wait, edge_stats, stdin_is_terminal
+from kafila.session.participant import (
+    STATUS_EVERY_S,
+    Participant,
+    cancel_and_wait,
+    edge_stats,
+    lan_ip,
+    stdin_is_terminal,
+)
 from kafila.session.preview import plan_summary, plan_table, predicted_tok_s  # noqa: F401 (re-exported)
 from kafila.session.replans import ReplanPacer
 from kafila.session.slots import auto_slots, parse_concurrency, parse_max_queued
@@ -200,7 +207,7 @@ class HostParticipant(Participant):
             # it serves this session only: a stranger cannot open sessions on the host's machine
             self.rendezvous_service = await Rendezvous.start(*cfg.embedded_listen, max_sessions=1)
             rv = self.rendezvous_service.address
-            shown = rv if rv[0] not in ("0.0.0.0", "::") else (_lan_ip(), rv[1])
+            shown = rv if rv[0] not in ("0.0.0.0", "::") else (lan_ip(), rv[1])
             self.say(f"{cfg.name}: embedded rendezvous on {rv[0]}:{rv[1]} (TCP+UDP; STUN also on UDP "
                      f"{self.rendezvous_service.stun_port2})")
         else:
@@ -591,10 +598,3 @@ class HostParticipant(Participant):
             await self.broadcast(control.encode(status))
 
 
-def _lan_ip() -> str:
-    import socket
-
-    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect(("192.0.2.1", 9))  # no packet is sent: only the route is looked up
-        return s.getsockname()[0]
-    return "127.0.0.1"

@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import functools
 import logging
 import os
 import signal
@@ -339,8 +338,9 @@ class Participant:
         if self._bulk is None and not self._bulk_failed:
             from kafila.session.bulk import BulkListener
 
-            own = self.net.roster().get(self.cfg.name) if self.net is not None else None
-            hosts = [h for h, _ in getattr(own, "candidates", None) or ()]
+            # its LAN address first: a host's own candidates may name only the loopback it reached
+            # its embedded rendezvous on
+            hosts = [lan_ip(), *self._candidate_hosts(self.cfg.name)]
             try:
                 self._bulk = await BulkListener.start(self.cfg.bind_host, hosts)
             except OSError as exc:
@@ -627,6 +627,11 @@ class Participant:
             self.state.weights["lane_note"] = lanes.note[:300]
         return path, self.state.weights
 
+    def _candidate_hosts(self, name: str) -> list[str]:
+        """The IPs a member's roster entry names (its edge's punch candidates)."""
+        info = self.net.roster().get(name) if self.net is not None else None
+        return [h for h, _ in getattr(info, "candidates", None) or ()]
+
     def _who(self, name: str) -> str:
         """A member as a person finds it: its name and the address it joined from."""
         info = self.net.roster().get(name) if self.net is not None else None
@@ -797,7 +802,8 @@ class Participant:
             reader, writer = await edge.open_stream()
             dial = None
             if self.cfg.ring_lane != "quic":
-                dial = functools.partial(bulk_dial, prefer=punched_host(edge))
+                async def dial(offer):  # where the edge reached it (by now), then where it said it is
+                    return await bulk_dial(offer, prefer=punched_host(edge) + self._candidate_hosts(succ))
             writer.write(encode(Hello(me, "ring", epoch, bulk=dial is not None)))
             await writer.drain()
             try:
@@ -996,6 +1002,16 @@ def _r(v):
 
 def _r6(v):
     return None if v is None else round(v, 6)  # as Plan.to_json
+
+
+def lan_ip() -> str:
+    """This machine's address on the route out (its LAN address behind a home router)."""
+    import socket
+
+    with contextlib.suppress(OSError), socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect(("192.0.2.1", 9))  # no packet is sent: only the route is looked up
+        return s.getsockname()[0]
+    return "127.0.0.1"
 
 
 def punched_host(edge) -> list[str]:
