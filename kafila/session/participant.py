@@ -48,6 +48,7 @@ from rich.console import Console
 from backends.errors import BadInput, KafilaError, Refused, describe_error
 from kafila.engine.ring import RESUME_WAIT_S, RingEngine
 from kafila.session import control, lifecycle
+from kafila.session.bulk import BulkListener
 from kafila.session.bulk import dial as bulk_dial
 from kafila.session.frames import Hello, Limits, encode
 from kafila.session.load import MAX_REPORTED_REQUESTS, clean_head, clean_stage, ring_load
@@ -336,8 +337,6 @@ class Participant:
         """This process's TCP listener for the bulk lanes (weights at the host, ring frames at
         every member), opened at first use; None when it cannot listen (QUIC carries it all)."""
         if self._bulk is None and not self._bulk_failed:
-            from kafila.session.bulk import BulkListener
-
             # its LAN address first: a host's own candidates may name only the loopback it reached
             # its embedded rendezvous on
             hosts = [lan_ip(), *self._candidate_hosts(self.cfg.name)]
