@@ -18,12 +18,15 @@ default: ready decode steps go round as micro-batches, one forward per stage) an
 one after the other at each latency, and prints on ÷ off per number of users. --ring-lane
 auto,quic does the same for the ring's frames: over the TCP lane where it connects (`auto`, the
 default) and over the QUIC edges only (`kafila join --ring-lane quic`), printing auto ÷ quic.
+--core-lock on,off does the same for the members' compute lock (kafila/session/cores.py: one
+stage computes at a time on a machine; off: KAFILA_CORE_LOCK=0 in the members' environment).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -95,8 +98,10 @@ def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS
 
 
 def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: int, model: str,
-                batch_rows: bool = True, ring_lane: str = "auto") -> dict:  # fmt: skip
+                batch_rows: bool = True, ring_lane: str = "auto", core_lock: bool = True) -> dict:  # fmt: skip
     from kafila.tooling.launch import LocalSession, get_json, stream_chat
+
+    os.environ["KAFILA_CORE_LOCK"] = "1" if core_lock else "0"  # the members inherit it
 
     s = LocalSession(members=3, model=model, latency_ms=latency_ms, batch_rows=batch_rows, ring_lane=ring_lane,
                      log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
@@ -131,7 +136,8 @@ def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: i
                       "tpot_ms": med(rows, "tpot_ms_median"), "tpot_ratio": med(rows, "tpot_ms_median") / solo_tpot,
                       "tpot_max_ratio": med(rows, "tpot_ms_max") / solo_tpot, "ttft_ms": med(rows, "ttft_ms_median"),
                       "short_answers": sum(r["short_answers"] for r in rows), "rounds": rows})  # fmt: skip
-    return {"latency_ms": latency_ms, "batch_rows": batch_rows, "ring_lane": ring_lane, "slots": slots, "plan": st["plan"], "left_out": [n for n in levels if n > slots],
+    return {"latency_ms": latency_ms, "batch_rows": batch_rows, "ring_lane": ring_lane, "core_lock": core_lock,
+            "slots": slots, "plan": st["plan"], "left_out": [n for n in levels if n > slots],
             "solo_tok_s": solo_agg, "solo_tpot_ms": solo_tpot, "table": table,
             "head_stage_batch_rows": (load["stages"].get(head) or {}).get("batch_rows"),
             "session_s": round(time.monotonic() - t0, 1)}  # fmt: skip
@@ -146,15 +152,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--batch-rows", default="on", help="on, off or on,off (both, side by side)")
     p.add_argument("--ring-lane", default="auto", help="auto, quic or auto,quic (both, side by side)")
+    p.add_argument("--core-lock", default="on", help="on, off or on,off (both, side by side)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.batch_rows.split(",")]
     lanes = [m.strip() for m in args.ring_lane.split(",")]
+    locks = [m.strip() for m in args.core_lock.split(",")]
     if not modes or any(m not in ("on", "off") for m in modes):
         print("bench.multiuser: --batch-rows takes on, off or on,off", file=sys.stderr)
         return 2
     if not lanes or any(m not in ("auto", "quic") for m in lanes):
         print("bench.multiuser: --ring-lane takes auto, quic or auto,quic", file=sys.stderr)
+        return 2
+    if not locks or any(m not in ("on", "off") for m in locks):
+        print("bench.multiuser: --core-lock takes on, off or on,off", file=sys.stderr)
         return 2
     try:
         levels = sorted({int(x) for x in args.users.split(",")} | {1})
@@ -169,10 +180,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"3 members on loopback, {args.model}, {args.max_tokens} tokens per user, median of {args.rounds} "
           "rounds; aggregate = all users' tokens / (first request sent → last token)", flush=True)  # fmt: skip
     out = {}
-    for ms, mode, lane in [(ms, mode, lane) for ms in latencies for mode in modes for lane in lanes]:
-        key = f"{ms:g} ms, rows {mode}" + (", ring lane quic" if lane == "quic" else "")
-        r = out[key] = run_latency(ms, levels, args.max_tokens, args.rounds, args.model, mode == "on", lane)
-        print(f"\n{ms:g} ms/hop, batched rows {mode}, ring lane {lane}: {r['slots']} slots (auto), ring {' → '.join(r['plan']['ring'])}, "
+    for ms, mode, lane, lock in [(ms, mode, lane, lock) for ms in latencies for mode in modes for lane in lanes
+                                 for lock in locks]:  # fmt: skip
+        key = (f"{ms:g} ms, rows {mode}" + (", ring lane quic" if lane == "quic" else "")
+               + (", core lock off" if lock == "off" else ""))  # fmt: skip
+        r = out[key] = run_latency(ms, levels, args.max_tokens, args.rounds, args.model, mode == "on", lane,
+                                   lock == "on")  # fmt: skip
+        print(f"\n{ms:g} ms/hop, batched rows {mode}, ring lane {lane}, core lock {lock}: {r['slots']} slots (auto), ring {' → '.join(r['plan']['ring'])}, "
               f"1 user {r['solo_tok_s']:.1f} tok/s, TPOT {r['solo_tpot_ms']:.1f} ms", flush=True)
         print(f"{'users':>5} {'aggregate tok/s':>16} {'÷ 1 user':>9} {'TPOT ms':>8} {'÷ solo':>7} "
               f"{'slowest ÷ solo':>15} {'TTFT ms':>8}")
@@ -183,9 +197,12 @@ def main(argv: list[str] | None = None) -> int:
                                                if row["short_answers"] else ""), flush=True)  # fmt: skip
         if r["left_out"]:
             print(f"  left out (more users than slots): {r['left_out']}")
-        for other, what in ((out.get(f"{ms:g} ms, rows on") if mode == "off" and lane == "auto" else None,
-                             "rows on ÷ off"),
-                            (out.get(f"{ms:g} ms, rows {mode}") if lane == "quic" else None, "ring lane auto ÷ quic")):
+        base = f"{ms:g} ms, rows {mode}" + (", ring lane quic" if lane == "quic" else "")
+        for other, what in ((out.get(f"{ms:g} ms, rows on") if mode == "off" and lane == "auto" and lock == "on"
+                             else None, "rows on ÷ off"),
+                            (out.get(f"{ms:g} ms, rows {mode}") if lane == "quic" and lock == "on" else None,
+                             "ring lane auto ÷ quic"),
+                            (out.get(base) if lock == "off" else None, "core lock on ÷ off")):
             if other is not None:
                 ratios = ", ".join(f"{a['users']}: {a['aggregate_tok_s'] / b['aggregate_tok_s']:.2f}×"
                                    for a, b in zip(other["table"], r["table"]))  # fmt: skip

@@ -33,7 +33,7 @@ class Hanging:
         return getattr(self.shard, name)
 
 
-def _ring(shards, limits, hang_s, tell=True):
+def _ring(shards, limits, hang_s, tell=True, machines=None):
     names = ["m1", "m2", "m3"]
     nodes = []
 
@@ -41,7 +41,7 @@ def _ring(shards, limits, hang_s, tell=True):
         for node in nodes if tell else ():
             node.degrade(reason)
 
-    nodes += [RingNode(n, "m1", names, s, limits, stage_hang_s=hang_s, on_degraded=tell_everyone)
+    nodes += [RingNode(n, "m1", names, s, limits, stage_hang_s=hang_s, on_degraded=tell_everyone, machines=machines)
               for n, s in zip(names, shards)]  # fmt: skip
     pipes = [Pipe() for _ in names]
     for i, node in enumerate(nodes):
@@ -81,3 +81,44 @@ def test_a_hanging_stage_fails_its_requests_naming_it(frozen, chain_factory, pro
     assert ("not answering" if frozen else "hangs") in end.error, end
     assert took < 5.0  # the bound (1 s here, twice it for a trip) plus the news travelling round
     assert nodes[0].degraded and "m3" in nodes[2].degraded
+
+
+def test_a_stage_waiting_for_another_member_of_its_machine_is_not_a_hang(chain_factory, prompt_ids, default_index,
+                                                                          tmp_path, monkeypatch):
+    """Members of one machine compute one at a time (kafila/session/cores.py): a stage whose step
+    waits longer than its bound for another member's compute is not hung, and the answer is the
+    one it gives without the wait."""
+    import tempfile
+
+    from kafila.session.cores import CoreLock
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.delenv("KAFILA_CORE_LOCK", raising=False)
+    chain = chain_factory("openvino", 3, "serving")
+    limits = Limits(hidden=default_index.hparams.hidden, context=512, slots=2, vocab=default_index.hparams.vocab)
+    other = CoreLock("box")  # another member of the machine, in a long step
+
+    async def answer(hold_s: float):
+        nodes = _ring(chain.shards, limits, hang_s=1.0, machines={n: "box" for n in ("m1", "m2", "m3")})
+        try:
+            assert all(isinstance(n.cores, CoreLock) for n in nodes)
+            if hold_s:
+                other.__enter__()
+                asyncio.get_running_loop().call_later(hold_s, other.__exit__, None, None, None)
+            _, waiter = await nodes[1].submit(list(prompt_ids[0]), 6)
+            t0, tokens = time.monotonic(), []
+            while True:
+                item = await asyncio.wait_for(waiter.queue.get(), 20)
+                if not isinstance(item, int):
+                    return tokens, item, time.monotonic() - t0, [n.degraded for n in nodes]
+                tokens.append(item)
+        finally:
+            for n in nodes:
+                await n.close()
+
+    tokens, end, took, degraded = asyncio.run(answer(1.6))  # over a stage's bound, under a trip's
+    assert end.finish != "error", end
+    assert took >= 1.5 and degraded == [None, None, None]
+    solo, _, _, _ = asyncio.run(answer(0))
+    assert tokens == solo and len(tokens) == 6
+    other.close()

@@ -404,10 +404,11 @@ class HeadCore:
             out.append(Pick(a.hidden, wanted, plain, draft, sampler))
         return out
 
-    def complete(self, acts: Sequence[Activation], tokens: Sequence, now: float) -> list[Action]:
-        """The rows came back and their tokens were picked: what follows for each request."""
+    def complete(self, acts: Sequence[Activation], tokens: Sequence, now: float, pick_ms: float = 0.0) -> list[Action]:
+        """The rows came back and their tokens were picked (in `pick_ms`: the head machine's
+        compute too): what follows for each request."""
         out: list[Action] = []
-        self._account_batch(acts)
+        self._account_batch(acts, pick_ms)
         for act, token in zip(acts, tokens):
             self._account(act, now)
             if act.draft:  # the origin's draft rode along (--speculate origin): for the next step
@@ -450,20 +451,25 @@ class HeadCore:
         return best_groups(rows, fit.c_ms, fit.beta_ms, net, max(0.0, fit.ring_ms - net), MAX_BATCH_ROWS)
 
     def late(self, now: float, bound_s: Callable[[int], float]) -> float | None:
-        """The watchdog: the bound (seconds) a step in flight has outlived, `bound_s(rows)` for a
-        step feeding `rows` positions (a prefill chunk computes for longer); None if none has."""
-        bounds = ((now - t0, bound_s(self._rows.get(r, 1))) for r, t0 in self._started.items())
-        return max((bound for age, bound in bounds if age > bound), default=None)
+        """The watchdog: the bound (seconds) a step in flight has outlived, None if none has. The
+        bound is `bound_s(rows)` for all the positions in flight: a prefill chunk computes for
+        longer, and the steps in flight wait for each other at a stage (and on a machine whose
+        members compute one at a time, cores.py), so a decode step behind a chunk is not late."""
+        if not self._started:
+            return None
+        bound = bound_s(sum(self._rows.get(r, 1) for r in self._started))
+        return bound if now - min(self._started.values()) > bound else None
 
     # --- internals ---------------------------------------------------------------------------------
 
-    def _account_batch(self, acts: Sequence[Activation]) -> None:
+    def _account_batch(self, acts: Sequence[Activation], pick_ms: float = 0.0) -> None:
         """The busiest machine's compute of a decode trip (from its trace) by the positions of
         all its rows: the live optimiser's verifier, v(T) = c + β·T (dipsd_live.py), and how
         many micro-batches to keep (best_groups)."""
         if not acts or not all(self.scheduler.decoding(a.req_id) for a in acts):
             return
-        busy = self._by_machine((stage, us / 1000) for stage, us in acts[0].trace)  # one trace for all rows
+        # one trace for all rows, and the head's token pick for them
+        busy = self._by_machine([(stage, us / 1000) for stage, us in acts[0].trace] + [(self.name, pick_ms)])
         if busy:  # the positions computed: every row at the longest's where a stage pads them
             positions = len(acts) * max(a.n for a in acts) if self.padded_rows else sum(a.n for a in acts)
             self.serial_cost.observe(positions, max(busy.values()))

@@ -39,6 +39,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
+from kafila.session.cores import core_lock
 from kafila.session.fields import MAX_ORIGIN_DRAFT
 from kafila.session.frames import Activation, Cancel, EncodeError, Frame, FrameError, Free, Limits, Request, Tokens
 from kafila.session.head import (
@@ -157,6 +158,8 @@ class RingNode:
         self.limits = limits
         self.slots = LocalSlots(shard)
         self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"stage-{name}")
+        # held around each forward and token pick when other members share this machine (cores.py)
+        self.cores = core_lock(name, machines)
         self.out: FrameWriter | None = None  # to the successor (None: a ring of one)
         self.waiters: dict[str, Waiter] = {}
         self.degraded: str | None = None
@@ -225,6 +228,7 @@ class RingNode:
         if self.drafter is not None:
             await asyncio.get_running_loop().run_in_executor(self.executor, self.drafter.close)
         self.executor.shutdown(wait=True)
+        self.cores.close()
 
     def degrade(self, reason: str) -> None:
         """The ring is broken: fail everything in flight with `reason` (idempotent)."""
@@ -254,6 +258,8 @@ class RingNode:
         # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation that
         # arrives as the work finishes (then close() waited for ever on a task that went on)
         done, _ = await asyncio.wait({fut}, timeout=bound)
+        while not done and self.cores.waiting:  # behind another member of this machine: not a hang here
+            done, _ = await asyncio.wait({fut}, timeout=bound)
         if not done:
             reason = (f"member {self.name}'s stage did not finish a step within {bound:.0f} s "
                       "(its compute hangs)")  # fmt: skip
@@ -413,15 +419,22 @@ class RingNode:
         """This stage's forward on the worker thread (the head's too: xs are token ids there): one
         slot alone (`forward`; a fresh step resets its slot) or several as one (`forward_batch`);
         the hidden states and the µs it took."""
-        t0 = time.perf_counter()
-        if len(where) == 1:
-            (ring_slot, cache_len), = where
-            hs = [self.shard.forward(self.slots.get(ring_slot, cache_len == 0), xs[0], positions[0], masks[0])]
-        else:
-            hs = self.shard.forward_batch([self.slots.get(s, False) for s, _ in where], xs, positions, masks)
+        with self.cores:
+            t0 = time.perf_counter()
+            if len(where) == 1:
+                (ring_slot, cache_len), = where
+                hs = [self.shard.forward(self.slots.get(ring_slot, cache_len == 0), xs[0], positions[0], masks[0])]
+            else:
+                hs = self.shard.forward_batch([self.slots.get(s, False) for s, _ in where], xs, positions, masks)
         self.batch_rows = len(where)
         self.forwards += 1
         return hs, int((time.perf_counter() - t0) * 1e6)
+
+    def _pick(self, picks) -> tuple[list, int]:
+        """The tokens of a returning step's rows, and the µs it took (the head machine's compute)."""
+        with self.cores:
+            t0 = time.perf_counter()
+            return pick_tokens(self.shard, picks), int((time.perf_counter() - t0) * 1e6)
 
     async def _send(self, *frames: Frame) -> None:
         """Frames to the successor, written back to back (a micro-batch's rows stay together)."""
@@ -461,8 +474,8 @@ class RingNode:
                 elif isinstance(ev, Solved):
                     core.dipsd_solved(ev, time.perf_counter())
                 elif isinstance(ev, Back):  # one step, or a micro-batch's rows: all done before the next pump
-                    tokens = await self._compute(pick_tokens, self.shard, core.picks(ev.acts))
-                    await self._carry_out(core.complete(ev.acts, tokens, time.perf_counter()))
+                    tokens, pick_us = await self._compute(self._pick, core.picks(ev.acts))
+                    await self._carry_out(core.complete(ev.acts, tokens, time.perf_counter(), pick_us / 1000))
                     if core.depth_due(time.perf_counter()):
                         core.batches.groups = self._pipeline_depth()
                 for work in core.pump(time.perf_counter()):

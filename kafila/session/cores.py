@@ -1,0 +1,78 @@
+"""One stage computes at a time on a machine that runs several members' stages.
+
+Why. Members of one ring on one machine (`kafila demo`'s three, or network namespaces of one
+host) each ask the CPU plugin for every core. With several requests in flight their stages
+compute at the same time, and the plugins' worker threads then contend for the same cores: a
+parallel step whose threads are descheduled in turn waits at each barrier for the slowest, so
+two overlapping steps take much longer than the two one after the other (issue 13: in a 3-member
+loopback session with 8 users, a row's compute cost about three times what one process alone
+measures). The head already plans micro-batches as if such a machine computes one stage at a
+time (HeadCore.pipeline_depth); this lock makes it so, across processes.
+
+How. An advisory lock (flock) on a file named after the machine id and the user, taken by the
+stage's compute thread around each forward and the head's token pick and released right after:
+the kernel drops it when a process dies, so a crashed member never holds it. Members on other
+machines take no lock. KAFILA_CORE_LOCK=0 in the environment turns it off (benchmarks compare
+both).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import tempfile
+
+
+class CoreLock:
+    """The machine's compute lock: `with lock:` runs the block while no other member of this
+    machine computes. Reentrant within one thread is not needed: one compute thread a member."""
+
+    def __init__(self, machine: str, directory: str | None = None) -> None:
+        safe = "".join(c for c in machine if c.isalnum())[:32] or "machine"
+        self.path = os.path.join(directory or tempfile.gettempdir(), f"kafila-cores-{os.getuid()}-{safe}.lock")
+        self._fd: int | None = None
+        # True while the compute thread waits for another member's step: the stage's hang
+        # watchdog does not count that wait (that member's own watchdog watches its step)
+        self.waiting = False
+
+    def __enter__(self) -> CoreLock:
+        if self._fd is None:
+            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self.waiting = True
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX)
+            finally:
+                self.waiting = False
+        return self
+
+    def __exit__(self, *exc) -> None:
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class NoLock(contextlib.nullcontext):
+    """A member alone on its machine: nothing to take."""
+
+    waiting = False
+
+    def close(self) -> None:
+        pass
+
+
+def core_lock(me: str, machines: dict[str, str] | None) -> CoreLock | NoLock:
+    """The lock for member `me`'s compute: a CoreLock when another ring member runs on the same
+    machine (`machines`: ring member → machine id), else a NoLock."""
+    if not machines or os.environ.get("KAFILA_CORE_LOCK", "1") == "0":
+        return NoLock()
+    mine = machines.get(me, me)
+    if not any(m == mine for n, m in machines.items() if n != me):
+        return NoLock()
+    return CoreLock(mine)
