@@ -11,7 +11,9 @@ import os
 import pytest
 
 from backends.errors import KafilaError, describe_error
+from kafila import __version__
 from kafila.session import host as host_mod
+from kafila.session.control import PROTOCOL
 from kafila.session import participant as participant_mod
 from kafila.session.host import HostParticipant
 from kafila.session.participant import Participant, SessionConfig
@@ -19,7 +21,8 @@ from kafila.tooling.launch import free_ports
 from tests.default_model import MODEL, needs_default_model
 
 pytestmark = [needs_default_model, pytest.mark.timeout(120)]
-DEVICE = {"backend": "openvino", "memory_gb": 8.0, "bandwidth_gbps": 10.0, "overhead_us": 100.0, "tflops": 1.0}
+DEVICE = {"backend": "openvino", "memory_gb": 8.0, "bandwidth_gbps": 10.0, "overhead_us": 100.0, "tflops": 1.0,
+          "protocol": PROTOCOL, "version": __version__}
 
 
 def _quiet():
@@ -28,13 +31,8 @@ def _quiet():
     return Console(file=open(os.devnull, "w"))  # noqa: SIM115
 
 
-def test_a_ring_edge_not_up_in_time_is_one_line_on_host_and_member(tmp_path, monkeypatch):
-    import backends
-
-    monkeypatch.setattr(Participant, "descriptor", lambda self: dict(DEVICE))
-    monkeypatch.setattr(backends, "load_shard", lambda *a, **k: object())  # no shard: the edge is the point
-    monkeypatch.setattr(host_mod, "stdin_is_terminal", lambda: False)
-    monkeypatch.setattr(participant_mod, "RING_EDGE_TIMEOUT_S", 0.0)  # a real peer, no time to reach it
+def _host_and_member(tmp_path):
+    """A host (m1) and one member (m2) on a real embedded rendezvous: each one's end, raised or returned."""
     (rv,) = free_ports(1)
     common = {"api": None, "bind_host": "127.0.0.1", "cache_dir": str(tmp_path)}
     host = HostParticipant(SessionConfig(name="m1", rendezvous=None, model_path=MODEL, expect=2,
@@ -53,7 +51,17 @@ def test_a_ring_edge_not_up_in_time_is_one_line_on_host_and_member(tmp_path, mon
         await host.shutdown()
         return results
 
-    host_exc, member_exc = asyncio.run(run())
+    return asyncio.run(run())
+
+
+def test_a_ring_edge_not_up_in_time_is_one_line_on_host_and_member(tmp_path, monkeypatch):
+    import backends
+
+    monkeypatch.setattr(Participant, "descriptor", lambda self: dict(DEVICE))
+    monkeypatch.setattr(backends, "load_shard", lambda *a, **k: object())  # no shard: the edge is the point
+    monkeypatch.setattr(host_mod, "stdin_is_terminal", lambda: False)
+    monkeypatch.setattr(participant_mod, "RING_EDGE_TIMEOUT_S", 0.0)  # a real peer, no time to reach it
+    host_exc, member_exc = _host_and_member(tmp_path)
     for who, exc in (("host", host_exc), ("member", member_exc)):
         assert isinstance(exc, KafilaError), f"{who}: {exc!r}"  # the CLI prints it as one line
         line = describe_error(exc)
@@ -62,3 +70,46 @@ def test_a_ring_edge_not_up_in_time_is_one_line_on_host_and_member(tmp_path, mon
         # what did not happen, with whom (name and address), within how long
         assert "ring edge from m" in line and "(127.0.0.1)" in line and "within 0 s" in line, f"{who}: {line}"
     assert "m1" in describe_error(host_exc) and "m2" in describe_error(member_exc)
+
+
+def test_a_member_of_an_older_kafila_is_left_out_in_one_line(tmp_path, monkeypatch):
+    """Mixed versions (a member from before session protocols, as an older `kafila join` sends its
+    descriptor): the host leaves it out of the plan and tells it why in one line, which it ends
+    with; the host serves on without it. No ring edge waits for an answer the member never gives."""
+    import io
+
+    from rich.console import Console
+
+    older = {k: v for k, v in DEVICE.items() if k not in ("protocol", "version")}
+    monkeypatch.setattr(Participant, "descriptor", lambda self: dict(DEVICE if self.is_host else older))
+    monkeypatch.setattr(host_mod, "stdin_is_terminal", lambda: False)
+    (rv,) = free_ports(1)
+    common = {"api": None, "bind_host": "127.0.0.1", "cache_dir": str(tmp_path)}
+    said = io.StringIO()
+    host = HostParticipant(SessionConfig(name="m1", rendezvous=None, model_path=MODEL, expect=2,
+                                         embedded_listen=("127.0.0.1", rv), **common),
+                           Console(file=said, width=400))  # fmt: skip
+    member = Participant(SessionConfig(name="m2", rendezvous=("127.0.0.1", rv), local_model=MODEL, **common),
+                         _quiet())  # fmt: skip
+
+    async def run():
+        h = asyncio.create_task(host._lifecycle())
+        while host.net is None and not h.done():
+            await asyncio.sleep(0.05)
+        member.code = host.net.code
+        m = asyncio.create_task(member._lifecycle())
+        (member_end,) = await asyncio.wait_for(asyncio.gather(m, return_exceptions=True), 90)
+        host_alive = not h.done()
+        h.cancel()
+        await asyncio.gather(h, return_exceptions=True)
+        await member.shutdown()
+        await host.shutdown()
+        return member_end, host_alive
+
+    member_exc, host_alive = asyncio.run(run())
+    assert isinstance(member_exc, KafilaError), repr(member_exc)
+    line = describe_error(member_exc)
+    assert "\n" not in line and "member m2 runs an older Kafila" in line, line
+    assert "install the same Kafila version on every machine" in line, line
+    assert host_alive, said.getvalue()[-2000:]
+    assert "member m2 runs an older Kafila" in said.getvalue() and "left out of the session" in said.getvalue()

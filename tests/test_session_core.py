@@ -15,7 +15,7 @@ from kafila.session import lifecycle as lc
 from kafila.session.lifecycle import Phase
 from planner import Plan, Refusal
 
-TERMS = c.SessionTerms(context=256, concurrency=2)
+TERMS = c.SessionTerms(context=256, concurrency=2, protocol=c.PROTOCOL, version="0.1.0")
 
 
 def plan(*ring: str, epoch: int = 1, reason: str | None = None) -> c.PlanMessage:
@@ -94,6 +94,21 @@ def test_member_whose_preparation_fails_tells_the_host_and_ends() -> None:
                     lc.EndEngine("m2 could not build blocks [2, 4)"), lc.Abort("m2 could not build blocks [2, 4)")]
     assert core.phase is Phase.ENDED
     assert core.on(received("m1", c.Serving(1)), 2.0) == []  # over is over
+
+
+@pytest.mark.parametrize(("protocol", "version", "says"), [
+    (None, None, "the host runs an older Kafila (from before session protocols were numbered)"),
+    (c.PROTOCOL + 1, "9.0", f"the host runs Kafila 9.0 (session protocol {c.PROTOCOL + 1})"),
+])  # fmt: skip
+def test_member_of_another_session_protocol_tells_the_host_and_ends(protocol, version, says) -> None:
+    """Mixed versions: one line naming both and what to do, not a ring edge that times out."""
+    core = member()
+    terms = dataclasses.replace(TERMS, protocol=protocol, version=version)
+    acts = core.on(received("m1", dataclasses.replace(plan("m1", "m2"), session=terms)), 0.0)
+    assert kinds(acts) == ["Send", "EndEngine", "Abort"]
+    assert isinstance(acts[0].msg, c.Failed) and acts[0].msg.reason == acts[2].reason
+    assert acts[2].reason.startswith(says) and "install the same Kafila version on every machine" in acts[2].reason
+    assert core.phase is Phase.ENDED
 
 
 @pytest.mark.parametrize(("event", "says"), [

@@ -126,6 +126,26 @@ def _measured(value: Any) -> tuple[tuple[str, float], ...]:
 # --- the session's terms -------------------------------------------------------------------------
 
 
+# The session protocol: raised whenever members of one session must run the same code to work
+# together (a frame, a message or an exchange that an older member does not understand). 1: the
+# first numbered, the ring's TCP lane (ring_lane.py). A host and its members compare it at
+# planning (protocol_mismatch), so mixed versions fail with one line instead of a timeout.
+PROTOCOL = 1
+
+
+def protocol_mismatch(who: str, theirs: object, version: object) -> str | None:
+    """Why `who` (running Kafila `version`, session protocol `theirs`; None: from before both were
+    sent) cannot be in a session with this process, or None when it can."""
+    from kafila import __version__
+
+    if theirs == PROTOCOL:
+        return None
+    what = (f"Kafila {str(version)[:32]} (session protocol {str(theirs)[:16]})" if theirs is not None
+            else "an older Kafila (from before session protocols were numbered)")  # fmt: skip
+    return (f"{who} runs {what}, this machine Kafila {__version__} (session protocol {PROTOCOL}): "
+            "install the same Kafila version on every machine of the session")
+
+
 @dataclass(frozen=True)
 class SessionTerms:
     """What the host decided for the whole session, sent with every plan."""
@@ -140,6 +160,8 @@ class SessionTerms:
     concurrency_from: str = "--concurrency"  # or "memory" (auto)
     model: str | None = None
     sha256: str | None = None
+    protocol: int | None = None  # the host's PROTOCOL (None: a host from before it was sent)
+    version: str | None = None  # the host's Kafila version, for the message when they differ
 
     def __post_init__(self) -> None:
         _int(self.context, "session.context", 1, MAX_CONTEXT_TOKENS)
@@ -154,6 +176,9 @@ class SessionTerms:
             raise ControlError("session.dipsd must be true or false")
         _opt_text(self.model, "session.model", 256)
         _opt_text(self.sha256, "session.sha256", 64)
+        if self.protocol is not None:
+            _int(self.protocol, "session.protocol", 0, 1 << 30)
+        _opt_text(self.version, "session.version", 32)
 
     def to_json(self) -> dict:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -396,4 +421,5 @@ def decode(body: Any) -> ControlMessage:
 
 
 __all__ = ["KINDS", "ControlError", "ControlMessage", "Degraded", "EdgeReport", "Failed", "Gone", "PlanMessage",
-           "Ready", "Refusal", "Serving", "SessionTerms", "Status", "Wait", "clip", "decode", "encode"]  # fmt: skip
+           "Ready", "Refusal", "Serving", "SessionTerms", "Status", "Wait", "clip", "decode", "encode", "PROTOCOL",
+           "protocol_mismatch"]  # fmt: skip

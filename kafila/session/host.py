@@ -17,6 +17,7 @@ from rich.table import Table
 
 from backends.errors import BadInput, Refused, describe_error
 from backends.memory import RESIDENT_BYTES_PER_WEIGHT
+from kafila import __version__
 from kafila.net.codefile import write_private
 from kafila.session import control, lifecycle
 from kafila.session.control import PlanMessage, SessionTerms
@@ -97,6 +98,7 @@ class HostParticipant(Participant):
         self.rendezvous_service = None
         self.digests = None
         self._weight_cache: dict = {}
+        self._left_out: set[str] = set()  # members of another session protocol (_leave_out)
         self.host_name = cfg.name
         self._hash_cancel = threading.Event()  # stops a hashing worker when the host leaves
         self._transfers: dict[str, TransferProgress] = {}  # member → the weights it was sent
@@ -150,7 +152,8 @@ class HostParticipant(Participant):
                         "speculate": cfg.speculate, "max_queued": cfg.max_queued, "batch_rows": cfg.batch_rows,
                         "dipsd": cfg.dipsd,
                         "concurrency_from": "memory" if cfg.concurrency is None else "--concurrency",
-                        "model": index.name, "sha256": self.digests.sha256}  # fmt: skip
+                        "model": index.name, "sha256": self.digests.sha256,
+                        "protocol": control.PROTOCOL, "version": __version__}  # fmt: skip
         await self._form(None)
         await self._start_serving()
         self.spawn(self._broadcast_status(), "status")
@@ -478,6 +481,9 @@ class HostParticipant(Participant):
         devices, kinds = [], {self.cfg.backend}
         for name, info in self.net.roster().items():
             d = info.descriptor or {}
+            if why := control.protocol_mismatch(f"member {name}", d.get("protocol"), d.get("version")):
+                self._leave_out(name, why)  # it could not form a ring edge with this version's members
+                continue
             dev = {"name": name, "memory_gb": d.get("memory_gb") or 1.0, "nat": info.nat,
                    "rtt_ms": float(info.rtt_ms)}  # fmt: skip
             for k in ("bandwidth_gbps", "overhead_us", "tflops"):
@@ -495,6 +501,16 @@ class HostParticipant(Participant):
             return plan, (auto_slots(fleet, plan.to_json()) if plan.feasible else 1)
         except PlanInputError as exc:
             raise Refused(f"cannot plan this session: {exc}") from None
+
+    def _leave_out(self, name: str, why: str) -> None:
+        """A member of another Kafila version is left out of every plan: told once, in one line
+        (it ends with it), and so is the host's terminal."""
+        if name in self._left_out:
+            return
+        self._left_out.add(name)
+        self.say(f"{self.cfg.name}: {why}; it is left out of the session")
+        self.event("left-out", name=name, reason=why)
+        self.spawn(self._tell(name, control.encode(control.Refusal(control.clip(why)))), "tell-left-out")
 
     async def serve_weights(self, edge, reader, writer, hello=None) -> None:
         """Serve one member's weight stream (`hello`: its Hello, already read by _on_edge)."""

@@ -221,6 +221,10 @@ class MemberCore(SessionCore):
         if isinstance(msg, c.PlanMessage):
             if msg.epoch <= self.epoch:
                 return []
+            why = c.protocol_mismatch("the host", msg.session.protocol, msg.session.version)
+            if why is not None:  # the ring would not form (an exchange one side does not know)
+                self._end()
+                return [Send(self.host, c.Failed(c.clip(why, 300), msg.epoch)), EndEngine(why), Abort(why)]
             out: list[Action] = []
             if self.epoch:  # a replan: this one replaces ours
                 why = (msg.reason or "the host replanned")[:300]

@@ -46,6 +46,7 @@ from dataclasses import dataclass, field
 from rich.console import Console
 
 from backends.errors import BadInput, KafilaError, Refused, describe_error
+from kafila import __version__
 from kafila.engine.ring import RESUME_WAIT_S, RingEngine
 from kafila.session import control, lifecycle
 from kafila.session.bulk import BulkListener
@@ -267,7 +268,8 @@ class Participant:
         p = probe_device(quick=True, backend=self.cfg.backend)  # measured on what it will serve on
         return {"backend": self.cfg.backend, "probed_on": p.backend, "memory_gb": round(p.memory_gb, 3),
                 "bandwidth_gbps": p.bandwidth_gbps, "overhead_us": p.overhead_us,
-                "tflops": p.tflops, "machine": machine_id()}  # fmt: skip
+                "tflops": p.tflops, "machine": machine_id(),
+                "protocol": control.PROTOCOL, "version": __version__}  # fmt: skip
 
     # --- running ---------------------------------------------------------------------------------
 
