@@ -135,6 +135,32 @@ def test_the_end_of_the_stream_beside_the_lane_closes_the_lane():
     asyncio.run(run())
 
 
+@pytest.mark.parametrize("stream_ends", [False, True])
+def test_a_lane_whose_tcp_ends_alone_is_marked_broke(stream_ends, monkeypatch):
+    """The TCP connection ends while the QUIC stream beside it stays up: P marks its lane broke
+    (its member then keeps that successor's frames on QUIC). When the stream ends too within the
+    grace (a teardown: both end, TCP often first) it is no break."""
+    from kafila.session import ring_lane
+
+    monkeypatch.setattr(ring_lane, "BREAK_GRACE_S", 0.5)
+
+    async def run():
+        listener = await B.BulkListener.start("127.0.0.1", [])
+        try:
+            writer, p_lane, reader, s_lane, s = await form(listener, B.dial)
+            await carry(writer, reader, 1)
+            await s_lane.close()  # S's end of the TCP connection closes; the QUIC stream does not
+            if stream_ends:
+                await asyncio.sleep(0.1)
+                s.back.close()
+            await asyncio.wait_for(asyncio.shield(p_lane.watcher), 5)
+            return p_lane.broke
+        finally:
+            await listener.close()
+
+    assert asyncio.run(run()) is not stream_ends
+
+
 def test_anything_on_the_stream_after_the_lane_is_up_closes_it():
     async def run():
         listener = await B.BulkListener.start("127.0.0.1", [])

@@ -209,6 +209,9 @@ class Participant:
         self._planned = asyncio.Event()  # set once `role` is known: a ring Hello waits for it
         self._ring_edges: list = []
         self._lanes_out: list = []  # ring_lane.Lane of this member's ring edges (both ends)
+        # successors (name, certificate) whose TCP lane broke while the QUIC edge stayed up: their
+        # frames stay on QUIC, so a path that drops TCP does not break every plan's ring
+        self._lanes_broken: set[tuple] = set()
         self.succ_lane = None  # ring_lane.Lane to the successor: what /status says it carries frames on
         self._bulk = None  # kafila.session.bulk.BulkListener: the TCP lanes' (opened at first use)
         self._bulk_failed = False  # it could not listen: not tried again
@@ -332,6 +335,10 @@ class Participant:
             with contextlib.suppress(Exception):
                 await edge.close()
         for lane in lanes:
+            if lane.broke and lane.peer not in self._lanes_broken:
+                self._lanes_broken.add(lane.peer)
+                log.warning("ring: the TCP lane to %s broke while its QUIC edge stayed up: its frames stay "
+                            "on QUIC from the next plan on", lane.peer[0])  # fmt: skip
             await lane.close()
         self.succ_edge = self.succ_lane = None
 
@@ -802,7 +809,9 @@ class Participant:
             self._ring_edges.append(edge)
             reader, writer = await edge.open_stream()
             dial = None
-            if self.cfg.ring_lane != "quic":
+            info = self.net.roster().get(succ)
+            peer = (succ, info.fingerprint if info is not None else None)
+            if self.cfg.ring_lane != "quic" and peer not in self._lanes_broken:
                 async def dial(offer):  # where the edge reached it (by now), then where it said it is
                     return await bulk_dial(offer, prefer=punched_host(edge) + self._candidate_hosts(succ))
             writer.write(encode(Hello(me, "ring", epoch, bulk=dial is not None)))
@@ -811,6 +820,9 @@ class Participant:
                 writer, lane = await take_lane(reader, writer, dial, self.cfg.send_delay_ms)
             except StreamClosed as exc:
                 raise Refused(f"{self._who(succ)} closed the ring stream from {me}: {exc}") from None
+            lane.peer = peer
+            if peer in self._lanes_broken:
+                lane.note = "its TCP lane broke in an earlier plan while the QUIC edge stayed up"
             self._lanes_out.append(lane)
             return edge, lane, writer
 

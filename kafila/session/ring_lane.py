@@ -43,6 +43,10 @@ log = logging.getLogger(__name__)
 # timeouts, then its decline crosses the edge
 ANSWER_WAIT_S = BULK_CONNECT_TIMEOUT_S + BULK_HANDSHAKE_TIMEOUT_S + 10.0
 
+# P counts its lane as broken (Lane.broke) when the QUIC stream beside it is still up this long
+# after the TCP connection ended
+BREAK_GRACE_S = 2.0
+
 Dial = Callable[[BulkOffer], Awaitable[tuple]]  # an offer → the lane's (reader, writer), or raises
 
 
@@ -56,6 +60,11 @@ class Lane:
     # the QUIC stream's writer beside a TCP lane: held, since a StreamWriter that is collected
     # closes its stream, which the other end takes for the edge's end
     stream_writer: object = None
+    # P's end: the TCP lane ended while the QUIC stream beside it did not (a path that drops TCP
+    # connections, or the successor's process gone before its edge times out); the member then
+    # keeps that successor's frames on QUIC (Participant._lanes_broken)
+    broke: bool = False
+    peer: object = None  # who the lane leads to (the successor's name and certificate), set by the member
 
     def as_dict(self) -> dict:
         return {"lane": self.kind} | ({"lane_note": self.note[:300]} if self.note else {})
@@ -92,7 +101,7 @@ async def take_lane(reader, writer, dial: Dial | None, send_delay_ms: float = 0.
         return writer, Lane(note=note)
     tcp_reader.idle_timeout_s = None  # the successor never writes here; an idle ring is not a dead one
     lane = Lane("tcp", stream_writer=writer)
-    lane.watcher = asyncio.create_task(_tie(reader, tcp_reader, tcp_writer), name="ring-lane-tie")
+    lane.watcher = asyncio.create_task(_tie(reader, tcp_reader, tcp_writer, lane=lane), name="ring-lane-tie")
     return delayed_writer(tcp_writer, send_delay_ms, wait_delivery=False), lane
 
 
@@ -139,17 +148,24 @@ async def offer_lane(reader, writer, listener) -> tuple[object, Lane]:
                 f.exception()  # retrieved: the outcome above is what counts
 
 
-async def _tie(quic_reader, tcp_reader, tcp_writer, listener=None, ticket=None) -> None:
+async def _tie(quic_reader, tcp_reader, tcp_writer, listener=None, ticket=None, lane: Lane | None = None) -> None:
     """Close the TCP lane when the QUIC stream beside it ends or carries anything (the edge
     closed, the peer vanished, a confused peer), or when `tcp_reader` (P's end: S never writes
-    to the lane) reaches its end: either way the ring's own reader or writer then fails."""
+    to the lane) reaches its end: either way the ring's own reader or writer then fails. P's
+    `lane` is marked broke when TCP ended first."""
     waits = [asyncio.ensure_future(quic_reader.read(1))]
     if tcp_reader is not None:
         waits.append(asyncio.ensure_future(_record_or_end(tcp_reader)))
     try:
         done, _ = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
         log.info("ring: TCP lane closed (%s)", "the QUIC stream beside it ended or carried data"
-                 if waits[0] in done else "the successor closed it")  # fmt: skip
+                 if waits[0] in done else "the TCP connection ended")  # fmt: skip
+        if lane is not None and waits[0] not in done:
+            with contextlib.suppress(Exception):
+                tcp_writer.close()  # the ring's next write fails at once
+            # a teardown ends both, TCP often first; a lane that broke alone leaves the stream up
+            done, _ = await asyncio.wait([waits[0]], timeout=BREAK_GRACE_S)
+            lane.broke = not done
     finally:
         for w in waits:
             w.cancel()
