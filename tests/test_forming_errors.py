@@ -31,12 +31,14 @@ def _quiet():
     return Console(file=open(os.devnull, "w"))  # noqa: SIM115
 
 
-def _host_and_member(tmp_path):
-    """A host (m1) and one member (m2) on a real embedded rendezvous: each one's end, raised or returned."""
+def _host_and_member(tmp_path, host_console=None, host_ends=True):
+    """A host (m1) and one member (m2) on a real embedded rendezvous: each one's end, raised or
+    returned (host_ends False: the member's end, and whether the host was still running then)."""
     (rv,) = free_ports(1)
     common = {"api": None, "bind_host": "127.0.0.1", "cache_dir": str(tmp_path)}
     host = HostParticipant(SessionConfig(name="m1", rendezvous=None, model_path=MODEL, expect=2,
-                                         embedded_listen=("127.0.0.1", rv), **common), _quiet())  # fmt: skip
+                                         embedded_listen=("127.0.0.1", rv), **common),
+                           host_console or _quiet())  # fmt: skip
     member = Participant(SessionConfig(name="m2", rendezvous=("127.0.0.1", rv), local_model=MODEL, **common),
                          _quiet())  # fmt: skip
 
@@ -46,7 +48,11 @@ def _host_and_member(tmp_path):
             await asyncio.sleep(0.05)
         member.code = host.net.code
         m = asyncio.create_task(member._lifecycle())
-        results = await asyncio.wait_for(asyncio.gather(h, m, return_exceptions=True), 90)
+        results = await asyncio.wait_for(asyncio.gather(*((h, m) if host_ends else (m,)), return_exceptions=True), 90)
+        if not host_ends:
+            results = (results[0], not h.done())
+            h.cancel()
+            await asyncio.gather(h, return_exceptions=True)
         await member.shutdown()
         await host.shutdown()
         return results
@@ -83,30 +89,8 @@ def test_a_member_of_an_older_kafila_is_left_out_in_one_line(tmp_path, monkeypat
     older = {k: v for k, v in DEVICE.items() if k not in ("protocol", "version")}
     monkeypatch.setattr(Participant, "descriptor", lambda self: dict(DEVICE if self.is_host else older))
     monkeypatch.setattr(host_mod, "stdin_is_terminal", lambda: False)
-    (rv,) = free_ports(1)
-    common = {"api": None, "bind_host": "127.0.0.1", "cache_dir": str(tmp_path)}
     said = io.StringIO()
-    host = HostParticipant(SessionConfig(name="m1", rendezvous=None, model_path=MODEL, expect=2,
-                                         embedded_listen=("127.0.0.1", rv), **common),
-                           Console(file=said, width=400))  # fmt: skip
-    member = Participant(SessionConfig(name="m2", rendezvous=("127.0.0.1", rv), local_model=MODEL, **common),
-                         _quiet())  # fmt: skip
-
-    async def run():
-        h = asyncio.create_task(host._lifecycle())
-        while host.net is None and not h.done():
-            await asyncio.sleep(0.05)
-        member.code = host.net.code
-        m = asyncio.create_task(member._lifecycle())
-        (member_end,) = await asyncio.wait_for(asyncio.gather(m, return_exceptions=True), 90)
-        host_alive = not h.done()
-        h.cancel()
-        await asyncio.gather(h, return_exceptions=True)
-        await member.shutdown()
-        await host.shutdown()
-        return member_end, host_alive
-
-    member_exc, host_alive = asyncio.run(run())
+    member_exc, host_alive = _host_and_member(tmp_path, Console(file=said, width=400), host_ends=False)
     assert isinstance(member_exc, KafilaError), repr(member_exc)
     line = describe_error(member_exc)
     assert "\n" not in line and "member m2 runs an older Kafila" in line, line
