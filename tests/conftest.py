@@ -116,6 +116,14 @@ def ov_form(request, monkeypatch) -> str:
     return request.param
 
 
+def default_ov_form() -> str:
+    """The form this machine's CPU plugin gives the tests' small offset-type matrices by default
+    (backends/openvino/weights.py split_min_weights: every matrix where it infers in f32)."""
+    from backends.openvino import weights
+
+    return "split" if weights.split_min_weights() == 0 else "zero-point"
+
+
 def fc_precisions_in(form: str, zero_point_fcs: dict[str, int]) -> dict[str, int]:
     """The FullyConnected precisions a stage compiles to in `form`, from those of the zero point
     form: the split form's codes are signed (u4 → i4, u8 → i8), and each of those FullyConnected

@@ -154,13 +154,16 @@ def test_openvino_matches_llamacpp_on_quantized_files(quantized, ftype):
 @pytest.mark.parametrize("ftype", FTYPES)
 def test_openvino_keeps_llamacpp_k_quants_compressed(quantized, ftype):
     """Every projection of llama.cpp's mix (lm_head included) compiles to a FullyConnected at its
-    code precision (Q4_K u4, Q5_K u8, Q6_K i8): none is expanded to f32 weights."""
+    code precision (Q4_K u4, Q5_K u8, Q6_K i8; in the split form i4, i8 and an f32 one for the
+    offsets): none is expanded to f32 weights."""
+    from tests.conftest import default_ov_form, fc_precisions_in
     from tests.test_kquants import _fc_precisions
 
     path, index, _, _ = quantized(ftype)
     shard = load_shard("openvino", ShardSpec(path, 0, index.hparams.n_blocks, True, True), "f32", index=index)
     fcs = _fc_precisions(shard.runtime_model())
-    assert set(fcs) == {FC_PRECISION[q] for q in MATRIX_TYPES[ftype]}, (fcs, type_histogram(index))
+    want = fc_precisions_in(default_ov_form(), {FC_PRECISION[q]: 1 for q in MATRIX_TYPES[ftype]})
+    assert set(fcs) == set(want), (fcs, type_histogram(index))
 
 
 @pytest.mark.slow

@@ -23,14 +23,15 @@ Types with an offset per group (w = s·q + o) take one of two exact forms.
 - Zero point: (q − z)·s with an f32 z = −o/s, equal to s·q + o to f32 rounding (openvino_genai's
   u4 zero point round(−m/d) is lossy). A group whose scale is 0 holds one value, its offset: it is
   stored as codes 1, zero point 0 and scale = offset, exact again.
-- Split, for matrices of SPLIT_MIN_WEIGHTS weights or more: w·x = Σ_g s_g·(q − c)·x_g +
+- Split, for matrices of split_min_weights() weights or more: w·x = Σ_g s_g·(q − c)·x_g +
   Σ_g (o_g + c·s_g)·Σx_g, a compressed FullyConnected without a zero point plus a small f32 matrix
   (1/32 of the weights, the zero point's bytes) applied to each group's sum of x; exact at f32
   (another summation order), and a scale-0 group needs no special case. The plugin's kernel
   decompresses a weight with one multiply instead of a subtract and a multiply: on a Llama-3.2-1B
   shape the gate/up FullyConnected runs 1.9× faster (bench/ov_kernels.py, docs/BENCHMARKS.md), but
   the second FullyConnected and the ReduceSum cost a fixed 15–20 µs, more than a small matrix
-  saves (SmolLM2-135M's are under a million weights). Signed codes q − c keep the offsets small;
+  saves (SmolLM2-135M's are under a million weights) where the plugin infers in bf16; in f32 every
+  matrix gains (split_min_weights). Signed codes q − c keep the offsets small;
   with u4 codes the two products nearly cancel for a centred group and bf16 rounding of the group
   sums shows (28× the zero point form's error); with i4 the error at serving precision is that of
   llama.cpp's own Q8_K-activation dot products.
@@ -48,6 +49,7 @@ Constants wrap numpy buffers without copying (4-bit: element 2i in the low nibbl
 
 from __future__ import annotations
 
+import functools
 import mmap
 import os
 import tempfile
@@ -62,7 +64,27 @@ from backends.gguf.quant import FLOAT_TYPES, QuantBlocks, split_blocks
 
 F32 = ov.Type.f32
 OFFSET_TYPES = ("Q4_1", "Q5_1", "Q4_K", "Q5_K")  # w = s·q + o: a zero point or the split form
-SPLIT_MIN_WEIGHTS = 1 << 22  # matrices this large take the split form (module docstring)
+# Matrices this large take the split form where the CPU plugin infers in bf16 (module docstring);
+# where it infers in f32 (a CPU without bf16: AVX2-only and early AVX-512 ones) every matrix
+# does, since decompressing in f32 costs more than the split form's extra nodes: on an AVX2-only
+# EPYC the default model decodes 1.11–1.16× faster split, batches of 4 and 8 rows 1.0–1.06×
+# (docs/BENCHMARKS.md). None: by the CPU (split_min_weights); tests set a number to pick a form.
+SPLIT_MIN_WEIGHTS: int | None = None
+BF16_SPLIT_MIN_WEIGHTS = 1 << 22
+
+
+def split_min_weights() -> int:
+    """The smallest matrix (in weights) that takes the split form in this process."""
+    if SPLIT_MIN_WEIGHTS is not None:
+        return SPLIT_MIN_WEIGHTS
+    return BF16_SPLIT_MIN_WEIGHTS if _plugin_infers_in_bf16() else 0
+
+
+@functools.lru_cache(maxsize=1)
+def _plugin_infers_in_bf16() -> bool:
+    from backends.openvino.shard import core
+
+    return "BF16" in core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
 # A quantized tensor larger than this is packed this many file bytes of rows at a time straight
 # into the spill file (WeightBank.pack_by_rows): whole, a 128256-row table's codes, scales and file
 # pages were the head's build peak (Llama-3.2-1B: 1.8 GB for a 215 MB Q6_K embedding; issue 10).
@@ -337,7 +359,7 @@ def _forms(b: QuantBlocks, weights: int) -> list[tuple[np.ndarray | None, ov.Typ
     zero point, offset], each (array, element type of packed 4-bit codes or None); an array is None
     where the form has none (see the module docstring). Each row's constants depend on that row alone."""
     none = (None, None)
-    if b.qtype in OFFSET_TYPES and weights < SPLIT_MIN_WEIGHTS:
+    if b.qtype in OFFSET_TYPES and weights < split_min_weights():
         codes, scale, zero = _zero_point_form(b)
         q = (codes, None) if b.bits == 5 else (pack_u4(codes), ov.Type.u4)  # u8 0..31 | u4
         return [q, (scale[..., None], None), (zero[..., None], None), none]
