@@ -68,3 +68,28 @@ def test_the_wait_for_another_member_is_seen(tmp_path):
     assert not second.waiting and not t.is_alive()
     first.close()
     second.close()
+
+
+def test_a_lock_file_that_is_not_this_users_is_not_waited_on(tmp_path):
+    """In a shared temporary directory a stranger's file (or a link) at the lock's path would let
+    them stall this member's compute: it is not used, and the member computes unlocked."""
+    import os
+
+    if os.getuid() == 0:  # (CI runs as root: it can make another user's file)
+        theirs = CoreLock("box", str(tmp_path))
+        with open(theirs.path, "w"):
+            pass
+        os.chown(theirs.path, 12345, 12345)
+        mine = CoreLock("box", str(tmp_path))
+        done = threading.Event()
+        with theirs:  # neither takes the stranger's lock, so neither waits for the other
+            threading.Thread(target=lambda: (mine.__enter__(), mine.__exit__(), done.set()), daemon=True).start()
+            assert done.wait(5), "waited on a lock file that is not this user's"
+        theirs.close()
+        mine.close()
+    link = CoreLock("linked", str(tmp_path))
+    os.symlink(str(tmp_path / "elsewhere"), link.path)
+    with link:
+        pass
+    assert not (tmp_path / "elsewhere").exists()
+    link.close()

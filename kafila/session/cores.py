@@ -20,8 +20,15 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import logging
 import os
+import stat
 import tempfile
+
+log = logging.getLogger(__name__)
+# A stage waits this long at most for other members' compute before its watchdog counts the wait
+# (a member whose compute hangs keeps the lock: sessions beside it must not wait for ever)
+MAX_WAIT_S = 1800.0
 
 
 class CoreLock:
@@ -38,7 +45,9 @@ class CoreLock:
 
     def __enter__(self) -> CoreLock:
         if self._fd is None:
-            self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+            self._fd = _own_file(self.path)
+        if self._fd < 0:  # the path is not this user's file: no lock (never wait on a stranger's)
+            return self
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -50,12 +59,30 @@ class CoreLock:
         return self
 
     def __exit__(self, *exc) -> None:
-        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        if self._fd >= 0:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
 
     def close(self) -> None:
-        if self._fd is not None:
+        if self._fd is not None and self._fd >= 0:
             os.close(self._fd)
-            self._fd = None
+        self._fd = None
+
+
+def _own_file(path: str) -> int:
+    """An fd of the lock file at `path` when it is a regular file of this user's (made if
+    absent), else -1: in a shared temporary directory another user could have put a file or a
+    link there, and holding its lock would stall this member's compute."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError as exc:
+        log.warning("no compute lock (%s: %s): this machine's members compute side by side", path, exc)
+        return -1
+    st = os.fstat(fd)
+    if st.st_uid != os.getuid() or not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        log.warning("no compute lock: %s is not this user's file; this machine's members compute side by side", path)
+        return -1
+    return fd
 
 
 class NoLock(contextlib.nullcontext):

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kafila.session.cores import core_lock
+from kafila.session.cores import MAX_WAIT_S, core_lock
 from kafila.session.fields import MAX_ORIGIN_DRAFT
 from kafila.session.frames import Activation, Cancel, EncodeError, Frame, FrameError, Free, Limits, Request, Tokens
 from kafila.session.head import (
@@ -258,11 +258,15 @@ class RingNode:
         # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation that
         # arrives as the work finishes (then close() waited for ever on a task that went on)
         done, _ = await asyncio.wait({fut}, timeout=bound)
-        while not done and self.cores.waiting:  # behind another member of this machine: not a hang here
+        waited = 0.0
+        while not done and self.cores.waiting and waited < MAX_WAIT_S:  # behind another member of this machine
             done, _ = await asyncio.wait({fut}, timeout=bound)
+            waited += bound
         if not done:
             reason = (f"member {self.name}'s stage did not finish a step within {bound:.0f} s "
-                      "(its compute hangs)")  # fmt: skip
+                      "(its compute hangs)" if not waited else
+                      f"member {self.name}'s stage waited over {waited:.0f} s for another Kafila process's "
+                      "compute on this machine (KAFILA_CORE_LOCK=0 lets them compute side by side)")  # fmt: skip
             self.degrade(reason)
             raise StageHung(reason)
         return fut.result()
