@@ -64,8 +64,10 @@ def test_the_wait_for_another_member_is_seen(tmp_path):
         while not second.waiting and time.monotonic() < deadline:
             time.sleep(0.01)
         assert second.waiting
+        time.sleep(0.2)
+        assert second.wait_s() >= 0.2
     t.join(5)
-    assert not second.waiting and not t.is_alive()
+    assert not second.waiting and not t.is_alive() and second.wait_s() == 0.0  # released: no step holds it
     first.close()
     second.close()
 

@@ -24,6 +24,7 @@ import logging
 import os
 import stat
 import tempfile
+import time
 
 log = logging.getLogger(__name__)
 # A stage waits this long at most for other members' compute before its watchdog counts the wait
@@ -39,9 +40,20 @@ class CoreLock:
         safe = "".join(c for c in machine if c.isalnum())[:32] or "machine"
         self.path = os.path.join(directory or tempfile.gettempdir(), f"kafila-cores-{os.getuid()}-{safe}.lock")
         self._fd: int | None = None
-        # True while the compute thread waits for another member's step: the stage's hang
-        # watchdog does not count that wait (that member's own watchdog watches its step)
-        self.waiting = False
+        self._wait_from: float | None = None  # monotonic time the compute thread began to wait
+        self._waited = 0.0  # what the step holding the lock now waited for it
+
+    @property
+    def waiting(self) -> bool:
+        """Whether the compute thread is waiting for another member's step now."""
+        return self._wait_from is not None
+
+    def wait_s(self) -> float:
+        """Seconds the current step has waited for other members' compute (so far, or before it
+        took the lock): the stage's hang watchdog does not count them (that member's own
+        watchdog watches its step)."""
+        start = self._wait_from
+        return time.monotonic() - start if start is not None else self._waited
 
     def __enter__(self) -> CoreLock:
         if self._fd is None:
@@ -51,14 +63,15 @@ class CoreLock:
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            self.waiting = True
+            self._wait_from = time.monotonic()
             try:
                 fcntl.flock(self._fd, fcntl.LOCK_EX)
             finally:
-                self.waiting = False
+                self._waited, self._wait_from = time.monotonic() - self._wait_from, None
         return self
 
     def __exit__(self, *exc) -> None:
+        self._waited = 0.0
         if self._fd >= 0:
             fcntl.flock(self._fd, fcntl.LOCK_UN)
 
@@ -89,6 +102,9 @@ class NoLock(contextlib.nullcontext):
     """A member alone on its machine: nothing to take."""
 
     waiting = False
+
+    def wait_s(self) -> float:
+        return 0.0
 
     def close(self) -> None:
         pass

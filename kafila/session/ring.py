@@ -255,16 +255,21 @@ class RingNode:
         thread cannot be stopped, but nobody waits on it for ever)."""
         fut = asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)
         bound = hang_bound_s(self.stage_hang_s, rows)
-        # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation that
-        # arrives as the work finishes (then close() waited for ever on a task that went on)
-        done, _ = await asyncio.wait({fut}, timeout=bound)
-        waited = 0.0
-        while not done and self.cores.waiting and waited < MAX_WAIT_S:  # behind another member of this machine
-            done, _ = await asyncio.wait({fut}, timeout=bound)
-            waited += bound
+        start, timeout, waited = time.monotonic(), bound, 0.0
+        while True:
+            # asyncio.wait, not wait_for: Python 3.11's wait_for can swallow a cancellation that
+            # arrives as the work finishes (then close() waited for ever on a task that went on)
+            done, _ = await asyncio.wait({fut}, timeout=timeout)
+            if done:
+                break
+            # time spent behind other members of this machine (cores.py) is not this stage's
+            waited = min(self.cores.wait_s(), MAX_WAIT_S)
+            timeout = start + bound + waited - time.monotonic()
+            if timeout <= 0:
+                break
         if not done:
             reason = (f"member {self.name}'s stage did not finish a step within {bound:.0f} s "
-                      "(its compute hangs)" if not waited else
+                      "(its compute hangs)" if waited < MAX_WAIT_S else
                       f"member {self.name}'s stage waited over {waited:.0f} s for another Kafila process's "
                       "compute on this machine (KAFILA_CORE_LOCK=0 lets them compute side by side)")  # fmt: skip
             self.degrade(reason)
