@@ -85,6 +85,8 @@ def _plugin_infers_in_bf16() -> bool:
     from backends.openvino.shard import core
 
     return "BF16" in core().get_property("CPU", "OPTIMIZATION_CAPABILITIES")
+
+
 # A quantized tensor larger than this is packed this many file bytes of rows at a time straight
 # into the spill file (WeightBank.pack_by_rows): whole, a 128256-row table's codes, scales and file
 # pages were the head's build peak (Llama-3.2-1B: 1.8 GB for a 215 MB Q6_K embedding; issue 10).
