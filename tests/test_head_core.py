@@ -111,7 +111,7 @@ class Rig:
                 h = shard.forward(slots.get(st.slot, st.cache_len == 0), st.tokens, st.positions(), st.mask())
                 acts = [self.core.forwarded(st, h, STAGE_US)]
             else:
-                hs = shard.forward_batch([slots.get(st.slot, False) for st in steps], [st.tokens for st in steps],
+                hs = shard.forward_batch([slots.get(st.slot, st.cache_len == 0) for st in steps], [st.tokens for st in steps],
                                          [st.positions() for st in steps], [st.mask() for st in steps])  # fmt: skip
                 acts = self.core.forwarded_rows(steps, hs, STAGE_US)
             self.wire.append((1, b"".join(encode(a, self.lim) for a in acts)))
@@ -137,7 +137,7 @@ class Rig:
                 a = got[0]
                 hs = [shard.forward(slots.get(a.slot, a.cache_len == 0), a.hidden, a.positions(), a.mask())]
             else:
-                hs = shard.forward_batch([slots.get(a.slot, False) for a in got], [a.hidden for a in got],
+                hs = shard.forward_batch([slots.get(a.slot, a.cache_len == 0) for a in got], [a.hidden for a in got],
                                          [a.positions() for a in got], [a.mask() for a in got])  # fmt: skip
             out = [Activation(a.req_id, a.slot, a.cache_len, a.pos0, a.zeros, h, a.trace + ((name, STAGE_US),),
                               a.rows, a.row) for a, h in zip(got, hs)]  # fmt: skip
@@ -264,7 +264,7 @@ def test_micro_batches_group_decode_steps_and_keep_their_rows():
     rig.run()
     rows = [w for w in rig.work if len(w) > 1]
     assert rows and all(len(set(w)) == len(w) for w in rows)
-    assert all(len(w) == 1 for w in rig.work[:4])  # prefills go alone
+    assert rig.work[0] == tuple("abcd")  # the four prompts, ready together, go round as one batch
     # membership is stable: a group's rows keep their order while it lasts
     full = [w for w in rows if len(w) == 4]
     assert full and len(set(full)) == 1
@@ -274,10 +274,27 @@ def test_micro_batches_group_decode_steps_and_keep_their_rows():
     assert three.core.batches.groups == 3
 
 
+def test_prompts_in_chunks_go_as_batches_within_the_chunk_and_give_solo_tokens():
+    """Chunks of 8 positions: prompts ready together go round as batches of at most 8 padded
+    positions (3 + 1 together; 8 and 8 apart), the long prompts' last chunks (2 + 2) together
+    again, and every request still gets its solo tokens."""
+    prompts = {"a": [3, 4, 5], "b": [7], "c": [9] * 10, "d": [2] * 10}
+    alone = {r: solo(r, p, max_new=8) for r, p in prompts.items()}
+    rig = Rig(slots=4, batch=True, one_machine=True, prefill_chunk=8)
+    for r, p in prompts.items():
+        rig.submit(r, p, max_new=8)
+    rig.run()
+    assert dict(rig.tokens) == alone
+    assert rig.work[:3] == [("a", "b"), ("c",), ("d",)] and ("c", "d") in rig.work
+    assert all(not s.slots for s in rig.slots.values())
+
+
 @pytest.mark.parametrize("machines, rtt_ms, depth", [
     ({"m1": "a", "m2": "b", "m3": "c"}, 0.0, 3),
     ({"m1": "a", "m2": "a", "m3": "a"}, 0.0, 1),
-    ({"m1": "a", "m2": "a", "m3": "a"}, 40.0, 3),
+    # 20 ms a hop: a trip of 90 ms over 30 of compute, at most ¾ of a round on a shared machine
+    ({"m1": "a", "m2": "a", "m3": "a"}, 40.0, 2),
+    ({"m1": "a", "m2": "b", "m3": "c"}, 40.0, 9),
 ])  # fmt: skip
 def test_pipeline_depth_is_a_function_of_stages_machines_and_rtts(machines, rtt_ms, depth):
     core = HeadCore("m1", NAMES, Limits(hidden=H, context=64, slots=4, vocab=V), machines=machines)
@@ -288,17 +305,18 @@ def test_pipeline_depth_is_a_function_of_stages_machines_and_rtts(machines, rtt_
 
 
 def test_the_depth_follows_the_measured_batch_cost_once_two_sizes_were_seen():
-    """One machine, 20 ms a hop: one-row stage times alone say 3 groups (a trip of 90 ms over 30
-    of compute); batches of 2 and 4 rows measured at 43 and 61 ms say that 8 requests go round
-    fastest as 2 groups of 4, and newcomers are placed for that before they join."""
+    """One machine, 20 ms a hop: one-row stage times alone say 2 groups (a trip of 90 ms over 30
+    of compute, the machine busy at most ¾ of a round); batches of 2 and 4 rows measured at 24 and
+    28 ms say that 8 requests go round fastest as 2 groups of 4 (3 groups would keep the shared
+    machine computing for the whole round), and newcomers are placed for that before they join."""
     one = {n: "a" for n in NAMES}
     core = HeadCore("m1", NAMES, Limits(hidden=H, context=64, slots=8, vocab=V), machines=one)
     core.measured.stage_ms.update({"m1": 10.0, "m2": 10.0, "m3": 10.0})
     rtts = {n: 40.0 for n in NAMES}
-    assert core.pipeline_depth(rtts) == 3
-    core.serial_cost.observe(2, 43.4)
-    assert core.pipeline_depth(rtts) == 3  # one size measured: no slope yet
-    core.serial_cost.observe(4, 60.8)
+    assert core.pipeline_depth(rtts) == 2
+    core.serial_cost.observe(2, 24.0)
+    assert core.pipeline_depth(rtts) == 2  # one size measured: no slope yet
+    core.serial_cost.observe(4, 28.0)
     assert core._groups_for(8) == 2 and core._groups_for(1) == 1
     assert core.pipeline_depth(rtts) == 1  # nobody decoding now: one group for the next one
 

@@ -2,7 +2,7 @@
 
 from types import SimpleNamespace
 
-from kafila.session.microbatch import MicroBatches, best_groups
+from kafila.session.microbatch import SHARED_BUSY_SHARE, MicroBatches, best_groups, prompt_batches
 
 
 def step(rid):
@@ -62,3 +62,25 @@ def test_best_groups_weighs_trips_against_compute():
     # a batch that costs what one row costs (β = 0): nothing to gain from splitting it
     assert best_groups(8, 5.0, 0.0, 1000.0, 0.0, 32) == 1
     assert best_groups(0, 26.0, 8.7, 60.0, 0.0, 32) == 1
+    # a machine running several stages computes at most ¾ of a round: 8 rows of 20 + 2·r ms, 60 ms
+    # of hops, go as 2 groups of 4 (a round of 88 ms) where 3 would keep it computing throughout
+    assert best_groups(8, 20.0, 2.0, 60.0, 0.0, 32) == 3
+    assert best_groups(8, 20.0, 2.0, 60.0, 0.0, 32, SHARED_BUSY_SHARE) == 2
+
+
+def test_prompts_ready_together_go_as_batches_within_the_chunk():
+    def prompt(rid, n):
+        return SimpleNamespace(req_id=rid, tokens=[0] * n)
+
+    def ids(batches):
+        return [[s.req_id for s in b] for b in batches]
+
+    ready = [prompt("a", 40), prompt("b", 30), prompt("c", 50), prompt("d", 10)]
+    assert ids(prompt_batches(ready, 3640, 32)) == [["a", "b", "c", "d"]]  # 4 × 50 padded positions
+    # the padded size bounds a batch: c makes 3 × 50 > 120, so it starts the next one (arrival order kept)
+    assert ids(prompt_batches(ready, 120, 32)) == [["a", "b"], ["c", "d"]]
+    assert ids(prompt_batches(ready, 3640, 3)) == [["a", "b", "c"], ["d"]]  # and the rows
+    # a chunk as long as the bound goes alone, and so does everything when the bound is one step
+    assert ids(prompt_batches([prompt("a", 120), prompt("b", 1)], 120, 32)) == [["a"], ["b"]]
+    assert ids(prompt_batches(ready, 1, 32)) == [["a"], ["b"], ["c"], ["d"]]
+    assert prompt_batches([], 120, 32) == []

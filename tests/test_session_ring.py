@@ -367,7 +367,8 @@ def test_a_micro_batch_out_of_order_is_a_malformed_frame():
 @pytest.mark.parametrize("machines, rtt_ms, depth", [
     ({"m1": "a", "m2": "b", "m3": "c"}, 0.0, 3),  # three machines: one micro-batch on each
     ({"m1": "a", "m2": "a", "m3": "a"}, 0.0, 1),  # one machine's cores: one batch, the biggest rows
-    ({"m1": "a", "m2": "a", "m3": "a"}, 40.0, 3),  # 20 ms a hop: batches to fill the wire's wait
+    ({"m1": "a", "m2": "a", "m3": "a"}, 40.0, 2),  # 20 ms a hop: batches to fill the wire's wait
+    ({"m1": "a", "m2": "b", "m3": "c"}, 40.0, 9),  # (¾ of a round at most where stages share a machine)
 ])  # fmt: skip
 def test_micro_batches_in_flight_follow_the_machines_and_the_wire(machines, rtt_ms, depth):
     async def main():

@@ -47,7 +47,7 @@ import numpy as np
 from kafila.sampling import Sampler
 from kafila.session.dipsd_live import LiveDipsd, LiveSchedule, LiveUser, RingFit
 from kafila.session.frames import MAX_BATCH_ROWS, Activation, Frame, Limits, Request, Tokens
-from kafila.session.microbatch import MicroBatches, best_groups
+from kafila.session.microbatch import SHARED_BUSY_SHARE, MicroBatches, best_groups, prompt_batches
 from kafila.session.scheduler import (
     Finished,
     Scheduler,
@@ -156,7 +156,8 @@ class Forward:
 
 @dataclass(frozen=True)
 class ForwardRows:
-    """Run a micro-batch's decode steps through the head's stage as one forward."""
+    """Run a micro-batch's decode steps, or a batch of prefill steps, through the head's stage as
+    one forward."""
 
     steps: tuple[Step, ...]
 
@@ -321,7 +322,11 @@ class HeadCore:
                 else:
                     self.batches.leave(step.req_id)
             steps = [s for s in steps if not batchable(s)]
-            for group in self.batches.due():
+            groups = self.batches.due()
+            prompts = [s for s in steps if not s.want_draft]  # prefill chunks (want_draft: the drafter's first)
+            steps = [s for s in steps if s.want_draft]
+            groups += prompt_batches(prompts, self.scheduler.chunk_tokens, MAX_BATCH_ROWS)
+            for group in groups:
                 if len(group) == 1:
                     steps.append(group[0])
                 else:
@@ -387,8 +392,10 @@ class HeadCore:
         return Activation(step.req_id, step.slot, step.cache_len, step.pos0, step.zeros, hidden, ((self.name, us),))
 
     def forwarded_rows(self, steps: Sequence[Step], hiddens: Sequence[np.ndarray], us: int) -> list[Activation]:
-        """The head's stage ran a micro-batch in `us` µs: its rows, to send back to back."""
-        self.measured.stage(self.name, us)
+        """The head's stage ran a micro-batch (or a batch of prompts) in `us` µs: its rows, to
+        send back to back."""
+        if all(batchable(st) for st in steps):  # a prompt batch's cost grows with the prompts
+            self.measured.stage(self.name, us)
         return [Activation(st.req_id, st.slot, st.cache_len, st.pos0, st.zeros, h, ((self.name, us),), len(steps), i)
                 for i, (st, h) in enumerate(zip(steps, hiddens))]  # fmt: skip
 
@@ -439,7 +446,7 @@ class HeadCore:
         busy = self._by_machine((n, stage_ms[n]) for n in self.ring)
         trip = sum(stage_ms[n] for n in self.ring) + net
         # rounded up once past a quarter: a group too few leaves a machine idle for a whole share
-        return max(1, min(MAX_BATCH_ROWS, math.ceil(trip / max(busy.values()) - 0.25)))
+        return max(1, min(MAX_BATCH_ROWS, math.ceil(self._busy_share() * trip / max(busy.values()) - 0.25)))
 
     def _groups_for(self, rows: int) -> int | None:
         """microbatch.best_groups for `rows` decode steps on the measured batch cost (None until
@@ -448,7 +455,17 @@ class HeadCore:
         if fit is None:
             return None
         net = self._net_ms  # ring_ms is the hops and the other machines' compute
-        return best_groups(rows, fit.c_ms, fit.beta_ms, net, max(0.0, fit.ring_ms - net), MAX_BATCH_ROWS)
+        return best_groups(rows, fit.c_ms, fit.beta_ms, net, max(0.0, fit.ring_ms - net), MAX_BATCH_ROWS,
+                           self._busy_share())  # fmt: skip
+
+    def _busy_share(self) -> float:
+        """microbatch.SHARED_BUSY_SHARE where the busiest machine (by its stages' measured
+        compute) runs more than one stage, else 1."""
+        stage_ms = self.measured.stage_ms
+        busy = self._by_machine((n, stage_ms.get(n) or 0.0) for n in self.ring)
+        top = max(busy, key=busy.get)
+        shared = sum(1 for n in self.ring if self.machines.get(n, n) == top) > 1
+        return SHARED_BUSY_SHARE if shared else 1.0
 
     def late(self, now: float, bound_s: Callable[[int], float]) -> float | None:
         """The watchdog: the bound (seconds) a step in flight has outlived, None if none has. The

@@ -25,6 +25,10 @@ if it is elsewhere (that move is a join: the optimiser moves requests only for a
     due()         the groups to send now: [[step, ...], ...] (every member ready)
     plan(labels)  req_id → batch label for the requests the optimiser placed ({}: none)
 
+Prompts too: prefill steps that are ready together go round as one batch (`prompt_batches`), so
+eight people who type at once have their prompts read with the weights read once, not eight
+times; such a batch lives for one trip (its rows then decode in the groups above).
+
 How many groups: `best_groups` weighs a longer trip per group (fewer, bigger batches) against
 more compute per round (more, smaller ones, each reading the weights again) on the measured
 compute of a batch of r rows, so 8 users 20 ms a hop from each other on one machine go round
@@ -34,6 +38,7 @@ as two groups of 4, not three of 3 or one of 8.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,19 +132,49 @@ class MicroBatches:
         return len(self._of)
 
 
-def best_groups(rows: int, c_ms: float, beta_ms: float, net_ms: float, others_ms: float, most: int) -> int:
+# The share of a round that a machine running several stages may be kept computing. Its stages
+# are separate processes taking turns at its cores (cores.py): every group adds hand-overs whose
+# cost the stages' compute times do not show (threads and caches gone cold: a forward after 15 ms
+# idle runs 1.6× as long, docs/BENCHMARKS.md "Where the ring's cost is"), and groups that meet at
+# the machine wait for each other. Measured on one 2-core machine at 20 ms a hop, 8 and 16 users:
+# two groups beat one by 8-10 %, three or more groups (the machine's compute filling the round)
+# lost 15-25 % to one (docs/BENCHMARKS.md, "How many micro-batches on one machine").
+SHARED_BUSY_SHARE = 0.75
+
+
+def best_groups(rows: int, c_ms: float, beta_ms: float, net_ms: float, others_ms: float, most: int,
+                busy_share: float = 1.0) -> int:  # fmt: skip
     """How many micro-batches `rows` decode steps should go round in (1..most). A batch of r rows
     costs the busiest machine busy(r) = c + β·r; a group's trip is net_ms (the hops), the other
     machines' compute (others_ms for one row, grown as the busiest machine's) and busy(r); a
     round of every group takes the longer of one trip and the busiest machine's compute for all
-    groups, g·busy(r). The g with the shortest round (each round moves every row one token);
+    groups, g·busy(r), at most `busy_share` of a round (SHARED_BUSY_SHARE where that machine
+    runs several stages). The g with the shortest round (each round moves every row one token);
     the fewer groups on a tie."""
     rows = max(1, rows)
     one = max(c_ms + beta_ms, 1e-9)
     best, best_ms = 1, math.inf
     for g in range(1, max(1, min(most, rows)) + 1):
         busy = c_ms + beta_ms * math.ceil(rows / g)
-        round_ms = max(net_ms + others_ms * busy / one + busy, g * busy)
+        round_ms = max(net_ms + others_ms * busy / one + busy, g * busy / busy_share)
         if round_ms < best_ms - 1e-9:
             best, best_ms = g, round_ms
     return best
+
+
+def prompt_batches(steps: Sequence[Any], most_positions: int, most_rows: int) -> list[list[Any]]:
+    """Prefill steps (each with `tokens`) in arrival order, packed into batches that run as one
+    forward: consecutive steps while the batch's padded size (rows × its longest step, what a
+    padding backend computes) stays within `most_positions` (the prefill chunk: one stage's
+    working set) and its rows within `most_rows`. A step longer than the bound goes alone."""
+    batches: list[list[Any]] = []
+    longest = 0
+    for step in steps:
+        n = len(step.tokens)
+        if batches and len(batches[-1]) < most_rows and (len(batches[-1]) + 1) * max(longest, n) <= most_positions:
+            batches[-1].append(step)
+            longest = max(longest, n)
+        else:
+            batches.append([step])
+            longest = n
+    return batches

@@ -406,14 +406,16 @@ class RingNode:
         return rows
 
     async def _stage(self, acts: list[Activation]) -> None:
-        """Run this stage on a step, or on a micro-batch as one forward, and pass it on as it came."""
-        if len(acts) > 1 and (len({a.slot for a in acts}) != len(acts) or any(a.cache_len == 0 for a in acts)):
-            raise FrameError("a micro-batch must hold distinct slots' decode steps")
+        """Run this stage on a step, or on a micro-batch (decode steps, or prompts) as one forward,
+        and pass it on as it came."""
+        if len(acts) > 1 and len({a.slot for a in acts}) != len(acts):
+            raise FrameError("a micro-batch must hold distinct slots' steps")
         xs = [a.hidden for a in acts]
         hiddens, us = await self._compute(self._forward, [(a.slot, a.cache_len) for a in acts], xs,
                                           [a.positions() for a in acts], [a.mask() for a in acts],
                                           rows=sum(a.n for a in acts))  # fmt: skip
-        if len(acts) > 1 or acts[0].n == 1:  # decode steps only: a prefill's cost grows with the prompt
+        if all(a.cache_len for a in acts) and (len(acts) > 1 or acts[0].n == 1):  # decode steps only:
+            # a prefill's cost grows with the prompt
             self.measured.stage(self.name, us)
         await self._send(*(self._passed(a, h, us) for a, h in zip(acts, hiddens)))
 
@@ -426,7 +428,7 @@ class RingNode:
 
     def _forward(self, where: list[tuple[int, int]], xs, positions, masks) -> tuple[list[np.ndarray], int]:
         """This stage's forward on the worker thread (the head's too: xs are token ids there): one
-        slot alone (`forward`; a fresh step resets its slot) or several as one (`forward_batch`);
+        slot alone (`forward`) or several as one (`forward_batch`), a fresh step resetting its slot;
         the hidden states and the µs it took."""
         with self.cores:
             t0 = time.perf_counter()
@@ -434,7 +436,8 @@ class RingNode:
                 (ring_slot, cache_len), = where
                 hs = [self.shard.forward(self.slots.get(ring_slot, cache_len == 0), xs[0], positions[0], masks[0])]
             else:
-                hs = self.shard.forward_batch([self.slots.get(s, False) for s, _ in where], xs, positions, masks)
+                hs = self.shard.forward_batch([self.slots.get(s, cache_len == 0) for s, cache_len in where],
+                                              xs, positions, masks)  # fmt: skip
         self.batch_rows = len(where)
         self.forwards += 1
         return hs, int((time.perf_counter() - t0) * 1e6)
