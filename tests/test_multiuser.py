@@ -182,6 +182,14 @@ def test_clean_head_drops_bad_requests_and_bounds_the_list() -> None:
     assert clean_request(good) == good
     assert clean_head({**raw, "slots": 0}) is None and clean_head({**raw, "requests": "no"}) is None
     assert clean_head("x") is None
+    # how the head sizes its micro-batches: kept when valid, dropped (None) when not
+    assert out["batching"] is None
+    fit = {"groups": 2, "c_ms": 20.5, "beta_ms": 2.0}
+    assert clean_head({**raw, "batching": fit})["batching"] == fit
+    assert clean_head({**raw, "batching": {"groups": 3}})["batching"] == {"groups": 3}
+    for bad in ({"groups": 0}, {"groups": 999}, {"groups": 2, "c_ms": float("inf")}, {"groups": 2, "beta_ms": -1},
+                {"groups": 2, "c_ms": True}, {"groups": "2"}, [2]):  # fmt: skip
+        assert clean_head({**raw, "batching": bad})["batching"] is None, bad
 
 
 def test_ring_load_puts_this_stage_live_and_the_others_as_reported() -> None:
@@ -204,6 +212,7 @@ def test_kafila_status_renders_the_load() -> None:
     st = {"session": {"name": "m1", "state": "serving"}, "plan": {"ring": ["m1", "m2"], "head": "m1"},
           "load": {"slots": 8, "active": 2, "queued": 1, "max_queued": 64,
                    "stages": {"m1": {"active": 2, "batch_rows": 1, "steps": 70}, "m2": None},
+                   "micro_batches": [2], "batching": {"groups": 2, "c_ms": 20.5, "beta_ms": 2.25},
                    "requests": [{"id": "m2:4", "origin": "m2", "state": "decode", "prompt_tokens": 9,
                                  "tokens": 5, "max_tokens": 24, "tok_s": 11.25}]}}  # fmt: skip
     console = Console(width=160, record=True, file=open(os.devnull, "w"))  # noqa: SIM115
@@ -211,3 +220,4 @@ def test_kafila_status_renders_the_load() -> None:
     text = console.export_text()
     assert "slots: 2 of 8 busy, 1 queued" in text and "load per stage" in text
     assert "m2:4" in text and "11.2" in text and "5 / 24" in text
+    assert "micro-batches: 2 kept in flight, rows now [2]" in text and "20.5 + 2.25 ms a position" in text

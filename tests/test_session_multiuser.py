@@ -114,7 +114,7 @@ def test_eight_concurrent_requests_from_three_members_get_their_solo_answers(ses
     asks = [(session.names[i % 3], p) for i, p in enumerate(PROMPTS)]
     solo = [answer(session.api(name), prompt) for name, prompt in asks]
     head = status(session.api("m1"))["plan"]["head"]
-    seen = {"active": 0, "tok_s": 0.0, "rows": 0}
+    seen = {"active": 0, "tok_s": 0.0, "rows": 0, "fitted": False}
     done = threading.Event()
 
     def watch():  # what the head's /status shows while they run
@@ -124,6 +124,7 @@ def test_eight_concurrent_requests_from_three_members_get_their_solo_answers(ses
             rates = [r["tok_s"] for r in load["requests"] if r["tok_s"]]
             seen["tok_s"] = max([seen["tok_s"], *rates])
             seen["rows"] = max([seen["rows"], *(s["batch_rows"] or 0 for s in load["stages"].values())])
+            seen["fitted"] |= bool(load["batching"] and "c_ms" in load["batching"])
             time.sleep(0.05)
 
     watcher = threading.Thread(target=watch)
@@ -138,6 +139,7 @@ def test_eight_concurrent_requests_from_three_members_get_their_solo_answers(ses
     assert seen["active"] >= 2 and seen["tok_s"] > 0, seen  # they ran side by side, and it showed
     # batched decode rows: several requests' steps in one forward (and never when off)
     assert (seen["rows"] > 1) == session.batch_rows, seen
+    assert seen["fitted"] == session.batch_rows, seen  # and the head's fit of a batch's cost showed
     for name in session.names:  # no slot left behind on any stage
         assert own_stage(session, name)["active"] == 0, name
 

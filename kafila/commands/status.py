@@ -156,14 +156,21 @@ def render(st: dict) -> Group:
 
 
 def load_parts(load: dict | None, ring: list[str]) -> list:
-    """GET /status `load`: a line for the queue, a table of every stage's active requests and
-    rows in its last forward, and one of the requests the head holds with their tok/s."""
+    """GET /status `load`: a line for the queue, one for the micro-batches, a table of every
+    stage's active requests and rows in its last forward, and one of the requests the head holds
+    with their tok/s."""
     if not isinstance(load, dict):
         return []
     parts: list = []
     if load.get("slots") is not None:
         parts.append(Text(f"slots: {load.get('active')} of {load['slots']} busy, {load.get('queued')} queued "
                           f"(at most {load.get('max_queued')} wait; one more is answered 429)"))  # fmt: skip
+    b = load.get("batching")
+    if isinstance(b, dict) and b.get("groups"):
+        sizes = load.get("micro_batches") or []
+        cost = (f"; a batch costs the busiest machine {_f(b['c_ms'])} + {_f(b['beta_ms'], 2)} ms a position"
+                if b.get("c_ms") is not None and b.get("beta_ms") is not None else "")  # fmt: skip
+        parts.append(Text(f"micro-batches: {b['groups']} kept in flight, rows now {sizes or '–'}{cost}"))
     stages = load.get("stages") or {}
     if any(stages.get(n) for n in ring):
         t = Table(title="load per stage", title_justify="left")

@@ -559,5 +559,17 @@ class HeadCore:
                              "tokens": v.generated, "max_tokens": v.max_new, "tok_s": tok_s})  # fmt: skip
         return {"slots": sched.slots, "active": sched.active, "queued": sched.queued,
                 "max_queued": sched.max_queue, "requests": requests,
-                "micro_batches": self.batches.sizes if self.batch else []}  # fmt: skip
+                "micro_batches": self.batches.sizes if self.batch else [], "batching": self._batching()}  # fmt: skip
+
+    def _batching(self) -> dict | None:
+        """How the head sizes micro-batches (None with batched rows off): the number it keeps in
+        flight, and once a decode trip was measured, the busiest machine's compute of a batch,
+        c + β·positions, as fitted (microbatch.best_groups' inputs)."""
+        if not self.batch:
+            return None
+        out: dict = {"groups": self.batches.groups}
+        if self.serial_cost.sizes():
+            c, beta = self.serial_cost.fit()
+            out.update(c_ms=round(c, 2), beta_ms=round(beta, 3))
+        return out
 

@@ -21,6 +21,7 @@ MAX_NAME_CHARS = 64
 MAX_ID_CHARS = 96
 MAX_COUNT = 1 << 40  # forwards a stage has run, tokens of a request: far beyond any session
 REQUEST_STATES = ("queued", "prefill", "decode")
+MAX_MS = 1e7  # a fitted batch cost: far beyond any step
 
 
 def _count(value, high: int = MAX_COUNT) -> int | None:
@@ -59,7 +60,8 @@ def clean_request(raw) -> dict | None:
 
 
 def clean_head(raw) -> dict | None:
-    """The head's {"slots", "active", "queued", "max_queued", "requests"} (None: not valid)."""
+    """The head's {"slots", "active", "queued", "max_queued", "requests", "micro_batches",
+    "batching"} (None: not valid)."""
     if not isinstance(raw, dict) or not isinstance(raw.get("requests"), list):
         return None
     out = {"slots": _count(raw.get("slots"), MAX_SLOTS), "active": _count(raw.get("active"), MAX_SLOTS),
@@ -70,7 +72,23 @@ def clean_head(raw) -> dict | None:
     requests = [clean_request(r) for r in raw["requests"][:MAX_REPORTED_REQUESTS]]
     batches = raw.get("micro_batches")
     batches = [b for b in batches[:MAX_SLOTS] if _count(b, MAX_SLOTS)] if isinstance(batches, list) else []
-    return {**out, "requests": [r for r in requests if r is not None], "micro_batches": batches}
+    return {**out, "requests": [r for r in requests if r is not None], "micro_batches": batches,
+            "batching": clean_batching(raw.get("batching"))}  # fmt: skip
+
+
+def clean_batching(raw) -> dict | None:
+    """The head's {"groups", "c_ms"?, "beta_ms"?} (HeadCore._batching; None: absent or not valid)."""
+    if not isinstance(raw, dict) or not _count(raw.get("groups"), MAX_SLOTS):
+        return None
+    out = {"groups": raw["groups"]}
+    for key in ("c_ms", "beta_ms"):
+        v = raw.get(key)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or not 0 <= v <= MAX_MS:
+            return None
+        out[key] = float(v)
+    return out
 
 
 def ring_load(ring: list[str], me: str, own: dict | None, reported: dict, head: dict | None) -> dict:
@@ -82,4 +100,5 @@ def ring_load(ring: list[str], me: str, own: dict | None, reported: dict, head: 
     return {"slots": head.get("slots"), "active": head.get("active"), "queued": head.get("queued"),
             "max_queued": head.get("max_queued"), "stages": stages,
             "micro_batches": list(head.get("micro_batches") or []),  # requests in each, batched rows on
+            "batching": head.get("batching"),  # how many the head keeps in flight, and its cost fit
             "requests": list(head.get("requests") or [])}  # fmt: skip
