@@ -33,6 +33,7 @@ CORES = [
     "kafila/session/lifecycle.py",
     "kafila/session/lifecycle_events.py",
     "kafila/session/head.py",
+    "kafila/session/picks.py",
     "kafila/session/scheduler.py",
     "kafila/session/microbatch.py",
     "kafila/session/speculate.py",

@@ -26,8 +26,8 @@ from kafila.session.head import (
     FreeSlot,
     HeadCore,
     Send,
-    pick_tokens,
 )  # fmt: skip
+from kafila.session.picks import pick_tokens
 from kafila.session.ring import LocalSlots
 from kafila.session.scheduler import SchedulerError
 from tests.test_session_ring import H, V, FakeShard

@@ -30,10 +30,7 @@ Deliver(tokens) (asked here), FreeSlot(slot) (free its KV here, then send Free r
 Ended(req_id) (the request is over: the draft model drops its state). After every event the
 driver pumps, so steps that became possible leave at once.
 
-A returning row's token (`Pick`): none for a prefill chunk before the prompt's last; for a
-micro-batch's plain greedy rows one lm_head over all of them (Shard.greedy_rows); for a verifying
-step one row per position (speculate.verify: greedy or speculative sampling); else the shard's
-greedy (OpenVINO: the token its graph computed) or the request's sampler (Shard.sample).
+A returning row's token: `picks.Pick`, chosen by `picks.pick_tokens` on the compute thread.
 """
 
 from __future__ import annotations
@@ -58,7 +55,8 @@ from kafila.session.scheduler import (
     prefill_chunk_tokens,
 )  # fmt: skip
 from kafila.session.slots import DEFAULT_MAX_QUEUED
-from kafila.session.speculate import DRAFT_K, StepCost, verify
+from kafila.session.picks import Pick
+from kafila.session.speculate import DRAFT_K, StepCost
 from kafila.session.timing import Measured, ema
 from planner.dipsd import DipsdProblem, DipsdSchedule
 
@@ -170,36 +168,6 @@ class SolveDipsd:
 
 
 Work = Forward | ForwardRows | SolveDipsd
-
-
-@dataclass(frozen=True)
-class Pick:
-    """How the token after a returning row is chosen (see the module's docstring)."""
-
-    hidden: np.ndarray  # float32 [n, hidden] after every block
-    wanted: bool = True  # False: a prefill chunk before the prompt's last (no lm_head)
-    batched: bool = False  # a greedy row of a micro-batch: one lm_head over all of them
-    draft: tuple[int, ...] = ()  # a verifying step's drafts (a row per position)
-    sampler: Sampler | None = None  # None: greedy
-
-
-def pick_tokens(shard, picks: Sequence[Pick]) -> list:
-    """The tokens of `picks` (None, an int, or a verifying step's tuple), on the compute thread."""
-    batched = [p.hidden for p in picks if p.batched]
-    rows = iter(shard.greedy_rows(batched) if batched else ())
-    out: list = []
-    for p in picks:
-        if p.batched:
-            out.append(next(rows))
-        elif not p.wanted:
-            out.append(None)
-        elif p.draft:
-            out.append(verify(p.draft, shard.logits(p.hidden), p.sampler))
-        elif p.sampler is None:
-            out.append(int(shard.greedy(p.hidden)))
-        else:
-            out.append(shard.sample(p.hidden, p.sampler))
-    return out
 
 
 def check_prompt(prompt: Sequence[int], limits: Limits) -> None:

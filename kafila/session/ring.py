@@ -60,9 +60,9 @@ from kafila.session.head import (
     Submitted,
     Work,
     check_prompt,
-    pick_tokens,
 )  # fmt: skip
 from kafila.session.origin import OriginDrafts
+from kafila.session.picks import pick_tokens
 from kafila.session.scheduler import SchedulerError, Step
 from kafila.session.slots import DEFAULT_MAX_QUEUED
 from kafila.session.speculate import DRAFT_K
