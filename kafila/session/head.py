@@ -414,7 +414,7 @@ class HeadCore:
         busy = self._by_machine((n, stage_ms[n]) for n in self.ring)
         trip = sum(stage_ms[n] for n in self.ring) + net
         # rounded up once past a quarter: a group too few leaves a machine idle for a whole share
-        return max(1, min(MAX_BATCH_ROWS, math.ceil(self._busy_share() * trip / max(busy.values()) - 0.25)))
+        return max(1, min(MAX_BATCH_ROWS, math.ceil(self._busy_share(busy) * trip / max(busy.values()) - 0.25)))
 
     def _groups_for(self, rows: int) -> int | None:
         """microbatch.best_groups for `rows` decode steps on the measured batch cost (None until
@@ -423,14 +423,13 @@ class HeadCore:
         if fit is None:
             return None
         net = self._net_ms  # ring_ms is the hops and the other machines' compute
+        busy = self._by_machine((n, self.measured.stage_ms[n]) for n in self.ring)  # all measured (_ring_fit)
         return best_groups(rows, fit.c_ms, fit.beta_ms, net, max(0.0, fit.ring_ms - net), MAX_BATCH_ROWS,
-                           self._busy_share())  # fmt: skip
+                           self._busy_share(busy))  # fmt: skip
 
-    def _busy_share(self) -> float:
-        """microbatch.SHARED_BUSY_SHARE where the busiest machine (by its stages' measured
-        compute) runs more than one stage, else 1."""
-        stage_ms = self.measured.stage_ms
-        busy = self._by_machine((n, stage_ms.get(n) or 0.0) for n in self.ring)
+    def _busy_share(self, busy: dict[str, float]) -> float:
+        """microbatch.SHARED_BUSY_SHARE where the busiest machine of `busy` (machine → its stages'
+        measured compute, _by_machine) runs more than one stage, else 1."""
         top = max(busy, key=busy.get)
         shared = sum(1 for n in self.ring if self.machines.get(n, n) == top) > 1
         return SHARED_BUSY_SHARE if shared else 1.0

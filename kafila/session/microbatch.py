@@ -138,7 +138,8 @@ class MicroBatches:
 # idle runs 1.6× as long, docs/BENCHMARKS.md "Where the ring's cost is"), and groups that meet at
 # the machine wait for each other. Measured on one 2-core machine at 20 ms a hop, 8 and 16 users:
 # two groups beat one by 8-10 %, three or more groups (the machine's compute filling the round)
-# lost 15-25 % to one (docs/BENCHMARKS.md, "How many micro-batches on one machine").
+# lost 15-25 % to one (docs/BENCHMARKS.md, "Prompts in one batch, and how many micro-batches on
+# one machine").
 SHARED_BUSY_SHARE = 0.75
 
 
@@ -168,13 +169,14 @@ def prompt_batches(steps: Sequence[Any], most_positions: int, most_rows: int) ->
     padding backend computes) stays within `most_positions` (the prefill chunk: one stage's
     working set) and its rows within `most_rows`. A step longer than the bound goes alone."""
     batches: list[list[Any]] = []
-    longest = 0
+    longest = 0  # of the last batch
     for step in steps:
         n = len(step.tokens)
-        if batches and len(batches[-1]) < most_rows and (len(batches[-1]) + 1) * max(longest, n) <= most_positions:
+        rows = len(batches[-1]) + 1 if batches else 0
+        if 0 < rows <= most_rows and rows * max(longest, n) <= most_positions:
             batches[-1].append(step)
-            longest = max(longest, n)
         else:
             batches.append([step])
-            longest = n
+            longest = 0
+        longest = max(longest, n)
     return batches
