@@ -8,6 +8,7 @@ import pytest
 from backends.gguf import open_model
 from backends.gguf import quant
 from backends.memory import (
+    HEAD_WORK_BYTES_PER_VOCAB,
     PROCESS_BYTES,
     RESIDENT_BYTES_PER_WEIGHT,
     TOKENIZER_BYTES_PER_VOCAB,
@@ -183,3 +184,44 @@ def test_the_hosts_plan_prices_a_mixed_ring_by_its_largest_backend(kquant_model)
     fleet = parse_fleet({"context": 64, "concurrency": 1, "anchor": "a", "model": both,
                          "devices": [{"name": "a", "memory_gb": 1.0}]})  # fmt: skip
     assert fleet.model.block_memory == both["block_resident_bytes"]
+
+
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q5_0", "F16", "BF16"])
+def test_embedding_rows_read_from_the_map_are_the_exact_rows(tmp_path, qtype):
+    """ModelIndex.rows (the OpenVINO shard's embedding lookup): each id's row, exact, repeats and
+    any order, without the table; an id outside the vocabulary is refused."""
+    hidden = 256
+    index = open_model(write_llama_gguf(tmp_path / "m.gguf", blocks=1, hidden=hidden, heads=4, kv_heads=2,
+                                        ffn=512, qtype="Q8_0", embed_qtype=qtype))  # fmt: skip
+    ids = np.array([7, 3, 7, 0, index.hparams.vocab - 1])
+    got = index.rows("token_embd.weight", ids)
+    want = index.dequantize("token_embd.weight", np.float32)[ids]
+    assert got.dtype == np.float32 and got.shape == (5, hidden)
+    assert np.array_equal(got, want)
+    with pytest.raises(ValueError, match="token ids must be in"):
+        index.rows("token_embd.weight", np.array([index.hparams.vocab]))
+
+
+def test_openvino_holds_no_embedding_table(tmp_path):
+    """An untied embedding is priced on the head by the backends that hold it, not OpenVINO's,
+    whose first stage takes hidden states (its shard looks the rows up) and holds no table of
+    vocabulary rows: the plugin kept its own copy of a Gather's table (issue 10)."""
+    pytest.importorskip("openvino")
+    from backends.base import ShardSpec
+    from backends.openvino.shard import OpenVINOShard
+
+    path = write_llama_gguf(tmp_path / "m.gguf", blocks=1, hidden=256, heads=4, kv_heads=2, ffn=512,
+                            qtype="Q4_K", embed_qtype="Q4_K", tied=False)  # fmt: skip
+    index = open_model(path)
+    head = [index.tensors["output.weight"], index.tensors["output_norm.weight"]]
+    vocab = index.hparams.vocab
+    work = HEAD_WORK_BYTES_PER_VOCAB * vocab
+    assert index.head_resident_bytes("openvino") == pytest.approx(resident_bytes("openvino", head) + work)
+    embd = index.tensors["token_embd.weight"]
+    assert index.head_resident_bytes("mlx") == pytest.approx(resident_bytes("mlx", [*head, embd]) + work)
+    shard = OpenVINOShard(ShardSpec(path, 0, 1, embed=True, head=False), "f32")
+    names = set().union(*(p.get_names() for p in shard.compiled.inputs))
+    assert "hidden_states" in names and "input_ids" not in names
+    shapes = [n.get_output_partial_shape(0) for n in shard.runtime_model().get_ops()
+              if n.get_type_name() == "Const" or n.get_type_name() == "Constant"]
+    assert not any(s.rank.get_length() >= 1 and s[0].is_static and s[0].get_length() == vocab for s in shapes)

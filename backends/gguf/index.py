@@ -93,6 +93,11 @@ class ModelIndex:
         they are 408k strings, most of the time an open took."""
         return read_header(self.path, tensors=False).metadata
 
+    @cached_property
+    def _row_maps(self) -> dict[str, np.ndarray]:
+        """name → the tensor's map as [rows, row bytes], made once (rows)."""
+        return {}
+
     def block_tensors(self, block: int) -> list[TensorInfo]:
         prefix = f"blk.{block}."
         return [t for n, t in self.tensors.items() if n.startswith(prefix)]
@@ -162,15 +167,15 @@ class ModelIndex:
 
     def head_resident_bytes(self, backend: str) -> float:
         """The head's resident bytes on `backend`: lm_head (output.weight, or the tied embedding),
-        an untied embedding table and the final norm in the backend's form (the OpenVINO plugin
-        keeps its own copy of the Gather's table too: the 8B shape's 1-stage RSS held it), and
-        the logits/sampler buffers."""
-        from backends.memory import HEAD_WORK_BYTES_PER_VOCAB, resident_bytes
+        an untied embedding table where the backend holds one (OpenVINO reads the rows of each
+        step from the file instead, backends.memory.HOLDS_EMBEDDING) and the final norm in the
+        backend's form, and the logits/sampler buffers."""
+        from backends.memory import HEAD_WORK_BYTES_PER_VOCAB, HOLDS_EMBEDDING, resident_bytes
 
         lm = self.tensors.get("output.weight") or self.tensors.get("token_embd.weight")
         parts = [t for t in (lm, self.tensors.get("output_norm.weight")) if t is not None]
         embd = self.tensors.get("token_embd.weight")
-        if embd is not None and embd is not lm:
+        if embd is not None and embd is not lm and HOLDS_EMBEDDING[backend]:
             parts.append(embd)
         return resident_bytes(backend, parts) + HEAD_WORK_BYTES_PER_VOCAB * self.hparams.vocab
 
@@ -193,6 +198,27 @@ class ModelIndex:
         t = self.tensors[name]
         rows, cols = t.shape
         return split_blocks(t.qtype, self.raw(name), rows, cols)
+
+    def rows(self, name: str, ids: np.ndarray, dtype=np.float32) -> np.ndarray:
+        """Rows `ids` of matrix `name`, exact, read from the file's map (an embedding lookup that
+        holds no table: only those rows' bytes are read): ids [n] → [n, cols]."""
+        t = self.tensors[name]
+        rows, cols = t.shape
+        ids = np.asarray(ids, np.int64).reshape(-1)
+        if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < rows):
+            raise ValueError(f"token ids must be in 0..{rows - 1}, got {int(ids.min())}..{int(ids.max())}")
+        uniq, where = np.unique(ids, return_inverse=True)
+        table = self._row_maps.get(name)
+        if table is None:
+            table = self._row_maps[name] = self.raw(name).reshape(rows, t.n_bytes // rows)
+        raw = table[uniq]  # those rows' bytes, copied
+        if t.qtype in ("F32", "F16"):
+            w = raw.view(np.float32 if t.qtype == "F32" else np.float16).astype(dtype)
+        elif t.qtype == "BF16":
+            w = bf16_to_f32(raw).astype(dtype).reshape(len(uniq), cols)
+        else:
+            w = split_blocks(t.qtype, raw, len(uniq), cols).dequantize(dtype)
+        return w.reshape(len(uniq), cols)[where]
 
     def dequantize(self, name: str, dtype=np.float64) -> np.ndarray:
         """The exact weights of a tensor, shaped as TensorInfo.shape."""

@@ -1,8 +1,8 @@
 """A stage's OpenVINO graph, built from GGUF tensors with the opset API (no torch, no export).
 
-Stage graph (blocks [first, last), optionally the token embedding in front):
+Stage graph (blocks [first, last); a first stage's shard looks up the embedding's rows itself):
 
-    input_ids i64 [B, L] (embed) | hidden_states f32 [B, L, H]
+    hidden_states f32 [B, L, H]
     attention_mask i64 [B, S]   physical positions past + new (S = past + L), 0 = masked out
     position_ids i64 [B, L]     logical positions of the new tokens (RoPE)
     beam_idx i32 [B]            KV rows to keep, in order: [0] for a slot's own request (the pattern
@@ -94,10 +94,6 @@ class StageBuilder:
         self.h = index.hparams
         self.w = weights
 
-    def embedding(self, input_ids: ov.Output) -> ov.Output:
-        """token ids [B, L] → [B, L, H], gathering rows of the compressed table (any type)."""
-        return self.w.embedding("token_embd.weight", input_ids)
-
     def block(self, b: int, x: ov.Output, cos: ov.Output, sin: ov.Output, mask: ov.Output,
               beam_idx: ov.Output, sinks: list) -> ov.Output:
         h = self.h
@@ -168,20 +164,16 @@ class StageBuilder:
         x = ops.broadcast(x, target, broadcast_spec="BIDIRECTIONAL")  # [B, nkv, g, S, D]
         return ops.reshape(x, ops.concat([b, _i64(h.n_heads), s, _i64(h.head_dim)], axis=0), False).output(0)
 
-    def stage(self, first: int, last: int, embed: bool, top1: bool = False) -> ov.Model:
-        """The model of blocks [first, last) (with the embedding when `embed`). With `top1` (the
-        shard also holds the head and the last block) a second output `token` i64 [1] is the
-        greedy top-1 after the last row: a decode step is then one inference."""
-        if embed:
-            x_in = ops.parameter([-1, -1], I64, name="input_ids")
-            x = self.embedding(x_in.output(0))  # [B, L, H]
-        else:
-            x_in = ops.parameter([-1, -1, self.h.hidden], F32, name="hidden_states")
-            x = x_in.output(0)  # [B, L, H]
+    def stage(self, first: int, last: int, top1: bool = False) -> ov.Model:
+        """The model of blocks [first, last). With `top1` (the shard also holds the head and the
+        last block) a second output `token` i64 [1] is the greedy top-1 after the last row: a
+        decode step is then one inference."""
+        x_in = ops.parameter([-1, -1, self.h.hidden], F32, name="hidden_states")
+        x = x_in.output(0)  # [B, L, H]
         attention_mask = ops.parameter([-1, -1], I64, name="attention_mask")
         position_ids = ops.parameter([-1, -1], I64, name="position_ids")
         beam_idx = ops.parameter([-1], ov.Type.i32, name="beam_idx")
-        for param, name in ((x_in, "input_ids" if embed else "hidden_states"), (attention_mask, "attention_mask"),
+        for param, name in ((x_in, "hidden_states"), (attention_mask, "attention_mask"),
                             (position_ids, "position_ids"), (beam_idx, "beam_idx")):
             param.output(0).set_names({name})
 

@@ -106,7 +106,10 @@ class OpenVINOShard(HeadOps):
         # A shard with the head and the last block computes the greedy token in its stage graph;
         # its separate head graph (logits, or greedy on other hidden states) is compiled lazily.
         self._fold = spec.head and spec.last == self.index.hparams.n_blocks
-        self.compiled = core().compile_model(builder.stage(spec.first, spec.last, spec.embed, self._fold), device, cfg)
+        # The embedding's rows are read from the file per step (ModelIndex.rows), not gathered in
+        # the graph: the plugin kept its own copy of the whole table beside the graph's (the 8B
+        # shape's 128,256 × 4096 Q4_K table, 295 MB in the file, cost 524 MB resident).
+        self.compiled = core().compile_model(builder.stage(spec.first, spec.last, self._fold), device, cfg)
         self._head = None
         self._head_build = (builder, device, cfg) if spec.head else None
         if spec.head and not self._fold:
@@ -122,7 +125,6 @@ class OpenVINOShard(HeadOps):
         self._reqs: dict[int, ov.InferRequest] = {}
         self._spare: list[ov.InferRequest] = []
         self._beam = ov.Tensor(np.zeros(1, dtype=np.int32))
-        self._x_dtype = np.int64 if spec.embed else np.float32
         self._group_of: dict[int, RowGroup] = {}  # slots that are rows of a group → it
 
     # --- slots -------------------------------------------------------------------------
@@ -227,7 +229,7 @@ class OpenVINOShard(HeadOps):
         if slot in self._group_of:
             self._take_out(slot)
         req = self._reqs[slot]
-        x = np.ascontiguousarray(x, dtype=self._x_dtype)[None]  # [1, n] ids or [1, n, H]
+        x = np.ascontiguousarray(self._inputs(x), dtype=np.float32)[None]  # [1, n, H]
         req.set_input_tensor(0, ov.Tensor(x, shared_memory=True))
         req.set_input_tensor(1, ov.Tensor(np.ascontiguousarray(mask, dtype=np.int64)[None], shared_memory=True))
         req.set_input_tensor(2, ov.Tensor(np.ascontiguousarray(positions, dtype=np.int64)[None], shared_memory=True))
@@ -255,7 +257,8 @@ class OpenVINOShard(HeadOps):
         if len(slots) == 1 and slots[0] not in self._group_of:
             return [self.forward(slots[0], xs[0], positions[0], masks[0])]
         group = self._group_for(slots)
-        step = rowmod.step_inputs(group, slots, xs, positions, masks, self._x_dtype, self.index.hparams.hidden)
+        xs = [self._inputs(x) for x in xs]
+        step = rowmod.step_inputs(group, slots, xs, positions, masks, np.float32, self.index.hparams.hidden)
         req = group.req
         req.set_input_tensor(0, ov.Tensor(step.x, shared_memory=True))
         req.set_input_tensor(1, ov.Tensor(step.mask, shared_memory=True))
@@ -274,6 +277,10 @@ class OpenVINOShard(HeadOps):
         # token comes from the head graph (greedy), as on a shard that does not fold
         self._last_rows = []
         return hiddens
+
+    def _inputs(self, x: np.ndarray) -> np.ndarray:
+        """A forward's x as the stage graph takes it: hidden [n, H], the embedding's rows for ids."""
+        return self.index.rows("token_embd.weight", x) if self.spec.embed else x
 
     def release_weight_pages(self) -> None:
         """Drop the constants' file pages from the resident set (they come back if read)."""

@@ -41,8 +41,8 @@ BF16 matrices become f32 constants (F16 and BF16: 4 bytes per weight in memory a
 
 Projections that read the same input (q/k/v; gate/up) are concatenated into one matrix where
 they share a type; in a mix (Q4_K_M files hold some attn_v/ffn_down in Q6_K) each run of equal
-types is its own compressed FullyConnected. The token embedding gathers rows of the compressed
-table (the same constants as a tied lm_head) and decompresses only those rows.
+types is its own compressed FullyConnected. The token embedding is not a constant: the shard
+reads the rows of each step from the file (ModelIndex.rows, exact), see backends/openvino/shard.py.
 Constants wrap numpy buffers without copying (4-bit: element 2i in the low nibble of byte i);
 `WeightBank.keep` holds those buffers for as long as the model or compiled model lives.
 """
@@ -230,8 +230,8 @@ class WeightBank:
         return unpermute_rows(w, unpermute_heads) if unpermute_heads else w
 
     def _whole(self, name: str) -> Packed | ov.Node:
-        """The tensor's constants as stored (no un-permuting), made once: a tied embedding and
-        lm_head, and the stage and head models, share one buffer."""
+        """The tensor's constants as stored (no un-permuting), made once: the stage and head
+        models share one buffer."""
         if name not in self._shared:
             t = self.index.tensors[name]
             if t.qtype in FLOAT_TYPES:
@@ -283,7 +283,7 @@ class WeightBank:
     def packed_linear(x: ov.Output, p: Packed) -> ov.Output:
         """x [..., in] @ w[out, in]ᵀ: the compressed FullyConnected of the codes and scales, plus
         the offsets times each group's sum of x where the type has offsets (the split form)."""
-        w = _scaled_codes(p, lambda node: node)  # [out, groups, group]
+        w = _scaled_codes(p)  # [out, groups, group]
         y = linear(x, ops.reshape(w, ops.constant(np.array([p.rows, p.cols], np.int64)), False).output(0))
         if p.offset is None:
             return y
@@ -292,24 +292,6 @@ class WeightBank:
         grouped = ops.reshape(x, ops.constant(np.array([*lead, groups, p.cols // groups], np.int64)), True)
         sums = ops.reduce_sum(grouped, ops.constant(np.int64(-1)), False)  # [..., groups]
         return ops.add(y, linear(sums.output(0), p.offset.output(0))).output(0)
-
-    def embedding(self, name: str, input_ids: ov.Output) -> ov.Output:
-        """token ids [B, L] → rows of table `name` [B, L, H] in f32, gathered from the compressed
-        constants (those of a tied lm_head) and decompressed as the FullyConnected does."""
-        whole = self._whole(name)
-        axis = ops.constant(np.int64(0))
-        if not isinstance(whole, Packed):
-            return ops.gather(whole, input_ids, axis).output(0)  # [B, L, H]
-        rows = self._decompress(whole, lambda node: ops.gather(node, input_ids, axis))  # [B, L, groups, group]
-        return ops.reshape(rows, ops.constant(np.array([0, 0, whole.cols], np.int64)), True).output(0)
-
-    @staticmethod
-    def _decompress(p: Packed, pick) -> ov.Output:
-        """The weights of the rows `pick` selects, offsets included."""
-        w = _scaled_codes(p, pick)
-        if p.offset is None:  # (a zero point is inside _scaled_codes)
-            return w
-        return ops.add(w, ops.unsqueeze(pick(p.offset), ops.constant(np.int64(-1)))).output(0)
 
     def pack(self, b: QuantBlocks) -> Packed:
         """The constants of GGML blocks b in their compressed form (see the module docstring)."""
@@ -345,12 +327,12 @@ class WeightBank:
         return Packed(*c, rows, cols)
 
 
-def _scaled_codes(p: Packed, pick) -> ov.Output:
-    """(Convert(q) [− zero])·scale over the rows `pick` selects (the pattern the plugin compresses)."""
-    w = ops.convert(pick(p.q), F32)
+def _scaled_codes(p: Packed) -> ov.Output:
+    """(Convert(q) [− zero])·scale (the pattern the plugin compresses)."""
+    w = ops.convert(p.q, F32)
     if p.zero is not None:
-        w = ops.subtract(w, pick(p.zero))
-    scale = pick(p.scale)
+        w = ops.subtract(w, p.zero)
+    scale = p.scale
     if scale.get_output_element_type(0) != F32:
         scale = ops.convert(scale, F32)
     return ops.multiply(w, scale).output(0)
