@@ -21,8 +21,8 @@ cost 524 MB resident). MLX gathers from its own packed table; the reference dequ
 PROCESS_BYTES: a session member's fixed resident set before any weight and beside its tokenizer:
 Python, numpy, the backend runtime (OpenVINO's CPU plugin and its thread pools), QUIC, the session,
 the HTTP API. TOKENIZER_BYTES_PER_VOCAB: the tokenizer every member loads (each serves the API),
-per vocabulary entry: Llama 3's 128,256 tokens and 280k merges take 136 MB in Python (measured with
-`load_tokenizer` alone). ANCHOR_BYTES: the host's extra (weight serving, the bulk lane, digests).
+per vocabulary entry: Llama 3's 128,256 tokens and 280k merges take 102 MB in Python (measured with
+`load_tokenizer` alone; 136 MB while the index kept the metadata's vocabulary arrays too). ANCHOR_BYTES: the host's extra (weight serving, the bulk lane, digests).
 HEAD_WORK_BYTES_PER_VOCAB: the head's extra beside its lm_head (f32 logits, the plugin's top-1
 scratch, the sampler), per vocabulary entry. RUN_PROCESS_BYTES: `kafila run`'s fixed part (no
 QUIC, session or API), its tokenizer included.
@@ -49,7 +49,7 @@ HOLDS_EMBEDDING: dict[str, bool] = {"openvino": False, "mlx": True, "reference":
 PROCESS_BYTES: dict[str, float] = {"openvino": 165e6, "mlx": 165e6, "reference": 165e6}
 ANCHOR_BYTES: dict[str, float] = {"openvino": 55e6, "mlx": 55e6, "reference": 55e6}
 RUN_PROCESS_BYTES: dict[str, float] = {"openvino": 211e6, "mlx": 211e6, "reference": 211e6}
-TOKENIZER_BYTES_PER_VOCAB = 1060
+TOKENIZER_BYTES_PER_VOCAB = 800
 HEAD_WORK_BYTES_PER_VOCAB = 390
 
 
