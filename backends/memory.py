@@ -13,11 +13,6 @@ while serving, read off the constant forms (backends/openvino/weights.py, backen
   K-quants); Q6_K is padded to groups of 32 (12 bits of codes + 4 bits of f32 scale/bias = 2 B).
 - reference: every weight dequantized to float64 (8 B; a yardstick, not a serving path).
 
-HOLDS_EMBEDDING: whether the backend keeps an untied token embedding table resident. OpenVINO
-does not: its shard reads each step's rows from the file's map (ModelIndex.rows), since the
-plugin held a copy of a Gather's whole table beside the graph's (the 8B shape's 295 MB Q4_K table
-cost 524 MB resident). MLX gathers from its own packed table; the reference dequantizes it.
-
 PROCESS_BYTES: a session member's fixed resident set before any weight and beside its tokenizer:
 Python, numpy, the backend runtime (OpenVINO's CPU plugin and its thread pools), QUIC, the session,
 the HTTP API. TOKENIZER_BYTES_PER_VOCAB: the tokenizer every member loads (each serves the API),
@@ -45,7 +40,6 @@ RESIDENT_BYTES_PER_WEIGHT: dict[str, dict[str, float]] = {
 }
 REFERENCE_BYTES_PER_WEIGHT = 8.0
 
-HOLDS_EMBEDDING: dict[str, bool] = {"openvino": False, "mlx": True, "reference": True}
 PROCESS_BYTES: dict[str, float] = {"openvino": 165e6, "mlx": 165e6, "reference": 165e6}
 ANCHOR_BYTES: dict[str, float] = {"openvino": 55e6, "mlx": 55e6, "reference": 55e6}
 RUN_PROCESS_BYTES: dict[str, float] = {"openvino": 211e6, "mlx": 211e6, "reference": 211e6}

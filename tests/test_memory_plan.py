@@ -203,9 +203,9 @@ def test_embedding_rows_read_from_the_map_are_the_exact_rows(tmp_path, qtype):
 
 
 def test_openvino_holds_no_embedding_table(tmp_path):
-    """An untied embedding is priced on the head by the backends that hold it, not OpenVINO's,
-    whose first stage takes hidden states (its shard looks the rows up) and holds no table of
-    vocabulary rows: the plugin kept its own copy of a Gather's table (issue 10)."""
+    """An untied embedding table is not priced on the head: OpenVINO's first stage takes hidden
+    states (its shard looks the rows up) and holds no table of vocabulary rows (the plugin kept
+    its own copy of a Gather's table, issue 10)."""
     pytest.importorskip("openvino")
     from backends.base import ShardSpec
     from backends.openvino.shard import OpenVINOShard
@@ -217,11 +217,28 @@ def test_openvino_holds_no_embedding_table(tmp_path):
     vocab = index.hparams.vocab
     work = HEAD_WORK_BYTES_PER_VOCAB * vocab
     assert index.head_resident_bytes("openvino") == pytest.approx(resident_bytes("openvino", head) + work)
-    embd = index.tensors["token_embd.weight"]
-    assert index.head_resident_bytes("mlx") == pytest.approx(resident_bytes("mlx", [*head, embd]) + work)
+    assert index.head_resident_bytes("mlx") == pytest.approx(resident_bytes("mlx", head) + work)
     shard = OpenVINOShard(ShardSpec(path, 0, 1, embed=True, head=False), "f32")
     names = set().union(*(p.get_names() for p in shard.compiled.inputs))
     assert "hidden_states" in names and "input_ids" not in names
     shapes = [n.get_output_partial_shape(0) for n in shard.runtime_model().get_ops()
               if n.get_type_name() == "Const" or n.get_type_name() == "Constant"]
     assert not any(s.rank.get_length() >= 1 and s[0].is_static and s[0].get_length() == vocab for s in shapes)
+
+
+def test_mlx_holds_no_untied_embedding_table(tmp_path):
+    """The MLX head keeps a tied table (it is the lm_head) and reads an untied one's rows from
+    the file: the same rows, exact, and no second table in its weights."""
+    pytest.importorskip("mlx.core")
+    from backends.base import ShardSpec
+    from backends.mlx.shard import MLXShard
+
+    ids = np.array([5, 0, 5, 200])
+    for tied in (True, False):
+        path = write_llama_gguf(tmp_path / f"m{tied}.gguf", blocks=1, hidden=256, heads=4, kv_heads=2, ffn=512,
+                                qtype="Q4_K", embed_qtype="Q6_K", tied=tied)  # fmt: skip
+        index = open_model(path)
+        shard = MLXShard(ShardSpec(path, 0, 1, embed=True, head=True), "f32")
+        assert (shard.weights.embedding is shard.weights.lm_head) if tied else shard.weights.embedding is None
+        got = np.array(shard._embed(ids, len(ids)))
+        assert np.array_equal(got, index.dequantize("token_embd.weight", np.float32)[ids])

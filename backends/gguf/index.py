@@ -166,17 +166,13 @@ class ModelIndex:
         return out
 
     def head_resident_bytes(self, backend: str) -> float:
-        """The head's resident bytes on `backend`: lm_head (output.weight, or the tied embedding),
-        an untied embedding table where the backend holds one (OpenVINO reads the rows of each
-        step from the file instead, backends.memory.HOLDS_EMBEDDING) and the final norm in the
-        backend's form, and the logits/sampler buffers."""
-        from backends.memory import HEAD_WORK_BYTES_PER_VOCAB, HOLDS_EMBEDDING, resident_bytes
+        """The head's resident bytes on `backend`: lm_head (output.weight, or the tied embedding)
+        and the final norm in the backend's form, and the logits/sampler buffers. An untied
+        embedding table is not held: the shards read each step's rows from the file (`rows`)."""
+        from backends.memory import HEAD_WORK_BYTES_PER_VOCAB, resident_bytes
 
         lm = self.tensors.get("output.weight") or self.tensors.get("token_embd.weight")
         parts = [t for t in (lm, self.tensors.get("output_norm.weight")) if t is not None]
-        embd = self.tensors.get("token_embd.weight")
-        if embd is not None and embd is not lm and HOLDS_EMBEDDING[backend]:
-            parts.append(embd)
         return resident_bytes(backend, parts) + HEAD_WORK_BYTES_PER_VOCAB * self.hparams.vocab
 
     @cached_property

@@ -54,6 +54,7 @@ class MLXShard(HeadOps):
         self.spec = spec
         self.precision = precision
         self.hparams = hp
+        self.index = index
         freqs = None
         if hp.rope_freq_factors:  # mx.fast.rope's freqs are periods: base^(2i/D)·factor_i
             half = np.arange(0, hp.head_dim, 2, dtype=np.float64) / hp.head_dim
@@ -181,10 +182,12 @@ class MLXShard(HeadOps):
 
     def _embed(self, x: np.ndarray, n: int) -> mx.array:
         """Token ids (embed shard) or hidden states → f32 [n, hidden]."""
-        if self.spec.embed:
+        if self.spec.embed and self.weights.embedding is not None:  # the tied lm_head's table
             h = self.weights.embedding.rows(
                 mx.array(np.asarray(x, dtype=np.int32).reshape(n))
             )  # [n, hidden]
+        elif self.spec.embed:  # read from the file, not held (load_shard_weights)
+            h = mx.array(self.index.rows("token_embd.weight", np.asarray(x).reshape(n)))  # [n, hidden]
         else:
             h = mx.array(
                 np.asarray(x, dtype=np.float32).reshape(n, self.dims.hidden)

@@ -129,7 +129,7 @@ class BlockWeights:
 @dataclass(frozen=True)
 class ShardWeights:
     blocks: tuple[BlockWeights, ...]  # blocks first .. last-1, in order
-    embedding: Linear | None  # token_embd (head shard); rows are looked up
+    embedding: Linear | None  # token_embd when it is also the lm_head (tied): rows are looked up
     output_norm: mx.array | None  # [hidden] (head shard)
     lm_head: Linear | None  # output.weight, or token_embd when tied (head shard)
 
@@ -184,7 +184,9 @@ def load_shard_weights(
         lm_head = linear("output") if "output.weight" in tensors else linear("token_embd")  # shared when tied
     weights = ShardWeights(
         blocks=blocks,
-        embedding=linear("token_embd") if embed else None,
+        # a table that is not also this shard's lm_head is not held: MLXShard reads each step's
+        # rows from the file (ModelIndex.rows, exact), as the OpenVINO shard does
+        embedding=made.get("token_embd") if embed else None,
         output_norm=vec("output_norm.weight") if head else None,
         lm_head=lm_head,
     )
