@@ -42,6 +42,17 @@ def test_stage_runtime_models_are_fused(chain):
         assert kinds["RoPE"] == 2 * blocks  # rotate_half RoPE fused for q and k
 
 
+def test_attention_takes_an_additive_float_mask(chain):
+    """The SDPA's mask is f32 (0 / lowest, added to the scores), never boolean: the CPU plugin's
+    kernel ran a prompt's attention 3–4× slower with a boolean mask (graph.causal_mask)."""
+    for shard in chain.shards:
+        sdpa = [o for o in shard.runtime_model().get_ordered_ops() if layer_type(o) == "ScaledDotProductAttention"]
+        assert sdpa
+        for node in sdpa:  # inputs: q, k, v, the mask, ...
+            mask = node.input_value(3).get_element_type()
+            assert mask.is_real(), mask  # a boolean mask reaches the kernel as u8
+
+
 def test_head_keeps_8bit_lm_head(chain):
     ops = list(chain.head.head_runtime_model().get_ordered_ops())
     fcs = [(precision(o)) for o in ops if layer_type(o) == "FullyConnected"]

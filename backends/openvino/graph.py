@@ -73,7 +73,10 @@ def apply_rope(x: ov.Output, cos: ov.Output, sin: ov.Output, head_dim: int) -> o
 
 
 def causal_mask(attention_mask: ov.Output, new_len: ov.Output) -> ov.Output:
-    """bool [B, 1, L, S]: new token i sees physical position j iff j ≤ S − L + i and mask[j] ≠ 0."""
+    """f32 [B, 1, L, S], 0 where new token i sees physical position j (j ≤ S − L + i and
+    mask[j] ≠ 0), the lowest f32 elsewhere: added to the scores. A boolean mask gives the same
+    result, but the CPU plugin's attention kernel ran 3–4× slower with it on a prompt (the
+    default model, 400 positions: 580 against 172 ms for the whole prefill, 2 cores with AMX)."""
     total = ops.gather(ops.shape_of(attention_mask, I64), _i64(1), _i64(0))  # [1] S
     zero, one = _i64(0), _i64(1)
     start, step = ops.constant(np.int64(0)), ops.constant(np.int64(1))
@@ -83,7 +86,8 @@ def causal_mask(attention_mask: ov.Output, new_len: ov.Output) -> ov.Output:
     causal = ops.less_equal(ops.unsqueeze(j, zero), ops.unsqueeze(last_visible, one))  # [L, S]
     visible = ops.not_equal(attention_mask, ops.constant(np.int64(0)))  # [B, S]
     visible = ops.unsqueeze(visible, _i64(1, 2))  # [B, 1, 1, S]
-    return ops.logical_and(ops.unsqueeze(causal, zero), visible).output(0)  # [B, 1, L, S]
+    seen = ops.logical_and(ops.unsqueeze(causal, zero), visible)  # [B, 1, L, S]
+    return ops.select(seen, ops.constant(np.float32(0.0)), ops.constant(np.finfo(np.float32).min)).output(0)
 
 
 class StageBuilder:
