@@ -14,6 +14,9 @@ the ring's head feeds a step) and times it; the forms alternate within a round (
 bool, float: load from elsewhere falls on both alike). Reported per L: the median prefill ms of
 each form, bool ÷ float, and the float form's prefill tok/s. The greedy token after the prompt is
 compared between the forms (the same, or how many differ, at serving precision a near-tie can flip).
+`--whole` adds a third side, the float form fed each prompt in one forward (no chunks): a chunk
+after the first attends to the slot's past KV, which the plugin's attention runs far slower than a
+fresh prompt's (docs/BENCHMARKS.md).
 `--shape` takes tests/big_gguf's synthetic shapes (llama-3.2-1b, llama-3-8b; built once into the
 test cache); `--model` any model name or GGUF path.
 """
@@ -71,6 +74,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--lengths", default="64,512,2048", help="prompt lengths, comma-separated")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--precision", choices=("serving", "f32"), default="serving")
+    p.add_argument("--whole", action="store_true", help="also the float form with each prompt in one forward")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -100,21 +104,27 @@ def main(argv: list[str] | None = None) -> int:
     for shard in shards.values():  # the first inferences of each shape prepare kernels
         prefill(shard, rng.integers(0, vocab, 16), chunk)
     out = {}
-    print(f"{'positions':>9} | {'bool ms':>9} | {'float ms':>9} | bool ÷ float | float tok/s | same token")
+    sides = ["float", "bool"] + (["whole"] if args.whole else [])
+    print(f"{'positions':>9} | {'bool ms':>9} | {'float ms':>9} | bool ÷ float | float tok/s | same token"
+          + (" | float in one forward ms | chunked ÷ one" if args.whole else ""))  # fmt: skip
     for n in lengths:
         ids = rng.integers(0, vocab, n)
-        ms: dict[str, list[float]] = {"float": [], "bool": []}
-        tokens: dict[str, list[int]] = {"float": [], "bool": []}
+        ms: dict[str, list[float]] = {side: [] for side in sides}
+        tokens: dict[str, list[int]] = {side: [] for side in sides}
         for r in range(args.rounds):
-            for form in ("float", "bool") if r % 2 == 0 else ("bool", "float"):
-                t, token = prefill(shards[form], ids, chunk)
-                ms[form].append(t)
-                tokens[form].append(token)
+            for side in sides if r % 2 == 0 else sides[::-1]:
+                t, token = prefill(shards["float" if side == "whole" else side], ids, n if side == "whole" else chunk)
+                ms[side].append(t)
+                tokens[side].append(token)
         f, b = statistics.median(ms["float"]), statistics.median(ms["bool"])
         same = sum(x == y for x, y in zip(tokens["float"], tokens["bool"]))
         out[str(n)] = {"float_ms": f, "bool_ms": b, "ratio": b / f, "float_tok_s": n / f * 1000,
                        "same_token": same, "rounds": args.rounds, "samples": ms}  # fmt: skip
-        print(f"{n:>9} | {b:>9.1f} | {f:>9.1f} | {b / f:>10.2f}× | {n / f * 1000:>11.0f} | {same}/{args.rounds}", flush=True)
+        line = f"{n:>9} | {b:>9.1f} | {f:>9.1f} | {b / f:>10.2f}× | {n / f * 1000:>11.0f} | {same}/{args.rounds}"
+        if args.whole:
+            w = out[str(n)]["whole_ms"] = statistics.median(ms["whole"])
+            line += f" | {w:>23.1f} | {f / w:>12.2f}×"
+        print(line, flush=True)
     if args.json:
         print(json.dumps(out))
     return 0
