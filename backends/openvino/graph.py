@@ -75,8 +75,8 @@ def apply_rope(x: ov.Output, cos: ov.Output, sin: ov.Output, head_dim: int) -> o
 def causal_mask(attention_mask: ov.Output, new_len: ov.Output) -> ov.Output:
     """f32 [B, 1, L, S], 0 where new token i sees physical position j (j ≤ S − L + i and
     mask[j] ≠ 0), the lowest f32 elsewhere: added to the scores. A boolean mask gives the same
-    result, but the CPU plugin's attention kernel ran 3–4× slower with it on a prompt (the
-    default model, 400 positions: 580 against 172 ms for the whole prefill, 2 cores with AMX)."""
+    result, but the CPU plugin's attention kernel ran far slower with it on a prompt (the default
+    model's prefill of 512 positions 5.2× as long, of 2048 11×: bench/prefill.py, docs/BENCHMARKS.md)."""
     total = ops.gather(ops.shape_of(attention_mask, I64), _i64(1), _i64(0))  # [1] S
     zero, one = _i64(0), _i64(1)
     start, step = ops.constant(np.int64(0)), ops.constant(np.int64(1))

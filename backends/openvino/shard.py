@@ -108,7 +108,7 @@ class OpenVINOShard(HeadOps):
         self._fold = spec.head and spec.last == self.index.hparams.n_blocks
         # The embedding's rows are read from the file per step (ModelIndex.rows), not gathered in
         # the graph: the plugin kept its own copy of the whole table beside the graph's (the 8B
-        # shape's 128,256 × 4096 Q4_K table, 295 MB in the file, cost 524 MB resident).
+        # shape's head member held 1.58× its shard + KV with it, 1.15× without: docs/BENCHMARKS.md).
         self.compiled = core().compile_model(builder.stage(spec.first, spec.last, self._fold), device, cfg)
         self._head = None
         self._head_build = (builder, device, cfg) if spec.head else None

@@ -313,8 +313,8 @@ def _phi3_rstrip(md, tokens, token_to_id, types) -> set[int]:
 
 def load_tokenizer(index) -> Tokenizer:
     """The tokenizer of an opened model (kafila.models.ModelIndex). Its metadata is read apart,
-    not kept on the index: the vocabulary's arrays as Python objects (Llama 3: 408k strings, 37 MB)
-    are not needed once the tokenizer is built, and every member process loads one."""
+    not kept on the index: the vocabulary's arrays as Python objects (Llama 3: 408k strings) are
+    not needed once the tokenizer is built, and every member process loads one."""
     return load_tokenizer_file(index.path)
 
 
