@@ -187,9 +187,10 @@ def test_the_hosts_plan_prices_a_mixed_ring_by_its_largest_backend(kquant_model)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K", "Q8_0", "Q4_1", "Q5_0", "F16", "BF16"])
-def test_embedding_rows_read_from_the_map_are_the_exact_rows(tmp_path, qtype):
-    """ModelIndex.rows (the OpenVINO shard's embedding lookup): each id's row, exact, repeats and
-    any order, without the table; an id outside the vocabulary is refused."""
+def test_embedding_rows_read_from_the_file_are_the_exact_rows(tmp_path, qtype):
+    """ModelIndex.rows (the shards' embedding lookup): each id's row, exact, repeats and any
+    order, without the table and without mapping the file (the rows a session looked up would
+    gather in its RSS); an id outside the vocabulary is refused."""
     hidden = 256
     index = open_model(write_llama_gguf(tmp_path / "m.gguf", blocks=1, hidden=hidden, heads=4, kv_heads=2,
                                         ffn=512, qtype="Q8_0", embed_qtype=qtype))  # fmt: skip
@@ -198,6 +199,10 @@ def test_embedding_rows_read_from_the_map_are_the_exact_rows(tmp_path, qtype):
     want = index.dequantize("token_embd.weight", np.float32)[ids]
     assert got.dtype == np.float32 and got.shape == (5, hidden)
     assert np.array_equal(got, want)
+    fresh = open_model(index.path)
+    fresh.rows("token_embd.weight", ids)
+    with open("/proc/self/maps") as maps:
+        assert index.path not in maps.read()
     with pytest.raises(ValueError, match="token ids must be in"):
         index.rows("token_embd.weight", np.array([index.hparams.vocab]))
 

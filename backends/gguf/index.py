@@ -94,9 +94,10 @@ class ModelIndex:
         return read_header(self.path, tensors=False).metadata
 
     @cached_property
-    def _row_maps(self) -> dict[str, np.ndarray]:
-        """name → the tensor's map as [rows, row bytes], made once (rows)."""
-        return {}
+    def _rows_file(self):
+        """The model file, opened once for `rows` (read with pread: none of its pages are mapped
+        into the process, so the rows a session has looked up do not gather in its RSS)."""
+        return open(self.path, "rb", buffering=0)  # noqa: SIM115 (lives as long as the index)
 
     def block_tensors(self, block: int) -> list[TensorInfo]:
         prefix = f"blk.{block}."
@@ -196,18 +197,20 @@ class ModelIndex:
         return split_blocks(t.qtype, self.raw(name), rows, cols)
 
     def rows(self, name: str, ids: np.ndarray, dtype=np.float32) -> np.ndarray:
-        """Rows `ids` of matrix `name`, exact, read from the file's map (an embedding lookup that
-        holds no table: only those rows' bytes are read): ids [n] → [n, cols]."""
+        """Rows `ids` of matrix `name`, exact, read from the file (an embedding lookup that holds
+        no table: only those rows' bytes are read): ids [n] → [n, cols]."""
         t = self.tensors[name]
         rows, cols = t.shape
         ids = np.asarray(ids, np.int64).reshape(-1)
         if len(ids) and not (0 <= int(ids.min()) and int(ids.max()) < rows):
             raise ValueError(f"token ids must be in 0..{rows - 1}, got {int(ids.min())}..{int(ids.max())}")
         uniq, where = np.unique(ids, return_inverse=True)
-        table = self._row_maps.get(name)
-        if table is None:
-            table = self._row_maps[name] = self.raw(name).reshape(rows, t.n_bytes // rows)
-        raw = table[uniq]  # those rows' bytes, copied
+        row_bytes = t.n_bytes // rows
+        raw = np.empty((len(uniq), row_bytes), np.uint8)
+        fd = self._rows_file.fileno()
+        for i, r in enumerate(uniq.tolist()):
+            if os.preadv(fd, [raw[i]], t.offset + r * row_bytes) != row_bytes:
+                raise BadInput(f"{self.path}: the file ends inside {name}'s row {r} (truncated since it was opened?)")
         if t.qtype in ("F32", "F16"):
             w = raw.view(np.float32 if t.qtype == "F32" else np.float16).astype(dtype)
         elif t.qtype == "BF16":
