@@ -17,7 +17,8 @@ PROCESS_BYTES: a session member's fixed resident set before any weight and besid
 Python, numpy, the backend runtime (OpenVINO's CPU plugin and its thread pools), QUIC, the session,
 the HTTP API. TOKENIZER_BYTES_PER_VOCAB: the tokenizer every member loads (each serves the API),
 per vocabulary entry: Llama 3's 128,256 tokens and 280k merges take 102 MB in Python (measured with
-`load_tokenizer` alone; more while the index kept the metadata's vocabulary arrays too). ANCHOR_BYTES: the host's extra (weight serving, the bulk lane, digests).
+`load_tokenizer` alone; more while the index kept the metadata's vocabulary arrays too).
+ANCHOR_BYTES: the host's extra (weight serving, the bulk lane, digests).
 HEAD_WORK_BYTES_PER_VOCAB: the head's extra beside its lm_head (f32 logits, the plugin's top-1
 scratch, the sampler), per vocabulary entry. RUN_PROCESS_BYTES: `kafila run`'s fixed part (no
 QUIC, session or API), its tokenizer included.

@@ -211,22 +211,21 @@ class ModelIndex:
         for i, r in enumerate(uniq.tolist()):
             if os.preadv(fd, [raw[i]], t.offset + r * row_bytes) != row_bytes:
                 raise BadInput(f"{self.path}: the file ends inside {name}'s row {r} (truncated since it was opened?)")
-        if t.qtype in ("F32", "F16"):
-            w = raw.view(np.float32 if t.qtype == "F32" else np.float16).astype(dtype)
-        elif t.qtype == "BF16":
-            w = bf16_to_f32(raw).astype(dtype).reshape(len(uniq), cols)
-        else:
-            w = split_blocks(t.qtype, raw, len(uniq), cols).dequantize(dtype)
-        return w.reshape(len(uniq), cols)[where]
+        return exact_values(t.qtype, raw, (len(uniq), cols), dtype)[where]
 
     def dequantize(self, name: str, dtype=np.float64) -> np.ndarray:
         """The exact weights of a tensor, shaped as TensorInfo.shape."""
         t = self.tensors[name]
-        if t.qtype in ("F32", "F16"):
-            return self.raw(name).view(np.float32 if t.qtype == "F32" else np.float16).astype(dtype).reshape(t.shape)
-        if t.qtype == "BF16":
-            return bf16_to_f32(self.raw(name)).astype(dtype).reshape(t.shape)
-        return self.blocks_of(name).dequantize(dtype)
+        return exact_values(t.qtype, self.raw(name), t.shape, dtype)
+
+
+def exact_values(qtype: str, raw: np.ndarray, shape: tuple[int, ...], dtype) -> np.ndarray:
+    """The exact weights of type `qtype` whose bytes are `raw` (uint8), shaped `shape`."""
+    if qtype in ("F32", "F16"):
+        return raw.view(np.float32 if qtype == "F32" else np.float16).astype(dtype).reshape(shape)
+    if qtype == "BF16":
+        return bf16_to_f32(raw).astype(dtype).reshape(shape)
+    return split_blocks(qtype, raw, *shape).dequantize(dtype)
 
 
 def open_model(path: str) -> ModelIndex:
