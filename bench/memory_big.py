@@ -1,7 +1,7 @@
 """Memory of big-model shards against the plan, measured side by side in one run.
 
     .venv/bin/python -m bench.memory_big [--shapes llama-3.2-1b,llama-3-8b] [--members 3]
-        [--context 2048] [--concurrency 4] [--max-tokens 16] [--backend openvino] [--json]
+        [--context 2048] [--concurrency 4] [--max-tokens 16] [--prompt-tokens N] [--backend openvino] [--json]
 
 For each shape (a synthetic Q4_K_M GGUF from tests/big_gguf.py with the real model's shapes):
 1. 1-stage: `kafila run --model M --max-tokens N` as a child process, sampled every 0.2 s from
@@ -17,6 +17,9 @@ context × concurrency (what admission checks), "predicted now" the same formula
 process holds when measured (its KV is allocated as it fills). 1-stage uses `kafila run`'s
 per-process term (backends.memory.RUN_PROCESS_BYTES), members the session's. The model files and the members' weight caches live
 under tests/big_gguf's cache directory and are reused across runs.
+`--prompt-tokens N`: the prompt is a text of about N tokens (the chat form included) instead of one
+short line, so the figures are those after a long prompt's chunked prefill (what the plugin keeps
+of a chunk's working set shows in RSS) and the peak includes the chunks' working set.
 """
 
 from __future__ import annotations
@@ -46,14 +49,37 @@ def _proc_memory(pid: int) -> dict | None:
             "pss_file_bytes": _status_kib(rollup, "Pss_File")}  # fmt: skip
 
 
-def one_stage(model: str, backend: str, context: int, concurrency: int, max_tokens: int) -> dict:
+def long_prompt(model: str, tokens: int) -> str:
+    """A text whose chat form is at most `tokens` tokens long, as close to it as whole sentences allow."""
+    from backends.gguf import open_model
+    from kafila.models import load_tokenizer
+
+    tok = load_tokenizer(open_model(model))
+    sentence = "The keeper of lighthouse {} wrote down every ship that passed in the night. "
+
+    def text(k: int) -> str:
+        return "".join(sentence.format(i) for i in range(k)) + "Which lighthouse saw the most ships?"
+
+    lo, hi = 0, tokens
+    while lo < hi:  # the most sentences whose chat form fits
+        mid = (lo + hi + 1) // 2
+        lo, hi = (mid, hi) if _chat_tokens(tok, text(mid)) <= tokens else (lo, mid - 1)
+    return text(lo)
+
+
+def _chat_tokens(tok, text: str) -> int:
+    return len(tok.encode(tok.render_chat([{"role": "user", "content": text}])))
+
+
+def one_stage(model: str, backend: str, context: int, concurrency: int, max_tokens: int,
+              prompt: str = PROMPT) -> dict:  # fmt: skip
     """`kafila run` on the whole model, its memory sampled from outside."""
     from backends.gguf import open_model
     from kafila.session.memory import shard_memory
 
     index = open_model(model)
     cmd = [sys.executable, "-m", "kafila", "run", "--model", model, "--backend", backend,
-           "--max-tokens", str(max_tokens), "--json", PROMPT]  # fmt: skip
+           "--max-tokens", str(max_tokens), "--json", prompt]  # fmt: skip
     start = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     samples = []
@@ -84,7 +110,7 @@ def one_stage(model: str, backend: str, context: int, concurrency: int, max_toke
 
 
 def session(model: str, backend: str, members: int, context: int, concurrency: int, max_tokens: int,
-            cache_root: str) -> list[dict]:  # fmt: skip
+            cache_root: str, prompt: str = PROMPT) -> list[dict]:  # fmt: skip
     from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     s = LocalSession(members=members, model=model, backend=backend, context=context,
@@ -93,8 +119,8 @@ def session(model: str, backend: str, members: int, context: int, concurrency: i
     s.start(timeout_s=1800)
     try:
         formed = time.monotonic() - start
-        answer = stream_chat(s.api(s.names[-1]), PROMPT, max_tokens, timeout_s=900)
-        used = _prompt_tokens(model) + (answer.get("tokens") or max_tokens)
+        answer = stream_chat(s.api(s.names[-1]), prompt, max_tokens, timeout_s=1800)
+        used = _prompt_tokens(model, prompt) + (answer.get("tokens") or max_tokens)
         plan = s.plan or get_json(s.api(s.names[0]), "/status")["plan"]
         rows = []
         for name in plan["ring"]:
@@ -107,12 +133,11 @@ def session(model: str, backend: str, members: int, context: int, concurrency: i
         s.stop()
 
 
-def _prompt_tokens(model: str) -> int:
+def _prompt_tokens(model: str, prompt: str) -> int:
     from backends.gguf import open_model
     from kafila.models import load_tokenizer
 
-    tok = load_tokenizer(open_model(model))
-    return len(tok.encode(tok.render_chat([{"role": "user", "content": PROMPT}])))
+    return _chat_tokens(load_tokenizer(open_model(model)), prompt)
 
 
 def predicted_now(row: dict, context: int, concurrency: int) -> int:
@@ -163,25 +188,30 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--context", type=int, default=2048)
     ap.add_argument("--concurrency", type=int, default=4)
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of about N tokens (0: one short line)")
     ap.add_argument("--backend", default="openvino")
     ap.add_argument("--skip-session", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    if not 0 <= args.prompt_tokens < args.context - args.max_tokens:
+        ap.error("--prompt-tokens must leave room for --max-tokens inside --context")
     from tests.big_gguf import big_model, cache_dir
 
     report = {}
     for shape in args.shapes.split(","):
         model = big_model(shape)
         now = lambda r: {**r, "predicted_now_bytes": predicted_now(r, args.context, args.concurrency)}  # noqa: E731
-        rows = [now(one_stage(model, args.backend, args.context, args.concurrency, args.max_tokens))]
+        prompt = long_prompt(model, args.prompt_tokens) if args.prompt_tokens else PROMPT
+        rows = [now(one_stage(model, args.backend, args.context, args.concurrency, args.max_tokens, prompt))]
         print(table(shape, rows), file=sys.stderr, flush=True)
         if not args.skip_session:
             cache = os.path.join(cache_dir(), "member-caches", shape)
             rows += [now(r) for r in session(model, args.backend, args.members, args.context,
-                                             args.concurrency, args.max_tokens, cache)]  # fmt: skip
+                                             args.concurrency, args.max_tokens, cache, prompt)]  # fmt: skip
         report[shape] = [{**r, **ratios(r)} for r in rows]
         print(table(shape, rows), flush=True)
-        print(f"(context {args.context} × concurrency {args.concurrency}; targets: ≤ 1.25× shard+KV, "
+        print(f"(context {args.context} × concurrency {args.concurrency}, a prompt of "
+              f"{_prompt_tokens(model, prompt)} tokens; targets: ≤ 1.25× shard+KV, "
               f"0.90–1.10× planned; {args.backend})", flush=True)  # fmt: skip
     if args.json:
         print(json.dumps(report))

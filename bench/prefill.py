@@ -14,8 +14,10 @@ the ring's head feeds a step) and times it; the forms alternate within a round (
 bool, float: load from elsewhere falls on both alike). Reported per L: the median prefill ms of
 each form, bool ÷ float, and the float form's prefill tok/s. The greedy token after the prompt is
 compared between the forms (the same, or how many differ, at serving precision a near-tie can flip).
-`--whole` adds a third side, the float form fed each prompt in one forward (no chunks): a chunk
-after the first attends to the slot's past KV, which the plugin's attention runs far slower than a
+Chunks after the first are a quarter of the first (scheduler.later_chunk_tokens, as the head
+feeds them); `--equal-chunks` adds a side fed in chunks of the full size throughout (the rule
+before), to compare the time. `--whole` adds a side, the float form fed each prompt in one
+forward (no chunks): a chunk after the first attends to the slot's past KV, which the plugin's attention runs far slower than a
 fresh prompt's (docs/BENCHMARKS.md).
 `--shape` takes tests/big_gguf's synthetic shapes (llama-3.2-1b, llama-3-8b; built once into the
 test cache); `--model` any model name or GGUF path.
@@ -53,14 +55,17 @@ def build(path: str, form: str, precision: str):
         graph.causal_mask = made
 
 
-def prefill(shard, ids: np.ndarray, chunk: int) -> tuple[float, int]:
-    """(ms to feed `ids` into a fresh slot `chunk` positions a forward, the greedy token after)."""
+def prefill(shard, ids: np.ndarray, chunk: int, later: int | None = None) -> tuple[float, int]:
+    """(ms to feed `ids` into a fresh slot, `chunk` positions the first forward and `later` (default
+    `chunk`) each one after, the greedy token after)."""
     slot = shard.open_slot()
     try:
         start = time.perf_counter()
-        for at in range(0, len(ids), chunk):
-            part = ids[at:at + chunk]
+        at = 0
+        while at < len(ids):
+            part = ids[at:at + (chunk if at == 0 else later or chunk)]
             hidden = shard.forward(slot, part, np.arange(at, at + len(part)), np.ones(at + len(part), np.int64))
+            at += len(part)
         ms = (time.perf_counter() - start) * 1000
         return ms, shard.greedy(hidden)
     finally:
@@ -75,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--precision", choices=("serving", "f32"), default="serving")
     p.add_argument("--whole", action="store_true", help="also the float form with each prompt in one forward")
+    p.add_argument("--equal-chunks", action="store_true", help="also the float form in equal full chunks")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -86,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.prefill: lengths 1..32768, --rounds 1..20", file=sys.stderr)
         return 2
     from kafila.models.registry import resolve_model
-    from kafila.session.scheduler import prefill_chunk_tokens
+    from kafila.session.scheduler import later_chunk_tokens, prefill_chunk_tokens
 
     if args.shape:
         from tests.big_gguf import big_model
@@ -97,23 +103,27 @@ def main(argv: list[str] | None = None) -> int:
     shards = {form: build(path, form, args.precision) for form in ("float", "bool")}
     hp = shards["float"].index.hparams
     vocab, chunk = hp.vocab, prefill_chunk_tokens(hp.hidden)
+    later = later_chunk_tokens(chunk)
     print(machine(), flush=True)
     print(f"{path}: {hp.n_blocks} blocks, hidden {hp.hidden}, one shard of the whole model at {args.precision} "
-          f"precision, chunks of {chunk} positions, median of {args.rounds} rounds (forms alternated)", flush=True)
+          f"precision, chunks of {chunk} then {later} positions, median of {args.rounds} rounds (forms alternated)", flush=True)
     rng = np.random.default_rng(0)
     for shard in shards.values():  # the first inferences of each shape prepare kernels
         prefill(shard, rng.integers(0, vocab, 16), chunk)
     out = {}
-    sides = ["float", "bool"] + (["whole"] if args.whole else [])
+    sides = ["float", "bool"] + (["whole"] if args.whole else []) + (["equal"] if args.equal_chunks else [])
     print(f"{'positions':>9} | {'bool ms':>9} | {'float ms':>9} | bool ÷ float | float tok/s | same token"
-          + (" | float in one forward ms | chunked ÷ one" if args.whole else ""))  # fmt: skip
+          + (" | float in one forward ms | chunked ÷ one" if args.whole else "")
+          + (f" | equal chunks of {chunk} ms | equal ÷ float" if args.equal_chunks else ""))  # fmt: skip
     for n in lengths:
         ids = rng.integers(0, vocab, n)
         ms: dict[str, list[float]] = {side: [] for side in sides}
         tokens: dict[str, list[int]] = {side: [] for side in sides}
         for r in range(args.rounds):
             for side in sides if r % 2 == 0 else sides[::-1]:
-                t, token = prefill(shards["float" if side == "whole" else side], ids, n if side == "whole" else chunk)
+                first = n if side == "whole" else chunk
+                t, token = prefill(shards["bool" if side == "bool" else "float"], ids, first,
+                                   chunk if side == "equal" else later)  # fmt: skip
                 ms[side].append(t)
                 tokens[side].append(token)
         f, b = statistics.median(ms["float"]), statistics.median(ms["bool"])
@@ -124,6 +134,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.whole:
             w = out[str(n)]["whole_ms"] = statistics.median(ms["whole"])
             line += f" | {w:>23.1f} | {f / w:>12.2f}×"
+        if args.equal_chunks:
+            e = out[str(n)]["equal_ms"] = statistics.median(ms["equal"])
+            line += f" | {e:>10.1f} | {e / f:>12.2f}×"
         print(line, flush=True)
     if args.json:
         print(json.dumps(out))

@@ -15,7 +15,7 @@ from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.engine.ring import RingEngine
 from kafila.session.frames import MAX_FRAME_BYTES, Activation, EncodeError, Limits, encode
 from kafila.session.ring import RingNode
-from kafila.session.scheduler import PREFILL_WORK_BYTES, Scheduler, prefill_chunk_tokens
+from kafila.session.scheduler import PREFILL_WORK_BYTES, Scheduler, later_chunk_tokens, prefill_chunk_tokens
 from tests.default_model import MODEL, needs_default_model
 from tests.fake_link import Pipe
 from tests.test_session_ring import H, LIM, V, shards
@@ -82,9 +82,13 @@ def test_chunk_rule_at_real_hidden_sizes():
     assert prefill_chunk_tokens(576) == 3640
 
 
+def test_later_chunks_are_a_quarter_of_the_first():
+    assert [later_chunk_tokens(n) for n in (1, 3, 4, 512, 1024, 3640)] == [1, 1, 1, 128, 256, 910]
+
+
 def test_scheduler_chunks_in_order():
-    s = Scheduler(slots=1, context=64, eos_ids=frozenset({0}), chunk_tokens=4)
-    s.submit("a", "m1", list(range(1, 11)), 3)
+    s = Scheduler(slots=1, context=64, eos_ids=frozenset({0}), chunk_tokens=8)
+    s.submit("a", "m1", list(range(1, 13)), 3)
     got = []
     for expect_token in (False, False, True):
         (step,) = s.steps()
@@ -92,9 +96,10 @@ def test_scheduler_chunks_in_order():
         assert s.wants_token("a") is expect_token
         events = s.complete("a", 7 if expect_token else None)
         assert bool(events) is expect_token
-    assert got == [([1, 2, 3, 4], 0, 0), ([5, 6, 7, 8], 4, 4), ([9, 10], 8, 8)]
+    # the first chunk whole, the later ones a quarter of it (scheduler.later_chunk_tokens)
+    assert got == [(list(range(1, 9)), 0, 0), ([9, 10], 8, 8), ([11, 12], 10, 10)]
     (step,) = s.steps()  # then decode, one position a step
-    assert (step.tokens.tolist(), step.cache_len, step.pos0) == ([7], 10, 10)
+    assert (step.tokens.tolist(), step.cache_len, step.pos0) == ([7], 12, 12)
 
 
 def test_an_oversized_activation_is_our_error_before_a_byte_is_written():
@@ -178,7 +183,8 @@ def test_a_frame_over_the_limit_fails_that_request_alone_and_the_next_succeeds()
 @needs_default_model
 def test_real_shards_chunked_round_the_ring_give_kafila_runs_ids():
     """Three real openvino stages of the default model, a frame limit of 48 positions (the
-    documented test knob), a 200-token prompt: five chunks, and the greedy ids of one stage."""
+    documented test knob), a 200-token prompt: a chunk of 48 positions and then chunks of 12, and
+    the greedy ids of one stage."""
     from backends.gguf import open_model
     from kafila.api import chat_prompt_ids
     from kafila.engine.chain import LocalChain
@@ -211,7 +217,8 @@ def test_real_shards_chunked_round_the_ring_give_kafila_runs_ids():
         return got, rows
 
     got, rows = asyncio.run(main())
-    assert max(rows) == 48 and rows.count(48) >= 3 * 3
+    # the first chunk of 48 positions, then chunks of 12 (scheduler.later_chunk_tokens)
+    assert max(rows) == 48 and rows.count(48) == 3 and rows.count(12) >= 3 * 10
     assert got == [t for t in want if t not in tok.eos_ids]
 
 
@@ -234,8 +241,9 @@ class Recorder:
 
 @pytest.mark.parametrize("stages", [1, 2])
 def test_local_chain_prefills_in_chunks_with_the_one_shot_ids(synthetic_model, stages):
-    """A 400-token prompt on the synthetic model at f32: chunks of 37 positions (11 feeds, none
-    larger) give the greedy ids of one 400-position batch; the default chunk follows the rule."""
+    """A 400-token prompt on the synthetic model at f32: a first chunk of 37 positions, then chunks
+    of 9 (none larger) give the greedy ids of one 400-position batch; the default chunk follows
+    the rule."""
     from backends.gguf import open_model
     from kafila.engine.chain import LocalChain
 
@@ -250,7 +258,7 @@ def test_local_chain_prefills_in_chunks_with_the_one_shot_ids(synthetic_model, s
     got = list(chunked.generate(ids, 16))
     assert got == want
     prefill = rec[0].sizes[: -(len(got) - 1)]
-    assert prefill == [37] * 10 + [30] and max(rec[0].sizes) == 37
+    assert prefill == [37] + [9] * 40 + [3] and max(rec[0].sizes) == 37
     assert LocalChain.build(synthetic_model, 1, "openvino", index=index).chunk_tokens == prefill_chunk_tokens(
         index.hparams.hidden)
 

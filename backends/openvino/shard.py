@@ -54,6 +54,14 @@ RELEASE_AFTER = 3
 # spill file is resident beside the plugin's new copy at once, and that was the serving peak
 # (Llama-3.2-1B one stage: 2.5 GB peak for 1.4 GB serving; issue 10).
 RELEASE_EVERY_S = 0.02
+# A step of many positions (a prefill chunk) leaves the CPU plugin's intermediate buffers at that
+# step's size, and they stay: about SCRATCH_WIDTHS hidden-wide f32 rows a position (the 8B shape:
+# +0.6 GB after chunks of 512 positions; bench.memory_big --prompt-tokens). Once the steps are
+# small again (the prompt's chunks are done) they are given back (`_release_scratch`), so a long
+# prompt costs its chunks' working set while they run, not for the rest of the session.
+SCRATCH_WIDTHS = 64
+RELEASE_SCRATCH_BYTES = 64 << 20  # a step whose buffers are estimated above this is "large"
+RELEASE_MIN_ROW = 16  # ... and only a step with a row this long (a decode batch is not large)
 
 
 @contextlib.contextmanager
@@ -121,6 +129,8 @@ class OpenVINOShard(HeadOps):
         # repacked the weights (after the first forwards, RELEASE_AFTER), see WeightBank.spill.
         self._forwards = 0
         self._batch_forwards = 0
+        self._large_step = False  # the plugin holds a large step's buffers (_release_scratch)
+        self.scratch_releases = 0
         _trim_heap()
         self._reqs: dict[int, ov.InferRequest] = {}
         self._spare: list[ov.InferRequest] = []
@@ -230,6 +240,7 @@ class OpenVINOShard(HeadOps):
             self._take_out(slot)
         req = self._reqs[slot]
         x = np.ascontiguousarray(self._inputs(x), dtype=np.float32)[None]  # [1, n, H]
+        self._mind_scratch(1, x.shape[1])
         req.set_input_tensor(0, ov.Tensor(x, shared_memory=True))
         req.set_input_tensor(1, ov.Tensor(np.ascontiguousarray(mask, dtype=np.int64)[None], shared_memory=True))
         req.set_input_tensor(2, ov.Tensor(np.ascontiguousarray(positions, dtype=np.int64)[None], shared_memory=True))
@@ -259,6 +270,7 @@ class OpenVINOShard(HeadOps):
         group = self._group_for(slots)
         xs = [self._inputs(x) for x in xs]
         step = rowmod.step_inputs(group, slots, xs, positions, masks, np.float32, self.index.hparams.hidden)
+        self._mind_scratch(*step.x.shape[:2])
         req = group.req
         req.set_input_tensor(0, ov.Tensor(step.x, shared_memory=True))
         req.set_input_tensor(1, ov.Tensor(step.mask, shared_memory=True))
@@ -277,6 +289,38 @@ class OpenVINOShard(HeadOps):
         # token comes from the head graph (greedy), as on a shard that does not fold
         self._last_rows = []
         return hiddens
+
+    def _mind_scratch(self, rows: int, length: int) -> None:
+        """Before a step of `rows` × `length` positions: give back a large earlier step's buffers
+        when this one is small, and note when this one is large."""
+        large = length >= RELEASE_MIN_ROW and (
+            rows * length * self.index.hparams.hidden * 4 * SCRATCH_WIDTHS > RELEASE_SCRATCH_BYTES)
+        if self._large_step and not large:
+            self._release_scratch()
+        self._large_step = self._large_step or large
+
+    def _release_scratch(self) -> None:
+        """Hand the plugin's intermediate buffers back (CompiledModel.release_memory), then run
+        one inference of a single position in a fresh state. In OpenVINO 2026.4 the first inference
+        after release_memory fails ("Memory has not been allocated") in every node whose shapes
+        equal the last inference's; that last one was large (rows of RELEASE_MIN_ROW or more), so
+        one position in a fresh state has other shapes in every node and allocates them anew."""
+        self.compiled.release_memory()
+        req = self._spare.pop() if self._spare else self.compiled.create_infer_request()
+        try:
+            req.reset_state()
+            hidden = self.index.hparams.hidden
+            req.set_input_tensor(0, ov.Tensor(np.zeros((1, 1, hidden), np.float32)))
+            req.set_input_tensor(1, ov.Tensor(np.ones((1, 1), np.int64)))
+            req.set_input_tensor(2, ov.Tensor(np.zeros((1, 1), np.int64)))
+            req.set_input_tensor(3, self._beam)
+            req.infer()
+        finally:
+            req.reset_state()
+            self._spare.append(req)
+        self._large_step = False
+        self.scratch_releases += 1
+        _trim_heap()
 
     def _inputs(self, x: np.ndarray) -> np.ndarray:
         """A forward's x as the stage graph takes it: hidden [n, H], the embedding's rows for ids."""

@@ -6,9 +6,10 @@ length, the logical position and a `valid` vector over physical positions. Each 
 `mask = valid[:cache_len] ++ ones(n)` and `positions = logical .. logical + n − 1` to every stage;
 `rewind(k)` masks the last k live positions out and moves the logical position back by k.
 Hidden states cross from stage to stage as float32 (so stages may run on different backends).
-A prompt is fed in chunks of at most `chunk_tokens` positions (`prefill`), the rule the ring's
-head uses (kafila.session.scheduler.prefill_chunk_tokens), so a long prompt never runs one
-unbounded batch through a stage; only the last chunk's hidden states are kept.
+A prompt is fed in chunks, the first of at most `chunk_tokens` positions and the rest smaller
+(`prefill`), the rule the ring's head uses (kafila.session.scheduler.prefill_chunk_tokens and
+later_chunk_tokens), so a long prompt never runs one unbounded batch through a stage; only the
+last chunk's hidden states are kept.
 """
 
 from __future__ import annotations
@@ -119,12 +120,18 @@ class LocalChain:
         return x
 
     def prefill(self, cursor: Cursor, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
-        """`feed` in chunks of at most `chunk_tokens` positions; the last chunk's hidden states."""
+        """`feed` in chunks, as the ring's head does: the first of at most `chunk_tokens` positions,
+        the rest of scheduler.later_chunk_tokens; the last chunk's hidden states."""
+        from kafila.session.scheduler import later_chunk_tokens
+
         ids = np.asarray(tokens, dtype=np.int64)
         if len(ids) == 0:
             raise BadInput("nothing to feed: the token list is empty")
-        for start in range(0, len(ids), self.chunk_tokens):
-            hidden = self.feed(cursor, ids[start: start + self.chunk_tokens])
+        start = 0
+        while start < len(ids):
+            n = self.chunk_tokens if start == 0 else later_chunk_tokens(self.chunk_tokens)
+            hidden = self.feed(cursor, ids[start: start + n])
+            start += n
         return hidden
 
     def rewind(self, cursor: Cursor, k: int) -> None:

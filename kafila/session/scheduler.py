@@ -5,10 +5,10 @@ keeps one KV state per ring slot. A submitted request waits FIFO for a free slot
 with a slot and no step in flight is given the next Step: first its whole prompt (prefill), then
 its last sampled token (decode). Several requests can be in flight round the ring at once, each
 in its own slot, so concurrent requests interleave and each gets exactly the tokens it gets
-alone. A prompt longer than `chunk_tokens` is fed in several steps of at most that many
-positions (chunked prefill: every activation frame fits the frame limit and no stage runs an
-unbounded batch; see `prefill_chunk_tokens`); only the step with its last position samples a
-token. When a step returns, `complete(req_id, token)` records the greedy token and says whether the
+alone. A prompt longer than `chunk_tokens` is fed in several steps: the first of that many
+positions, the rest of `later_chunk_tokens` (chunked prefill: every activation frame fits the
+frame limit and no stage runs an unbounded batch; see `prefill_chunk_tokens`); only the step
+with its last position samples a token. When a step returns, `complete(req_id, token)` records the greedy token and says whether the
 request is over (EOS, max_new or the context). Positions are logical and the mask is physical
 (the OpenVINO paper's mask-based rewind); the bookkeeping (cache_len, pos, zeros) travels in
 every activation so stages stay stateless about it.
@@ -71,6 +71,20 @@ def prefill_chunk_tokens(hidden: int, frame_bytes: int = MAX_FRAME_BYTES,
     hidden 4096 → 512 positions a step, 2048 → 1024, 576 → 3640; at least 1."""
     row = hidden * F32_BYTES
     return max(1, min(frame_bytes // row, work_bytes // (row * PREFILL_WORK_WIDTHS)))
+
+
+# A prompt's chunks after its first attend to the KV already in the slot, and the CPU plugin runs
+# any such step in its one-query-at-a-time attention (docs/BENCHMARKS.md, "Prefill"): they take
+# as long in chunks of a quarter as in full chunks (Llama-3.2-1B shape, 2,048 positions: 1,024,
+# 256 or 128 a chunk alike), while the working set a stage holds during one falls with the chunk
+# (+750 MB peak at 1,024, +240 MB at 256). The first chunk keeps its full size: a fresh prompt
+# takes the fast attention kernel, so a prompt within one chunk is fed in one step.
+LATER_CHUNK_SHARE = 4
+
+
+def later_chunk_tokens(chunk_tokens: int) -> int:
+    """Positions of a prefill step after a prompt's first (`chunk_tokens` positions)."""
+    return max(1, chunk_tokens // LATER_CHUNK_SHARE)
 
 
 class SchedulerError(Exception):
@@ -177,6 +191,7 @@ class Scheduler:
         if chunk_tokens < 1:
             raise ValueError("a prefill chunk holds at least one position")
         self.chunk_tokens = chunk_tokens
+        self.later_chunk_tokens = later_chunk_tokens(chunk_tokens)
         self.slots = slots
         self.context = context
         self.eos_ids = eos_ids
@@ -222,7 +237,7 @@ class Scheduler:
                 continue
             done = req.cache_len
             if done < len(req.prompt):  # prefill, one chunk at a time
-                feed = req.prompt[done : done + self.chunk_tokens]
+                feed = req.prompt[done : done + (self.chunk_tokens if done == 0 else self.later_chunk_tokens)]
             elif self.speculate == "draft" and (k := self._draft_k(req)):
                 req.in_flight, req.want_draft = 1, k  # the step is the head's until attach_draft
                 out.append(self._step(req, (req.generated[-1],), want_draft=k))
