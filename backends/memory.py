@@ -26,6 +26,15 @@ Fitted on two runs of bench/memory_big.py on the Llama-3.2-1B shape (docs/BENCHM
 10) as RSS minus the weights' resident forms: members without the head or the host 285, 302 and
 316 MB (→ 165 MB + the tokenizer), the host 55 MB more, the head 46–52 MB beyond its lm_head,
 `kafila run` 211 MB. MLX's figures are not measured (no Apple machine here): the OpenVINO ones.
+
+PREFILL_WORK_BYTES: the working set of one prefill step in a stage, beside all of the above. The
+chunk rule (kafila.session.scheduler.prefill_chunk_tokens) sizes a prompt's steps to it, and every
+process's fixed part reserves it: a member's peak is its resident set plus a long prompt's first
+chunk. Measured on the CPU plugin (the peak over the resident set while a fresh prompt's first
+chunk runs, less its KV; bench.memory_big --prompt-tokens, docs/BENCHMARKS.md): about
+PREFILL_WORK_BYTES_PER_POSITION bytes per position and unit of hidden size on the Llama shapes
+(1B: 434 MB for 1,024 positions; the 8B shape's members about 430 MB for 512), SmolLM2-135M's 88
+(184 MB for 3,640 positions), which the same figure prices at 2.4× what it takes.
 """
 
 from __future__ import annotations
@@ -45,6 +54,8 @@ PROCESS_BYTES: dict[str, float] = {"openvino": 165e6, "mlx": 165e6, "reference":
 ANCHOR_BYTES: dict[str, float] = {"openvino": 55e6, "mlx": 55e6, "reference": 55e6}
 RUN_PROCESS_BYTES: dict[str, float] = {"openvino": 211e6, "mlx": 211e6, "reference": 211e6}
 TOKENIZER_BYTES_PER_VOCAB = 800
+PREFILL_WORK_BYTES_PER_POSITION = 208  # per unit of hidden size
+PREFILL_WORK_BYTES = 416 << 20
 HEAD_WORK_BYTES_PER_VOCAB = 390
 
 

@@ -15,7 +15,7 @@ Ratios printed: RSS, PSS and peak against shard + KV (target ≤ 1.25×) and aga
 prediction (target within 10%: 0.90–1.10×): "planned" is planner.member_bytes at the planned
 context × concurrency (what admission checks), "predicted now" the same formula at the KV the
 process holds when measured (its KV is allocated as it fills). 1-stage uses `kafila run`'s
-per-process term (backends.memory.RUN_PROCESS_BYTES), members the session's. The model files and the members' weight caches live
+per-process term (backends.memory.RUN_PROCESS_BYTES and the prefill working set), members the session's. The model files and the members' weight caches live
 under tests/big_gguf's cache directory and are reused across runs.
 `--prompt-tokens N`: the prompt is a text of about N tokens (the chat form included) instead of one
 short line, so the figures are those after a long prompt's chunked prefill (what the plugin keeps
@@ -99,10 +99,10 @@ def one_stage(model: str, backend: str, context: int, concurrency: int, max_toke
     last = [s for s in samples if s["rss_bytes"] >= top / 2][-1]
     own = result.get("memory") or {}
     serving = {**last, **{k: own[k] for k in ("rss_bytes", "pss_bytes") if own.get(k)}}
-    from backends.memory import RUN_PROCESS_BYTES
+    from backends.memory import PREFILL_WORK_BYTES, RUN_PROCESS_BYTES
 
     planned = shard_memory(index, 0, index.hparams.n_blocks, True, context, concurrency, backend,
-                           RUN_PROCESS_BYTES[backend])  # fmt: skip
+                           RUN_PROCESS_BYTES[backend] + PREFILL_WORK_BYTES)  # fmt: skip
     mem = {**serving, "peak_rss_bytes": samples[-1]["peak_rss_bytes"], **planned,
            "kv_used_tokens": len(result["prompt_ids"]) + result["tokens"]}  # fmt: skip
     return {"name": "1-stage", "blocks": index.hparams.n_blocks, "head": True, **mem,

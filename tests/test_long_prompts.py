@@ -15,7 +15,8 @@ from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.engine.ring import RingEngine
 from kafila.session.frames import MAX_FRAME_BYTES, Activation, EncodeError, Limits, encode
 from kafila.session.ring import RingNode
-from kafila.session.scheduler import PREFILL_WORK_BYTES, Scheduler, later_chunk_tokens, prefill_chunk_tokens
+from backends.memory import PREFILL_WORK_BYTES, PREFILL_WORK_BYTES_PER_POSITION
+from kafila.session.scheduler import Scheduler, later_chunk_tokens, prefill_chunk_tokens
 from tests.default_model import MODEL, needs_default_model
 from tests.fake_link import Pipe
 from tests.test_session_ring import H, LIM, V, shards
@@ -71,7 +72,7 @@ def test_chunk_rule_keeps_a_frame_and_a_stage_bounded(hidden):
     n = prefill_chunk_tokens(hidden)
     assert n >= 1
     assert n * hidden * 4 <= MAX_FRAME_BYTES
-    assert n * hidden * 4 * 16 <= max(PREFILL_WORK_BYTES, hidden * 4 * 16)
+    assert n * hidden * PREFILL_WORK_BYTES_PER_POSITION <= max(PREFILL_WORK_BYTES, hidden * PREFILL_WORK_BYTES_PER_POSITION)
     assert prefill_chunk_tokens(hidden, frame_bytes=hidden * 4 * 3) == min(3, n)
 
 

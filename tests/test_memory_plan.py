@@ -9,6 +9,7 @@ from backends.gguf import open_model
 from backends.gguf import quant
 from backends.memory import (
     HEAD_WORK_BYTES_PER_VOCAB,
+    PREFILL_WORK_BYTES,
     PROCESS_BYTES,
     RESIDENT_BYTES_PER_WEIGHT,
     TOKENIZER_BYTES_PER_VOCAB,
@@ -101,7 +102,8 @@ def test_planner_model_carries_the_resident_figures(kquant_model):
     ov = index.planner_model("openvino")
     blocks = [resident_bytes("openvino", index.block_tensors(b)) for b in range(2)]
     assert ov["block_resident_bytes"] == pytest.approx(sum(blocks) / 2)
-    assert ov["process_bytes"] == PROCESS_BYTES["openvino"] + TOKENIZER_BYTES_PER_VOCAB * index.hparams.vocab
+    assert ov["process_bytes"] == (PROCESS_BYTES["openvino"] + TOKENIZER_BYTES_PER_VOCAB * index.hparams.vocab
+                                   + PREFILL_WORK_BYTES)  # fmt: skip
     # tied: the Q6_K table once, in OpenVINO's form (1.25 B/weight), plus the norm and the head's work
     embd = index.tensors["token_embd.weight"]
     assert ov["head_resident_bytes"] > np.prod(embd.shape) * 1.25

@@ -155,13 +155,16 @@ class ModelIndex:
             "kv_bytes_per_token_per_block": self.kv_bytes_per_token_per_block(),
         }
         if backend is not None:
-            from backends.memory import ANCHOR_BYTES, PROCESS_BYTES, TOKENIZER_BYTES_PER_VOCAB, resident_bytes
+            from backends.memory import (ANCHOR_BYTES, PREFILL_WORK_BYTES, PROCESS_BYTES, TOKENIZER_BYTES_PER_VOCAB,
+                                         resident_bytes)  # fmt: skip
 
             # the mean block, not the largest: Q4_K_M gives some blocks Q6_K tensors (Llama-3.2-1B:
             # 54.5 MB the largest, 50.1 MB the mean), and a share holds a mix of both kinds
             n = self.hparams.n_blocks
             blocks = sum(resident_bytes(backend, self.block_tensors(b)) for b in range(n))
-            out.update(process_bytes=PROCESS_BYTES[backend] + TOKENIZER_BYTES_PER_VOCAB * self.hparams.vocab,
+            # the fixed part: the process, its tokenizer and the working set of a prompt's chunk
+            fixed = PROCESS_BYTES[backend] + TOKENIZER_BYTES_PER_VOCAB * self.hparams.vocab + PREFILL_WORK_BYTES
+            out.update(process_bytes=fixed,
                        anchor_bytes=ANCHOR_BYTES[backend], block_resident_bytes=blocks / n,
                        head_resident_bytes=self.head_resident_bytes(backend))  # fmt: skip
         return out

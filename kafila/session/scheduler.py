@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from backends.memory import PREFILL_WORK_BYTES, PREFILL_WORK_BYTES_PER_POSITION
 from kafila.session.fields import MAX_ORIGIN_DRAFT
 from kafila.session.frames import MAX_FRAME_BYTES
 from kafila.session.origin import aligned_draft
@@ -54,23 +55,18 @@ from kafila.session.speculate import (
 
 F32_BYTES = 4
 QUEUE_FULL_STATUS = 429  # the queue is full: the API answers Too Many Requests with Retry-After
-# A stage's transient working set while it runs n positions: the residual, its norm, q/k/v/o and
-# the FFN's gate/up/act/down intermediates are about PREFILL_WORK_WIDTHS hidden-wide float32 rows
-# per position (FFN ≈ 3.5 × hidden, three of them). PREFILL_WORK_BYTES bounds that working set.
-PREFILL_WORK_WIDTHS = 16
-PREFILL_WORK_BYTES = 128 << 20
 
 
 def prefill_chunk_tokens(hidden: int, frame_bytes: int = MAX_FRAME_BYTES,
                          work_bytes: int = PREFILL_WORK_BYTES) -> int:  # fmt: skip
     """The most prompt positions one prefill step feeds (the rule, in one place):
 
-        n × hidden × 4 B                          ≤ frame_bytes   (one activation frame)
-        n × hidden × 4 B × PREFILL_WORK_WIDTHS    ≤ work_bytes    (one stage's working set)
+        n × hidden × 4 B                                ≤ frame_bytes   (one activation frame)
+        n × hidden × PREFILL_WORK_BYTES_PER_POSITION    ≤ work_bytes    (one stage's working set,
+                                                                         backends.memory: measured)
 
     hidden 4096 → 512 positions a step, 2048 → 1024, 576 → 3640; at least 1."""
-    row = hidden * F32_BYTES
-    return max(1, min(frame_bytes // row, work_bytes // (row * PREFILL_WORK_WIDTHS)))
+    return max(1, min(frame_bytes // (hidden * F32_BYTES), work_bytes // (hidden * PREFILL_WORK_BYTES_PER_POSITION)))
 
 
 # A prompt's chunks after its first attend to the KV already in the slot, and the CPU plugin runs
