@@ -16,8 +16,8 @@ each form, bool ÷ float, and the float form's prefill tok/s. The greedy token a
 compared between the forms (the same, or how many differ, at serving precision a near-tie can flip).
 Chunks after the first are a quarter of the first (scheduler.later_chunk_tokens, as the head
 feeds them); `--equal-chunks` adds a side fed in chunks of the full size throughout (the rule
-before), to compare the time. `--whole` adds a side, the float form fed each prompt in one
-forward (no chunks): a chunk after the first attends to the slot's past KV, which the plugin's attention runs far slower than a
+before), to compare the time. `--chunk N` sets the first chunk's size (the later ones a quarter of
+it). `--whole` adds a side, the float form fed each prompt in one forward (no chunks): a chunk after the first attends to the slot's past KV, which the plugin's attention runs far slower than a
 fresh prompt's (docs/BENCHMARKS.md).
 `--shape` takes tests/big_gguf's synthetic shapes (llama-3.2-1b, llama-3-8b; built once into the
 test cache); `--model` any model name or GGUF path.
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--precision", choices=("serving", "f32"), default="serving")
     p.add_argument("--whole", action="store_true", help="also the float form with each prompt in one forward")
     p.add_argument("--equal-chunks", action="store_true", help="also the float form in equal full chunks")
+    p.add_argument("--chunk", type=int, help="the first chunk's positions (default: prefill_chunk_tokens)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -88,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print("bench.prefill: --lengths takes comma-separated whole numbers", file=sys.stderr)
         return 2
-    if not all(1 <= n <= 32768 for n in lengths) or not 1 <= args.rounds <= 20:
-        print("bench.prefill: lengths 1..32768, --rounds 1..20", file=sys.stderr)
+    if not all(1 <= n <= 32768 for n in lengths) or not 1 <= args.rounds <= 20 or not 1 <= (args.chunk or 1) <= 32768:
+        print("bench.prefill: lengths and --chunk 1..32768, --rounds 1..20", file=sys.stderr)
         return 2
     from kafila.models.registry import resolve_model
     from kafila.session.scheduler import later_chunk_tokens, prefill_chunk_tokens
@@ -102,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         path = resolve_model(args.model or "smollm2-135m")
     shards = {form: build(path, form, args.precision) for form in ("float", "bool")}
     hp = shards["float"].index.hparams
-    vocab, chunk = hp.vocab, prefill_chunk_tokens(hp.hidden)
+    vocab, chunk = hp.vocab, args.chunk or prefill_chunk_tokens(hp.hidden)
     later = later_chunk_tokens(chunk)
     print(machine(), flush=True)
     print(f"{path}: {hp.n_blocks} blocks, hidden {hp.hidden}, one shard of the whole model at {args.precision} "
