@@ -17,8 +17,9 @@ compared between the forms (the same, or how many differ, at serving precision a
 Chunks after the first are a quarter of the first (scheduler.later_chunk_tokens, as the head
 feeds them); `--equal-chunks` adds a side fed in chunks of the full size throughout (the rule
 before), to compare the time. `--chunk N` sets the first chunk's size (the later ones a quarter of
-it). `--whole` adds a side, the float form fed each prompt in one forward (no chunks): a chunk after the first attends to the slot's past KV, which the plugin's attention runs far slower than a
-fresh prompt's (docs/BENCHMARKS.md).
+it). `--whole` adds a side, the float form fed each prompt in one forward (no chunks): a chunk
+after the first attends to the slot's past KV, which the plugin's attention runs far slower than
+a fresh prompt's (docs/BENCHMARKS.md).
 `--shape` takes tests/big_gguf's synthetic shapes (llama-3.2-1b, llama-3-8b; built once into the
 test cache); `--model` any model name or GGUF path.
 """
