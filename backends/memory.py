@@ -56,6 +56,17 @@ RUN_PROCESS_BYTES: dict[str, float] = {"openvino": 211e6, "mlx": 211e6, "referen
 TOKENIZER_BYTES_PER_VOCAB = 800
 PREFILL_WORK_BYTES_PER_POSITION = 208  # per unit of hidden size
 PREFILL_WORK_BYTES = 416 << 20
+# A runtime keeps the buffers of the largest step it has run (the CPU plugin its intermediate
+# memory, MLX its buffer cache), so after one long prompt a process held that step's working set
+# for the rest of the session (the 8B shape's members: 1.42–1.56× their shard + KV). Shards hand
+# it back once the steps are small again (the prompt's chunks are done), not between chunks.
+RELEASE_WORK_BYTES = 64 << 20
+RELEASE_MIN_ROW = 16  # a step is large only with a row this long (a batch of decode rows is not)
+
+
+def large_step(rows: int, length: int, hidden: int) -> bool:
+    """Whether a step of `rows` × `length` positions leaves a working set worth handing back."""
+    return length >= RELEASE_MIN_ROW and rows * length * hidden * PREFILL_WORK_BYTES_PER_POSITION > RELEASE_WORK_BYTES
 HEAD_WORK_BYTES_PER_VOCAB = 390
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
+from backends import memory
 from backends.base import HeadOps, ShardSpec
 from backends.errors import BadInput
 from backends.gguf import ModelIndex, open_model
@@ -68,6 +69,8 @@ class MLXShard(HeadOps):
             index.path, spec.first, spec.last, spec.embed, spec.head, f32=precision == "f32"
         )
         self._slots: dict[int, SlotCache] = {}
+        self._large_step = False  # MLX's buffer cache holds a large step's buffers (_mind_cache)
+        self.scratch_releases = 0
 
     @property
     def n_blocks(self) -> int:
@@ -118,6 +121,7 @@ class MLXShard(HeadOps):
     ) -> np.ndarray:
         cache = self._cache(slot)
         n, pos, visible = self._row_inputs(slot, cache, x, positions, mask)
+        self._mind_cache(1, n)
         h = self._embed(x, n)[None]  # [1, n, hidden]
 
         cache.reserve(n)
@@ -145,6 +149,7 @@ class MLXShard(HeadOps):
         caches = [self._cache(s) for s in slots]
         rows = [self._row_inputs(*a) for a in zip(slots, caches, xs, positions, masks)]
         ns = [n for n, _, _ in rows]
+        self._mind_cache(len(ns), max(ns))
         h = mx.concatenate([self._embed(x, n) for x, n in zip(xs, ns)])[None]  # [1, T, hidden]
 
         for cache, n in zip(caches, ns):
@@ -159,6 +164,17 @@ class MLXShard(HeadOps):
         mx.eval(h, arrays)
         out = np.array(h[0], dtype=np.float32)  # [T, hidden]
         return np.split(out, np.cumsum(ns)[:-1])  # [n, hidden] per row
+
+    def _mind_cache(self, rows: int, length: int) -> None:
+        """Before a step of `rows` × `length` positions: empty MLX's buffer cache when this step is
+        small and an earlier one was large (backends.memory.large_step), so a long prompt's working
+        set does not stay with the process; the cache keeps serving the steps in between."""
+        large = memory.large_step(rows, length, self.hparams.hidden)
+        if self._large_step and not large:
+            mx.clear_cache()
+            self._large_step = False
+            self.scratch_releases += 1
+        self._large_step = self._large_step or large
 
     def _row_inputs(
         self, slot: int, cache: SlotCache, x: np.ndarray, positions: np.ndarray, mask: np.ndarray

@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import openvino as ov
 
+from backends import memory
 from backends.base import HeadOps, ShardSpec
 from backends.gguf import ModelIndex, open_model
 from backends.openvino import rows as rowmod
@@ -54,14 +55,6 @@ RELEASE_AFTER = 3
 # spill file is resident beside the plugin's new copy at once, and that was the serving peak
 # (Llama-3.2-1B one stage: 2.5 GB peak for 1.4 GB serving; issue 10).
 RELEASE_EVERY_S = 0.02
-# A step of many positions (a prefill chunk) leaves the CPU plugin's intermediate buffers at that
-# step's size, and they stay: about SCRATCH_WIDTHS hidden-wide f32 rows a position (the 8B shape:
-# +0.6 GB after chunks of 512 positions; bench.memory_big --prompt-tokens). Once the steps are
-# small again (the prompt's chunks are done) they are given back (`_release_scratch`), so a long
-# prompt costs its chunks' working set while they run, not for the rest of the session.
-SCRATCH_WIDTHS = 64
-RELEASE_SCRATCH_BYTES = 64 << 20  # a step whose buffers are estimated above this is "large"
-RELEASE_MIN_ROW = 16  # ... and only a step with a row this long (a decode batch is not large)
 
 
 @contextlib.contextmanager
@@ -293,8 +286,7 @@ class OpenVINOShard(HeadOps):
     def _mind_scratch(self, rows: int, length: int) -> None:
         """Before a step of `rows` × `length` positions: give back a large earlier step's buffers
         when this one is small, and note when this one is large."""
-        large = length >= RELEASE_MIN_ROW and (
-            rows * length * self.index.hparams.hidden * 4 * SCRATCH_WIDTHS > RELEASE_SCRATCH_BYTES)
+        large = memory.large_step(rows, length, self.index.hparams.hidden)
         if self._large_step and not large:
             self._release_scratch()
         self._large_step = self._large_step or large
@@ -303,7 +295,8 @@ class OpenVINOShard(HeadOps):
         """Hand the plugin's intermediate buffers back (CompiledModel.release_memory), then run
         one inference of a single position in a fresh state. In OpenVINO 2026.4 the first inference
         after release_memory fails ("Memory has not been allocated") in every node whose shapes
-        equal the last inference's; that last one was large (rows of RELEASE_MIN_ROW or more), so
+        equal the last inference's; that last one was large (rows of RELEASE_MIN_ROW or more: see
+        backends.memory.large_step), so
         one position in a fresh state has other shapes in every node and allocates them anew."""
         self.compiled.release_memory()
         req = self._spare.pop() if self._spare else self.compiled.create_infer_request()

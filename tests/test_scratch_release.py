@@ -3,19 +3,24 @@ intermediate buffers at that step's size, so after one long prompt a member held
 more for the rest of the session (the 8B shape's members went from ≤ 1.25× to 1.42–1.56× their
 shard + KV after an 1,800-token prompt: docs/BENCHMARKS.md). The OpenVINO shard hands them back
 (CompiledModel.release_memory) when the steps are small again, and works around the plugin's
-failure on the first inference after that (backends/openvino/shard.py `_release_scratch`)."""
+failure on the first inference after that (backends/openvino/shard.py `_release_scratch`); the
+MLX shard empties MLX's buffer cache at the same point (backends.memory.large_step decides)."""
 
 import numpy as np
 import pytest
 
 import backends.openvino.shard as shard_mod
+from backends import memory
+from backends import status
 from backends.base import ShardSpec
 from backends.gguf import open_model
 from tests.default_model import MODEL, needs_default_model
 
 pytestmark = [pytest.mark.model, needs_default_model]
+needs_mlx = pytest.mark.skipif(not status("mlx").available, reason=status("mlx").reason)
 
 LONG = 2000  # positions of the long prompt: one step (the default model's chunk is 3640)
+MLX_LONG = 1200  # MLX's CPU backend prefills far slower
 
 
 def rss_mb() -> float:
@@ -36,7 +41,7 @@ def index():
 def answer(index, release: bool, monkeypatch) -> tuple[list[int], dict]:
     """A short request decoding, a long prompt in a fresh slot, 4 greedy tokens after it, then the
     short request's next step and the same long prompt again: the tokens and RSS along the way."""
-    monkeypatch.setattr(shard_mod, "RELEASE_SCRATCH_BYTES", 64 << 20 if release else 1 << 62)
+    monkeypatch.setattr(memory, "RELEASE_WORK_BYTES", 64 << 20 if release else 1 << 62)
     shard = shard_mod.OpenVINOShard(ShardSpec(MODEL, 0, index.hparams.n_blocks, True, True), "serving",
                                     index=index)  # fmt: skip
     ids = np.random.default_rng(0).integers(0, index.hparams.vocab, LONG)
@@ -80,7 +85,7 @@ def test_a_batch_of_the_long_steps_size_right_after_the_release(index, monkeypat
         feed(shard, slot, ids[i:i + 2], 0)
     shard.forward_batch(rows, [ids[i:i + 1] for i in range(32)], [np.array([2])] * 32,
                         [np.ones(3, np.int64)] * 32)  # fmt: skip
-    monkeypatch.setattr(shard_mod, "RELEASE_SCRATCH_BYTES", 1)  # every step of 16+ positions is large
+    monkeypatch.setattr(memory, "RELEASE_WORK_BYTES", 1)  # every step of 16+ positions is large
     feed(shard, shard.open_slot(), ids[:32], 0)  # large: one row of 32 positions
     hs = shard.forward_batch(rows, [ids[i + 1:i + 2] for i in range(32)], [np.array([3])] * 32,
                              [np.ones(4, np.int64)] * 32)  # small: 32 rows of one  # fmt: skip
@@ -99,3 +104,23 @@ def test_after_the_release_a_step_of_the_last_steps_shapes_runs(index):
     first = shard.greedy(feed(shard, shard.open_slot(), ids, 0))
     shard._release_scratch()
     assert shard.greedy(feed(shard, shard.open_slot(), ids, 0)) == first
+
+
+@needs_mlx
+def test_mlx_empties_its_buffer_cache_once_the_long_prompt_is_done(index):
+    """MLX keeps a freed step's buffers in its cache; the shard empties it when a small step
+    follows a large one (mlx-lm's own prefill loop empties it too)."""
+    import mlx.core as mx
+
+    from backends.mlx.shard import MLXShard
+
+    shard = MLXShard(ShardSpec(MODEL, 0, index.hparams.n_blocks, True, True), "serving", index=index)
+    ids = np.random.default_rng(0).integers(0, index.hparams.vocab, MLX_LONG)
+    slot = shard.open_slot()
+    tokens = [shard.greedy(feed(shard, slot, ids, 0))]
+    cached = [mx.get_cache_memory()]  # after the long step: its buffers, cached
+    for i in range(2):
+        tokens.append(shard.greedy(feed(shard, slot, np.array([tokens[-1]]), MLX_LONG + i)))
+        cached.append(mx.get_cache_memory())
+    assert shard.scratch_releases == 1
+    assert cached[0] > 2 * max(cached[1:]), cached
