@@ -31,10 +31,10 @@ PREFILL_WORK_BYTES: the working set of one prefill step in a stage, beside all o
 chunk rule (kafila.session.scheduler.prefill_chunk_tokens) sizes a prompt's steps to it, and every
 process's fixed part reserves it: a member's peak is its resident set plus a long prompt's first
 chunk. Measured on the CPU plugin (the peak over the resident set while a fresh prompt's first
-chunk runs, less its KV; bench.memory_big --prompt-tokens, docs/BENCHMARKS.md): about
-PREFILL_WORK_BYTES_PER_POSITION bytes per position and unit of hidden size on the Llama shapes
-(1B: 434 MB for 1,024 positions; the 8B shape's members about 430 MB for 512), SmolLM2-135M's 88
-(184 MB for 3,640 positions), which the same figure prices at 2.4× what it takes.
+chunk runs; bench.memory_big --prompt-tokens, docs/BENCHMARKS.md): 183–230 bytes per position
+and unit of hidden size on the Llama shapes (the 1B's one stage 383 MB over its RSS for 1,024
+positions, the 8B shape's members 386–483 MB for 512), hence PREFILL_WORK_BYTES_PER_POSITION.
+SmolLM2-135M takes less (a diagnostic put it under half), so it is priced above what it takes.
 """
 
 from __future__ import annotations
