@@ -296,8 +296,7 @@ class OpenVINOShard(HeadOps):
         one inference of a single position in a fresh state. In OpenVINO 2026.4 the first inference
         after release_memory fails ("Memory has not been allocated") in every node whose shapes
         equal the last inference's; that last one was large (rows of RELEASE_MIN_ROW or more: see
-        backends.memory.large_step), so
-        one position in a fresh state has other shapes in every node and allocates them anew."""
+        backends.memory.large_step), so one position in a fresh state has other shapes in every node and allocates them anew."""
         self.compiled.release_memory()
         req = self._spare.pop() if self._spare else self.compiled.create_infer_request()
         try:

@@ -70,11 +70,10 @@ def prefill_chunk_tokens(hidden: int, frame_bytes: int = MAX_FRAME_BYTES,
 
 
 # A prompt's chunks after its first attend to the KV already in the slot, and the CPU plugin runs
-# any such step in its one-query-at-a-time attention (docs/BENCHMARKS.md, "Prefill"): they take
-# as long in chunks of a quarter as in full chunks (Llama-3.2-1B shape, 2,048 positions: 1,024,
-# 256 or 128 a chunk alike), while the working set a stage holds during one falls with the chunk
-# (+750 MB peak at 1,024, +240 MB at 256). The first chunk keeps its full size: a fresh prompt
-# takes the fast attention kernel, so a prompt within one chunk is fed in one step.
+# any such step in its one-query-at-a-time attention (docs/BENCHMARKS.md, "Prefill"), so chunks
+# of a quarter cost no more time than full ones (bench.prefill --equal-chunks: full chunks took
+# 1.10-1.13x as long on the 1B shape) and hold a smaller working set while they run. The first
+# chunk keeps its full size: a fresh prompt takes the fast attention kernel.
 LATER_CHUNK_SHARE = 4
 
 
