@@ -122,14 +122,14 @@ class LocalChain:
     def prefill(self, cursor: Cursor, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """`feed` in chunks, as the ring's head does: the first of at most `chunk_tokens` positions,
         the rest of scheduler.later_chunk_tokens; the last chunk's hidden states."""
-        from kafila.session.scheduler import later_chunk_tokens
+        from kafila.session.scheduler import next_chunk
 
         ids = np.asarray(tokens, dtype=np.int64)
         if len(ids) == 0:
             raise BadInput("nothing to feed: the token list is empty")
         start = 0
         while start < len(ids):
-            n = self.chunk_tokens if start == 0 else later_chunk_tokens(self.chunk_tokens)
+            n = next_chunk(start, self.chunk_tokens)
             hidden = self.feed(cursor, ids[start: start + n])
             start += n
         return hidden

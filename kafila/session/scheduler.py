@@ -82,6 +82,11 @@ def later_chunk_tokens(chunk_tokens: int) -> int:
     return max(1, chunk_tokens // LATER_CHUNK_SHARE)
 
 
+def next_chunk(done: int, chunk_tokens: int) -> int:
+    """Positions of the prefill step that follows `done` fed positions of a prompt."""
+    return chunk_tokens if done == 0 else later_chunk_tokens(chunk_tokens)
+
+
 class SchedulerError(Exception):
     """A request the head refuses; `status` is the HTTP status the origin answers with."""
 
@@ -186,7 +191,6 @@ class Scheduler:
         if chunk_tokens < 1:
             raise ValueError("a prefill chunk holds at least one position")
         self.chunk_tokens = chunk_tokens
-        self.later_chunk_tokens = later_chunk_tokens(chunk_tokens)
         self.slots = slots
         self.context = context
         self.eos_ids = eos_ids
@@ -232,7 +236,7 @@ class Scheduler:
                 continue
             done = req.cache_len
             if done < len(req.prompt):  # prefill, one chunk at a time
-                feed = req.prompt[done : done + (self.chunk_tokens if done == 0 else self.later_chunk_tokens)]
+                feed = req.prompt[done : done + next_chunk(done, self.chunk_tokens)]
             elif self.speculate == "draft" and (k := self._draft_k(req)):
                 req.in_flight, req.want_draft = 1, k  # the step is the head's until attach_draft
                 out.append(self._step(req, (req.generated[-1],), want_draft=k))
