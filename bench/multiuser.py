@@ -20,11 +20,15 @@ auto,quic does the same for the ring's frames: over the TCP lane where it connec
 default) and over the QUIC edges only (`kafila join --ring-lane quic`), printing auto ÷ quic.
 --core-lock on,off does the same for the members' compute lock (kafila/session/cores.py: one
 stage computes at a time on a machine; off: KAFILA_CORE_LOCK=0 in the members' environment).
+--prompt-cache on,off does the same for prompt caching (`kafila host --prompt-cache`). Every
+request's text is new (it starts "Request <n>:"), so a round never finds an earlier round's
+prompt cached: what users share is the chat template's system prompt, as users of one app do.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import statistics
@@ -55,6 +59,14 @@ PROMPTS = [
 ]
 
 
+_SERIAL = itertools.count(1)
+
+
+def unique(text: str) -> str:
+    """`text` as a request of its own: no earlier request of the run has typed it."""
+    return f"Request {next(_SERIAL)}: {text}"
+
+
 def run_users(session, texts: list[str], max_tokens: int, extra: dict | None = None) -> list[dict]:
     """One request a text, started together (user i types texts[i] at member i mod members;
     `extra`: more fields of each request's body): each client's stream_chat result."""
@@ -81,7 +93,7 @@ def run_users(session, texts: list[str], max_tokens: int, extra: dict | None = N
 def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS, extra: dict | None = None) -> dict:
     """`users` requests started together (user i types prompts[i] at member i mod members;
     `extra`: more fields of each request's body); their timings as seen by each client."""
-    results = run_users(session, [prompts[i % len(prompts)] for i in range(users)], max_tokens, extra)
+    results = run_users(session, [unique(prompts[i % len(prompts)]) for i in range(users)], max_tokens, extra)
     tokens = sum(r["tokens"] or 0 for r in results)
     wall = max(r["last_s"] for r in results) - min(r["started_s"] for r in results)
     tpots = [1000.0 / r["tok_s"] for r in results if r["tok_s"]]
@@ -98,12 +110,14 @@ def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS
 
 
 def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: int, model: str,
-                batch_rows: bool = True, ring_lane: str = "auto", core_lock: bool = True) -> dict:  # fmt: skip
+                batch_rows: bool = True, ring_lane: str = "auto", core_lock: bool = True,
+                prompt_cache: bool = True) -> dict:  # fmt: skip
     from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     os.environ["KAFILA_CORE_LOCK"] = "1" if core_lock else "0"  # the members inherit it
 
     s = LocalSession(members=3, model=model, latency_ms=latency_ms, batch_rows=batch_rows, ring_lane=ring_lane,
+                     prompt_cache=prompt_cache,
                      log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
                      cache_root=tempfile.mkdtemp(prefix="kafila-bench-cache-"))  # fmt: skip
     t0 = time.monotonic()
@@ -137,6 +151,7 @@ def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: i
                       "tpot_max_ratio": med(rows, "tpot_ms_max") / solo_tpot, "ttft_ms": med(rows, "ttft_ms_median"),
                       "short_answers": sum(r["short_answers"] for r in rows), "rounds": rows})  # fmt: skip
     return {"latency_ms": latency_ms, "batch_rows": batch_rows, "ring_lane": ring_lane, "core_lock": core_lock,
+            "prompt_cache": prompt_cache,
             "slots": slots, "plan": st["plan"], "left_out": [n for n in levels if n > slots],
             "solo_tok_s": solo_agg, "solo_tpot_ms": solo_tpot, "table": table,
             "head_stage_batch_rows": (load["stages"].get(head) or {}).get("batch_rows"),
@@ -153,11 +168,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch-rows", default="on", help="on, off or on,off (both, side by side)")
     p.add_argument("--ring-lane", default="auto", help="auto, quic or auto,quic (both, side by side)")
     p.add_argument("--core-lock", default="on", help="on, off or on,off (both, side by side)")
+    p.add_argument("--prompt-cache", default="on", help="on, off or on,off (both, side by side)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.batch_rows.split(",")]
     lanes = [m.strip() for m in args.ring_lane.split(",")]
     locks = [m.strip() for m in args.core_lock.split(",")]
+    caches = [m.strip() for m in args.prompt_cache.split(",")]
     if not modes or any(m not in ("on", "off") for m in modes):
         print("bench.multiuser: --batch-rows takes on, off or on,off", file=sys.stderr)
         return 2
@@ -166,6 +183,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not locks or any(m not in ("on", "off") for m in locks):
         print("bench.multiuser: --core-lock takes on, off or on,off", file=sys.stderr)
+        return 2
+    if not caches or any(m not in ("on", "off") for m in caches):
+        print("bench.multiuser: --prompt-cache takes on, off or on,off", file=sys.stderr)
         return 2
     try:
         levels = sorted({int(x) for x in args.users.split(",")} | {1})
@@ -180,13 +200,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"3 members on loopback, {args.model}, {args.max_tokens} tokens per user, median of {args.rounds} "
           "rounds; aggregate = all users' tokens / (first request sent → last token)", flush=True)  # fmt: skip
     out = {}
-    for ms, mode, lane, lock in [(ms, mode, lane, lock) for ms in latencies for mode in modes for lane in lanes
-                                 for lock in locks]:  # fmt: skip
+    for ms, mode, lane, lock, cache in [(ms, mode, lane, lock, cache) for ms in latencies for mode in modes
+                                        for lane in lanes for lock in locks for cache in caches]:  # fmt: skip
         key = (f"{ms:g} ms, rows {mode}" + (", ring lane quic" if lane == "quic" else "")
-               + (", core lock off" if lock == "off" else ""))  # fmt: skip
+               + (", core lock off" if lock == "off" else "") + (", prompt cache off" if cache == "off" else ""))
         r = out[key] = run_latency(ms, levels, args.max_tokens, args.rounds, args.model, mode == "on", lane,
-                                   lock == "on")  # fmt: skip
-        print(f"\n{ms:g} ms/hop, batched rows {mode}, ring lane {lane}, core lock {lock}: {r['slots']} slots (auto), ring {' → '.join(r['plan']['ring'])}, "
+                                   lock == "on", cache == "on")  # fmt: skip
+        print(f"\n{ms:g} ms/hop, batched rows {mode}, ring lane {lane}, core lock {lock}, prompt cache {cache}: "
+              f"{r['slots']} slots (auto), ring {' → '.join(r['plan']['ring'])}, "
               f"1 user {r['solo_tok_s']:.1f} tok/s, TPOT {r['solo_tpot_ms']:.1f} ms", flush=True)
         print(f"{'users':>5} {'aggregate tok/s':>16} {'÷ 1 user':>9} {'TPOT ms':>8} {'÷ solo':>7} "
               f"{'slowest ÷ solo':>15} {'TTFT ms':>8}")
@@ -198,11 +219,14 @@ def main(argv: list[str] | None = None) -> int:
         if r["left_out"]:
             print(f"  left out (more users than slots): {r['left_out']}")
         base = f"{ms:g} ms, rows {mode}" + (", ring lane quic" if lane == "quic" else "")
+        plain = cache == "on"  # the other comparisons are between sessions with the cache on
         for other, what in ((out.get(f"{ms:g} ms, rows on") if mode == "off" and lane == "auto" and lock == "on"
-                             else None, "rows on ÷ off"),
-                            (out.get(f"{ms:g} ms, rows {mode}") if lane == "quic" and lock == "on" else None,
-                             "ring lane auto ÷ quic"),
-                            (out.get(base) if lock == "off" else None, "core lock on ÷ off")):
+                             and plain else None, "rows on ÷ off"),
+                            (out.get(f"{ms:g} ms, rows {mode}") if lane == "quic" and lock == "on" and plain
+                             else None, "ring lane auto ÷ quic"),
+                            (out.get(base) if lock == "off" and plain else None, "core lock on ÷ off"),
+                            (out.get(base + (", core lock off" if lock == "off" else "")) if not plain else None,
+                             "prompt cache on ÷ off")):
             if other is not None:
                 ratios = ", ".join(f"{a['users']}: {a['aggregate_tok_s'] / b['aggregate_tok_s']:.2f}×"
                                    for a, b in zip(other["table"], r["table"]))  # fmt: skip

@@ -75,7 +75,7 @@ def test_the_head_counts_a_padded_batch_at_its_longest_row():
         rig.core.scheduler.submit(a.req_id, "m1", [1, 2, 3, 4, 5], 4, False)
     rig.core.scheduler.steps()
     for req in rig.core.scheduler._requests.values():
-        req.cache_len, req.in_flight = 5, 1  # decoding
+        req.cache_len, req.pos, req.in_flight = 5, 5, 1  # decoding
     rig.core._account_batch(acts)
     assert list(rig.core.serial_cost.as_dict()["by_positions"]) == [8]  # 2 rows × 4 positions, not 1 + 4
 

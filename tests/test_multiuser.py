@@ -182,6 +182,9 @@ def test_clean_head_drops_bad_requests_and_bounds_the_list() -> None:
     assert clean_request(good) == good
     assert clean_head({**raw, "slots": 0}) is None and clean_head({**raw, "requests": "no"}) is None
     assert clean_head("x") is None
+    # slots keeping a finished request's KV (prompt caching): a count in 0..64, else 0
+    assert out["parked"] == 0 and clean_head({**raw, "parked": 3})["parked"] == 3
+    assert clean_head({**raw, "parked": 999})["parked"] == 0 and clean_head({**raw, "parked": "3"})["parked"] == 0
     # how the head sizes its micro-batches: kept when valid, dropped (None) when not
     assert out["batching"] is None
     fit = {"groups": 2, "c_ms": 20.5, "beta_ms": 2.0}

@@ -32,7 +32,8 @@ class Recording:
 
 
 def _ring(shards, limits):
-    nodes = [RingNode(n, "m1", NAMES, s, limits) for n, s in zip(NAMES, shards)]
+    # prompt caching off: the same prompts are asked twice, and the second time they must be read whole
+    nodes = [RingNode(n, "m1", NAMES, s, limits, prompt_cache=False) for n, s in zip(NAMES, shards)]
     pipes = [Pipe() for _ in NAMES]
     for i, node in enumerate(nodes):
         node.start(pipes[i - 1].reader, pipes[i])

@@ -10,7 +10,8 @@ EOS = 0
 
 
 class FakeRing:
-    """Per-slot KV as a list of (position, token); next token = hash of the visible history."""
+    """Per-slot KV as a list of (position, token); next token = hash of the visible history (the
+    physical positions the step's mask leaves visible, as a model's attention sees them)."""
 
     def __init__(self, slots):
         self.kv = {s: [] for s in range(slots)}
@@ -22,7 +23,8 @@ class FakeRing:
         assert len(kv) == step.cache_len, "the scheduler's cache_len must match the stage's KV"
         for i, t in enumerate(step.tokens.tolist()):
             kv.append((step.pos0 + i, t))
-        return (sum((p + 1) * t for p, t in kv) * 2654435761) % 50  # 0 = EOS sometimes
+        visible = [pt for i, pt in enumerate(kv) if i not in set(step.zeros)]
+        return (sum((p + 1) * t for p, t in visible) * 2654435761) % 50  # 0 = EOS sometimes
 
 
 def drive(sched, ring, order=random.Random(0)):
@@ -77,7 +79,7 @@ def test_eos_stops_without_emitting_it():
     s = Scheduler(slots=1, context=64, eos_ids=frozenset({7}))
     s.submit("a", "m1", [1], 10)
     (step,) = s.steps()
-    assert s.complete("a", 7) == [Finished("a", "m1", "stop"), SlotFreed(0)]
+    assert s.complete("a", 7) == [Finished("a", "m1", "stop"), SlotFreed(0, parked=True)]  # its KV kept
 
 
 def test_cancel_in_flight_waits_for_the_step():
@@ -89,7 +91,7 @@ def test_cancel_in_flight_waits_for_the_step():
     assert s.cancel("a") == []  # its activation is still round the ring
     assert s.steps() == []  # the slot is not reused under it
     events = s.complete("a", 5)
-    assert Finished("a", "m1", "cancelled") in events and SlotFreed(0) in events
+    assert Finished("a", "m1", "cancelled") in events and SlotFreed(0, parked=True) in events
     (step,) = s.steps()
     assert step.req_id == "b" and step.cache_len == 0
     assert s.cancel("nope") == []

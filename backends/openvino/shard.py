@@ -147,6 +147,13 @@ class OpenVINOShard(HeadOps):
         req.reset_state()
         self._spare.append(req)
 
+    def park(self, slot: int) -> None:
+        """The slot's request is over but its KV is kept for the next prompt that starts the
+        same way (prompt caching): its row leaves its group now (one copy of that row), so the
+        group's other rows keep running on it without rebuilding a group for them."""
+        if slot in self._group_of:
+            self._take_out(slot)
+
     def capture(self, slot: int) -> Any:
         """{variable name: a copy of its state} (the plugin hands states back at their own precision)."""
         group = self._group_of.get(slot)

@@ -32,8 +32,11 @@ def timings(stats: GenerationStats) -> dict:
 
 
 def _usage_of(prompt_tokens: int, new_tokens: int, stats: GenerationStats) -> dict:
-    """usage, with Kafila's `speculation` counts when the request speculated on a ring."""
+    """usage, with the prompt tokens found cached (OpenAI's `prompt_tokens_details`) and
+    Kafila's `speculation` counts when the request speculated on a ring."""
     body = usage(prompt_tokens, new_tokens)
+    if "cached_tokens" in stats.extra:
+        body["prompt_tokens_details"] = {"cached_tokens": stats.extra["cached_tokens"]}
     if "speculation" in stats.extra:
         body["speculation"] = stats.extra["speculation"]
     return body

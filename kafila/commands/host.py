@@ -44,6 +44,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --speculate ngram and several requests speculating at once, the head's live "
                         "DiP-SD optimiser chooses their draft lengths and micro-batches together "
                         "(default on); off: each request's draft length is chosen alone")
+    p.add_argument("--prompt-cache", choices=("on", "off"), default="on",
+                   help="prompt caching (default on): a finished request's KV stays on every member, "
+                        "and a prompt that starts the same way (the next turn of a conversation, a "
+                        "shared system prompt) feeds only the rest; off: every prompt is fed whole")
     p.add_argument("--precision", choices=("serving", "f32"), default="serving",
                    help="every stage's compute: serving (the backend's fast defaults: bf16 and a u8 KV "
                         "cache where the CPU has them) or f32 (slower; greedy answers do not depend on "
@@ -80,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
     max_queued = parse_max_queued(args.max_queued)
     cfg = common_config(args, host=True)
     cfg = replace(cfg, model_path=resolve_model(args.model), expect=args.expect, context=args.context,
-                  concurrency=concurrency, max_queued=max_queued, batch_rows=args.batch_rows == "on", dipsd=args.dipsd == "on", speculate=args.speculate, precision=args.precision, policy=args.policy, code_file=args.code_file, auto_replan=args.auto_replan, code_words=args.words,
+                  concurrency=concurrency, max_queued=max_queued, batch_rows=args.batch_rows == "on", dipsd=args.dipsd == "on", prompt_cache=args.prompt_cache == "on", speculate=args.speculate, precision=args.precision, policy=args.policy, code_file=args.code_file, auto_replan=args.auto_replan, code_words=args.words,
                   embedded_listen=parse_host_port(args.listen))  # fmt: skip
     index = open_model(cfg.model_path)  # a missing or bad model: one line, exit 2, before anything starts
     session_context(args.context, index.hparams.context_length, index.name)  # so is a --context it lacks

@@ -163,7 +163,8 @@ def load_parts(load: dict | None, ring: list[str]) -> list:
         return []
     parts: list = []
     if load.get("slots") is not None:
-        parts.append(Text(f"slots: {load.get('active')} of {load['slots']} busy, {load.get('queued')} queued "
+        kept = f", {load['parked']} keeping a finished request's prompt cache" if load.get("parked") else ""
+        parts.append(Text(f"slots: {load.get('active')} of {load['slots']} busy{kept}, {load.get('queued')} queued "
                           f"(at most {load.get('max_queued')} wait; one more is answered 429)"))  # fmt: skip
     b = load.get("batching")
     if isinstance(b, dict) and b.get("groups"):

@@ -20,6 +20,7 @@ from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.session.frames import Tokens
 from kafila.session.ring import RingNode
 from kafila.session.scheduler import SchedulerError
+from kafila.session.prefix import cached_of
 from kafila.session.speculate import SpecStats
 from kafila.session.streams import StreamClosed
 
@@ -152,6 +153,9 @@ class RingEngine:
                     spec = SpecStats.from_pairs(item.stats)
                     if spec is not None:
                         stats.extra["speculation"] = spec.as_dict()
+                    cached = cached_of(item.stats)
+                    if cached is not None:
+                        stats.extra["cached_tokens"] = min(cached, len(request.prompt_ids))
                     return
             finally:
                 if not done:

@@ -128,9 +128,10 @@ def _measured(value: Any) -> tuple[tuple[str, float], ...]:
 
 # The session protocol: raised whenever members of one session must run the same code to work
 # together (a frame, a message or an exchange that an older member does not understand). 1: the
-# first numbered, the ring's TCP lane (ring_lane.py). A host and its members compare it at
-# planning (protocol_mismatch), so mixed versions fail with one line instead of a timeout.
-PROTOCOL = 1
+# first numbered, the ring's TCP lane (ring_lane.py); 2: a Free frame may keep the slot's KV
+# (prompt caching, prefix.py). A host and its members compare it at planning
+# (protocol_mismatch), so mixed versions fail with one line instead of a timeout.
+PROTOCOL = 2
 
 
 def protocol_mismatch(who: str, theirs: object, version: object) -> str | None:
@@ -157,6 +158,7 @@ class SessionTerms:
     max_queued: int = 64
     batch_rows: bool = True
     dipsd: bool = True  # the head's live DiP-SD optimiser (several speculating requests)
+    prompt_cache: bool = True  # finished requests' KV kept for prompts that start the same way
     concurrency_from: str = "--concurrency"  # or "memory" (auto)
     model: str | None = None
     sha256: str | None = None
@@ -174,6 +176,8 @@ class SessionTerms:
             raise ControlError("session.batch_rows must be true or false")
         if not isinstance(self.dipsd, bool):
             raise ControlError("session.dipsd must be true or false")
+        if not isinstance(self.prompt_cache, bool):
+            raise ControlError("session.prompt_cache must be true or false")
         _opt_text(self.model, "session.model", 256)
         _opt_text(self.sha256, "session.sha256", 64)
         if self.protocol is not None:

@@ -217,22 +217,27 @@ class Activation(_Kind):
 
 @dataclass(frozen=True)
 class Free(_Kind):
-    """Release a ring slot's KV on every stage (the request it held is over)."""
+    """The request a ring slot held is over: release its KV on every stage, or with `keep` let
+    it out of any micro-batch and keep it (prompt caching: session/prefix.py)."""
 
     slot: int
+    keep: bool = False
     TAG: ClassVar[str] = "free"
 
     def _to_wire(self, limits: Limits | None) -> tuple[dict, Any, int]:
-        return {"k": "free", "slot": self.slot}, b"", MAX_FRAME_BYTES
+        keep = {"keep": True} if self.keep else {}  # a plain Free is the bytes it always was
+        return {"k": "free", "slot": self.slot, **keep}, b"", MAX_FRAME_BYTES
 
     @staticmethod
     def _check(h: dict, payload_len: int, limits: Limits) -> int:
         check_int(h, "slot", 0, limits.slots - 1)
+        if not isinstance(h.get("keep", False), bool):
+            raise FrameError("free.keep must be true or false")
         return 0
 
     @classmethod
     def _from_wire(cls, h: dict, payload: bytes) -> Free:
-        return cls(h["slot"])
+        return cls(h["slot"], h.get("keep", False))
 
 
 @dataclass(frozen=True)

@@ -56,6 +56,7 @@ from kafila.session.scheduler import (
 )  # fmt: skip
 from kafila.session.slots import DEFAULT_MAX_QUEUED
 from kafila.session.picks import Pick
+from kafila.session.prefix import CACHED_STAT
 from kafila.session.speculate import DRAFT_K, StepCost
 from kafila.session.timing import Measured, ema
 from planner.dipsd import DipsdProblem, DipsdSchedule
@@ -130,9 +131,12 @@ class Deliver:
 
 @dataclass(frozen=True)
 class FreeSlot:
-    """A ring slot is free: drop its KV here, then send Free round the ring."""
+    """A ring slot is free: drop its KV here, then send Free round the ring. `keep`: its KV
+    stays for a prompt that starts the same way (prompt caching): only let it out of any
+    micro-batch it rides in."""
 
     slot: int
+    keep: bool = False
 
 
 @dataclass(frozen=True)
@@ -190,13 +194,16 @@ class HeadCore:
                  prefill_chunk: int | None = None, speculate: str = "off", draft_k: int = DRAFT_K,
                  adaptive_k: bool = True, max_queued: int = DEFAULT_MAX_QUEUED, batch: bool = True,
                  machines: dict[str, str] | None = None, measured: Measured | None = None,
-                 dipsd: bool = True, dipsd_method: str = "milp", padded_rows: bool = True) -> None:  # fmt: skip
+                 dipsd: bool = True, dipsd_method: str = "milp", padded_rows: bool = True,
+                 prompt_cache: bool = True) -> None:  # fmt: skip
         """See ring.RingNode for the options; `batch`: plain decode steps go as micro-batches
         (every stage has forward_batch); `measured`: the node's figures, which the core adds to;
         `dipsd`: with several requests speculating n-gram drafts, the live DiP-SD optimiser
         chooses their draft lengths and micro-batches (`dipsd_method` "milp" or "greedy"); off,
         with `adaptive_k` False or another drafter, each request's K is choose_k's (or draft_k);
-        `padded_rows`: some stage pads a micro-batch's rows to its longest (OpenVINO does)."""
+        `padded_rows`: some stage pads a micro-batch's rows to its longest (OpenVINO does);
+        `prompt_cache`: finished requests' slots keep their KV for prompts that start the same
+        way (prefix.py)."""
         self.name = name
         self.ring = ring
         self.limits = limits
@@ -204,7 +211,7 @@ class HeadCore:
         chunk = prefill_chunk or prefill_chunk_tokens(limits.hidden, limits.frame_bytes)
         self.scheduler = Scheduler(limits.slots, limits.context, eos_ids, max_queue=max_queued,
                                    chunk_tokens=chunk, speculate=speculate, draft_k=draft_k,
-                                   adaptive_k=adaptive_k)  # fmt: skip
+                                   adaptive_k=adaptive_k, prompt_cache=prompt_cache)  # fmt: skip
         self.batch = batch
         self.machines = machines or {n: n for n in ring}
         self.measured = measured if measured is not None else Measured()
@@ -502,11 +509,12 @@ class HeadCore:
                 self._pace.pop(ev.req_id, None)
                 out.append(Ended(ev.req_id))
                 if ev.finish != "cancelled":
-                    stats = self.measured.as_pairs() + (ev.spec.as_pairs() if ev.spec else ())
+                    stats = (self.measured.as_pairs() + (ev.spec.as_pairs() if ev.spec else ())
+                             + ((CACHED_STAT, ev.cached),))  # fmt: skip
                     out.append(self._to_origin(Tokens(ev.req_id, ev.origin, (), True, ev.finish, ev.error[:500],
                                                       ev.status, stats)))  # fmt: skip
             elif isinstance(ev, SlotFreed):
-                out.append(FreeSlot(ev.slot))
+                out.append(FreeSlot(ev.slot, ev.parked))
         return out
 
     def _to_origin(self, frame: Tokens) -> Action:
@@ -524,7 +532,7 @@ class HeadCore:
             tok_s = round((n - 1) / (last - first), 2) if n >= 2 and last > first else None
             requests.append({"id": v.req_id, "origin": v.origin, "state": v.state, "prompt_tokens": v.prompt_tokens,
                              "tokens": v.generated, "max_tokens": v.max_new, "tok_s": tok_s})  # fmt: skip
-        return {"slots": sched.slots, "active": sched.active, "queued": sched.queued,
+        return {"slots": sched.slots, "active": sched.active, "queued": sched.queued, "parked": sched.parked,
                 "max_queued": sched.max_queue, "requests": requests,
                 "micro_batches": self.batches.sizes if self.batch else [], "batching": self._batching()}  # fmt: skip
 

@@ -150,7 +150,7 @@ class HostParticipant(Participant):
         # "concurrency" is each plan's (auto: what its memory holds, set in _form)
         self.session = {"context": cfg.context, "concurrency": cfg.concurrency or 1, "precision": cfg.precision,
                         "speculate": cfg.speculate, "max_queued": cfg.max_queued, "batch_rows": cfg.batch_rows,
-                        "dipsd": cfg.dipsd,
+                        "dipsd": cfg.dipsd, "prompt_cache": cfg.prompt_cache,
                         "concurrency_from": "memory" if cfg.concurrency is None else "--concurrency",
                         "model": index.name, "sha256": self.digests.sha256,
                         "protocol": control.PROTOCOL, "version": __version__}  # fmt: skip

@@ -60,8 +60,8 @@ def clean_request(raw) -> dict | None:
 
 
 def clean_head(raw) -> dict | None:
-    """The head's {"slots", "active", "queued", "max_queued", "requests", "micro_batches",
-    "batching"} (None: not valid)."""
+    """The head's {"slots", "active", "queued", "max_queued", "parked", "requests",
+    "micro_batches", "batching"} (None: not valid)."""
     if not isinstance(raw, dict) or not isinstance(raw.get("requests"), list):
         return None
     out = {"slots": _count(raw.get("slots"), MAX_SLOTS), "active": _count(raw.get("active"), MAX_SLOTS),
@@ -72,7 +72,8 @@ def clean_head(raw) -> dict | None:
     requests = [clean_request(r) for r in raw["requests"][:MAX_REPORTED_REQUESTS]]
     batches = raw.get("micro_batches")
     batches = [b for b in batches[:MAX_SLOTS] if _count(b, MAX_SLOTS)] if isinstance(batches, list) else []
-    return {**out, "requests": [r for r in requests if r is not None], "micro_batches": batches,
+    parked = _count(raw.get("parked", 0), MAX_SLOTS)  # slots keeping a finished request's KV (prefix.py)
+    return {**out, "parked": parked or 0, "requests": [r for r in requests if r is not None], "micro_batches": batches,
             "batching": clean_batching(raw.get("batching"))}  # fmt: skip
 
 
@@ -98,7 +99,7 @@ def ring_load(ring: list[str], me: str, own: dict | None, reported: dict, head: 
     stages = {n: (own if n == me and own is not None else reported.get(n)) for n in ring}
     head = head or {}
     return {"slots": head.get("slots"), "active": head.get("active"), "queued": head.get("queued"),
-            "max_queued": head.get("max_queued"), "stages": stages,
+            "max_queued": head.get("max_queued"), "parked": head.get("parked"), "stages": stages,
             "micro_batches": list(head.get("micro_batches") or []),  # requests in each, batched rows on
             "batching": head.get("batching"),  # how many the head keeps in flight, and its cost fit
             "requests": list(head.get("requests") or [])}  # fmt: skip

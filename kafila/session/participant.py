@@ -94,6 +94,7 @@ class SessionConfig:
     max_queued: int = DEFAULT_MAX_QUEUED  # requests that may wait for a slot (one more: 429)
     batch_rows: bool = True  # kafila host --batch-rows: ready decode steps travel as one micro-batch
     dipsd: bool = True  # kafila host --dipsd: the head's live DiP-SD optimiser (session/dipsd_live.py)
+    prompt_cache: bool = True  # kafila host --prompt-cache: finished requests' KV kept (session/prefix.py)
     speculate: str = "off"  # the head's drafter (speculate.SPECULATE_MODES), sent in the session
     policy: str = "kafila"
     code_file: str | None = None
@@ -797,6 +798,7 @@ class Participant:
                                                       0, MAX_QUEUED_LIMIT),
                              batch_rows=self.state.session.get("batch_rows", True) is not False,
                              dipsd=self.state.session.get("dipsd", True) is not False,
+                             prompt_cache=self.state.session.get("prompt_cache", True) is not False,
                              padded_rows=any(b != "mlx" for b in backends))  # fmt: skip
         if len(role.ring) == 1:
             self.node.start()
@@ -933,7 +935,7 @@ class Participant:
             "memory": self._memory(),
             "requests": None if node is None or node.scheduler is None else {
                 "active": node.scheduler.active, "queued": node.scheduler.queued,
-                "free_slots": node.scheduler.free_slots},
+                "free_slots": node.scheduler.free_slots, "parked": node.scheduler.parked},
             # the head's finished requests together: drafted, accepted, acceptance, tokens a trip
             "speculation": None if node is None or node.scheduler is None else {
                 "mode": node.scheduler.speculate, **node.scheduler.spec.as_dict(),

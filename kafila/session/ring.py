@@ -108,6 +108,21 @@ class LocalSlots:
         if local is not None:
             self.shard.close_slot(local)
 
+    def park(self, ring_slot: int) -> None:
+        """The request in the slot is over but its KV stays (prompt caching): only let it out of
+        any micro-batch, so the batch's other rows go on without it (backends.base.Shard.park)."""
+        local = self.slots.get(ring_slot)
+        park = getattr(self.shard, "park", None)
+        if local is not None and park is not None:
+            park(local)
+
+    def settle(self, ring_slot: int, keep: bool) -> None:
+        """A Free frame's work here: park the slot (`keep`) or free it."""
+        if keep:
+            self.park(ring_slot)
+        else:
+            self.free(ring_slot)
+
     def free_all(self) -> None:
         for s in list(self.slots):
             self.free(s)
@@ -132,7 +147,7 @@ class RingNode:
                  stage_hang_s: float = STAGE_HANG_S, max_queued: int = DEFAULT_MAX_QUEUED,
                  batch_rows: bool = True, machines: dict[str, str] | None = None,
                  edge_rtts: Callable[[], dict] | None = None, dipsd: bool = True,
-                 padded_rows: bool = True) -> None:  # fmt: skip
+                 padded_rows: bool = True, prompt_cache: bool = True) -> None:  # fmt: skip
         """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
         hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
         frames over the limit: only tests set it, to exercise the per-request error.
@@ -149,7 +164,9 @@ class RingNode:
         cores) and `edge_rtts()` (ring member → its successor edge's RTT in ms); see
         HeadCore.pipeline_depth. `dipsd`: the live DiP-SD optimiser chooses the draft lengths and
         micro-batches of several speculating requests (HeadCore, dipsd_live.py); it solves on a
-        thread of its own, never on the loop or the stage's worker."""
+        thread of its own, never on the loop or the stage's worker. `prompt_cache`: a finished
+        request's slot keeps its KV on every stage for a prompt that starts the same way
+        (prefix.py)."""
         self.name = name
         self.head = head
         self.ring = ring
@@ -176,7 +193,8 @@ class RingNode:
         self.core = (HeadCore(name, ring, limits, eos_ids=eos_ids, prefill_chunk=prefill_chunk,
                               speculate=speculate, draft_k=draft_k, adaptive_k=adaptive_k,
                               max_queued=max_queued, batch=self.batch, machines=machines,
-                              measured=self.measured, dipsd=dipsd, padded_rows=padded_rows)
+                              measured=self.measured, dipsd=dipsd, padded_rows=padded_rows,
+                              prompt_cache=prompt_cache)
                      if self.is_head else None)  # fmt: skip
         self._events: asyncio.Queue[HeadEvent] = asyncio.Queue()
         # this stage's own load (/status): rows in its last forward and forwards run
@@ -389,7 +407,7 @@ class RingNode:
                 await self._stage(rows)
         elif isinstance(frame, Free):
             if not self.is_head:  # back at the head it is over (the head freed its own at once)
-                await self._compute(self.slots.free, frame.slot)
+                await self._compute(self.slots.settle, frame.slot, frame.keep)
                 await self._send(frame)
 
     def _collect(self, act: Activation) -> list[Activation] | None:
@@ -579,9 +597,9 @@ class RingNode:
             elif isinstance(a, FreeSlot):
                 await self._send_tokens(tokens)
                 tokens = []
-                await self._compute(self.slots.free, a.slot)
+                await self._compute(self.slots.settle, a.slot, a.keep)
                 if self.out is not None and not self.degraded:
-                    await self._send(Free(a.slot))
+                    await self._send(Free(a.slot, a.keep))
             elif isinstance(a, Ended) and self.drafter is not None:
                 self.drafter.release(a.req_id)
         await self._send_tokens(tokens)

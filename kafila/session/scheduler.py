@@ -42,6 +42,7 @@ from backends.memory import PREFILL_WORK_BYTES, PREFILL_WORK_BYTES_PER_POSITION
 from kafila.session.fields import MAX_ORIGIN_DRAFT
 from kafila.session.frames import MAX_FRAME_BYTES
 from kafila.session.origin import aligned_draft
+from kafila.session.prefix import ParkedSlots
 from kafila.session.speculate import (
     DRAFT_K,
     MAX_DRAFT_K,
@@ -135,11 +136,13 @@ class Finished:
     error: str = ""
     status: int = 0
     spec: SpecStats | None = None  # the request's speculation counts (None: it did not speculate)
+    cached: int = 0  # prompt tokens found in its slot's KV already (prompt caching: prefix.py)
 
 
 @dataclass(frozen=True)
 class SlotFreed:
     slot: int
+    parked: bool = False  # its KV stays on every stage for a prompt that starts the same way
 
 
 Event = TokenOut | Finished | SlotFreed
@@ -165,14 +168,19 @@ class _Request:
     offered: tuple[int, tuple[int, ...]] | None = None  # speculate="origin": the origin's latest (base, draft)
     spec: SpecStats = field(default_factory=SpecStats)
     acceptance: Acceptance = field(default_factory=Acceptance)
+    physical: list[int] = field(default_factory=list)  # the token at each physical position of its slot
+    feeding: tuple[int, ...] = ()  # the tokens of the step in flight
+    cached: int = 0  # prompt tokens its slot held already (prompt caching)
 
 
 class Scheduler:
     def __init__(self, slots: int, context: int, eos_ids: frozenset[int] = frozenset(),
                  max_queue: int = 64, chunk_tokens: int = 512, speculate: str = "off",
-                 draft_k: int = DRAFT_K, adaptive_k: bool = True) -> None:  # fmt: skip
+                 draft_k: int = DRAFT_K, adaptive_k: bool = True, prompt_cache: bool = True) -> None:  # fmt: skip
         """`draft_k`: the most drafts a step carries; `adaptive_k` False drafts that many
-        whenever the drafter finds them (tests of verification), True lets choose_k decide."""
+        whenever the drafter finds them (tests of verification), True lets choose_k decide.
+        `prompt_cache`: a finished request's slot keeps its KV for a prompt that starts the same
+        way (prefix.py); off, every request starts in a reset slot."""
         if speculate not in SPECULATE_MODES:
             raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {speculate!r}")
         if not 0 <= draft_k <= MAX_DRAFT_K:
@@ -196,6 +204,8 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.max_queue = max_queue
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
+        self.prompt_cache = prompt_cache
+        self._parked = ParkedSlots()  # finished requests' slots, KV kept (prompt caching)
         self._queue: deque[str] = deque()
         self._requests: dict[str, _Request] = {}
 
@@ -216,7 +226,7 @@ class Scheduler:
         if max_new < 1:
             raise SchedulerError("max_new_tokens must be at least 1")
         # queued requests not yet given a free slot (steps() admits them) do not count as waiting
-        if len(self._queue) + 1 > self.max_queue + len(self._free):
+        if len(self._queue) + 1 > self.max_queue + self.free_slots:
             raise SchedulerError(f"all {self.slots} slots are busy and {len(self._queue)} requests are "
                                  "already waiting: try again shortly", QUEUE_FULL_STATUS)  # fmt: skip
         max_new = min(max_new, self.context - len(prompt))
@@ -227,14 +237,13 @@ class Scheduler:
 
     def steps(self) -> list[Step]:
         """Every step that can start now (admitting queued requests into free slots)."""
-        while self._queue and self._free:
-            req = self._requests[self._queue.popleft()]
-            req.slot = self._free.pop()
+        while self._queue and self.free_slots:
+            self._admit(self._requests[self._queue.popleft()])
         out = []
         for req in self._requests.values():
             if req.slot is None or req.in_flight or req.cancelled:
                 continue
-            done = req.cache_len
+            done = req.pos  # logical: the prompt tokens in the slot (a cached prefix included)
             if done < len(req.prompt):  # prefill, one chunk at a time
                 feed = req.prompt[done : done + next_chunk(done, self.chunk_tokens)]
             elif self.speculate == "draft" and (k := self._draft_k(req)):
@@ -248,7 +257,23 @@ class Scheduler:
             out.append(self._step(req, feed))
         return out
 
+    def _admit(self, req: _Request) -> None:
+        """Give `req` a slot: a parked one whose KV its prompt continues, else one nobody used,
+        else the least recently parked one, with the prefix they share (prefix.py)."""
+        room = self.context - len(req.prompt) - req.max_new  # positions it may waste
+        reuse = self._parked.best(req.prompt, room) if self.prompt_cache else None
+        if reuse is None and self._free:
+            req.slot = self._free.pop()
+            return
+        if reuse is None:
+            req.slot, reuse = self._parked.evict(req.prompt, room)
+            if reuse is None or not self.prompt_cache:
+                return  # its first step (cache_len 0) resets the slot on every stage
+        req.slot, req.cache_len, req.pos, req.cached = reuse.slot, reuse.cache_len, reuse.shared, reuse.shared
+        req.zeros, req.physical = list(reuse.zeros), list(reuse.tokens)
+
     def _step(self, req: _Request, feed, want_draft: int = 0) -> Step:
+        req.feeding = tuple(int(t) for t in feed)
         return Step(req.req_id, req.slot, np.array(feed, dtype=np.int64), req.cache_len, req.pos,
                     tuple(req.zeros), len(req.draft), want_draft)  # fmt: skip
 
@@ -337,13 +362,13 @@ class Scheduler:
         """The head measured `req_id`'s step in flight round the ring: `ms` for `positions`
         positions. Decode steps only (a prefill chunk's cost grows with its length)."""
         req = self._requests.get(req_id)
-        if req is not None and req.in_flight and req.cache_len >= len(req.prompt):
+        if req is not None and req.in_flight and req.pos >= len(req.prompt):
             self.step_cost.observe(positions, ms)
 
     def decoding(self, req_id: str) -> bool:
         """Whether `req_id`'s step in flight is a decode step (not a prefill chunk)."""
         req = self._requests.get(req_id)
-        return req is not None and req.in_flight > 0 and req.cache_len >= len(req.prompt)
+        return req is not None and req.in_flight > 0 and req.pos >= len(req.prompt)
 
     def draft_of(self, req_id: str) -> tuple[int, ...]:
         """The drafts in `req_id`'s step in flight: the head verifies a row per position."""
@@ -357,7 +382,7 @@ class Scheduler:
         """Whether the step of `req_id` in flight ends with a sampled token (not a prefill chunk
         before the prompt's last one): the head skips lm_head for the others."""
         req = self._requests.get(req_id)
-        return req is not None and req.in_flight > 0 and req.cache_len + req.in_flight >= len(req.prompt)
+        return req is not None and req.in_flight > 0 and req.pos + req.in_flight >= len(req.prompt)
 
     def complete(self, req_id: str, token) -> list[Event]:
         """A step of `req_id` came back round the ring and the head sampled `token` (None, and
@@ -383,13 +408,14 @@ class Scheduler:
         else:
             kept = fed
             tokens = None if token is None else (int(token),)
-            if req.speculate and req.cache_len >= len(req.prompt):
+            if req.speculate and req.pos >= len(req.prompt):
                 req.spec.add(0, 1)
         req.cache_len += fed
         req.pos += kept
+        req.physical.extend(req.feeding)
         if req.cancelled:
             return self._finish(req, "cancelled")
-        if req.cache_len < len(req.prompt):
+        if req.pos < len(req.prompt):
             return []  # more of the prompt to feed
         if tokens is None:
             raise ValueError(f"the step that ends request {req_id}'s prompt needs a token")
@@ -420,10 +446,12 @@ class Scheduler:
         return [] if req is None else self._finish(req, "error", reason, status)
 
     def fail_all(self, reason: str, status: int = 503) -> list[Event]:
-        """The ring broke: every request ends with `reason`; every slot is free again."""
+        """The ring broke: every request ends with `reason`; every slot is free again (and no
+        parked KV is trusted: the next ring's stages start empty)."""
         events: list[Event] = []
         for req in list(self._requests.values()):
             events += self._finish(req, "error", reason, status)
+        self._free.extend(self._parked.clear())
         return events
 
     # --- state -------------------------------------------------------------------------------
@@ -434,9 +462,12 @@ class Scheduler:
         spec = req.spec if req.speculate else None
         if spec is not None:
             self.spec.merge(spec)
-        events: list[Event] = [Finished(req.req_id, req.origin, finish, error, status, spec)]
+        events: list[Event] = [Finished(req.req_id, req.origin, finish, error, status, spec, req.cached)]
         if req.slot is None:
             self._queue.remove(req.req_id)
+        elif self.prompt_cache and finish != "error":  # the stages keep its KV: prefix.py
+            self._parked.park(req.slot, req.physical, req.zeros)
+            events.append(SlotFreed(req.slot, parked=True))
         else:
             self._free.append(req.slot)
             events.append(SlotFreed(req.slot))
@@ -452,7 +483,16 @@ class Scheduler:
 
     @property
     def free_slots(self) -> int:
-        return len(self._free)
+        """Slots a request may take now: unused ones and parked ones (prompt caching)."""
+        return len(self._free) + len(self._parked)
+
+    @property
+    def parked(self) -> int:
+        """Slots holding a finished request's KV for a prompt that starts the same way."""
+        return len(self._parked)
+
+    def parked_slots(self) -> list[int]:
+        return self._parked.slots()
 
     def speculating(self) -> list[tuple[str, float]]:
         """(req_id, α) of every request with a slot that may draft (the live optimiser's users)."""
@@ -483,4 +523,4 @@ class RequestView:
 def _state(req: _Request) -> str:
     if req.slot is None:
         return "queued"
-    return "prefill" if req.cache_len < len(req.prompt) else "decode"
+    return "prefill" if req.pos < len(req.prompt) else "decode"

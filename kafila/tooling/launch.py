@@ -89,6 +89,7 @@ class LocalSession:
     max_queued: int | None = None  # kafila host --max-queued (None: its default)
     batch_rows: bool = True  # kafila host --batch-rows on|off
     dipsd: bool = True  # kafila host --dipsd on|off (passed only when off: older trees lack it)
+    prompt_cache: bool = True  # kafila host --prompt-cache on|off (passed only when off)
     latency_ms: float = 0.0
     speculate: str = "off"  # kafila host --speculate: "off" | "ngram" | "draft" | "origin"
     precision: str = "serving"  # every stage's compute (kafila host --precision)
@@ -190,6 +191,7 @@ class LocalSession:
                 *(["--max-queued", str(self.max_queued)] if self.max_queued is not None else []),
                 "--batch-rows", "on" if self.batch_rows else "off",
                 *(["--dipsd", "off"] if not self.dipsd else []),
+                *(["--prompt-cache", "off"] if not self.prompt_cache else []),
                 "--speculate", self.speculate, "--precision", self.precision,
                 *(["--auto-replan"] if self.auto_replan else []),
             ], ports[1])  # fmt: skip
@@ -304,14 +306,16 @@ def with_suppress(fn, *args) -> None:
 __all__ = ["KafilaError", "LocalSession", "free_port", "free_ports"]
 
 
-def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0, raw: bool = False,
+def stream_chat(api: str, prompt: str | list[dict], max_tokens: int, timeout_s: float = 300.0, raw: bool = False,
                 extra: dict | None = None) -> dict:  # fmt: skip
     """One streamed chat completion (or a raw completion) from `api`, timed at the client;
-    `extra`: more fields of the request body (e.g. {"speculate": False}).
+    `prompt`: the user's message, or a conversation's messages; `extra`: more fields of the
+    request body (e.g. {"speculate": False}).
 
-    Returns {"text", "tokens", "ttft_ms", "tok_s", "wall_s", "finish_reason", "speculation",
-    "max_gap_s" (the longest wait between two pieces), "started_s", "last_s" (perf_counter)};
-    raises Refused with the server's error message on an HTTP error."""
+    Returns {"text", "tokens", "prompt_tokens", "cached_tokens", "ttft_ms", "tok_s", "wall_s",
+    "finish_reason", "speculation", "max_gap_s" (the longest wait between two pieces),
+    "started_s", "last_s" (perf_counter)}; raises Refused with the server's error message on an
+    HTTP error."""
     import http.client
     from urllib.parse import urlsplit
 
@@ -321,7 +325,8 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
     if raw:
         path, body = "/v1/completions", {"prompt": prompt}
     else:
-        path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": prompt}]}
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        path, body = "/v1/chat/completions", {"messages": messages}
     body.update(model=model, max_tokens=max_tokens, temperature=0, stream=True,
                 stream_options={"include_usage": True}, **(extra or {}))
     start = time.perf_counter()
@@ -337,7 +342,7 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
     text, first, last, tokens, finish = [], None, None, None, None
     max_gap = 0.0  # the longest wait between two pieces of the answer (a resume shows here)
     times: list[float] = []  # perf_counter of every piece after the first
-    speculation = None
+    speculation = prompt_tokens = cached = None
     for line in resp:
         line = line.strip()
         if not line.startswith(b"data:"):
@@ -351,6 +356,8 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
         if chunk.get("usage"):
             tokens = chunk["usage"].get("completion_tokens")
             speculation = chunk["usage"].get("speculation")
+            prompt_tokens = chunk["usage"].get("prompt_tokens")
+            cached = (chunk["usage"].get("prompt_tokens_details") or {}).get("cached_tokens")
         for choice in chunk.get("choices") or []:
             piece = (choice.get("delta") or {}).get("content") if not raw else choice.get("text")
             if piece:
@@ -367,7 +374,8 @@ def stream_chat(api: str, prompt: str, max_tokens: int, timeout_s: float = 300.0
     tok_s = None
     if tokens and tokens > 1 and first is not None and last > first:
         tok_s = (tokens - 1) / (last - first)
-    return {"text": "".join(text), "tokens": tokens, "ttft_ms": ttft, "tok_s": tok_s, "finish_reason": finish,
+    return {"text": "".join(text), "tokens": tokens, "prompt_tokens": prompt_tokens, "cached_tokens": cached,
+            "ttft_ms": ttft, "tok_s": tok_s, "finish_reason": finish,
             "speculation": speculation, "wall_s": None if last is None else last - start,
             "max_gap_s": max_gap, "started_s": start, "last_s": last, "times": times}
 

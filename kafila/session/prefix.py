@@ -1,0 +1,146 @@
+"""Prompt caching at the head: a finished request's slot keeps its KV for the next prompt that
+starts the same way (sans-I/O; the scheduler's part).
+
+Why. A chat client sends the whole conversation every turn (`kafila chat`, the page, OpenAI and
+Ollama clients alike), and every request of one app starts with the same system prompt. Fed
+afresh, turn k prefills all k turns again: on a big model, where a prompt position costs a
+whole pass over the weights, that is most of a turn's wait. llama.cpp's server (`cache_prompt`)
+and Ollama keep a slot's KV for this; so does Kafila.
+
+How. When a request ends, its ring slot is *parked* instead of freed: every stage keeps the
+slot's KV as it is, and the head remembers the token at each of its physical positions and
+which of them are masked out (rejected drafts). A new request takes the parked slot whose
+visible tokens share the longest prefix with its prompt, and feeds only the rest. Nothing
+changes on the stages: the step's `cache_len` (the slot's physical length) is not 0, so the
+stage keeps the slot's KV, and the positions after the shared prefix join the step's mask
+zeros (the OpenVINO paper's mask-based rewind, as for rejected drafts). Masked positions keep
+their physical room, so a parked slot is taken only when what it wastes leaves the request all
+the room it would have in a fresh slot (and at most MAX_WASTE positions, which every
+activation's header lists).
+
+Which slot. Taking a parked slot destroys what it holds past the shared prefix, so a prompt
+takes one at once only when it continues most of it (it shares at least as many positions as it
+masks: the next turn of that slot's conversation). Otherwise it takes a slot nobody has used,
+and only when none is left the least recently parked one, keeping whatever prefix that one
+shares (another user's system prompt) or resetting it (its step's cache_len is 0). So the
+conversations of a household keep their own slots while slots last.
+
+At f32 a reused prefix gives the tokens a fresh prefill gives (tests/test_prompt_cache.py); at
+bf16 a near-tie can part, as with any change of chunking or batching.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+# masked-out positions a reused slot may carry: each is listed in every activation's header of
+# the request (frames.MAX_HEADER_BYTES), and each still takes its place in the attention
+MAX_WASTE = 1024
+MIN_SHARED = 1  # a shared prefix shorter than this is not worth a slot someone else could reuse
+CACHED_STAT = "cached"  # in a request's last Tokens frame: prompt tokens its slot held already
+
+
+def cached_of(stats) -> int | None:
+    """The prompt tokens a request found cached, from its last Tokens frame's stats (None: the
+    head did not say)."""
+    for key, value in stats:
+        if key == CACHED_STAT:
+            return max(0, int(value))
+    return None
+
+
+@dataclass(frozen=True)
+class Parked:
+    """A parked slot's KV, as the head knows it: the token at each physical position, and the
+    positions masked out."""
+
+    tokens: tuple[int, ...]
+    zeros: frozenset[int]
+
+
+@dataclass(frozen=True)
+class Reuse:
+    """A new request's start in a parked slot: `shared` prompt tokens are in its KV already;
+    the step after them continues at physical `cache_len` with `zeros` masked."""
+
+    slot: int
+    shared: int
+    cache_len: int
+    zeros: tuple[int, ...]
+    tokens: tuple[int, ...]  # the slot's physical tokens (the request's record goes on from them)
+
+
+def shared_prefix(parked: Parked, prompt: Sequence[int]) -> tuple[int, int]:
+    """(n, cut): the prompt's first n tokens are the slot's first n visible positions, the last
+    of which is physical position cut - 1. n stops one short of the prompt: its last token is
+    always fed, since its step samples the first token of the answer."""
+    n = cut = 0
+    most = len(prompt) - 1
+    for p, token in enumerate(parked.tokens):
+        if p in parked.zeros:
+            continue
+        if n >= most or token != prompt[n]:
+            break
+        n, cut = n + 1, p + 1
+    return n, cut
+
+
+def reuse_in(slot: int, parked: Parked, prompt: Sequence[int], room: int) -> Reuse | None:
+    """How a prompt starts in `parked` (None: not worth it, or it would cut the answer short).
+    `room`: the physical positions the request may waste beyond its prompt and answer."""
+    shared, cut = shared_prefix(parked, prompt)
+    waste = len(parked.tokens) - shared
+    if shared < MIN_SHARED or waste > min(room, MAX_WASTE):
+        return None
+    zeros = sorted(z for z in parked.zeros if z < cut) + list(range(cut, len(parked.tokens)))
+    return Reuse(slot, shared, len(parked.tokens), tuple(zeros), parked.tokens)
+
+
+class ParkedSlots:
+    """The parked slots, least recently parked first."""
+
+    def __init__(self) -> None:
+        self._slots: OrderedDict[int, Parked] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._slots)
+
+    def park(self, slot: int, tokens: Sequence[int], zeros: Sequence[int]) -> None:
+        self._slots[slot] = Parked(tuple(tokens), frozenset(zeros))
+        self._slots.move_to_end(slot)
+
+    def best(self, prompt: Sequence[int], room: int) -> Reuse | None:
+        """The parked slot that `prompt` continues (sharing at least as many positions as it
+        would mask) with the longest shared prefix (ties: the least waste), taken out of the
+        parked set; None if there is none."""
+        found: Reuse | None = None
+        for slot, parked in self._slots.items():
+            r = reuse_in(slot, parked, prompt, room)
+            if r is None or r.cache_len - r.shared > r.shared:
+                continue
+            if found is None or (r.shared, -r.cache_len) > (found.shared, -found.cache_len):
+                found = r
+        if found is not None:
+            del self._slots[found.slot]
+        return found
+
+    def evict(self, prompt: Sequence[int], room: int) -> tuple[int, Reuse | None]:
+        """The least recently parked slot, taken out, and how `prompt` starts in it (None: it
+        shares nothing worth keeping; the request's first step resets it)."""
+        slot, parked = self._slots.popitem(last=False)
+        return slot, reuse_in(slot, parked, prompt, room)
+
+    def clear(self) -> list[int]:
+        """Every parked slot, taken out."""
+        slots = list(self._slots)
+        self._slots.clear()
+        return slots
+
+    def slots(self) -> list[int]:
+        return list(self._slots)
+
+    def sizes(self) -> list[int]:
+        """Each parked slot's physical length (for /status)."""
+        return [len(p.tokens) for p in self._slots.values()]

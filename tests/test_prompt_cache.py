@@ -1,0 +1,236 @@
+"""Prompt caching (kafila/session/prefix.py): a finished request's slot keeps its KV, and a prompt
+that starts the same way feeds only the rest — with the tokens a fresh slot gives.
+
+The rules alone, the scheduler against a fake ring that honours the mask, and the real ring
+(RingNode on three OpenVINO or MLX stages at f32, batched rows on): conversations of two turns,
+asked one by one and four at once, answer as with the cache off, and the second turns find
+their first turn's tokens in the KV."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from hypothesis import given, settings, strategies as st
+
+from kafila.session.prefix import MAX_WASTE, Parked, ParkedSlots, reuse_in, shared_prefix
+from kafila.session.scheduler import Finished, Scheduler, SlotFreed, TokenOut
+from tests.test_scheduler import EOS, FakeRing, drive
+
+# --- the rules ---------------------------------------------------------------------------------
+
+
+def test_the_shared_prefix_skips_masked_positions_and_leaves_the_last_prompt_token():
+    parked = Parked((5, 6, 9, 7, 8), frozenset({2}))  # position 2 was a rejected draft
+    assert shared_prefix(parked, [5, 6, 7, 8, 1]) == (4, 5)
+    assert shared_prefix(parked, [5, 6, 7, 8]) == (3, 4)  # the last token is fed again
+    assert shared_prefix(parked, [5, 1, 7]) == (1, 1)
+    assert shared_prefix(parked, [4, 6]) == (0, 0)
+
+
+def test_a_reuse_masks_everything_after_the_prefix_and_keeps_the_old_zeros():
+    parked = Parked((5, 6, 9, 7, 8, 3, 3), frozenset({2}))
+    r = reuse_in(4, parked, [5, 6, 7, 2, 2], room=100)
+    assert (r.slot, r.shared, r.cache_len) == (4, 3, 7)
+    assert r.zeros == (2, 4, 5, 6)
+    assert reuse_in(4, parked, [5, 6, 7, 2, 2], room=3) is None  # 4 wasted positions > room
+    assert reuse_in(4, parked, [1, 2], room=100) is None  # nothing shared
+
+
+def test_waste_is_bounded_whatever_the_room():
+    parked = Parked(tuple(range(1, MAX_WASTE + 3)), frozenset())
+    assert reuse_in(0, parked, [1, 99], room=10**6) is None  # MAX_WASTE + 1 positions would be masked
+    assert reuse_in(0, parked, [1, 2, 99], room=10**6).shared == 2
+
+
+def test_the_longest_continued_prefix_wins_and_the_oldest_parked_goes_first():
+    p = ParkedSlots()
+    p.park(0, [1, 2, 3, 4], [])
+    p.park(1, [1, 2, 9], [])
+    p.park(2, [1, 7, 7], [])
+    p.park(3, [7, 7], [])
+    assert p.best([1, 2, 3, 5], room=50).slot == 0
+    assert p.best([1, 2, 3, 5], room=50).slot == 1  # slot 0 is taken now
+    assert p.best([1, 2, 3, 5], room=50) is None  # slot 2 shares 1 position and would mask 2
+    slot, reuse = p.evict([1, 2, 3, 5], room=50)  # unless it is the one to go anyway
+    assert slot == 2 and (reuse.shared, reuse.zeros) == (1, (1, 2))
+    assert p.evict([1, 2], room=50) == (3, None) and len(p) == 0
+
+
+# --- the scheduler -----------------------------------------------------------------------------
+
+
+def run_turns(prompt_cache: bool, turns, slots: int = 2, speculate: str = "off"):
+    """Each turn's requests submitted together, driven to the end; returns every request's tokens
+    and how many prompt tokens it found cached."""
+    s = Scheduler(slots=slots, context=256, eos_ids=frozenset({EOS}), speculate=speculate,
+                  prompt_cache=prompt_cache)  # fmt: skip
+    ring = FakeRing(slots)
+    out, cached = {}, {}
+    for turn in turns:
+        for rid, prompt in turn.items():
+            s.submit(rid, "m1", prompt, 12)
+        for _ in range(10_000):
+            steps = s.steps()
+            if not steps:
+                break
+            for step in steps:
+                for ev in s.complete(step.req_id, ring.run(step)):
+                    if isinstance(ev, TokenOut):
+                        out.setdefault(ev.req_id, []).append(ev.token)
+                    elif isinstance(ev, Finished):
+                        cached[ev.req_id] = ev.cached
+    return out, cached
+
+
+def conversation(seed: int, users: int):
+    """Turn 1: users with a shared system prompt; turn 2: each user's first turn, its answer
+    (from a cache-off run) and more."""
+    rng = random.Random(seed)
+    system = [rng.randrange(1, 50) for _ in range(rng.randrange(1, 8))]
+    first = {f"u{i}": system + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 6))] for i in range(users)}
+    answers, _ = run_turns(False, [first])
+    second = {f"{u}b": p + answers.get(u, []) + [rng.randrange(1, 50) for _ in range(rng.randrange(1, 5))]
+              for u, p in first.items()}  # fmt: skip
+    return [first, second]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.integers(0, 10_000), st.integers(1, 4), st.integers(1, 3), st.sampled_from(["off", "ngram"]))
+def test_cached_prompts_answer_as_fresh_ones(seed, users, slots, speculate):
+    turns = conversation(seed, users)
+    on, cached = run_turns(True, turns, slots, speculate)
+    off, cached_off = run_turns(False, turns, slots, speculate)
+    assert on == off
+    assert set(cached_off.values()) == {0}
+
+
+def test_the_next_turn_feeds_only_what_is_new():
+    s = Scheduler(slots=2, context=64, eos_ids=frozenset({EOS}))
+    ring = FakeRing(2)
+    s.submit("a", "m1", [3, 4, 5, 6], 3, stop_at_eos=False)
+    out, _ = drive(s, ring)
+    history = [3, 4, 5, 6, *out["a"]]
+    s.submit("b", "m1", [*history, 9, 9], 3, stop_at_eos=False)
+    (step,) = s.steps()
+    # the answer's last token was never fed: it comes with the new ones, after the 6 positions in the KV
+    assert step.tokens.tolist() == [history[-1], 9, 9] and (step.cache_len, step.pos0) == (6, 6)
+    assert step.slot == 0 and step.zeros == ()
+    events = s.complete("b", ring.run(step))
+    for _ in range(2):
+        (step,) = s.steps()
+        events += s.complete("b", ring.run(step))
+    done = next(e for e in events if isinstance(e, Finished))
+    assert done.cached == 6 and SlotFreed(0, parked=True) in events
+    assert s.parked == 1 and s.free_slots == 2
+
+
+def test_a_prompt_sharing_little_takes_an_unused_slot_then_the_oldest_parked():
+    s = Scheduler(slots=2, context=64, eos_ids=frozenset({EOS}))
+    ring = FakeRing(2)
+    for rid, prompt in (("a", [3, 4, 5]), ("b", [3, 8, 8])):  # b shares 1 position with a's 4
+        s.submit(rid, "m1", prompt, 2, stop_at_eos=False)
+        drive(s, ring)
+    assert s.parked_slots() == [0, 1]  # b did not take a's conversation: a slot nobody used was left
+    s.submit("c", "m1", [9, 9], 2, stop_at_eos=False)
+    (step,) = s.steps()
+    assert (step.slot, step.cache_len) == (0, 0)  # slot 0 parked first: reset by this fresh step
+    s.complete("c", ring.run(step))
+    drive(s, ring)
+    s.submit("d", "m1", [3, 7], 2, stop_at_eos=False)
+    (step,) = s.steps()
+    assert (step.slot, step.cache_len, step.pos0) == (1, 4, 1)  # the oldest, keeping the 1 shared position
+
+
+def test_off_frees_every_slot_and_a_failed_ring_trusts_no_parked_kv():
+    s = Scheduler(slots=1, context=64, prompt_cache=False)
+    s.submit("a", "m1", [3, 4], 1)
+    (step,) = s.steps()
+    assert s.complete("a", 5) == [TokenOut("a", "m1", 5), Finished("a", "m1", "length"), SlotFreed(0)]
+    on = Scheduler(slots=2, context=64)
+    on.submit("a", "m1", [3, 4], 1)
+    (step,) = on.steps()
+    on.complete("a", 5)
+    assert on.parked == 1
+    on.fail_all("the ring broke")
+    assert on.parked == 0 and on.free_slots == 2
+    on.submit("b", "m1", [3, 4, 5], 1)
+    (step,) = on.steps()
+    assert step.cache_len == 0  # a new ring's stages start empty
+
+
+def test_a_reuse_never_shortens_the_answer():
+    """The wasted positions count against the context: a slot is taken only if the request keeps
+    all the room a fresh slot gives it."""
+    s = Scheduler(slots=1, context=16, eos_ids=frozenset())
+    ring = FakeRing(1)
+    s.submit("a", "m1", [1, 2, 3, 4, 5, 6, 7, 8], 2, stop_at_eos=False)
+    drive(s, ring)  # parks 9 positions
+    s.submit("b", "m1", [1, 2, 9, 9], 12, stop_at_eos=False)  # 7 wasted > 16 - 4 - 12
+    (step,) = s.steps()
+    assert step.cache_len == 0
+    events = s.complete("b", ring.run(step))
+    out, _ = drive(s, ring)
+    assert len([e for e in events if isinstance(e, TokenOut)] + out["b"]) == 12
+
+
+# --- the real ring ------------------------------------------------------------------------------
+
+
+def ring_turns(chain, limits, turns, prompt_cache: bool, concurrent: bool):
+    from kafila.session.ring import RingNode
+    from tests.fake_link import Pipe
+    from tests.test_speculate import _generate
+
+    names = ["m1", "m2", "m3"]
+
+    async def main():
+        nodes = [RingNode(nm, "m1", names, s, limits, prompt_cache=prompt_cache) for nm, s in zip(names, chain.shards)]
+        pipes = [Pipe() for _ in names]
+        for i, node in enumerate(nodes):
+            node.start(pipes[i - 1].reader, pipes[i])
+        try:
+            out = []
+            for turn in turns:
+                if concurrent:
+                    out += await asyncio.gather(*(_generate(nodes[i % 3], limits.context, ids, 16, False)
+                                                  for i, ids in enumerate(turn)))  # fmt: skip
+                else:
+                    out += [await _generate(nodes[i % 3], limits.context, ids, 16, False) for i, ids in enumerate(turn)]
+            return [t for t, _ in out], [st.extra.get("cached_tokens") for _, st in out]
+        finally:
+            for n in nodes:
+                await n.close()
+
+    return asyncio.run(main())
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
+def test_on_three_stages_second_turns_reuse_the_first_and_answer_as_without(backend, chain_factory, default_index,
+                                                                            default_tokenizer):  # fmt: skip
+    from kafila.session.frames import Limits
+    from tests.conftest import PROMPTS
+
+    tok = default_tokenizer
+    chain = chain_factory(backend, 3, "f32")
+    limits = Limits(hidden=default_index.hparams.hidden, context=512, slots=4, vocab=default_index.hparams.vocab)
+    chats = [[{"role": "user", "content": p}] for p in PROMPTS[:4]]
+    first = [tok.encode(tok.render_chat(c)) for c in chats]
+    answers, _ = ring_turns(chain, limits, [first], prompt_cache=False, concurrent=False)
+    second = [tok.encode(tok.render_chat([*c, {"role": "assistant", "content": tok.decode(a)},
+                                         {"role": "user", "content": "Say that again, shorter."}]))
+              for c, a in zip(chats, answers)]  # fmt: skip
+    # then new people: every slot is parked, so each takes the oldest and keeps its system prompt
+    third = [tok.encode(tok.render_chat([{"role": "user", "content": p}])) for p in PROMPTS[4:6]]
+    system = next(i for i, (a, b) in enumerate(zip(*first[:2])) if a != b)  # the template's shared start
+    for concurrent in (False, True):  # one by one, then four at once in batched rows
+        want, cached_off = ring_turns(chain, limits, [first, second, third], prompt_cache=False, concurrent=concurrent)
+        got, cached = ring_turns(chain, limits, [first, second, third], prompt_cache=True, concurrent=concurrent)
+        assert got == want, concurrent
+        assert set(cached_off) == {0}
+        # each second turn found at least its first turn's prompt in the KV
+        assert all(c >= len(p) - 1 for c, p in zip(cached[4:8], first)), (cached, [len(p) for p in first])
+        # a new person's prompt found the system prompt in an evicted slot, its other positions masked
+        assert all(system <= c < len(p) - 4 for c, p in zip(cached[8:], third)), (cached, system)
