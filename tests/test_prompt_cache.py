@@ -32,30 +32,47 @@ def test_the_shared_prefix_skips_masked_positions_and_leaves_the_last_prompt_tok
 def test_a_reuse_masks_everything_after_the_prefix_and_keeps_the_old_zeros():
     parked = Parked((5, 6, 9, 7, 8, 3, 3), frozenset({2}))
     r = reuse_in(4, parked, [5, 6, 7, 2, 2], room=100)
-    assert (r.slot, r.shared, r.cache_len) == (4, 3, 7)
+    assert (r.slot, r.shared, r.cache_len, r.waste) == (4, 3, 7, 4)
     assert r.zeros == (2, 4, 5, 6)
-    assert reuse_in(4, parked, [5, 6, 7, 2, 2], room=3) is None  # 4 wasted positions > room
+    assert reuse_in(4, parked, [5, 6, 7, 2, 2], room=7) is None  # 4 masked > half the room left
     assert reuse_in(4, parked, [1, 2], room=100) is None  # nothing shared
 
 
 def test_waste_is_bounded_whatever_the_room():
     parked = Parked(tuple(range(1, MAX_WASTE + 3)), frozenset())
-    assert reuse_in(0, parked, [1, 99], room=10**6) is None  # MAX_WASTE + 1 positions would be masked
-    assert reuse_in(0, parked, [1, 2, 99], room=10**6).shared == 2
+    assert reuse_in(0, parked, [1, 999], room=10**6) is None  # MAX_WASTE + 1 masked
+    assert reuse_in(0, parked, [1, 2, 999], room=10**6).shared == 2
 
 
 def test_the_longest_continued_prefix_wins_and_the_oldest_parked_goes_first():
     p = ParkedSlots()
-    p.park(0, [1, 2, 3, 4], [])
-    p.park(1, [1, 2, 9], [])
-    p.park(2, [1, 7, 7], [])
-    p.park(3, [7, 7], [])
+    p.park(0, [1, 2, 3, 4], [], prompt=3)
+    p.park(1, [1, 2, 9], [], prompt=2)
+    p.park(2, [1, 7, 7], [], prompt=3)
+    p.park(3, [7, 7], [], prompt=2)
     assert p.best([1, 2, 3, 5], room=50).slot == 0
     assert p.best([1, 2, 3, 5], room=50).slot == 1  # slot 0 is taken now
-    assert p.best([1, 2, 3, 5], room=50) is None  # slot 2 shares 1 position and would mask 2
+    assert p.best([1, 2, 3, 5], room=50) is None  # slot 2 shares 1 position of its prompt's 3, masks 2
     slot, reuse = p.evict([1, 2, 3, 5], room=50)  # unless it is the one to go anyway
     assert slot == 2 and (reuse.shared, reuse.zeros) == (1, (1, 2))
     assert p.evict([1, 2], room=50) == (3, None) and len(p) == 0
+
+
+def test_the_same_question_again_takes_its_slot_whatever_the_answer_was():
+    p = ParkedSlots()
+    p.park(0, [1, 2, 3, *range(10, 40)], [], prompt=3)  # a long answer after a 3-token prompt
+    p.park(1, [1, 2, 8, 8, 8], [], prompt=4)
+    r = p.best([1, 2, 3], room=100)
+    assert (r.slot, r.shared, r.waste) == (0, 2, 31)  # the prompt's last token is fed again
+    assert p.best([1, 2, 4, 4, 4], room=100) is None  # shares 2 of slot 1's prompt of 4 and would mask 3
+
+
+def test_waste_past_eight_a_kept_position_resets_the_evicted_slot():
+    p = ParkedSlots()
+    p.park(0, list(range(1, 101)), [], prompt=50)
+    assert p.evict([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 999], room=10**4) == (0, None)  # 89 masked for 11
+    p.park(0, list(range(1, 101)), [], prompt=50)
+    assert p.evict([*range(1, 12), 12, 999], room=10**4)[1].shared == 12  # 88 masked for 12
 
 
 # --- the scheduler -----------------------------------------------------------------------------
@@ -160,19 +177,33 @@ def test_off_frees_every_slot_and_a_failed_ring_trusts_no_parked_kv():
     assert step.cache_len == 0  # a new ring's stages start empty
 
 
-def test_a_reuse_never_shortens_the_answer():
-    """The wasted positions count against the context: a slot is taken only if the request keeps
-    all the room a fresh slot gives it."""
-    s = Scheduler(slots=1, context=16, eos_ids=frozenset())
-    ring = FakeRing(1)
-    s.submit("a", "m1", [1, 2, 3, 4, 5, 6, 7, 8], 2, stop_at_eos=False)
-    drive(s, ring)  # parks 9 positions
-    s.submit("b", "m1", [1, 2, 9, 9], 12, stop_at_eos=False)  # 7 wasted > 16 - 4 - 12
-    (step,) = s.steps()
-    assert step.cache_len == 0
-    events = s.complete("b", ring.run(step))
-    out, _ = drive(s, ring)
-    assert len([e for e in events if isinstance(e, TokenOut)] + out["b"]) == 12
+def test_a_full_slot_with_masked_positions_is_fed_again_and_the_answer_runs_its_length():
+    """A cached prefix's masked tail takes physical room: when the slot is full and the request
+    still has logical room, its history goes into the reset slot again (a compaction), so the
+    answer is as long, and the same, as in a fresh slot."""
+    def answer(prompt_cache: bool):
+        s = Scheduler(slots=1, context=24, eos_ids=frozenset(), prompt_cache=prompt_cache)
+        ring = FakeRing(1)
+        s.submit("a", "m1", [1, 2, 3, 4, 5, 6, 7, 8], 4, stop_at_eos=False)
+        drive(s, ring)  # parks 11 positions
+        s.submit("b", "m1", [1, 2, 9, 9], 30, stop_at_eos=False)  # 9 masked: ≤ half the 20 left
+        steps = []
+        out, events = [], []
+        for _ in range(100):
+            batch = s.steps()
+            if not batch:
+                break
+            steps += batch
+            for step in batch:
+                events += s.complete(step.req_id, ring.run(step))
+        return [e.token for e in events if isinstance(e, TokenOut)], steps, events
+
+    fresh, _, _ = answer(False)
+    got, steps, events = answer(True)
+    assert got == fresh and len(got) == 20  # the context's 24 less the prompt's 4
+    assert steps[0].cache_len == 11 and next(e for e in events if isinstance(e, Finished)).cached == 2
+    resets = [st for st in steps if st.cache_len == 0]
+    assert len(resets) == 1 and resets[0].tokens.tolist() == [1, 2, 9, 9, *got[: len(resets[0].tokens) - 4]]
 
 
 # --- the real ring ------------------------------------------------------------------------------

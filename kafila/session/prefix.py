@@ -14,13 +14,15 @@ visible tokens share the longest prefix with its prompt, and feeds only the rest
 changes on the stages: the step's `cache_len` (the slot's physical length) is not 0, so the
 stage keeps the slot's KV, and the positions after the shared prefix join the step's mask
 zeros (the OpenVINO paper's mask-based rewind, as for rejected drafts). Masked positions keep
-their physical room, so a parked slot is taken only when what it wastes leaves the request all
-the room it would have in a fresh slot (and at most MAX_WASTE positions, which every
-activation's header lists).
+their physical room, so a request masks at most half the room its prompt leaves in the context
+(and at most MAX_WASTE positions, which every activation's header lists); should it fill its
+slot while it still has room by its logical positions, the scheduler feeds its history again
+into the reset slot (Scheduler._compact), so no answer ends earlier than in a fresh slot.
 
 Which slot. Taking a parked slot destroys what it holds past the shared prefix, so a prompt
-takes one at once only when it continues most of it (it shares at least as many positions as it
-masks: the next turn of that slot's conversation). Otherwise it takes a slot nobody has used,
+takes one at once only when it continues that slot's request: it holds all of that request's
+prompt (the next turn of its conversation, or the same question asked again). Otherwise it
+takes a slot nobody has used,
 and only when none is left the least recently parked one, keeping whatever prefix that one
 shares (another user's system prompt) or resetting it (its step's cache_len is 0). So the
 conversations of a household keep their own slots while slots last.
@@ -39,6 +41,11 @@ from dataclasses import dataclass
 # the request (frames.MAX_HEADER_BYTES), and each still takes its place in the attention
 MAX_WASTE = 1024
 MIN_SHARED = 1  # a shared prefix shorter than this is not worth a slot someone else could reuse
+# The slot that goes anyway (the least recently parked) keeps its prefix for a prompt that masks
+# at most EVICTED positions a kept one: a kept position saves a pass over the weights, a masked
+# one costs a query's attention to it at each step (for the default model about 1/80 of the
+# first over 48 steps, less on bigger ones).
+EVICTED = 8
 CACHED_STAT = "cached"  # in a request's last Tokens frame: prompt tokens its slot held already
 
 
@@ -58,6 +65,7 @@ class Parked:
 
     tokens: tuple[int, ...]
     zeros: frozenset[int]
+    prompt: int = 0  # the length of the prompt of the request that left it
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,11 @@ class Reuse:
     cache_len: int
     zeros: tuple[int, ...]
     tokens: tuple[int, ...]  # the slot's physical tokens (the request's record goes on from them)
+
+    @property
+    def waste(self) -> int:
+        """Positions of the slot the request masks."""
+        return self.cache_len - self.shared
 
 
 def shared_prefix(parked: Parked, prompt: Sequence[int]) -> tuple[int, int]:
@@ -88,11 +101,11 @@ def shared_prefix(parked: Parked, prompt: Sequence[int]) -> tuple[int, int]:
 
 
 def reuse_in(slot: int, parked: Parked, prompt: Sequence[int], room: int) -> Reuse | None:
-    """How a prompt starts in `parked` (None: not worth it, or it would cut the answer short).
-    `room`: the physical positions the request may waste beyond its prompt and answer."""
+    """How a prompt starts in `parked` (None: nothing shared, or too much masked). `room`: the
+    positions the context leaves after the prompt; a reuse masks at most half of them."""
     shared, cut = shared_prefix(parked, prompt)
     waste = len(parked.tokens) - shared
-    if shared < MIN_SHARED or waste > min(room, MAX_WASTE):
+    if shared < MIN_SHARED or waste > min(MAX_WASTE, room // 2):
         return None
     zeros = sorted(z for z in parked.zeros if z < cut) + list(range(cut, len(parked.tokens)))
     return Reuse(slot, shared, len(parked.tokens), tuple(zeros), parked.tokens)
@@ -107,18 +120,20 @@ class ParkedSlots:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def park(self, slot: int, tokens: Sequence[int], zeros: Sequence[int]) -> None:
-        self._slots[slot] = Parked(tuple(tokens), frozenset(zeros))
+    def park(self, slot: int, tokens: Sequence[int], zeros: Sequence[int], prompt: int = 0) -> None:
+        """`slot` keeps its KV: the token at each physical position, the masked ones, and the
+        length of the prompt of the request that leaves it."""
+        self._slots[slot] = Parked(tuple(tokens), frozenset(zeros), prompt)
         self._slots.move_to_end(slot)
 
     def best(self, prompt: Sequence[int], room: int) -> Reuse | None:
-        """The parked slot that `prompt` continues (sharing at least as many positions as it
-        would mask) with the longest shared prefix (ties: the least waste), taken out of the
-        parked set; None if there is none."""
+        """The parked slot whose request `prompt` continues (it holds all of that request's
+        prompt but the last token, which is always fed again) with the longest shared prefix
+        (ties: the least waste), taken out of the parked set; None if there is none."""
         found: Reuse | None = None
         for slot, parked in self._slots.items():
             r = reuse_in(slot, parked, prompt, room)
-            if r is None or r.cache_len - r.shared > r.shared:
+            if r is None or r.shared < parked.prompt - 1:
                 continue
             if found is None or (r.shared, -r.cache_len) > (found.shared, -found.cache_len):
                 found = r
@@ -130,7 +145,8 @@ class ParkedSlots:
         """The least recently parked slot, taken out, and how `prompt` starts in it (None: it
         shares nothing worth keeping; the request's first step resets it)."""
         slot, parked = self._slots.popitem(last=False)
-        return slot, reuse_in(slot, parked, prompt, room)
+        r = reuse_in(slot, parked, prompt, room)
+        return slot, (r if r is not None and r.waste <= EVICTED * r.shared else None)
 
     def clear(self) -> list[int]:
         """Every parked slot, taken out."""

@@ -95,8 +95,15 @@ class LocalSlots:
     def __init__(self, shard) -> None:
         self.shard = shard
         self.slots: dict[int, int] = {}
+        self.parked: set[int] = set()  # ring slots keeping a finished request's KV (prompt caching)
+
+    @property
+    def active(self) -> int:
+        """Slots a request holds here now (parked ones are nobody's)."""
+        return len(self.slots) - len(self.parked)
 
     def get(self, ring_slot: int, fresh: bool) -> int:
+        self.parked.discard(ring_slot)
         if fresh:
             self.free(ring_slot)
         if ring_slot not in self.slots:
@@ -104,6 +111,7 @@ class LocalSlots:
         return self.slots[ring_slot]
 
     def free(self, ring_slot: int) -> None:
+        self.parked.discard(ring_slot)
         local = self.slots.pop(ring_slot, None)
         if local is not None:
             self.shard.close_slot(local)
@@ -112,8 +120,11 @@ class LocalSlots:
         """The request in the slot is over but its KV stays (prompt caching): only let it out of
         any micro-batch, so the batch's other rows go on without it (backends.base.Shard.park)."""
         local = self.slots.get(ring_slot)
+        if local is None:
+            return
+        self.parked.add(ring_slot)
         park = getattr(self.shard, "park", None)
-        if local is not None and park is not None:
+        if park is not None:
             park(local)
 
     def settle(self, ring_slot: int, keep: bool) -> None:
@@ -621,7 +632,7 @@ class RingNode:
 
     def stage_load(self) -> dict:
         """This member's stage: requests holding a KV slot here, rows in its last forward, forwards run."""
-        return {"active": len(self.slots.slots), "batch_rows": self.batch_rows, "steps": self.forwards}
+        return {"active": self.slots.active, "batch_rows": self.batch_rows, "steps": self.forwards}
 
     def head_load(self, most: int) -> dict | None:
         """The head's queue and the requests it holds (at most `most`, oldest first), each with

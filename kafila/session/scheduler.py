@@ -171,6 +171,13 @@ class _Request:
     physical: list[int] = field(default_factory=list)  # the token at each physical position of its slot
     feeding: tuple[int, ...] = ()  # the tokens of the step in flight
     cached: int = 0  # prompt tokens its slot held already (prompt caching)
+    refeed: tuple[int, ...] = ()  # after a compaction: the history fed again into the reset slot
+
+    @property
+    def target(self) -> tuple[int, ...]:
+        """What the slot must hold before the request decodes: its prompt, or after a
+        compaction its whole history."""
+        return self.refeed or self.prompt
 
 
 class Scheduler:
@@ -244,8 +251,9 @@ class Scheduler:
             if req.slot is None or req.in_flight or req.cancelled:
                 continue
             done = req.pos  # logical: the prompt tokens in the slot (a cached prefix included)
-            if done < len(req.prompt):  # prefill, one chunk at a time
-                feed = req.prompt[done : done + next_chunk(done, self.chunk_tokens)]
+            target = req.target
+            if done < len(target):  # prefill, one chunk at a time
+                feed = target[done : done + next_chunk(done, self.chunk_tokens)]
             elif self.speculate == "draft" and (k := self._draft_k(req)):
                 req.in_flight, req.want_draft = 1, k  # the step is the head's until attach_draft
                 out.append(self._step(req, (req.generated[-1],), want_draft=k))
@@ -260,7 +268,7 @@ class Scheduler:
     def _admit(self, req: _Request) -> None:
         """Give `req` a slot: a parked one whose KV its prompt continues, else one nobody used,
         else the least recently parked one, with the prefix they share (prefix.py)."""
-        room = self.context - len(req.prompt) - req.max_new  # positions it may waste
+        room = self.context - len(req.prompt)
         reuse = self._parked.best(req.prompt, room) if self.prompt_cache else None
         if reuse is None and self._free:
             req.slot = self._free.pop()
@@ -362,13 +370,13 @@ class Scheduler:
         """The head measured `req_id`'s step in flight round the ring: `ms` for `positions`
         positions. Decode steps only (a prefill chunk's cost grows with its length)."""
         req = self._requests.get(req_id)
-        if req is not None and req.in_flight and req.pos >= len(req.prompt):
+        if req is not None and req.in_flight and req.pos >= len(req.target):
             self.step_cost.observe(positions, ms)
 
     def decoding(self, req_id: str) -> bool:
         """Whether `req_id`'s step in flight is a decode step (not a prefill chunk)."""
         req = self._requests.get(req_id)
-        return req is not None and req.in_flight > 0 and req.pos >= len(req.prompt)
+        return req is not None and req.in_flight > 0 and req.pos >= len(req.target)
 
     def draft_of(self, req_id: str) -> tuple[int, ...]:
         """The drafts in `req_id`'s step in flight: the head verifies a row per position."""
@@ -382,7 +390,7 @@ class Scheduler:
         """Whether the step of `req_id` in flight ends with a sampled token (not a prefill chunk
         before the prompt's last one): the head skips lm_head for the others."""
         req = self._requests.get(req_id)
-        return req is not None and req.in_flight > 0 and req.pos + req.in_flight >= len(req.prompt)
+        return req is not None and req.in_flight > 0 and req.pos + req.in_flight >= len(req.target)
 
     def complete(self, req_id: str, token) -> list[Event]:
         """A step of `req_id` came back round the ring and the head sampled `token` (None, and
@@ -408,14 +416,14 @@ class Scheduler:
         else:
             kept = fed
             tokens = None if token is None else (int(token),)
-            if req.speculate and req.pos >= len(req.prompt):
+            if req.speculate and req.pos >= len(req.target):
                 req.spec.add(0, 1)
         req.cache_len += fed
         req.pos += kept
         req.physical.extend(req.feeding)
         if req.cancelled:
             return self._finish(req, "cancelled")
-        if req.pos < len(req.prompt):
+        if req.pos < len(req.target):
             return []  # more of the prompt to feed
         if tokens is None:
             raise ValueError(f"the step that ends request {req_id}'s prompt needs a token")
@@ -425,9 +433,20 @@ class Scheduler:
                 return events + self._finish(req, "stop")
             req.generated.append(t)
             events.append(TokenOut(req_id, req.origin, t))
-            if len(req.generated) >= req.max_new or req.cache_len >= self.context:
+            if len(req.generated) >= req.max_new or req.pos >= self.context:
                 return events + self._finish(req, "length")
+        if req.cache_len >= self.context:
+            self._compact(req)
         return events
+
+    def _compact(self, req: _Request) -> None:
+        """The slot is full but masked positions hold part of it (a cached prefix's tail, or
+        rejected drafts) and the request has room left: its next steps feed its whole history
+        into the slot again from position 0 (the stages reset it), then it decodes on. So a
+        cached prefix never ends an answer earlier than a fresh slot would."""
+        req.refeed = req.prompt + tuple(req.generated)
+        req.cache_len = req.pos = 0
+        req.zeros, req.physical = [], []
 
     def cancel(self, req_id: str) -> list[Event]:
         req = self._requests.get(req_id)
@@ -466,7 +485,7 @@ class Scheduler:
         if req.slot is None:
             self._queue.remove(req.req_id)
         elif self.prompt_cache and finish != "error":  # the stages keep its KV: prefix.py
-            self._parked.park(req.slot, req.physical, req.zeros)
+            self._parked.park(req.slot, req.physical, req.zeros, len(req.prompt))
             events.append(SlotFreed(req.slot, parked=True))
         else:
             self._free.append(req.slot)
@@ -523,4 +542,4 @@ class RequestView:
 def _state(req: _Request) -> str:
     if req.slot is None:
         return "queued"
-    return "prefill" if req.pos < len(req.prompt) else "decode"
+    return "prefill" if req.pos < len(req.target) else "decode"
