@@ -27,7 +27,9 @@ class FakeRing:
         return (sum((p + 1) * t for p, t in visible) * 2654435761) % 50  # 0 = EOS sometimes
 
 
-def drive(sched, ring, order=random.Random(0)):
+def drive(sched, ring, order=random.Random(0), finished: list | None = None):
+    """Every step to the end, returned in a shuffled order: each request's tokens and how it
+    finished (`finished`, if given, collects the Finished events themselves)."""
     out, done = {}, {}
     for _ in range(10_000):
         steps = sched.steps()
@@ -40,6 +42,8 @@ def drive(sched, ring, order=random.Random(0)):
                     out.setdefault(ev.req_id, []).append(ev.token)
                 elif isinstance(ev, Finished):
                     done[ev.req_id] = ev.finish
+                    if finished is not None:
+                        finished.append(ev)
     return out, done
 
 

@@ -23,9 +23,9 @@ Which slot. Taking a parked slot destroys what it holds past the shared prefix, 
 takes one at once only when it continues that slot's request: it holds all of that request's
 prompt (the next turn of its conversation, or the same question asked again). Otherwise it
 takes a slot nobody has used,
-and only when none is left the least recently parked one, keeping whatever prefix that one
-shares (another user's system prompt) or resetting it (its step's cache_len is 0). So the
-conversations of a household keep their own slots while slots last.
+and only when none is left the least recently parked one, keeping a long prefix that one shares
+(a long system prompt) or resetting it (its step's cache_len is 0). So the conversations of a
+household keep their own slots while slots last.
 
 At f32 a reused prefix gives the tokens a fresh prefill gives (tests/test_prompt_cache.py); at
 bf16 a near-tie can part, as with any change of chunking or batching.
@@ -41,11 +41,13 @@ from dataclasses import dataclass
 # the request (frames.MAX_HEADER_BYTES), and each still takes its place in the attention
 MAX_WASTE = 1024
 MIN_SHARED = 1  # a shared prefix shorter than this is not worth a slot someone else could reuse
-# The slot that goes anyway (the least recently parked) keeps its prefix for a prompt that masks
-# at most EVICTED positions a kept one: a kept position saves a pass over the weights, a masked
-# one costs a query's attention to it at each step (for the default model about 1/80 of the
-# first over 48 steps, less on bigger ones).
-EVICTED = 8
+# The slot that goes anyway (the least recently parked) keeps a prefix of at least EVICT_SHARED
+# positions (a long system prompt); a shorter one is reset. Measured (docs/BENCHMARKS.md, "Prompt caching"): keeping the default chat template's
+# 26-position system prompt with about 50 positions masked cost 8 and 16 users at 0 ms a hop
+# 20-28% of their aggregate (their rows join micro-batches by copying longer KV, and the
+# plugin's attention over a prompt after cached positions is its slower path), more than
+# feeding 26 positions saves; where the balance turns was not measured.
+EVICT_SHARED = 128
 CACHED_STAT = "cached"  # in a request's last Tokens frame: prompt tokens its slot held already
 
 
@@ -146,7 +148,7 @@ class ParkedSlots:
         shares nothing worth keeping; the request's first step resets it)."""
         slot, parked = self._slots.popitem(last=False)
         r = reuse_in(slot, parked, prompt, room)
-        return slot, (r if r is not None and r.waste <= EVICTED * r.shared else None)
+        return slot, (r if r is not None and r.shared >= EVICT_SHARED else None)
 
     def clear(self) -> list[int]:
         """Every parked slot, taken out."""
