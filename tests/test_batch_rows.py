@@ -262,3 +262,27 @@ def test_forward_batch_rejects_bad_rows(synthetic_index, backend):
         shard.forward_batch([a.slots[0], b.slots[0]], [np.array([1])] * 2, [pa, pb], [ma, ma])
     with pytest.raises(ValueError, match="not open"):
         shard.forward_batch([a.slots[0], 99], [np.array([1])] * 2, [pa, pb], [ma, mb])
+
+
+def test_a_parked_row_keeps_its_kv_and_the_others_keep_their_group(synthetic_index):
+    """park (prompt caching): the row of a finished request leaves its group at the group's next
+    step, all parked rows with one read of its state, and the others run on the same group (no
+    rebuild); the parked slot then continues as it would have."""
+    chain = Chain(synthetic_index, [(0, 4)], "f32")
+    shard = chain.shards[0]
+    seqs = [chain.open() for _ in range(3)]
+    for s, p in zip(seqs, PROMPTS):
+        chain.feed(s, p)
+    chain.feed_batch(seqs, [[1], [2], [3]])
+    group = shard._group_of[seqs[0].slots[0]]
+    ref = chain.open()  # the first sequence replayed solo
+    chain.feed(ref, PROMPTS[0])
+    chain.feed(ref, [1])
+    shard.park(seqs[0].slots[0])
+    assert shard._group_of[seqs[0].slots[0]] is group  # nothing copied yet
+    chain.feed_batch(seqs[1:], [[2], [3]])
+    assert shard._group_of[seqs[1].slots[0]] is group  # the others ran on their group
+    assert seqs[0].slots[0] not in shard._group_of and not shard._parked  # the parked row is home
+    assert rel(chain.feed(seqs[0], [4]), chain.feed(ref, [4])) < REL_BOUND
+    for s in seqs + [ref]:
+        chain.close(s)

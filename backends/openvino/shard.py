@@ -129,6 +129,7 @@ class OpenVINOShard(HeadOps):
         self._spare: list[ov.InferRequest] = []
         self._beam = ov.Tensor(np.zeros(1, dtype=np.int32))
         self._group_of: dict[int, RowGroup] = {}  # slots that are rows of a group → it
+        self._parked: set[int] = set()  # rows whose request is over, KV kept (park): moved out lazily
 
     # --- slots -------------------------------------------------------------------------
 
@@ -141,6 +142,7 @@ class OpenVINOShard(HeadOps):
         return slot
 
     def close_slot(self, slot: int) -> None:
+        self._parked.discard(slot)
         if slot in self._group_of:
             self._leave_group(slot)
         req = self._reqs.pop(slot)
@@ -149,10 +151,11 @@ class OpenVINOShard(HeadOps):
 
     def park(self, slot: int) -> None:
         """The slot's request is over but its KV is kept for the next prompt that starts the
-        same way (prompt caching): its row leaves its group now (one copy of that row), so the
-        group's other rows keep running on it without rebuilding a group for them."""
+        same way (prompt caching). Its row stays in its group until the group's next step,
+        which moves every parked row out at once (one read of the group's state), so the
+        other rows keep running on the group without rebuilding one for them."""
         if slot in self._group_of:
-            self._take_out(slot)
+            self._parked.add(slot)
 
     def capture(self, slot: int) -> Any:
         """{variable name: a copy of its state} (the plugin hands states back at their own precision)."""
@@ -178,23 +181,31 @@ class OpenVINOShard(HeadOps):
             group.req.reset_state()
             self._spare.append(group.req)
 
-    def _take_out(self, slot: int) -> None:
-        """Make the slot's solo request its home again: copy its row there, then drop the row."""
-        group = self._group_of[slot]
-        p = group.position(slot)
-        index = group.rows[p].index
-        req = self._reqs[slot]
-        if len(index):
-            states = rowmod.read_states(group.req)
-            rowmod.set_states(req, rowmod.row_kv(states, p, index), {n: t.element_type for n, t in states.items()})
-        else:
-            req.reset_state()
-        self._leave_group(slot)
+    def _take_out(self, *slots: int) -> None:
+        """Make the slots' solo requests their homes again (rows of one group): copy each row
+        there, reading the group's state once, then drop the rows."""
+        group = self._group_of[slots[0]]
+        states = None
+        for slot in slots:
+            self._parked.discard(slot)
+            p = group.position(slot)
+            index = group.rows[p].index
+            req = self._reqs[slot]
+            if len(index):
+                states = states or rowmod.read_states(group.req)
+                rowmod.set_states(req, rowmod.row_kv(states, p, index), {n: t.element_type for n, t in states.items()})
+            else:
+                req.reset_state()
+        for slot in slots:
+            self._leave_group(slot)
 
     def _group_for(self, slots: list[int]) -> RowGroup:
         """The group whose live rows are exactly `slots`, or a new one built from the rows'
         current homes (one copy of their KV; the groups they leave keep their other rows)."""
         group = self._group_of.get(slots[0])
+        parked = [s for s in group.live() if s in self._parked] if group is not None else []
+        if parked and sorted(s for s in group.live() if s not in self._parked) == sorted(slots):
+            self._take_out(*parked)  # the rows that left keep their KV; the group runs on
         if group is not None and sorted(group.live()) == sorted(slots):
             return group
         read: dict[int, dict[str, ov.Tensor]] = {}  # id(request) → its states, read once
