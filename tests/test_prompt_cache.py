@@ -22,7 +22,7 @@ from tests.test_scheduler import EOS, FakeRing, drive
 
 
 def test_the_shared_prefix_skips_masked_positions_and_leaves_the_last_prompt_token():
-    parked = Parked((5, 6, 9, 7, 8), frozenset({2}))  # position 2 was a rejected draft
+    parked = Parked((5, 6, 7, 8), frozenset({2}))  # physical position 2 was a rejected draft
     assert shared_prefix(parked, [5, 6, 7, 8, 1]) == (4, 5)
     assert shared_prefix(parked, [5, 6, 7, 8]) == (3, 4)  # the last token is fed again
     assert shared_prefix(parked, [5, 1, 7]) == (1, 1)
@@ -30,7 +30,7 @@ def test_the_shared_prefix_skips_masked_positions_and_leaves_the_last_prompt_tok
 
 
 def test_a_reuse_masks_everything_after_the_prefix_and_keeps_the_old_zeros():
-    parked = Parked((5, 6, 9, 7, 8, 3, 3), frozenset({2}))
+    parked = Parked((5, 6, 7, 8, 3, 3), frozenset({2}))
     r = reuse_in(4, parked, [5, 6, 7, 2, 2], room=100)
     assert (r.slot, r.shared, r.cache_len, r.waste) == (4, 3, 7, 4)
     assert r.zeros == (2, 4, 5, 6)

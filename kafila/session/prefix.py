@@ -8,8 +8,9 @@ whole pass over the weights, that is most of a turn's wait. llama.cpp's server (
 and Ollama keep a slot's KV for this; so does Kafila.
 
 How. When a request ends, its ring slot is *parked* instead of freed: every stage keeps the
-slot's KV as it is, and the head remembers the token at each of its physical positions and
-which of them are masked out (rejected drafts). A new request takes the parked slot whose
+slot's KV as it is, and the head remembers the request's history as fed (its visible
+positions' tokens, in order: logical position i holds history token i) and which physical
+positions are masked out (rejected drafts). A new request takes the parked slot whose
 visible tokens share the longest prefix with its prompt, and feeds only the rest. Nothing
 changes on the stages: the step's `cache_len` (the slot's physical length) is not 0, so the
 stage keeps the slot's KV, and the positions after the shared prefix join the step's mask
@@ -62,12 +63,17 @@ def cached_of(stats) -> int | None:
 
 @dataclass(frozen=True)
 class Parked:
-    """A parked slot's KV, as the head knows it: the token at each physical position, and the
-    positions masked out."""
+    """A parked slot's KV, as the head knows it: the tokens of its visible positions in order,
+    and the physical positions masked out (every other physical position is visible)."""
 
     tokens: tuple[int, ...]
     zeros: frozenset[int]
     prompt: int = 0  # the length of the prompt of the request that left it
+
+    @property
+    def length(self) -> int:
+        """The slot's physical positions."""
+        return len(self.tokens) + len(self.zeros)
 
 
 @dataclass(frozen=True)
@@ -79,7 +85,6 @@ class Reuse:
     shared: int
     cache_len: int
     zeros: tuple[int, ...]
-    tokens: tuple[int, ...]  # the slot's physical tokens (the request's record goes on from them)
 
     @property
     def waste(self) -> int:
@@ -91,14 +96,13 @@ def shared_prefix(parked: Parked, prompt: Sequence[int]) -> tuple[int, int]:
     """(n, cut): the prompt's first n tokens are the slot's first n visible positions, the last
     of which is physical position cut - 1. n stops one short of the prompt: its last token is
     always fed, since its step samples the first token of the answer."""
-    n = cut = 0
-    most = len(prompt) - 1
-    for p, token in enumerate(parked.tokens):
-        if p in parked.zeros:
-            continue
-        if n >= most or token != prompt[n]:
-            break
-        n, cut = n + 1, p + 1
+    n, most = 0, min(len(prompt) - 1, len(parked.tokens))
+    while n < most and parked.tokens[n] == prompt[n]:
+        n += 1
+    cut = seen = 0
+    while seen < n:  # the physical position after the n-th visible one
+        seen += cut not in parked.zeros
+        cut += 1
     return n, cut
 
 
@@ -106,11 +110,11 @@ def reuse_in(slot: int, parked: Parked, prompt: Sequence[int], room: int) -> Reu
     """How a prompt starts in `parked` (None: nothing shared, or too much masked). `room`: the
     positions the context leaves after the prompt; a reuse masks at most half of them."""
     shared, cut = shared_prefix(parked, prompt)
-    waste = len(parked.tokens) - shared
+    waste = parked.length - shared
     if shared < MIN_SHARED or waste > min(MAX_WASTE, room // 2):
         return None
-    zeros = sorted(z for z in parked.zeros if z < cut) + list(range(cut, len(parked.tokens)))
-    return Reuse(slot, shared, len(parked.tokens), tuple(zeros), parked.tokens)
+    zeros = sorted(z for z in parked.zeros if z < cut) + list(range(cut, parked.length))
+    return Reuse(slot, shared, parked.length, tuple(zeros))
 
 
 class ParkedSlots:
@@ -123,8 +127,8 @@ class ParkedSlots:
         return len(self._slots)
 
     def park(self, slot: int, tokens: Sequence[int], zeros: Sequence[int], prompt: int = 0) -> None:
-        """`slot` keeps its KV: the token at each physical position, the masked ones, and the
-        length of the prompt of the request that leaves it."""
+        """`slot` keeps its KV: the tokens of its visible positions (the history as fed), the
+        masked physical positions, and the length of the prompt of the request that leaves it."""
         self._slots[slot] = Parked(tuple(tokens), frozenset(zeros), prompt)
         self._slots.move_to_end(slot)
 
@@ -158,7 +162,3 @@ class ParkedSlots:
 
     def slots(self) -> list[int]:
         return list(self._slots)
-
-    def sizes(self) -> list[int]:
-        """Each parked slot's physical length (for /status)."""
-        return [len(p.tokens) for p in self._slots.values()]

@@ -168,8 +168,6 @@ class _Request:
     offered: tuple[int, tuple[int, ...]] | None = None  # speculate="origin": the origin's latest (base, draft)
     spec: SpecStats = field(default_factory=SpecStats)
     acceptance: Acceptance = field(default_factory=Acceptance)
-    physical: list[int] = field(default_factory=list)  # the token at each physical position of its slot
-    feeding: tuple[int, ...] = ()  # the tokens of the step in flight
     cached: int = 0  # prompt tokens its slot held already (prompt caching)
     refeed: tuple[int, ...] = ()  # after a compaction: the history fed again into the reset slot
 
@@ -278,10 +276,9 @@ class Scheduler:
             if reuse is None or not self.prompt_cache:
                 return  # its first step (cache_len 0) resets the slot on every stage
         req.slot, req.cache_len, req.pos, req.cached = reuse.slot, reuse.cache_len, reuse.shared, reuse.shared
-        req.zeros, req.physical = list(reuse.zeros), list(reuse.tokens)
+        req.zeros = list(reuse.zeros)
 
     def _step(self, req: _Request, feed, want_draft: int = 0) -> Step:
-        req.feeding = tuple(int(t) for t in feed)
         return Step(req.req_id, req.slot, np.array(feed, dtype=np.int64), req.cache_len, req.pos,
                     tuple(req.zeros), len(req.draft), want_draft)  # fmt: skip
 
@@ -420,7 +417,6 @@ class Scheduler:
                 req.spec.add(0, 1)
         req.cache_len += fed
         req.pos += kept
-        req.physical.extend(req.feeding)
         if req.cancelled:
             return self._finish(req, "cancelled")
         if req.pos < len(req.target):
@@ -446,7 +442,7 @@ class Scheduler:
         cached prefix never ends an answer earlier than a fresh slot would."""
         req.refeed = req.prompt + tuple(req.generated)
         req.cache_len = req.pos = 0
-        req.zeros, req.physical = [], []
+        req.zeros = []
 
     def cancel(self, req_id: str) -> list[Event]:
         req = self._requests.get(req_id)
@@ -485,7 +481,8 @@ class Scheduler:
         if req.slot is None:
             self._queue.remove(req.req_id)
         elif self.prompt_cache and finish != "error":  # the stages keep its KV: prefix.py
-            self._parked.park(req.slot, req.physical, req.zeros, len(req.prompt))
+            # its visible positions hold its history as fed, logical position i its token i
+            self._parked.park(req.slot, self._history(req)[: req.pos], req.zeros, len(req.prompt))
             events.append(SlotFreed(req.slot, parked=True))
         else:
             self._free.append(req.slot)
