@@ -87,6 +87,10 @@ class Shard(Protocol):
     def close_slot(self, slot: int) -> None:
         """Free the slot's KV state; its id may be reused."""
 
+    def trim(self, slot: int, length: int) -> None:
+        """Keep the slot's first `length` physical positions and drop the rest (a prompt cache
+        slot reused up to a shared prefix); `length` ≤ what the slot holds."""
+
     def capture(self, slot: int) -> Any:
         """An opaque copy of the slot's KV state (prefix caching)."""
 

@@ -102,6 +102,12 @@ class ReferenceShard(HeadOps):
     def close_slot(self, slot: int) -> None:
         del self._slots[slot]
 
+    def trim(self, slot: int, length: int) -> None:
+        s = self._slots[slot]
+        if self._blocks and length > s.k[0].shape[0]:
+            raise ValueError(f"slot {slot} holds {s.k[0].shape[0]} positions, not {length}")
+        self._slots[slot] = _Slot([k[:length] for k in s.k], [v[:length] for v in s.v])
+
     def capture(self, slot: int) -> Any:
         s = self._slots[slot]
         return _Slot(list(s.k), list(s.v))  # arrays are never mutated in place

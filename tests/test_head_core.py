@@ -108,10 +108,10 @@ class Rig:
             shard, slots = self.shards["m1"], self.slots["m1"]
             if isinstance(w, Forward):
                 st = w.step
-                h = shard.forward(slots.get(st.slot, st.cache_len == 0), st.tokens, st.positions(), st.mask())
+                h = shard.forward(slots.get(st.slot, st.cache_len, len(st.tokens)), st.tokens, st.positions(), st.mask())
                 acts = [self.core.forwarded(st, h, STAGE_US)]
             else:
-                hs = shard.forward_batch([slots.get(st.slot, st.cache_len == 0) for st in steps], [st.tokens for st in steps],
+                hs = shard.forward_batch([slots.get(st.slot, st.cache_len, len(st.tokens)) for st in steps], [st.tokens for st in steps],
                                          [st.positions() for st in steps], [st.mask() for st in steps])  # fmt: skip
                 acts = self.core.forwarded_rows(steps, hs, STAGE_US)
             self.wire.append((1, b"".join(encode(a, self.lim) for a in acts)))
@@ -135,9 +135,9 @@ class Rig:
                 continue
             if len(got) == 1:
                 a = got[0]
-                hs = [shard.forward(slots.get(a.slot, a.cache_len == 0), a.hidden, a.positions(), a.mask())]
+                hs = [shard.forward(slots.get(a.slot, a.cache_len, a.n), a.hidden, a.positions(), a.mask())]
             else:
-                hs = shard.forward_batch([slots.get(a.slot, a.cache_len == 0) for a in got], [a.hidden for a in got],
+                hs = shard.forward_batch([slots.get(a.slot, a.cache_len, a.n) for a in got], [a.hidden for a in got],
                                          [a.positions() for a in got], [a.mask() for a in got])  # fmt: skip
             out = [Activation(a.req_id, a.slot, a.cache_len, a.pos0, a.zeros, h, a.trace + ((name, STAGE_US),),
                               a.rows, a.row) for a, h in zip(got, hs)]  # fmt: skip

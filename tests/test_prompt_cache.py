@@ -29,19 +29,21 @@ def test_the_shared_prefix_skips_masked_positions_and_leaves_the_last_prompt_tok
     assert shared_prefix(parked, [4, 6]) == (0, 0)
 
 
-def test_a_reuse_masks_everything_after_the_prefix_and_keeps_the_old_zeros():
-    parked = Parked((5, 6, 7, 8, 3, 3), frozenset({2}))
+def test_a_reuse_cuts_the_slot_after_the_prefix_and_keeps_the_old_zeros_in_it():
+    parked = Parked((5, 6, 7, 8, 3, 3), frozenset({2, 6}))  # physical 2 and 6: rejected drafts
     r = reuse_in(4, parked, [5, 6, 7, 2, 2], room=100)
-    assert (r.slot, r.shared, r.cache_len, r.waste) == (4, 3, 7, 4)
-    assert r.zeros == (2, 4, 5, 6)
-    assert reuse_in(4, parked, [5, 6, 7, 2, 2], room=7) is None  # 4 masked > half the room left
+    assert (r.slot, r.shared, r.cache_len, r.waste) == (4, 3, 4, 1)  # the stages keep 4 positions
+    assert r.zeros == (2,)  # the zero past the cut goes with the rest
+    assert reuse_in(4, parked, [5, 6, 7, 2, 2], room=1) is None  # 1 masked > half the room left
     assert reuse_in(4, parked, [1, 2], room=100) is None  # nothing shared
 
 
-def test_waste_is_bounded_whatever_the_room():
-    parked = Parked(tuple(range(1, MAX_WASTE + 3)), frozenset())
-    assert reuse_in(0, parked, [1, 999], room=10**6) is None  # MAX_WASTE + 1 masked
-    assert reuse_in(0, parked, [1, 2, 999], room=10**6).shared == 2
+def test_masked_positions_carried_are_bounded_whatever_the_room():
+    zeros = frozenset(range(1, 2 * MAX_WASTE + 3, 2))  # every other physical position
+    parked = Parked(tuple(range(1, MAX_WASTE + 3)), zeros)
+    assert reuse_in(0, parked, [*range(1, MAX_WASTE + 3), 999], room=10**6) is None  # MAX_WASTE + 1 carried
+    r = reuse_in(0, parked, [*range(1, MAX_WASTE + 2), 999], room=10**6)
+    assert (r.shared, r.waste, r.cache_len) == (MAX_WASTE + 1, MAX_WASTE, 2 * MAX_WASTE + 1)
 
 
 def test_the_longest_continued_prefix_wins_and_the_oldest_parked_goes_first():
@@ -52,7 +54,7 @@ def test_the_longest_continued_prefix_wins_and_the_oldest_parked_goes_first():
     p.park(3, [7, 7], [], prompt=2)
     assert p.best([1, 2, 3, 5], room=50).slot == 0
     assert p.best([1, 2, 3, 5], room=50).slot == 1  # slot 0 is taken now
-    assert p.best([1, 2, 3, 5], room=50) is None  # slot 2 shares 1 position of its prompt's 3, masks 2
+    assert p.best([1, 2, 3, 5], room=50) is None  # slot 2 shares 1 position of its prompt's 3
     assert p.evict([1, 2, 3, 5], room=50) == (2, None)  # the one to go anyway: 1 shared position is not kept
     assert p.evict([1, 2], room=50) == (3, None) and len(p) == 0
 
@@ -62,8 +64,8 @@ def test_the_same_question_again_takes_its_slot_whatever_the_answer_was():
     p.park(0, [1, 2, 3, *range(10, 40)], [], prompt=3)  # a long answer after a 3-token prompt
     p.park(1, [1, 2, 8, 8, 8], [], prompt=4)
     r = p.best([1, 2, 3], room=100)
-    assert (r.slot, r.shared, r.waste) == (0, 2, 31)  # the prompt's last token is fed again
-    assert p.best([1, 2, 4, 4, 4], room=100) is None  # shares 2 of slot 1's prompt of 4 and would mask 3
+    assert (r.slot, r.shared, r.cache_len) == (0, 2, 2)  # the prompt's last token is fed again
+    assert p.best([1, 2, 4, 4, 4], room=100) is None  # shares 2 of slot 1's prompt of 4
 
 
 def test_the_evicted_slot_keeps_only_a_long_shared_prefix():
@@ -72,7 +74,7 @@ def test_the_evicted_slot_keeps_only_a_long_shared_prefix():
     p.park(0, [*system, 7, 7, 7, 7], [], prompt=EVICT_SHARED + 2)
     p.park(1, [*system[:-1], 5, 5], [], prompt=EVICT_SHARED + 1)
     slot, reuse = p.evict([*system, 9, 9], room=10**4)
-    assert slot == 0 and (reuse.shared, reuse.waste) == (EVICT_SHARED, 4)
+    assert slot == 0 and (reuse.shared, reuse.cache_len) == (EVICT_SHARED, EVICT_SHARED)
     assert p.evict([*system, 9, 9], room=10**4) == (1, None)  # one position short of it: reset
 
 
@@ -170,18 +172,18 @@ def test_off_frees_every_slot_and_a_failed_ring_trusts_no_parked_kv():
 
 
 def test_a_full_slot_with_masked_positions_is_fed_again_and_the_answer_runs_its_length():
-    """A cached prefix's masked tail takes physical room: when the slot is full and the request
-    still has logical room, its history goes into the reset slot again (a compaction), so the
-    answer is as long, and the same, as in a fresh slot."""
+    """Rejected drafts inside a reused prefix keep their physical room: when the slot is full and
+    the request still has logical room, its history goes into the reset slot again (a
+    compaction), so the answer is as long, and the same, as in a fresh slot."""
     def answer(prompt_cache: bool):
-        s = Scheduler(slots=1, context=24, eos_ids=frozenset(), prompt_cache=prompt_cache)
+        s = Scheduler(slots=1, context=40, eos_ids=frozenset(), prompt_cache=prompt_cache, speculate="ngram")
         ring = FakeRing(1)
-        s.submit("a", "m1", [1, 2, 3, 4, 5, 6, 7, 8], 4, stop_at_eos=False)
-        drive(s, ring)  # parks 11 positions
-        s.submit("b", "m1", [1, 2, 3, 4, 5, 6, 7, 8], 30, stop_at_eos=False)  # asked again: 4 masked
-        steps = []
-        out, events = [], []
-        for _ in range(100):
+        s.submit("a", "m1", [4] * 8, 8, stop_at_eos=False)
+        first, _ = drive(s, ring)  # n-gram drafts of the repeated 4s, some rejected: masked
+        s.submit("b", "m1", [4] * 8 + first["a"] + [9], 100, stop_at_eos=False)  # the next turn
+        answers.append(first["a"])
+        steps, events = [], []
+        for _ in range(300):
             batch = s.steps()
             if not batch:
                 break
@@ -190,12 +192,62 @@ def test_a_full_slot_with_masked_positions_is_fed_again_and_the_answer_runs_its_
                 events += s.complete(step.req_id, ring.run(step))
         return [e.token for e in events if isinstance(e, TokenOut)], steps, events
 
+    answers = []
     fresh, _, _ = answer(False)
     got, steps, events = answer(True)
-    assert got == fresh and len(got) == 16  # the context's 24 less the prompt's 8
-    assert steps[0].cache_len == 11 and next(e for e in events if isinstance(e, Finished)).cached == 7
+    prompt_b, a_last = [4] * 8 + answers[1] + [9], answers[1][-1]
+    assert got == fresh and len(got) == 40 - 17  # the context less the prompt's 17 tokens
+    first = steps[0]  # a's 15 fed tokens are shared (its last answer token was never fed)
+    assert first.zeros and first.cache_len == 15 + len(first.zeros) and first.tokens.tolist() == [a_last, 9]
+    assert next(e for e in events if isinstance(e, Finished)).cached == 15
     resets = [st for st in steps if st.cache_len == 0]
-    assert len(resets) == 1 and resets[0].tokens.tolist() == [*range(1, 9), *got[: len(resets[0].tokens) - 8]]
+    assert len(resets) == 1
+    refed = resets[0].tokens.tolist()
+    assert refed == (prompt_b + got)[: len(refed)] and len(refed) > len(prompt_b)
+
+
+# --- the backends' cut -------------------------------------------------------------------------
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
+def test_a_slot_cut_back_continues_as_a_fresh_one(backend, chain_factory):
+    """trim(slot, n) keeps the first n physical positions: what follows is computed as in a slot
+    fed only those n, alone and as a row of a batch (OpenVINO's row groups)."""
+    import numpy as np
+
+    shard = chain_factory(backend, 3, "f32").shards[0]  # embeds ids: feeds take token ids
+
+    def feed(slot, ids, cache_len):
+        ids = np.array(ids, np.int64)
+        return shard.forward(slot, ids, np.arange(cache_len, cache_len + len(ids)), np.ones(cache_len + len(ids), np.int64))
+
+    prefix, old, new = [1, 400, 2000, 17, 9], [33, 34, 35, 36], [77, 78, 79]
+    fresh = shard.open_slot()
+    feed(fresh, prefix, 0)
+    want = feed(fresh, new, len(prefix))
+    reused, other = shard.open_slot(), shard.open_slot()
+    try:
+        feed(reused, prefix + old, 0)
+        shard.trim(reused, len(prefix))
+        np.testing.assert_allclose(feed(reused, new, len(prefix)), want, rtol=1e-4, atol=1e-4)
+        # as a row of a batch: the row's KV past the cut goes, the other row's stays
+        feed(other, [5, 6], 0)
+        ids = lambda xs: np.array(xs, np.int64)  # noqa: E731
+        shard.forward_batch([reused, other], [ids(old[:1]), ids([7])],
+                            [np.array([len(prefix) + 3]), np.array([2])],
+                            [np.ones(len(prefix) + 4, np.int64), np.ones(3, np.int64)])  # fmt: skip
+        shard.trim(reused, len(prefix) + 3)
+        shard.trim(reused, len(prefix))
+        got, _ = shard.forward_batch([reused, other], [ids(new), ids([8])],
+                                     [np.arange(len(prefix), len(prefix) + 3), np.array([3])],
+                                     [np.ones(len(prefix) + 3, np.int64), np.ones(4, np.int64)])  # fmt: skip
+        np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+        with pytest.raises(ValueError):
+            shard.trim(reused, 100)
+    finally:
+        for slot in (fresh, reused, other):
+            shard.close_slot(slot)
 
 
 # --- the real ring ------------------------------------------------------------------------------

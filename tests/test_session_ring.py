@@ -37,6 +37,10 @@ class FakeShard(HeadOps):
     def close_slot(self, s):
         del self.kv[s]
 
+    def trim(self, s, length):
+        assert length <= len(self.kv[s])
+        del self.kv[s][length:]
+
     def forward(self, slot, x, positions, mask):
         kv = self.kv[slot]
         assert len(mask) == len(kv) + len(positions)
@@ -77,6 +81,9 @@ def shards(n):
             def close_slot(self, s):
                 for l, ls in zip(layers, self.slots.pop(s)):
                     l.close_slot(ls)
+            def trim(self, s, length):
+                for l, ls in zip(layers, self.slots[s]):
+                    l.trim(ls, length)
             def forward(self, slot, x, pos, mask):
                 for l, ls in zip(layers, self.slots[slot]):
                     x = l.forward(ls, x, pos, mask)
@@ -227,6 +234,10 @@ class Stack(HeadOps):
     def close_slot(self, s):
         for l, ls in zip(self.layers, self.slots.pop(s)):
             l.close_slot(ls)
+
+    def trim(self, s, length):
+        for l, ls in zip(self.layers, self.slots[s]):
+            l.trim(ls, length)
 
     def forward(self, slot, x, pos, mask):
         for l, ls in zip(self.layers, self.slots[slot]):

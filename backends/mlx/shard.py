@@ -94,6 +94,14 @@ class MLXShard(HeadOps):
     def cache_len(self, slot: int) -> int:
         return self._cache(slot).length
 
+    def trim(self, slot: int, length: int) -> None:
+        """Keep the slot's first `length` physical positions; the buffers stay, and the next
+        steps write over the rest."""
+        cache = self._cache(slot)
+        if not 0 <= length <= cache.length:
+            raise ValueError(f"slot {slot} holds {cache.length} positions, not {length}")
+        cache.length = length
+
     def capture(self, slot: int) -> SlotState:
         length, keys, values = self._cache(slot).snapshot()
         return SlotState(length, keys, values, self.spec.first, self.spec.last)

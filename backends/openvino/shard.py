@@ -157,6 +157,30 @@ class OpenVINOShard(HeadOps):
         if slot in self._group_of:
             self._parked.add(slot)
 
+    def trim(self, slot: int, length: int) -> None:
+        """Keep the slot's first `length` physical positions (a reused prompt cache slot: the
+        positions after the prefix a new prompt shares go). A row of a group only forgets its
+        tail (the group's state keeps it, masked from the row, until the group is rebuilt);
+        a slot alone has its states copied short, once per reuse."""
+        group = self._group_of.get(slot)
+        if group is not None:
+            row = group.rows[group.position(slot)]
+            if length > len(row.index):
+                raise ValueError(f"slot {slot} holds {len(row.index)} positions, not {length}")
+            row.index = row.index[:length]
+            return
+        req = self._reqs[slot]
+        if length == 0:
+            req.reset_state()
+            return
+        states = rowmod.read_states(req)
+        held = min(t.shape[2] if len(t.shape) == 4 else 0 for t in states.values())
+        if length > held:
+            raise ValueError(f"slot {slot} holds {held} positions, not {length}")
+        if length < held:
+            rowmod.set_states(req, {n: t.data[:, :, :length] for n, t in states.items()},
+                              {n: t.element_type for n, t in states.items()})  # fmt: skip
+
     def capture(self, slot: int) -> Any:
         """{variable name: a copy of its state} (the plugin hands states back at their own precision)."""
         group = self._group_of.get(slot)

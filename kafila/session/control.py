@@ -129,9 +129,10 @@ def _measured(value: Any) -> tuple[tuple[str, float], ...]:
 # The session protocol: raised whenever members of one session must run the same code to work
 # together (a frame, a message or an exchange that an older member does not understand). 1: the
 # first numbered, the ring's TCP lane (ring_lane.py); 2: a Free frame may keep the slot's KV
-# (prompt caching, prefix.py). A host and its members compare it at planning
+# (prompt caching, prefix.py); 3: a step's cache_len below what a stage holds cuts the slot back to
+# it (a reused prefix, prefix.py; stages of 2 would have computed wrongly). A host and its members compare it at planning
 # (protocol_mismatch), so mixed versions fail with one line instead of a timeout.
-PROTOCOL = 2
+PROTOCOL = 3
 
 
 def protocol_mismatch(who: str, theirs: object, version: object) -> str | None:

@@ -11,14 +11,17 @@ How. When a request ends, its ring slot is *parked* instead of freed: every stag
 slot's KV as it is, and the head remembers the request's history as fed (its visible
 positions' tokens, in order: logical position i holds history token i) and which physical
 positions are masked out (rejected drafts). A new request takes the parked slot whose
-visible tokens share the longest prefix with its prompt, and feeds only the rest. Nothing
-changes on the stages: the step's `cache_len` (the slot's physical length) is not 0, so the
-stage keeps the slot's KV, and the positions after the shared prefix join the step's mask
-zeros (the OpenVINO paper's mask-based rewind, as for rejected drafts). Masked positions keep
-their physical room, so a request masks at most half the room its prompt leaves in the context
-(and at most MAX_WASTE positions, which every activation's header lists); should it fill its
-slot while it still has room by its logical positions, the scheduler feeds its history again
-into the reset slot (Scheduler._compact), so no answer ends earlier than in a fresh slot.
+visible tokens share the longest prefix with its prompt, and feeds only the rest. Its first
+step's `cache_len` is the physical position after the shared prefix, and every stage cuts the
+slot's KV back to it (ring.LocalSlots, backends' `trim`): what the old request fed after the
+prefix goes, so it costs neither attention nor room. (Masking it instead, the OpenVINO paper's
+rewind for rejected drafts, was the first version: each reuse left its tail in the attention,
+and a prompt asked again and again decoded 11% slower by the fourth time on the default model.)
+Rejected drafts inside the prefix stay masked; a reuse carries at most MAX_WASTE of them (every
+activation's header lists them) and at most half the room its prompt leaves in the context;
+should a request fill its slot while it still has room by its logical positions, the scheduler
+feeds its history again into the reset slot (Scheduler._compact), so no answer ends earlier
+than in a fresh slot.
 
 Which slot. Taking a parked slot destroys what it holds past the shared prefix, so a prompt
 takes one at once only when it continues that slot's request: it holds all of that request's
@@ -38,8 +41,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-# masked-out positions a reused slot may carry: each is listed in every activation's header of
-# the request (frames.MAX_HEADER_BYTES), and each still takes its place in the attention
+# masked-out positions (rejected drafts) a reused prefix may carry: each is listed in every
+# activation's header of the request (frames.MAX_HEADER_BYTES) and still takes its place in the attention
 MAX_WASTE = 1024
 MIN_SHARED = 1  # a shared prefix shorter than this is not worth a slot someone else could reuse
 # The slot that goes anyway (the least recently parked) keeps a prefix of at least EVICT_SHARED
@@ -79,7 +82,8 @@ class Parked:
 @dataclass(frozen=True)
 class Reuse:
     """A new request's start in a parked slot: `shared` prompt tokens are in its KV already;
-    the step after them continues at physical `cache_len` with `zeros` masked."""
+    the step after them continues at physical `cache_len` (the stages drop what the slot holds
+    after it) with `zeros` masked."""
 
     slot: int
     shared: int
@@ -110,11 +114,10 @@ def reuse_in(slot: int, parked: Parked, prompt: Sequence[int], room: int) -> Reu
     """How a prompt starts in `parked` (None: nothing shared, or too much masked). `room`: the
     positions the context leaves after the prompt; a reuse masks at most half of them."""
     shared, cut = shared_prefix(parked, prompt)
-    waste = parked.length - shared
-    if shared < MIN_SHARED or waste > min(MAX_WASTE, room // 2):
+    zeros = tuple(sorted(z for z in parked.zeros if z < cut))
+    if shared < MIN_SHARED or len(zeros) > min(MAX_WASTE, room // 2):
         return None
-    zeros = sorted(z for z in parked.zeros if z < cut) + list(range(cut, parked.length))
-    return Reuse(slot, shared, parked.length, tuple(zeros))
+    return Reuse(slot, shared, cut, zeros)
 
 
 class ParkedSlots:

@@ -90,11 +90,16 @@ class StageHung(Exception):
 
 
 class LocalSlots:
-    """Ring slot ids (the head's) → this shard's slot ids; a fresh step resets its slot."""
+    """Ring slot ids (the head's) → this shard's slot ids, and each slot's physical length here.
+
+    A step's `cache_len` is the physical length of the KV it builds on: 0 resets the slot, and
+    a slot that holds more drops the rest first (a parked slot that a new prompt reuses up to
+    the prefix they share: session/prefix.py). More than the slot holds is a broken ring."""
 
     def __init__(self, shard) -> None:
         self.shard = shard
         self.slots: dict[int, int] = {}
+        self.lengths: dict[int, int] = {}  # ring slot → physical positions in its KV here
         self.parked: set[int] = set()  # ring slots keeping a finished request's KV (prompt caching)
 
     @property
@@ -102,16 +107,25 @@ class LocalSlots:
         """Slots a request holds here now (parked ones are nobody's)."""
         return len(self.slots) - len(self.parked)
 
-    def get(self, ring_slot: int, fresh: bool) -> int:
+    def get(self, ring_slot: int, cache_len: int, n: int) -> int:
+        """The shard's slot for a step of `n` positions after `cache_len` (opened, reset or cut
+        back as the step says)."""
         self.parked.discard(ring_slot)
-        if fresh:
+        if cache_len == 0:
             self.free(ring_slot)
         if ring_slot not in self.slots:
             self.slots[ring_slot] = self.shard.open_slot()
-        return self.slots[ring_slot]
+        local, held = self.slots[ring_slot], self.lengths.get(ring_slot, 0)
+        if cache_len > held:
+            raise FrameError(f"a step of slot {ring_slot} builds on {cache_len} positions; this stage holds {held}")
+        if cache_len < held:
+            self.shard.trim(local, cache_len)
+        self.lengths[ring_slot] = cache_len + n
+        return local
 
     def free(self, ring_slot: int) -> None:
         self.parked.discard(ring_slot)
+        self.lengths.pop(ring_slot, None)
         local = self.slots.pop(ring_slot, None)
         if local is not None:
             self.shard.close_slot(local)
@@ -463,9 +477,9 @@ class RingNode:
             t0 = time.perf_counter()
             if len(where) == 1:
                 (ring_slot, cache_len), = where
-                hs = [self.shard.forward(self.slots.get(ring_slot, cache_len == 0), xs[0], positions[0], masks[0])]
+                hs = [self.shard.forward(self.slots.get(ring_slot, cache_len, len(positions[0])), xs[0], positions[0], masks[0])]
             else:
-                hs = self.shard.forward_batch([self.slots.get(s, cache_len == 0) for s, cache_len in where],
+                hs = self.shard.forward_batch([self.slots.get(s, c, len(p)) for (s, c), p in zip(where, positions)],
                                               xs, positions, masks)  # fmt: skip
         self.batch_rows = len(where)
         self.forwards += 1
