@@ -1,8 +1,7 @@
 """Many users at once on a 3-member session: aggregate tok/s and per-user time per token.
 
     .venv/bin/python -m bench.multiuser [--users 1,2,4,8,16] [--latency 0,20] [--max-tokens 48]
-                                        [--rounds 2] [--batch-rows on,off] [--ring-lane auto,quic]
-                                        [--stream-interval 40,0] [--json]
+                                        [--rounds 2] [--batch-rows on,off] [--ring-lane auto,quic] [--json]
 
 One loopback session of separate processes (kafila demo's launcher, `--concurrency auto`) per
 hop latency. For each number of users n, n greedy chat requests (different prompts, typed at
@@ -24,9 +23,6 @@ stage computes at a time on a machine; off: KAFILA_CORE_LOCK=0 in the members' e
 --prompt-cache on,off does the same for prompt caching (`kafila host --prompt-cache`). Every
 request's text is new (it starts "Request <n>:"), so a round never finds an earlier round's
 prompt cached: what users share is the chat template's system prompt, as users of one app do.
---stream-interval 40,0 runs a session for each `kafila host --stream-interval-ms` (how often the
-head sends a request typed at another member its tokens; 0: each token on its own) and prints
-each one's aggregate ÷ the first's.
 """
 
 from __future__ import annotations
@@ -115,13 +111,13 @@ def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS
 
 def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: int, model: str,
                 batch_rows: bool = True, ring_lane: str = "auto", core_lock: bool = True,
-                prompt_cache: bool = True, stream_interval_ms: int | None = None) -> dict:  # fmt: skip
+                prompt_cache: bool = True) -> dict:  # fmt: skip
     from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     os.environ["KAFILA_CORE_LOCK"] = "1" if core_lock else "0"  # the members inherit it
 
     s = LocalSession(members=3, model=model, latency_ms=latency_ms, batch_rows=batch_rows, ring_lane=ring_lane,
-                     prompt_cache=prompt_cache, stream_interval_ms=stream_interval_ms,
+                     prompt_cache=prompt_cache,
                      log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
                      cache_root=tempfile.mkdtemp(prefix="kafila-bench-cache-"))  # fmt: skip
     t0 = time.monotonic()
@@ -155,7 +151,7 @@ def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: i
                       "tpot_max_ratio": med(rows, "tpot_ms_max") / solo_tpot, "ttft_ms": med(rows, "ttft_ms_median"),
                       "short_answers": sum(r["short_answers"] for r in rows), "rounds": rows})  # fmt: skip
     return {"latency_ms": latency_ms, "batch_rows": batch_rows, "ring_lane": ring_lane, "core_lock": core_lock,
-            "prompt_cache": prompt_cache, "stream_interval_ms": stream_interval_ms,
+            "prompt_cache": prompt_cache,
             "slots": slots, "plan": st["plan"], "left_out": [n for n in levels if n > slots],
             "solo_tok_s": solo_agg, "solo_tpot_ms": solo_tpot, "table": table,
             "head_stage_batch_rows": (load["stages"].get(head) or {}).get("batch_rows"),
@@ -173,8 +169,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-lane", default="auto", help="auto, quic or auto,quic (both, side by side)")
     p.add_argument("--core-lock", default="on", help="on, off or on,off (both, side by side)")
     p.add_argument("--prompt-cache", default="on", help="on, off or on,off (both, side by side)")
-    p.add_argument("--stream-interval", default="", metavar="MS[,MS]",
-                   help="kafila host --stream-interval-ms for each session (default: the host's default)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.batch_rows.split(",")]
@@ -194,12 +188,10 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.multiuser: --prompt-cache takes on, off or on,off", file=sys.stderr)
         return 2
     try:
-        intervals = [int(x) for x in args.stream_interval.split(",")] if args.stream_interval else [None]
         levels = sorted({int(x) for x in args.users.split(",")} | {1})
         latencies = [float(x) for x in args.latency.split(",")]
     except ValueError:
-        print("bench.multiuser: --users, --latency and --stream-interval take comma-separated numbers",
-              file=sys.stderr)
+        print("bench.multiuser: --users and --latency take comma-separated numbers", file=sys.stderr)
         return 2
     if min(levels) < 1 or not 1 <= args.max_tokens <= 1024 or not 1 <= args.rounds <= 20:
         print("bench.multiuser: users ≥ 1, --max-tokens 1..1024, --rounds 1..20", file=sys.stderr)
@@ -208,16 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"3 members on loopback, {args.model}, {args.max_tokens} tokens per user, median of {args.rounds} "
           "rounds; aggregate = all users' tokens / (first request sent → last token)", flush=True)  # fmt: skip
     out = {}
-    for ms, mode, lane, lock, cache, iv in itertools.product(latencies, modes, lanes, locks, caches, intervals):
+    for ms, mode, lane, lock, cache in [(ms, mode, lane, lock, cache) for ms in latencies for mode in modes
+                                        for lane in lanes for lock in locks for cache in caches]:  # fmt: skip
         key = (f"{ms:g} ms, rows {mode}" + (", ring lane quic" if lane == "quic" else "")
                + (", core lock off" if lock == "off" else "") + (", prompt cache off" if cache == "off" else ""))
-        first = key
-        if iv is not None and len(intervals) > 1:
-            first, key = f"{key}, stream {intervals[0]} ms", f"{key}, stream {iv} ms"
         r = out[key] = run_latency(ms, levels, args.max_tokens, args.rounds, args.model, mode == "on", lane,
-                                   lock == "on", cache == "on", iv)  # fmt: skip
-        stream = "" if iv is None else f", stream interval {iv} ms"
-        print(f"\n{ms:g} ms/hop, batched rows {mode}, ring lane {lane}, core lock {lock}, prompt cache {cache}{stream}: "
+                                   lock == "on", cache == "on")  # fmt: skip
+        print(f"\n{ms:g} ms/hop, batched rows {mode}, ring lane {lane}, core lock {lock}, prompt cache {cache}: "
               f"{r['slots']} slots (auto), ring {' → '.join(r['plan']['ring'])}, "
               f"1 user {r['solo_tok_s']:.1f} tok/s, TPOT {r['solo_tpot_ms']:.1f} ms", flush=True)
         print(f"{'users':>5} {'aggregate tok/s':>16} {'÷ 1 user':>9} {'TPOT ms':>8} {'÷ solo':>7} "
@@ -230,11 +219,6 @@ def main(argv: list[str] | None = None) -> int:
         if r["left_out"]:
             print(f"  left out (more users than slots): {r['left_out']}")
         base = f"{ms:g} ms, rows {mode}" + (", ring lane quic" if lane == "quic" else "")
-        if key != first:  # a stream interval after the first: each against the first alone
-            ratios = ", ".join(f"{a['users']}: {a['aggregate_tok_s'] / b['aggregate_tok_s']:.2f}×"
-                               for a, b in zip(r["table"], out[first]["table"]))  # fmt: skip
-            print(f"  aggregate tok/s, stream {iv} ms ÷ {intervals[0]} ms, by users: {ratios}", flush=True)
-            continue
         plain = cache == "on"  # the other comparisons are between sessions with the cache on
         for other, what in ((out.get(f"{ms:g} ms, rows on") if mode == "off" and lane == "auto" and lock == "on"
                              and plain else None, "rows on ÷ off"),

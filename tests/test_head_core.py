@@ -368,20 +368,3 @@ def test_cores_do_no_io():
         names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
         names |= {n.module.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
         assert not names & banned, (mod.__name__, names & banned)
-
-
-def test_tokens_for_another_member_go_a_few_at_a_time_and_all_arrive():
-    """tokens_out.py through the core: a request typed at m2 gets its first token in a frame of
-    its own, then frames every stream interval, the rest with the last frame — the same tokens
-    as one frame a token (interval 0), in far fewer frames."""
-    got = {}
-    for interval in (0.0, 0.04):
-        rig = Rig(stream_interval_s=interval)
-        rig.submit("a", [3, 4, 5], max_new=40, origin="m2", stop_at_eos=False)
-        rig.run()
-        got[interval] = rig
-    one_by_one, batched = got[0.0], got[0.04]
-    assert batched.tokens["a"] == one_by_one.tokens["a"] and len(batched.tokens["a"]) == 40
-    assert [len(t.ids) for t in one_by_one.sent] == [1] * 40 + [0]  # and the last frame
-    sizes = [len(t.ids) for t in batched.sent]
-    assert sizes[0] == 1 and sum(sizes) == 40 and len(sizes) <= 5 and batched.sent[-1].done

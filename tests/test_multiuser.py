@@ -89,16 +89,14 @@ def test_concurrency_auto_and_numbers() -> None:
             parse_max_queued(bad)
 
 
-@pytest.mark.parametrize("option, value", [("--concurrency", "0"), ("--concurrency", "-3"),
-                                           ("--concurrency", "many"), ("--stream-interval-ms", "-1"),
-                                           ("--stream-interval-ms", "5000")])  # fmt: skip
-def test_kafila_host_with_a_bad_concurrency_or_stream_interval_exits_2_with_one_line(option, value, tmp_path) -> None:
-    r = subprocess.run([sys.executable, "-m", "kafila", "host", "--expect", "3", option, value,
+@pytest.mark.parametrize("value", ["0", "-3", "many"])
+def test_kafila_host_with_a_bad_concurrency_exits_2_with_one_line(value, tmp_path) -> None:
+    r = subprocess.run([sys.executable, "-m", "kafila", "host", "--expect", "3", "--concurrency", value,
                         "--cache-dir", str(tmp_path)], capture_output=True, text=True, timeout=120,
                        stdin=subprocess.DEVNULL)  # fmt: skip
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
-    assert len(lines) == 1 and option in lines[0] and "Traceback" not in r.stderr, r.stderr
+    assert len(lines) == 1 and "--concurrency" in lines[0] and "Traceback" not in r.stderr, r.stderr
     assert r.stdout == ""  # no session code: nothing started
 
 

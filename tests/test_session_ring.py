@@ -255,7 +255,6 @@ def test_a_request_resumes_on_the_replanned_ring_with_the_same_tokens():
     async def main():
         solo = await solo_tokens()
         nodes, pipes = ring(3)
-        nodes[0].core.tokens_out.interval_s = 0  # each token on its own: the answer is mid-stream below
         e = engine(nodes[1])
         e.resume_wait_s = 10.0
         gen = e.generate(GenerationRequest(tuple(PROMPTS[0]), 12), GenerationStats())

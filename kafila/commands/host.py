@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 
 from kafila.commands.join import add_common, check_backend, common_config
-from kafila.session.tokens_out import MAX_STREAM_INTERVAL_MS, STREAM_INTERVAL_S
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -49,10 +48,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="prompt caching (default on): a finished request's KV stays on every member, "
                         "and a prompt that starts the same way (the next turn of a conversation, a "
                         "shared system prompt) feeds only the rest; off: every prompt is fed whole")
-    p.add_argument("--stream-interval-ms", type=int, default=round(STREAM_INTERVAL_S * 1000), metavar="MS",
-                   help="a request typed at another member than the head gets its tokens at most every MS "
-                        f"(default %(default)s; its first token at once): fewer frames for the members "
-                        "to pass on; 0: every token on its own")
     p.add_argument("--precision", choices=("serving", "f32"), default="serving",
                    help="every stage's compute: serving (the backend's fast defaults: bf16 and a u8 KV "
                         "cache where the CPU has them) or f32 (slower; greedy answers do not depend on "
@@ -84,15 +79,12 @@ def run(args: argparse.Namespace) -> int:
 
     if args.expect < 0:
         raise BadInput("--expect N: N is the session size, the host included (1 or more)")
-    if not 0 <= args.stream_interval_ms <= MAX_STREAM_INTERVAL_MS:
-        raise BadInput(f"--stream-interval-ms {args.stream_interval_ms}: choose 0..{MAX_STREAM_INTERVAL_MS} "
-                       "(0 sends every token on its own)")
     check_backend(args.backend)
     concurrency = parse_concurrency(args.concurrency)  # 0, negative, not a number: one line, exit 2
     max_queued = parse_max_queued(args.max_queued)
     cfg = common_config(args, host=True)
     cfg = replace(cfg, model_path=resolve_model(args.model), expect=args.expect, context=args.context,
-                  concurrency=concurrency, max_queued=max_queued, batch_rows=args.batch_rows == "on", dipsd=args.dipsd == "on", prompt_cache=args.prompt_cache == "on", stream_interval_ms=args.stream_interval_ms, speculate=args.speculate, precision=args.precision, policy=args.policy, code_file=args.code_file, auto_replan=args.auto_replan, code_words=args.words,
+                  concurrency=concurrency, max_queued=max_queued, batch_rows=args.batch_rows == "on", dipsd=args.dipsd == "on", prompt_cache=args.prompt_cache == "on", speculate=args.speculate, precision=args.precision, policy=args.policy, code_file=args.code_file, auto_replan=args.auto_replan, code_words=args.words,
                   embedded_listen=parse_host_port(args.listen))  # fmt: skip
     index = open_model(cfg.model_path)  # a missing or bad model: one line, exit 2, before anything starts
     session_context(args.context, index.hparams.context_length, index.name)  # so is a --context it lacks

@@ -160,7 +160,6 @@ class SessionTerms:
     batch_rows: bool = True
     dipsd: bool = True  # the head's live DiP-SD optimiser (several speculating requests)
     prompt_cache: bool = True  # finished requests' KV kept for prompts that start the same way
-    stream_interval_ms: int = 40  # tokens to other members at most this often (tokens_out.py)
     concurrency_from: str = "--concurrency"  # or "memory" (auto)
     model: str | None = None
     sha256: str | None = None
@@ -180,7 +179,6 @@ class SessionTerms:
             raise ControlError("session.dipsd must be true or false")
         if not isinstance(self.prompt_cache, bool):
             raise ControlError("session.prompt_cache must be true or false")
-        _int(self.stream_interval_ms, "session.stream_interval_ms", 0, 1000)
         _opt_text(self.model, "session.model", 256)
         _opt_text(self.sha256, "session.sha256", 64)
         if self.protocol is not None:

@@ -25,8 +25,7 @@ SolveDipsd(problem): several requests speculate and the live optimiser (dipsd_li
 new schedule; the driver runs `dipsd.solve` off its loop and answers Solved. Until then, and
 below two speculating requests, each request's K is choose_k's.
 
-Actions: Send(frame) (tokens for a request asked at another member: to the successor, a few at
-a time: tokens_out.py),
+Actions: Send(frame) (tokens for a request asked at another member: to the successor),
 Deliver(tokens) (asked here), FreeSlot(slot) (free its KV here, then send Free round the ring),
 Ended(req_id) (the request is over: the draft model drops its state). After every event the
 driver pumps, so steps that became possible leave at once.
@@ -59,7 +58,6 @@ from kafila.session.slots import DEFAULT_MAX_QUEUED
 from kafila.session.picks import Pick
 from kafila.session.prefix import CACHED_STAT
 from kafila.session.speculate import DRAFT_K, StepCost
-from kafila.session.tokens_out import STREAM_INTERVAL_S, TokenBatches
 from kafila.session.timing import Measured, ema
 from planner.dipsd import DipsdProblem, DipsdSchedule
 
@@ -197,7 +195,7 @@ class HeadCore:
                  adaptive_k: bool = True, max_queued: int = DEFAULT_MAX_QUEUED, batch: bool = True,
                  machines: dict[str, str] | None = None, measured: Measured | None = None,
                  dipsd: bool = True, dipsd_method: str = "milp", padded_rows: bool = True,
-                 prompt_cache: bool = True, stream_interval_s: float = STREAM_INTERVAL_S) -> None:  # fmt: skip
+                 prompt_cache: bool = True) -> None:  # fmt: skip
         """See ring.RingNode for the options; `batch`: plain decode steps go as micro-batches
         (every stage has forward_batch); `measured`: the node's figures, which the core adds to;
         `dipsd`: with several requests speculating n-gram drafts, the live DiP-SD optimiser
@@ -205,8 +203,7 @@ class HeadCore:
         with `adaptive_k` False or another drafter, each request's K is choose_k's (or draft_k);
         `padded_rows`: some stage pads a micro-batch's rows to its longest (OpenVINO does);
         `prompt_cache`: finished requests' slots keep their KV for prompts that start the same
-        way (prefix.py); `stream_interval_s`: tokens for other members leave at most this often
-        (tokens_out.py; 0, or --speculate origin: each at once)."""
+        way (prefix.py)."""
         self.name = name
         self.ring = ring
         self.limits = limits
@@ -224,8 +221,6 @@ class HeadCore:
         self._started: dict[str, float] = {}  # req_id → when its step in flight left
         self._rows: dict[str, int] = {}  # req_id → positions its step in flight feeds (its bound)
         self._pace: dict[str, tuple[float, float, int]] = {}  # req_id → (first token, last token, tokens)
-        # tokens for other members, a few at a time (tokens_out.py); one by one where the origin drafts
-        self.tokens_out = TokenBatches(0.0 if speculate == "origin" else stream_interval_s)
         self._depth_at = 0.0  # when the micro-batches in flight were last re-estimated
         # n-gram drafts cost the head ~nothing; a draft model at the head runs on its compute thread,
         # serial with its stage, which the live model leaves out: choose_k's alone there
@@ -401,7 +396,6 @@ class HeadCore:
             if act.draft:  # the origin's draft rode along (--speculate origin): for the next step
                 self.scheduler.offer_draft(act.req_id, act.dbase, act.draft)
             out += self._actions(self.scheduler.complete(act.req_id, token), now)
-        out += [Send(frame) for frame in self.tokens_out.due(now)]
         return out
 
     def depth_due(self, now: float) -> bool:
@@ -503,12 +497,7 @@ class HeadCore:
                 if now is not None:
                     first, _, n = self._pace.get(ev.req_id, (now, now, 0))
                     self._pace[ev.req_id] = (first, now, n + 1)
-                if ev.origin == self.name:
-                    out.append(Deliver(Tokens(ev.req_id, ev.origin, (ev.token,))))
-                elif now is None:
-                    out.append(Send(Tokens(ev.req_id, ev.origin, (*self.tokens_out.end(ev.req_id), ev.token))))
-                elif (frame := self.tokens_out.add(ev.req_id, ev.origin, ev.token, now)) is not None:
-                    out.append(Send(frame))
+                out.append(self._to_origin(Tokens(ev.req_id, ev.origin, (ev.token,))))
             elif isinstance(ev, Finished):
                 self.batches.leave(ev.req_id)
                 if self.dipsd is not None:
@@ -518,12 +507,11 @@ class HeadCore:
                 self._rows.pop(ev.req_id, None)
                 self._samplers.pop(ev.req_id, None)
                 self._pace.pop(ev.req_id, None)
-                held = self.tokens_out.end(ev.req_id)
                 out.append(Ended(ev.req_id))
                 if ev.finish != "cancelled":
                     stats = (self.measured.as_pairs() + (ev.spec.as_pairs() if ev.spec else ())
                              + ((CACHED_STAT, ev.cached),))  # fmt: skip
-                    out.append(self._to_origin(Tokens(ev.req_id, ev.origin, held, True, ev.finish, ev.error[:500],
+                    out.append(self._to_origin(Tokens(ev.req_id, ev.origin, (), True, ev.finish, ev.error[:500],
                                                       ev.status, stats)))  # fmt: skip
             elif isinstance(ev, SlotFreed):
                 out.append(FreeSlot(ev.slot, ev.parked))

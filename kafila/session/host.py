@@ -151,7 +151,6 @@ class HostParticipant(Participant):
         self.session = {"context": cfg.context, "concurrency": cfg.concurrency or 1, "precision": cfg.precision,
                         "speculate": cfg.speculate, "max_queued": cfg.max_queued, "batch_rows": cfg.batch_rows,
                         "dipsd": cfg.dipsd, "prompt_cache": cfg.prompt_cache,
-                        "stream_interval_ms": cfg.stream_interval_ms,
                         "concurrency_from": "memory" if cfg.concurrency is None else "--concurrency",
                         "model": index.name, "sha256": self.digests.sha256,
                         "protocol": control.PROTOCOL, "version": __version__}  # fmt: skip

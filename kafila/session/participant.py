@@ -56,7 +56,6 @@ from kafila.session.load import MAX_REPORTED_REQUESTS, clean_head, clean_stage, 
 from kafila.session.ring import RingNode
 from kafila.session.ring_lane import offer_lane, take_lane
 from kafila.session.slots import DEFAULT_MAX_QUEUED, MAX_QUEUED_LIMIT, session_value
-from kafila.session.tokens_out import MAX_STREAM_INTERVAL_MS, STREAM_INTERVAL_S
 from kafila.session.streams import StreamClosed, read_frame
 from planner import Plan, PlanInputError, ring_neighbour
 from kafila.session.weights import (
@@ -96,7 +95,6 @@ class SessionConfig:
     batch_rows: bool = True  # kafila host --batch-rows: ready decode steps travel as one micro-batch
     dipsd: bool = True  # kafila host --dipsd: the head's live DiP-SD optimiser (session/dipsd_live.py)
     prompt_cache: bool = True  # kafila host --prompt-cache: finished requests' KV kept (session/prefix.py)
-    stream_interval_ms: int = round(STREAM_INTERVAL_S * 1000)  # kafila host --stream-interval-ms (tokens_out.py)
     speculate: str = "off"  # the head's drafter (speculate.SPECULATE_MODES), sent in the session
     policy: str = "kafila"
     code_file: str | None = None
@@ -801,9 +799,6 @@ class Participant:
                              batch_rows=self.state.session.get("batch_rows", True) is not False,
                              dipsd=self.state.session.get("dipsd", True) is not False,
                              prompt_cache=self.state.session.get("prompt_cache", True) is not False,
-                             stream_interval_s=session_value(self.state.session, "stream_interval_ms",
-                                                             round(STREAM_INTERVAL_S * 1000), 0,
-                                                             MAX_STREAM_INTERVAL_MS) / 1000,
                              padded_rows=any(b != "mlx" for b in backends))  # fmt: skip
         if len(role.ring) == 1:
             self.node.start()

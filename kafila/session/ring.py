@@ -68,7 +68,6 @@ from kafila.session.slots import DEFAULT_MAX_QUEUED
 from kafila.session.speculate import DRAFT_K
 from kafila.session.streams import FrameWriter, StreamClosed, read_frame
 from kafila.session.timing import Measured
-from kafila.session.tokens_out import STREAM_INTERVAL_S
 from planner import ring_neighbour
 
 log = logging.getLogger(__name__)
@@ -173,8 +172,7 @@ class RingNode:
                  stage_hang_s: float = STAGE_HANG_S, max_queued: int = DEFAULT_MAX_QUEUED,
                  batch_rows: bool = True, machines: dict[str, str] | None = None,
                  edge_rtts: Callable[[], dict] | None = None, dipsd: bool = True,
-                 padded_rows: bool = True, prompt_cache: bool = True,
-                 stream_interval_s: float = STREAM_INTERVAL_S) -> None:  # fmt: skip
+                 padded_rows: bool = True, prompt_cache: bool = True) -> None:  # fmt: skip
         """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
         hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
         frames over the limit: only tests set it, to exercise the per-request error.
@@ -193,8 +191,7 @@ class RingNode:
         micro-batches of several speculating requests (HeadCore, dipsd_live.py); it solves on a
         thread of its own, never on the loop or the stage's worker. `prompt_cache`: a finished
         request's slot keeps its KV on every stage for a prompt that starts the same way
-        (prefix.py). `stream_interval_s`: the head sends a request typed at another member its
-        tokens at most this often (tokens_out.py; 0: each at once)."""
+        (prefix.py)."""
         self.name = name
         self.head = head
         self.ring = ring
@@ -222,7 +219,7 @@ class RingNode:
                               speculate=speculate, draft_k=draft_k, adaptive_k=adaptive_k,
                               max_queued=max_queued, batch=self.batch, machines=machines,
                               measured=self.measured, dipsd=dipsd, padded_rows=padded_rows,
-                              prompt_cache=prompt_cache, stream_interval_s=stream_interval_s)
+                              prompt_cache=prompt_cache)
                      if self.is_head else None)  # fmt: skip
         self._events: asyncio.Queue[HeadEvent] = asyncio.Queue()
         # this stage's own load (/status): rows in its last forward and forwards run

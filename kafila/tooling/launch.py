@@ -90,7 +90,6 @@ class LocalSession:
     batch_rows: bool = True  # kafila host --batch-rows on|off
     dipsd: bool = True  # kafila host --dipsd on|off (passed only when off: older trees lack it)
     prompt_cache: bool = True  # kafila host --prompt-cache on|off (passed only when off)
-    stream_interval_ms: int | None = None  # kafila host --stream-interval-ms (None: its default)
     latency_ms: float = 0.0
     speculate: str = "off"  # kafila host --speculate: "off" | "ngram" | "draft" | "origin"
     precision: str = "serving"  # every stage's compute (kafila host --precision)
@@ -193,7 +192,6 @@ class LocalSession:
                 "--batch-rows", "on" if self.batch_rows else "off",
                 *(["--dipsd", "off"] if not self.dipsd else []),
                 *(["--prompt-cache", "off"] if not self.prompt_cache else []),
-                *(["--stream-interval-ms", str(self.stream_interval_ms)] if self.stream_interval_ms is not None else []),
                 "--speculate", self.speculate, "--precision", self.precision,
                 *(["--auto-replan"] if self.auto_replan else []),
             ], ports[1])  # fmt: skip
