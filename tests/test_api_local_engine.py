@@ -26,7 +26,7 @@ class Source:
         self.threads: set[str] = set()
         self.lock = threading.Lock()
 
-    def __call__(self, request):
+    def __call__(self, request, stats=None):
         self.threads.add(threading.current_thread().name)
         with self.lock:
             self.open += 1

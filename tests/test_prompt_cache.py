@@ -245,9 +245,50 @@ def test_a_slot_cut_back_continues_as_a_fresh_one(backend, chain_factory):
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
         with pytest.raises(ValueError):
             shard.trim(reused, 100)
+        shard.trim(reused, 0)  # a reset
+        np.testing.assert_allclose(feed(reused, prefix + new, 0)[len(prefix):], want, rtol=1e-4, atol=1e-4)
     finally:
         for slot in (fresh, reused, other):
             shard.close_slot(slot)
+
+
+def test_an_openvino_slot_cut_back_is_not_requantized_and_a_long_dead_tail_is_compacted(chain_factory):
+    """At serving precision (a u8 KV cache) a state read and written back is requantized, so a
+    cut copies nothing: the same prompt re-fed after two cuts gives bit-identical states. A
+    tail over COMPACT_DEAD positions that outweighs the rest is copied out once, exactly at f32."""
+    import numpy as np
+
+    from backends.openvino.shard import COMPACT_DEAD
+
+    def feed(shard, slot, ids, cache_len):
+        ids = np.array(ids, np.int64)
+        return shard.forward(slot, ids, np.arange(cache_len, cache_len + len(ids)), np.ones(cache_len + len(ids), np.int64))
+
+    shard = chain_factory("openvino", 3, "serving").shards[0]
+    slot = shard.open_slot()
+    try:
+        prefix = [1, 400, 2000, 17, 9]
+        feed(shard, slot, prefix + [33, 34], 0)
+        shard.trim(slot, len(prefix))
+        first = feed(shard, slot, [77, 78], len(prefix))
+        shard.trim(slot, len(prefix))
+        again = feed(shard, slot, [77, 78], len(prefix))
+        np.testing.assert_array_equal(first, again)
+    finally:
+        shard.close_slot(slot)
+
+    shard = chain_factory("openvino", 3, "f32").shards[0]
+    fresh, slot = shard.open_slot(), shard.open_slot()
+    try:
+        feed(shard, fresh, prefix, 0)
+        want = feed(shard, fresh, [77, 78], len(prefix))
+        feed(shard, slot, prefix + list(range(100, 100 + COMPACT_DEAD + 1)), 0)
+        shard.trim(slot, len(prefix))
+        assert shard._held[slot] == len(prefix) and slot not in shard._live  # copied out
+        np.testing.assert_allclose(feed(shard, slot, [77, 78], len(prefix)), want, rtol=1e-4, atol=1e-4)
+    finally:
+        shard.close_slot(fresh)
+        shard.close_slot(slot)
 
 
 # --- the real ring ------------------------------------------------------------------------------

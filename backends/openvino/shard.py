@@ -78,6 +78,11 @@ def _releasing(bank: WeightBank, active: bool) -> Iterator[None]:
         thread.join()
 
 
+# a slot alone that was cut back keeps its tail in the state, masked; once the tail is over this
+# many positions and more than the slot keeps, the live positions are copied out (OpenVINOShard.trim)
+COMPACT_DEAD = 256
+
+
 def _trim_heap() -> None:
     """Give freed heap memory (build-time temporaries) back to the system (glibc only)."""
     try:
@@ -130,6 +135,10 @@ class OpenVINOShard(HeadOps):
         self._beam = ov.Tensor(np.zeros(1, dtype=np.int32))
         self._group_of: dict[int, RowGroup] = {}  # slots that are rows of a group → it
         self._parked: set[int] = set()  # rows whose request is over, KV kept (park): moved out lazily
+        # slots alone: positions their state holds, and for one cut back (trim) the state
+        # positions still live, in order (the rest stay in the state, masked, until compacted)
+        self._held: dict[int, int] = {}
+        self._live: dict[int, np.ndarray] = {}
 
     # --- slots -------------------------------------------------------------------------
 
@@ -139,6 +148,7 @@ class OpenVINOShard(HeadOps):
         req.set_input_tensor(3, self._beam)
         slot = next(i for i in range(len(self._reqs) + 1) if i not in self._reqs)
         self._reqs[slot] = req
+        self._held[slot] = 0
         return slot
 
     def close_slot(self, slot: int) -> None:
@@ -148,6 +158,8 @@ class OpenVINOShard(HeadOps):
         req = self._reqs.pop(slot)
         req.reset_state()
         self._spare.append(req)
+        self._held.pop(slot, None)
+        self._live.pop(slot, None)
 
     def park(self, slot: int) -> None:
         """The slot's request is over but its KV is kept for the next prompt that starts the
@@ -159,9 +171,12 @@ class OpenVINOShard(HeadOps):
 
     def trim(self, slot: int, length: int) -> None:
         """Keep the slot's first `length` physical positions (a reused prompt cache slot: the
-        positions after the prefix a new prompt shares go). A row of a group only forgets its
-        tail (the group's state keeps it, masked from the row, until the group is rebuilt);
-        a slot alone has its states copied short, once per reuse."""
+        positions after the prefix a new prompt shares go). Nothing is copied: a row of a group
+        and a slot alone both forget their tail, which stays in the state masked out, since a
+        state read and written back at serving precision is requantized (a u8 KV cache) and a
+        seeded request asked twice would part. A slot alone whose state is mostly such tail
+        (over COMPACT_DEAD positions, and more than it keeps) has its live positions copied out
+        once."""
         group = self._group_of.get(slot)
         if group is not None:
             row = group.rows[group.position(slot)]
@@ -169,17 +184,23 @@ class OpenVINOShard(HeadOps):
                 raise ValueError(f"slot {slot} holds {len(row.index)} positions, not {length}")
             row.index = row.index[:length]
             return
+        held = self._held[slot]
+        live = self._live.get(slot)
+        if length > (held if live is None else len(live)):
+            raise ValueError(f"slot {slot} holds {held if live is None else len(live)} positions, not {length}")
+        live = (np.arange(held, dtype=np.int64) if live is None else live)[:length]
         req = self._reqs[slot]
         if length == 0:
             req.reset_state()
-            return
-        states = rowmod.read_states(req)
-        held = min(t.shape[2] if len(t.shape) == 4 else 0 for t in states.values())
-        if length > held:
-            raise ValueError(f"slot {slot} holds {held} positions, not {length}")
-        if length < held:
-            rowmod.set_states(req, {n: t.data[:, :, :length] for n, t in states.items()},
-                              {n: t.element_type for n, t in states.items()})  # fmt: skip
+            self._held[slot] = 0
+            self._live.pop(slot, None)
+        elif held - length > max(COMPACT_DEAD, length):
+            states = rowmod.read_states(req)
+            rowmod.set_states(req, rowmod.row_kv(states, 0, live), {n: t.element_type for n, t in states.items()})
+            self._held[slot] = length
+            self._live.pop(slot, None)
+        elif length < held:
+            self._live[slot] = live
 
     def capture(self, slot: int) -> Any:
         """{variable name: a copy of its state} (the plugin hands states back at their own precision)."""
@@ -187,13 +208,15 @@ class OpenVINOShard(HeadOps):
         if group is not None:  # its row, in the caller's physical layout
             p = group.position(slot)
             return rowmod.row_kv(rowmod.read_states(group.req), p, group.rows[p].index)
-        return {s.name: s.state.data.copy() for s in self._reqs[slot].query_state()}
+        return rowmod.row_kv(rowmod.read_states(self._reqs[slot]), 0, self._live.get(slot))
 
     def restore(self, slot: int, state: Any) -> None:
         if slot in self._group_of:
             self._leave_group(slot)  # its row is replaced: nothing to copy out
         for s in self._reqs[slot].query_state():
             s.state = ov.Tensor(np.ascontiguousarray(state[s.name]))
+        self._held[slot] = next((a.shape[2] for a in state.values() if len(a.shape) == 4), 0)
+        self._live.pop(slot, None)
 
     # --- row groups (backends/openvino/rows.py) -----------------------------------------
 
@@ -220,6 +243,8 @@ class OpenVINOShard(HeadOps):
                 rowmod.set_states(req, rowmod.row_kv(states, p, index), {n: t.element_type for n, t in states.items()})
             else:
                 req.reset_state()
+            self._held[slot] = len(index)
+            self._live.pop(slot, None)
         for slot in slots:
             self._leave_group(slot)
 
@@ -246,8 +271,9 @@ class OpenVINOShard(HeadOps):
                 n = len(index)
                 kv = rowmod.row_kv(states, p, index) if n else None
             else:
-                n = min(t.shape[2] if len(t.shape) == 4 else 0 for t in states.values())
-                kv = rowmod.row_kv(states, 0, None) if n else None
+                live = self._live.pop(slot, None)  # a slot cut back: its live positions only
+                n = min(t.shape[2] if len(t.shape) == 4 else 0 for t in states.values()) if live is None else len(live)
+                kv = rowmod.row_kv(states, 0, live) if n else None
             if n:
                 types = {name: t.element_type for name, t in states.items()}
                 template = states
@@ -275,6 +301,16 @@ class OpenVINOShard(HeadOps):
             self._take_out(slot)
         req = self._reqs[slot]
         x = np.ascontiguousarray(self._inputs(x), dtype=np.float32)[None]  # [1, n, H]
+        n, held, live = x.shape[1], self._held[slot], self._live.get(slot)
+        if live is not None:  # the caller's positions → the state's: the cut-off tail stays masked
+            if len(mask) != len(live) + n:
+                raise ValueError(f"mask covers {len(mask)} positions; slot {slot} needs {len(live)} + {n}")
+            full = np.zeros(held + n, dtype=np.int64)
+            full[live] = mask[: len(live)]
+            full[held:] = mask[len(live):]
+            mask = full
+            self._live[slot] = np.concatenate([live, np.arange(held, held + n, dtype=np.int64)])
+        self._held[slot] = held + n
         self._mind_scratch(1, x.shape[1])
         req.set_input_tensor(0, ov.Tensor(x, shared_memory=True))
         req.set_input_tensor(1, ov.Tensor(np.ascontiguousarray(mask, dtype=np.int64)[None], shared_memory=True))

@@ -35,6 +35,7 @@ def handle(args) -> int:
         backend=args.backend,
         context=args.context,
         max_slots=args.slots,
+        prompt_cache=args.prompt_cache == "on",
     )
     try:
         return asyncio.run(serve(engine, host, port))
@@ -95,6 +96,13 @@ def register(subparsers) -> None:
         default=DEFAULT_MAX_SLOTS,
         metavar="N",
         help=f"requests generating at once (default {DEFAULT_MAX_SLOTS})",
+    )
+    p.add_argument(
+        "--prompt-cache",
+        choices=("on", "off"),
+        default="on",
+        help="prompt caching (default on): a finished request's KV stays, and a prompt that starts "
+        "the same way (the next turn of a conversation) feeds only the rest; at most --slots are kept",
     )
     p.add_argument(
         "--api",

@@ -134,6 +134,15 @@ class LocalChain:
             start += n
         return hidden
 
+    def cut(self, cursor: Cursor, cache_len: int, logical: int) -> None:
+        """Keep the cursor's first `cache_len` physical positions, holding `logical` live tokens
+        (a parked cursor reused up to a shared prefix: kafila/engine/prompt_cache.py)."""
+        if not 0 <= logical <= cache_len <= cursor.cache_len:
+            raise ValueError(f"cannot cut a cursor of {cursor.cache_len} positions to {cache_len} ({logical} live)")
+        for shard, slot in zip(self.shards, cursor.slots):
+            shard.trim(slot, cache_len)
+        cursor.cache_len, cursor.logical = cache_len, logical
+
     def rewind(self, cursor: Cursor, k: int) -> None:
         """Forget the last k live tokens by masking them out (no cache surgery)."""
         if not 0 <= k <= cursor.logical:

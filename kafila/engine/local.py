@@ -8,6 +8,8 @@ so concurrent requests interleave token by token, and each gets exactly the toke
 alone because slots share nothing. At most `max_slots` requests hold a slot; the others wait
 (FIFO, at most `max_queued`). A request that ends early — a stop sequence, a client that hung
 up — closes its iterator on the worker, which frees the slot before the next request opens one.
+With prompt caching (the default) a finished request's cursor keeps its KV instead, and a prompt
+that starts the same way feeds only the rest (prompt_cache.py: the session head's rules).
 """
 
 from __future__ import annotations
@@ -29,8 +31,9 @@ DEFAULT_MAX_SLOTS = 4  # requests generating at once (each holds a KV state on e
 DEFAULT_MAX_QUEUED = 64  # requests waiting for a slot
 _END = object()
 
-# A request → an iterator of its new token ids (greedy), run only on the worker thread.
-StepSource = Callable[[GenerationRequest], Iterator[int]]
+# A request (and its stats, where the source reports cached prompt tokens) → an iterator of its
+# new token ids, run only on the worker thread.
+StepSource = Callable[[GenerationRequest, GenerationStats], Iterator[int]]
 
 
 class LocalEngine:
@@ -62,6 +65,7 @@ class LocalEngine:
         self.queued = 0  # requests waiting for one
         self.served = 0  # requests finished (any way)
         self.last_stats: GenerationStats | None = None
+        self._cache = None  # kafila.engine.prompt_cache.ParkedCursors, over a chain
 
     @classmethod
     def open(
@@ -92,12 +96,17 @@ class LocalEngine:
 
     @classmethod
     def over_chain(
-        cls, chain, tokenizer, model_name: str, context_length: int, **options
+        cls, chain, tokenizer, model_name: str, context_length: int, prompt_cache: bool = True, **options
     ) -> LocalEngine:
-        """An engine over an already built kafila.engine.chain.LocalChain."""
-        describe = {"stages": chain.stages}
-        return cls(chain_source(chain, tokenizer.eos_ids), tokenizer, model_name, context_length,
-                   describe=describe, **options)  # fmt: skip
+        """An engine over an already built kafila.engine.chain.LocalChain; `prompt_cache`: finished
+        requests' KV kept for prompts that start the same way (prompt_cache.py)."""
+        from kafila.engine.prompt_cache import ParkedCursors
+
+        cache = ParkedCursors(chain, options.get("max_slots", DEFAULT_MAX_SLOTS)) if prompt_cache else None
+        engine = cls(chain_source(chain, tokenizer.eos_ids, context_length, cache), tokenizer, model_name,
+                     context_length, describe={"stages": chain.stages}, **options)  # fmt: skip
+        engine._cache = cache
+        return engine
 
     # --- Engine protocol ------------------------------------------------------------------
 
@@ -127,7 +136,7 @@ class LocalEngine:
             self.queued -= 1
         # Created here, started on the worker by the first next(): the source's own work (opening
         # the slot, prefill) happens on the worker too, and closing it is safe at any point.
-        steps = _steps(self._source, request)
+        steps = _steps(self._source, request, stats)
         self.active += 1
         try:
             eos = self._tokenizer.eos_ids
@@ -166,7 +175,8 @@ class LocalEngine:
             "model": self.model_name,
             "ready": self.ready,
             "context_length": self.context_length,
-            "slots": {"max": self.max_slots, "active": self.active, "queued": self.queued},
+            "slots": {"max": self.max_slots, "active": self.active, "queued": self.queued,
+                      **({"parked": len(self._cache)} if self._cache is not None else {})},
             "served_requests": self.served,
             "last_request": None
             if last is None
@@ -200,37 +210,53 @@ class LocalEngine:
         self._worker.shutdown(wait=True)
 
 
-def chain_source(chain, eos_ids: frozenset[int]) -> StepSource:
-    """Requests → token iterators on a LocalChain: its own greedy generator when temperature is
-    0 (token-identical to `kafila run`), else sampling from its logits (seeded when asked)."""
+def chain_source(chain, eos_ids: frozenset[int], context: int | None = None, cache=None) -> StepSource:
+    """Requests → token iterators on a LocalChain: greedy when temperature is 0 (token-identical
+    to `kafila run`), else sampled from its logits (seeded when asked). With `cache`
+    (prompt_cache.ParkedCursors; `context`: the engine's positions per request), a request
+    starts in a parked cursor that holds part of its prompt."""
 
-    def source(request: GenerationRequest) -> Iterator[int]:
-        stop = eos_ids if request.stop_at_eos else ()
-        if request.temperature <= 0:
-            return chain.generate(request.prompt_ids, request.max_new_tokens, stop=stop)
-        return _sampled(chain, request, stop)
+    def source(request: GenerationRequest, stats: GenerationStats | None = None) -> Iterator[int]:
+        return _decode(chain, request, eos_ids if request.stop_at_eos else frozenset(), context, cache, stats)
 
     return source
 
 
-def _sampled(chain, request: GenerationRequest, stop) -> Iterator[int]:
-    sampler = Sampler(request.temperature, request.top_p, np.random.default_rng(request.seed))  # its own stream
-    cursor = chain.open()
+def _decode(chain, request: GenerationRequest, stop, context, cache, stats) -> Iterator[int]:
+    prompt = [int(t) for t in request.prompt_ids]
+    if cache is None:
+        cursor, shared = chain.open(), 0
+    else:
+        room = (context if context is not None else len(prompt) + request.max_new_tokens) - len(prompt)
+        cursor, shared = cache.take(prompt, room)
+        if stats is not None:
+            stats.extra["cached_tokens"] = shared
+    sampler = (Sampler(request.temperature, request.top_p, np.random.default_rng(request.seed))
+               if request.temperature > 0 else None)  # its own stream
+    whole = False  # the cursor's KV is exactly `fed` on every shard (else a failure left it part-way)
     try:
-        hidden = chain.prefill(cursor, request.prompt_ids)
+        hidden = chain.prefill(cursor, prompt[shared:])
+        fed, whole = list(prompt), True
         for i in range(request.max_new_tokens):
-            logits = chain.logits(hidden[-1:])[0]
-            token = sampler.draw(logits)
+            token = chain.next_token(hidden) if sampler is None else sampler.draw(chain.logits(hidden[-1:])[0])
             yield token
             if token in stop or i + 1 == request.max_new_tokens:
                 return
+            whole = False
             hidden = chain.feed(cursor, (token,))
+            fed.append(token)
+            whole = True
     finally:
-        chain.close(cursor)
+        if cache is None:
+            chain.close(cursor)
+        elif whole:
+            cache.park(cursor, fed, len(prompt))
+        else:
+            cache.drop(cursor)
 
 
-def _steps(source: StepSource, request: GenerationRequest) -> Iterator[int]:
-    steps = source(request)
+def _steps(source: StepSource, request: GenerationRequest, stats: GenerationStats) -> Iterator[int]:
+    steps = source(request, stats)
     try:
         yield from steps
     finally:
