@@ -5,6 +5,10 @@ but the last token, more conversations than slots evict, and the KV held stays w
 
 from __future__ import annotations
 
+import json
+import time
+import urllib.request
+
 import openai
 import pytest
 
@@ -54,6 +58,9 @@ def test_serve_caches_prompts_and_answers_as_without(chain_factory, tokenizer): 
         try:
             results[on] = conversations(client)
             if on:
+                deadline = time.monotonic() + 10  # the last cursor parks on the worker after its answer
+                while engine.status()["slots"]["parked"] < SLOTS and time.monotonic() < deadline:
+                    time.sleep(0.01)
                 status = engine.status()["slots"]
                 assert status["parked"] == SLOTS and status["active"] == 0  # never more cursors than slots
 
@@ -64,6 +71,13 @@ def test_serve_caches_prompts_and_answers_as_without(chain_factory, tokenizer): 
 
                 (a, cached_a), (b, cached_b) = sampled(), sampled()
                 assert a == b and cached_b == cached_a + (0 if cached_a else 3)  # 4 prompt tokens, the last fed
+                # Ollama's shape: prompt_eval_count counts the whole prompt, prompt_eval_cached_count what was found
+                body = json.dumps({"model": "smollm2-135m", "messages": [{"role": "user", "content": USERS[0]}],
+                                   "stream": False, "options": {"num_predict": 3}}).encode()  # fmt: skip
+                asks = [json.load(urllib.request.urlopen(urllib.request.Request(f"{server.url}/api/chat", body)))
+                        for _ in range(2)]  # fmt: skip
+                n = asks[1]["prompt_eval_count"]
+                assert asks[0]["prompt_eval_count"] == n and asks[1]["prompt_eval_cached_count"] == n - 1
         finally:
             loop.run(server.close())
             loop.run(engine.aclose())

@@ -190,11 +190,14 @@ class Clock:
             self.first_s = now_s
         self.last_s = now_s
 
-    def durations(self, prompt_tokens: int, new_tokens: int, end_s: float) -> dict:
+    def durations(self, prompt_tokens: int, new_tokens: int, end_s: float, cached: int | None = None) -> dict:
+        """`prompt_eval_count` is the whole prompt, cached tokens included, as Ollama counts it;
+        `prompt_eval_cached_count` the tokens found in a prompt cache, when the engine says."""
         first = self.first_s if self.first_s is not None else end_s
         last = self.last_s if self.last_s is not None else end_s
         return {"total_duration": _ns(end_s - self.start_s), "load_duration": 0,
                 "prompt_eval_count": prompt_tokens, "prompt_eval_duration": _ns(first - self.start_s),
+                **({"prompt_eval_cached_count": int(cached)} if cached is not None else {}),
                 "eval_count": new_tokens, "eval_duration": _ns(last - first)}  # fmt: skip
 
 

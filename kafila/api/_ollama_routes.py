@@ -128,7 +128,7 @@ class OllamaRoutes:
             # EngineError goes to the middleware with its status
             pieces = [piece async for piece in text_pieces(await anext(gen, _END), gen, text, tick)]
             tail, finish = text.end(stats)
-            durations = clock.durations(len(ids), text.tokens, time.perf_counter())
+            durations = clock.durations(len(ids), text.tokens, time.perf_counter(), stats.extra.get("cached_tokens"))
             return _json(shapes.final("".join(pieces) + tail, finish, durations))
 
     async def _stream(
@@ -145,7 +145,7 @@ class OllamaRoutes:
             tail, finish = text.end(stats)
             if tail:
                 await resp.write(_line(shapes.chunk(tail)))
-            durations = clock.durations(n_prompt, text.tokens, time.perf_counter())
+            durations = clock.durations(n_prompt, text.tokens, time.perf_counter(), stats.extra.get("cached_tokens"))
             await resp.write(_line(shapes.final("", finish, durations)))
         except ConnectionResetError:  # the client hung up: generation()'s exit frees the slot
             log.debug("client left mid-stream")
