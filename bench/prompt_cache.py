@@ -1,7 +1,7 @@
 """A conversation on a 3-member session, prompt caching on and off: each turn's time to first token.
 
     .venv/bin/python -m bench.prompt_cache [--model smollm2-135m] [--turns 6] [--max-tokens 48]
-                                           [--again 0] [--rounds 2] [--latency 0] [--json]
+                                           [--again 0] [--rounds 2] [--latency 0] [--serve] [--json]
 
 A chat client sends the whole conversation every turn, so without a cache turn k prefills every
 earlier turn again. One loopback session of separate processes (kafila demo's launcher) with
@@ -13,7 +13,8 @@ question at m3 (a new conversation: only the chat template's system prompt can b
 the first user asks its last turn again --again times (a client's "regenerate": the slot is cut
 back to the prompt and the answer decodes again). Reported per request, medians over the rounds:
 the prompt's tokens, the tokens the head found cached (usage.prompt_tokens_details.cached_tokens),
-TTFT and decode tok/s with the cache on and off, and off ÷ on.
+TTFT and decode tok/s with the cache on and off, and off ÷ on. --serve measures `kafila serve`
+(one process, the whole model, `--prompt-cache on|off`) instead of a session.
 The answers must be the same text with the cache on and off (greedy; a near-tie at serving
 precision can part them, and the bench says how many did).
 """
@@ -76,11 +77,53 @@ def one_session(prompt_cache: bool, model: str, turns: int, max_tokens: int, lat
         s.stop()
 
 
-def run(model: str, turns: int, max_tokens: int, rounds: int, latency_ms: float, again: int = 0) -> dict:
+class Served:
+    """`kafila serve --prompt-cache on|off` on a free loopback port, as a session's stand-in:
+    every member name is its one API."""
+
+    def __init__(self, model: str, prompt_cache: bool) -> None:
+        import socket
+        import subprocess
+
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{port}"
+        self.names = ["m1"]
+        self.proc = subprocess.Popen([sys.executable, "-m", "kafila", "serve", "--model", model, "--api",
+                                      f"127.0.0.1:{port}", "--prompt-cache", "on" if prompt_cache else "off"],
+                                     stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+        for line in self.proc.stdout:  # "serving … at URL/v1 …" once it listens
+            if line.startswith("serving"):
+                return
+        raise SystemExit(f"kafila serve exited ({self.proc.wait()}) before serving")
+
+    def api(self, name: str) -> str:
+        return self.url
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def one_served(prompt_cache: bool, model: str, turns: int, max_tokens: int, latency_ms: float,
+               again: int = 0) -> list[dict]:
+    from kafila.tooling.launch import stream_chat
+
+    s = Served(model, prompt_cache)
+    try:
+        stream_chat(s.api("m1"), "Hello.", 4)  # warm-up
+        return conversation(s, turns, max_tokens, again)
+    finally:
+        s.stop()
+
+
+def run(model: str, turns: int, max_tokens: int, rounds: int, latency_ms: float, again: int = 0,
+        serve: bool = False) -> dict:
     runs: dict[bool, list[list[dict]]] = {True: [], False: []}
     for r in range(rounds):
         for on in ((True, False) if r % 2 == 0 else (False, True)):
-            runs[on].append(one_session(on, model, turns, max_tokens, latency_ms, again))
+            runs[on].append((one_served if serve else one_session)(on, model, turns, max_tokens, latency_ms, again))
     med = lambda rows, key: statistics.median(x[key] for x in rows)  # noqa: E731
     table = []
     for k in range(turns + 1 + again):
@@ -96,7 +139,7 @@ def run(model: str, turns: int, max_tokens: int, rounds: int, latency_ms: float,
     total_on = statistics.median(sum(x["ttft_ms"] for x in conv) for conv in runs[True])
     total_off = statistics.median(sum(x["ttft_ms"] for x in conv) for conv in runs[False])
     return {"model": model, "turns": turns, "max_tokens": max_tokens, "rounds": rounds, "latency_ms": latency_ms,
-            "again": again,
+            "again": again, "serve": serve,
             "table": table, "ttft_total_on_ms": total_on, "ttft_total_off_ms": total_off}  # fmt: skip
 
 
@@ -108,20 +151,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--again", type=int, default=0, help="times the last turn is asked again (0..16)")
     p.add_argument("--rounds", type=int, default=2, help="sessions of each kind (median)")
     p.add_argument("--latency", type=float, default=0.0, help="ms added to every hop")
+    p.add_argument("--serve", action="store_true", help="kafila serve (one process) instead of a session")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if not 1 <= args.turns <= 16 or not 0 <= args.again <= 16 or args.rounds < 1 or args.max_tokens < 1:
         p.error("--turns takes 1..16, --again 0..16, --rounds and --max-tokens at least 1")
     t0 = time.monotonic()
-    out = run(args.model, args.turns, args.max_tokens, args.rounds, args.latency, args.again)
+    if args.serve and args.latency:
+        p.error("--latency is a session's: kafila serve has no hops")
+    out = run(args.model, args.turns, args.max_tokens, args.rounds, args.latency, args.again, args.serve)
     out["machine"] = machine()
     out["wall_s"] = round(time.monotonic() - t0, 1)
     if args.json:
         print(json.dumps(out, indent=1))
         return 0
     print(f"# {out['machine']}")
-    print(f"# {args.model}, 3 members, {args.latency:g} ms a hop, {args.max_tokens} tokens an answer, "
-          f"medians of {args.rounds} session(s) each; {out['wall_s']} s")  # fmt: skip
+    where = "kafila serve" if args.serve else f"3 members, {args.latency:g} ms a hop"
+    print(f"# {args.model}, {where}, {args.max_tokens} tokens an answer, "
+          f"medians of {args.rounds} run(s) each; {out['wall_s']} s")  # fmt: skip
     print("| turn | prompt tokens | cached (on) | TTFT on ms | TTFT off ms | off ÷ on | decode tok/s on | off | "
           "on ÷ off | same text |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -229,8 +229,8 @@ def _decode(chain, request: GenerationRequest, stop, context, cache, stats) -> I
     else:
         room = (context if context is not None else len(prompt) + request.max_new_tokens) - len(prompt)
         cursor, shared = cache.take(prompt, room)
-        if stats is not None:
-            stats.extra["cached_tokens"] = shared
+    if stats is not None:
+        stats.extra["cached_tokens"] = shared
     sampler = (Sampler(request.temperature, request.top_p, np.random.default_rng(request.seed))
                if request.temperature > 0 else None)  # its own stream
     whole = False  # the cursor's KV is exactly `fed` on every shard (else a failure left it part-way)
