@@ -50,6 +50,7 @@ class LocalEngine:
         max_slots: int = DEFAULT_MAX_SLOTS,
         max_queued: int = DEFAULT_MAX_QUEUED,
         describe: dict | None = None,
+        cache=None,
     ) -> None:
         self.model_name = model_name
         self.context_length = context_length
@@ -58,6 +59,7 @@ class LocalEngine:
         self._source = source
         self._tokenizer = tokenizer
         self._describe = describe or {}
+        self._cache = cache  # the source's kafila.engine.prompt_cache.ParkedCursors (/status counts it)
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kafila-local")
         self._slots: asyncio.Semaphore | None = None  # made on first use, in the serving loop
         self._closed = False
@@ -65,7 +67,6 @@ class LocalEngine:
         self.queued = 0  # requests waiting for one
         self.served = 0  # requests finished (any way)
         self.last_stats: GenerationStats | None = None
-        self._cache = None  # kafila.engine.prompt_cache.ParkedCursors, over a chain
 
     @classmethod
     def open(
@@ -103,10 +104,8 @@ class LocalEngine:
         from kafila.engine.prompt_cache import ParkedCursors
 
         cache = ParkedCursors(chain, options.get("max_slots", DEFAULT_MAX_SLOTS)) if prompt_cache else None
-        engine = cls(chain_source(chain, tokenizer.eos_ids, context_length, cache), tokenizer, model_name,
-                     context_length, describe={"stages": chain.stages}, **options)  # fmt: skip
-        engine._cache = cache
-        return engine
+        return cls(chain_source(chain, tokenizer.eos_ids, context_length, cache), tokenizer, model_name,
+                   context_length, describe={"stages": chain.stages}, cache=cache, **options)  # fmt: skip
 
     # --- Engine protocol ------------------------------------------------------------------
 

@@ -16,7 +16,8 @@ step's `cache_len` is the physical position after the shared prefix, and every s
 slot's KV back to it (ring.LocalSlots, backends' `trim`): what the old request fed after the
 prefix goes, so it costs neither attention nor room. (Masking it instead, the OpenVINO paper's
 rewind for rejected drafts, was the first version: each reuse left its tail in the attention,
-and a prompt asked again and again decoded 11% slower by the fourth time on the default model.)
+and a question asked again six times decoded at 0.92× the cache-off speed on the default
+model: docs/BENCHMARKS.md, "A question asked again".)
 Rejected drafts inside the prefix stay masked; a reuse carries at most MAX_WASTE of them (every
 activation's header lists them) and at most half the room its prompt leaves in the context;
 should a request fill its slot while it still has room by its logical positions, the scheduler
