@@ -306,16 +306,18 @@ def test_pipeline_depth_is_a_function_of_stages_machines_and_rtts(machines, rtt_
 
 def test_the_depth_follows_the_measured_batch_cost_once_two_sizes_were_seen():
     """One machine, 20 ms a hop: one-row stage times alone say 2 groups (a trip of 90 ms over 30
-    of compute, the machine busy at most ¾ of a round); batches of 2 and 4 rows measured at 24 and
-    28 ms say that 8 requests go round fastest as 2 groups of 4 (3 groups would keep the shared
-    machine computing for the whole round), and newcomers are placed for that before they join."""
+    of compute, the machine busy at most ¾ of a round); one batch size measured takes the prior
+    slope (a row ≈ ROW_PRIOR_SLOPE of a trip); batches of 2 and 4 rows measured at 24 and 28 ms
+    say that 8 requests go round fastest as 2 groups of 4 (3 groups would keep the shared machine
+    computing for the whole round), and newcomers are placed for that before they join."""
     one = {n: "a" for n in NAMES}
     core = HeadCore("m1", NAMES, Limits(hidden=H, context=64, slots=8, vocab=V), machines=one)
     core.measured.stage_ms.update({"m1": 10.0, "m2": 10.0, "m3": 10.0})
     rtts = {n: 40.0 for n in NAMES}
     assert core.pipeline_depth(rtts) == 2
+    core.serial_cost.observe(1, 22.0)  # one size: a row is the prior's share of a trip
+    assert core._groups_for(8) == 2 and core._groups_for(1) == 1
     core.serial_cost.observe(2, 24.0)
-    assert core.pipeline_depth(rtts) == 2  # one size measured: no slope yet
     core.serial_cost.observe(4, 28.0)
     assert core._groups_for(8) == 2 and core._groups_for(1) == 1
     assert core.pipeline_depth(rtts) == 1  # nobody decoding now: one group for the next one

@@ -25,6 +25,26 @@ def test_groups_fill_the_ring_then_grow_and_keep_their_members():
     assert {mb.group_of(r) for r in "abcdefg"} == groups
 
 
+def test_groups_that_came_out_uneven_even_out_at_the_next_steps():
+    """Five users joined while one group was wanted, three more after two were: a row of the
+    bigger group moves at its next step, and the groups stay within a row of each other."""
+    mb = MicroBatches(groups=1, max_rows=8)
+    for rid in "abcde":
+        mb.ready(step(rid))
+    mb.groups = 2
+    for rid in "fgh":
+        mb.ready(step(rid))
+    assert sorted(mb.sizes) == [3, 5]
+    mb.due()
+    for rid in "abcdefgh":
+        mb.ready(step(rid))
+    assert sorted(mb.sizes) == [4, 4]
+    assert sorted(len(g) for g in mb.due()) == [4, 4]
+    for rid in "abcdefgh":  # even now: nobody moves
+        mb.ready(step(rid))
+    assert sorted(len(g) for g in mb.due()) == [4, 4]
+
+
 def test_a_group_waits_for_a_member_that_is_away_and_not_for_one_that_left():
     mb = MicroBatches(groups=1, max_rows=8)
     mb.ready(step("a"))
@@ -58,14 +78,19 @@ def test_best_groups_weighs_trips_against_compute():
     # three machines of 10 ms a stage on a fast network: three groups keep all three busy
     assert best_groups(3, 9.0, 1.0, 0.5, 20.0, 32) == 3 and best_groups(12, 9.0, 1.0, 0.5, 20.0, 32) == 3
     # long hops: as many groups as rows, but never more than allowed, never fewer than one
-    assert best_groups(2, 1.0, 1.0, 1000.0, 0.0, 32) == 2 and best_groups(64, 1.0, 1.0, 1000.0, 0.0, 4) == 4
+    assert best_groups(2, 1.0, 100.0, 1000.0, 0.0, 32) == 2 and best_groups(64, 1.0, 10.0, 1000.0, 0.0, 4) == 4
+    # ... unless a group more gains less than GROUP_GAIN: rows that cost little go together
+    assert best_groups(2, 1.0, 1.0, 1000.0, 0.0, 32) == 1
     # a batch that costs what one row costs (β = 0): nothing to gain from splitting it
     assert best_groups(8, 5.0, 0.0, 1000.0, 0.0, 32) == 1
     assert best_groups(0, 26.0, 8.7, 60.0, 0.0, 32) == 1
-    # a machine running several stages computes at most ¾ of a round: 8 rows of 20 + 2·r ms, 60 ms
-    # of hops, go as 2 groups of 4 (a round of 88 ms) where 3 would keep it computing throughout
-    assert best_groups(8, 20.0, 2.0, 60.0, 0.0, 32) == 3
-    assert best_groups(8, 20.0, 2.0, 60.0, 0.0, 32, SHARED_BUSY_SHARE) == 2
+    # a machine running several stages computes at most ¾ of a round: 8 rows of 10 + 4·r ms, 60 ms
+    # of hops, go as 2 groups of 4 (a round of 86 ms) where 4 would keep it computing throughout
+    assert best_groups(8, 10.0, 4.0, 60.0, 0.0, 32) == 4
+    assert best_groups(8, 10.0, 4.0, 60.0, 0.0, 32, SHARED_BUSY_SHARE) == 2
+    # users arriving one by one on the measured fit (17 + 3·r ms, 60 ms of hops, a shared machine):
+    # the third does not open a third group that the next five would then fill
+    assert [best_groups(r, 17.0, 3.0, 60.0, 0.0, 32, SHARED_BUSY_SHARE) for r in range(1, 9)] == [1, 1, 2, 2, 2, 2, 2, 2]
 
 
 def test_prompts_ready_together_go_as_batches_within_the_chunk():

@@ -29,6 +29,24 @@ def test_step_cost_fits_the_affine_trip_time():
     assert StepCost().predict(3) > StepCost().predict(1) > 0
 
 
+def test_step_cost_keeps_a_least_slope_where_asked():
+    """Trips of 2 and 4 rows measured alike on a shared machine (each group's compute holding the
+    other groups' interference) fit a row at nothing; a least share keeps its cost, and a fit above
+    it is the data's own."""
+    cost, bare = StepCost(min_share=0.1), StepCost()
+    for _ in range(16):
+        for c in (cost, bare):
+            c.observe(2, 29.0)
+            c.observe(4, 29.5)
+    assert bare.fit()[1] == pytest.approx(0.25)
+    c, beta = cost.fit()
+    assert beta == pytest.approx(0.1 * (c + beta)) and c + 3 * beta == pytest.approx(29.25)
+    steep = StepCost(min_share=0.1)
+    for n in (1, 8):
+        steep.observe(n, 17.0 + 3.0 * n)
+    assert steep.fit() == pytest.approx((17.0, 3.0))
+
+
 def test_k_is_large_on_a_slow_network_and_zero_where_drafts_do_not_pay():
     network_bound = _cost(150.0, 1.0)  # 3 hops × 50 ms; a position costs 1 ms of compute
     compute_bound = _cost(2.0, 10.0)  # loopback, compute-bound: a position costs most of a trip

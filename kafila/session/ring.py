@@ -231,6 +231,10 @@ class RingNode:
         self.stage_hang_s = stage_hang_s
         self.edge_rtts = edge_rtts
         self._rows_in: list[Activation] = []  # a micro-batch arriving, row by row
+        # a member's stage work in arrival order (activations and the Free frames between them):
+        # run by _stage_loop, so that frames only routed through (a prompt for the head, tokens
+        # for a user here or further on) never wait behind this stage's compute
+        self._staged: asyncio.Queue[list[Activation] | Free] = asyncio.Queue()
         self._solver: ThreadPoolExecutor | None = None  # the live optimiser's thread (made at first use)
         self._solving: asyncio.Future | None = None  # its solve out, if one is
 
@@ -248,6 +252,8 @@ class RingNode:
             self.out = FrameWriter(writer, self.limits)
         if reader is not None:
             self._tasks.append(asyncio.create_task(self._read_loop(reader), name=f"ring-read-{self.name}"))
+            if not self.is_head:
+                self._tasks.append(asyncio.create_task(self._stage_loop(), name=f"ring-stage-{self.name}"))
         if self.is_head:
             self._tasks.append(asyncio.create_task(self._drive(), name=f"ring-head-{self.name}"))
             if self.out is not None:
@@ -385,24 +391,42 @@ class RingNode:
     # --- frames from the predecessor -------------------------------------------------------------
 
     async def _read_loop(self, reader) -> None:
-        pred = ring_neighbour(self.ring, self.name, -1)
         try:
             while True:
                 frame = await read_frame(reader, self.limits)
                 await self._on_frame(frame)
         except StreamClosed:
+            pred = ring_neighbour(self.ring, self.name, -1)
             self.degrade(f"the ring edge from member {pred} closed (member {pred} is gone)")
-        except EncodeError as exc:  # ours, not the predecessor's (a stage's output is its input's size)
-            log.exception("ring stage made a frame it cannot send")
+        except Exception as exc:
+            self._failed(exc)
+
+    async def _stage_loop(self) -> None:
+        """A member's stage work, in the order it arrived (the read loop queues it)."""
+        try:
+            while True:
+                work = await self._staged.get()
+                if isinstance(work, Free):
+                    await self._compute(self.slots.settle, work.slot, work.keep)
+                    await self._send(work)
+                else:
+                    await self._stage(work)
+        except StreamClosed:
+            succ = ring_neighbour(self.ring, self.name, 1)
+            self.degrade(f"the ring edge to member {succ} closed (member {succ} is gone)")
+        except Exception as exc:
+            self._failed(exc)
+
+    def _failed(self, exc: Exception) -> None:
+        """The ring cannot go on after `exc` from the read loop or the stage's: say whose it is."""
+        if isinstance(exc, EncodeError):  # ours, not the predecessor's (a stage's output is its input's size)
+            log.error("ring stage made a frame it cannot send", exc_info=exc)
             self.degrade(f"member {self.name} could not send its stage's output: {exc}")
-        except FrameError as exc:  # the predecessor's (a RemoteProtocolError)
+        elif isinstance(exc, FrameError):  # the predecessor's (a RemoteProtocolError)
+            pred = ring_neighbour(self.ring, self.name, -1)
             self.degrade(f"member {pred} sent a malformed frame ({exc}); its edge was closed")
-        except StageHung:
-            pass  # degraded already, naming this stage
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # a shard that failed: the ring cannot go on
-            log.exception("ring stage failed")
+        elif not isinstance(exc, StageHung):  # (hung: degraded already, naming this stage)
+            log.error("ring stage failed", exc_info=exc)  # a shard that failed: the ring cannot go on
             self.degrade(f"member {self.name}'s stage failed: {type(exc).__name__}: {exc}")
 
     misaddressed = 0  # frames for a name not in the ring: dropped, or they would circle for ever
@@ -429,11 +453,10 @@ class RingNode:
             if self.is_head:
                 self._events.put_nowait(Back(tuple(rows)))
             else:
-                await self._stage(rows)
+                self._staged.put_nowait(rows)
         elif isinstance(frame, Free):
             if not self.is_head:  # back at the head it is over (the head freed its own at once)
-                await self._compute(self.slots.settle, frame.slot, frame.keep)
-                await self._send(frame)
+                self._staged.put_nowait(frame)
 
     def _collect(self, act: Activation) -> list[Activation] | None:
         """A micro-batch's rows come back to back: the whole batch once its last row is in."""

@@ -111,8 +111,10 @@ def verify(draft: Sequence[int], logits: np.ndarray, sampling=None) -> tuple[int
 class StepCost:
     """The measured time of a decode trip by its position count n, as t(n) = c + β·n."""
 
-    def __init__(self, decay: float = 0.8) -> None:
+    def __init__(self, decay: float = 0.8, prior_slope: float = PRIOR_SLOPE, min_share: float = 0.0) -> None:
         self.decay = decay
+        self.prior_slope = prior_slope  # β as a share of a trip while one position count is measured
+        self.min_share = min_share  # β at least this share of a one-position trip, whatever the fit
         self._ms: dict[int, tuple[float, int]] = {}  # n → (moving average ms, samples)
 
     def observe(self, n: int, ms: float) -> None:
@@ -120,8 +122,9 @@ class StepCost:
         self._ms[n] = (ms, 1) if old is None else (old[0] * self.decay + ms * (1 - self.decay), old[1] + 1)
 
     def fit(self) -> tuple[float, float]:
-        """(c, β) in ms: weighted least squares over the position counts seen; with one count
-        only, β is PRIOR_SLOPE of that trip; with none, (1, PRIOR_SLOPE) (only ratios matter)."""
+        """(c, β) in ms: weighted least squares over the position counts seen, β at least
+        `min_share` of a one-position trip (c + β); with one count only, β is `prior_slope` of
+        that trip; with none, (1, prior_slope) (only ratios matter)."""
         pts = [(n, ms, min(k, 16)) for n, (ms, k) in self._ms.items()]
         if len(pts) >= 2:
             w = sum(k for _, _, k in pts)
@@ -129,12 +132,14 @@ class StepCost:
             mt = sum(t * k for _, t, k in pts) / w
             var = sum(k * (n - mn) ** 2 for n, _, k in pts)
             beta = max(0.0, sum(k * (n - mn) * (t - mt) for n, t, k in pts) / var)
+            # β ≥ s·(c + β) with c = mt − β·mn
+            beta = max(beta, self.min_share * mt / (1 + self.min_share * (mn - 1)))
             return max(mt - beta * mn, 1e-6), beta
         if pts:
             n, t, _ = pts[0]
-            beta = PRIOR_SLOPE * t
+            beta = self.prior_slope * t
             return max(t - beta * n, 1e-6), beta
-        return 1.0, PRIOR_SLOPE
+        return 1.0, self.prior_slope
 
     def sizes(self) -> int:
         """How many different position counts have been measured."""
