@@ -16,8 +16,9 @@ while serving, read off the constant forms (backends/openvino/weights.py, backen
 PROCESS_BYTES: a session member's fixed resident set before any weight and beside its tokenizer:
 Python, numpy, the backend runtime (OpenVINO's CPU plugin and its thread pools), QUIC, the session,
 the HTTP API. TOKENIZER_BYTES_PER_VOCAB: the tokenizer every member loads (each serves the API),
-per vocabulary entry: Llama 3's 128,256 tokens and 280k merges take 102 MB in Python (measured with
-`load_tokenizer` alone; more while the index kept the metadata's vocabulary arrays too).
+per vocabulary entry: Llama 3's 128,256 tokens and 280k merges take 53 MB in Python (measured with
+`load_tokenizer` alone, tests/test_bpe_ranks.py; 98 MB while merges were keyed by pairs of strings,
+more while the index kept the metadata's vocabulary arrays too).
 ANCHOR_BYTES: the host's extra (weight serving, the bulk lane, digests).
 HEAD_WORK_BYTES_PER_VOCAB: the head's extra beside its lm_head (f32 logits, the plugin's top-1
 scratch, the sampler), per vocabulary entry. RUN_PROCESS_BYTES: `kafila run`'s fixed part (no
@@ -39,6 +40,8 @@ SmolLM2-135M takes less (a diagnostic put it under half), so it is priced above 
 
 from __future__ import annotations
 
+import ctypes
+
 _FLOAT = {"F32": 4.0, "F16": 4.0, "BF16": 4.0}  # dense f32 in memory on every backend
 
 RESIDENT_BYTES_PER_WEIGHT: dict[str, dict[str, float]] = {
@@ -53,7 +56,7 @@ REFERENCE_BYTES_PER_WEIGHT = 8.0
 PROCESS_BYTES: dict[str, float] = {"openvino": 165e6, "mlx": 165e6, "reference": 165e6}
 ANCHOR_BYTES: dict[str, float] = {"openvino": 55e6, "mlx": 55e6, "reference": 55e6}
 RUN_PROCESS_BYTES: dict[str, float] = {"openvino": 211e6, "mlx": 211e6, "reference": 211e6}
-TOKENIZER_BYTES_PER_VOCAB = 800
+TOKENIZER_BYTES_PER_VOCAB = 450
 PREFILL_WORK_BYTES_PER_POSITION = 208  # per unit of hidden size
 PREFILL_WORK_BYTES = 416 << 20
 # A runtime keeps the buffers of the largest step it has run (the CPU plugin its intermediate
@@ -68,6 +71,23 @@ def large_step(rows: int, length: int, hidden: int) -> bool:
     """Whether a step of `rows` × `length` positions leaves a working set worth handing back."""
     return length >= RELEASE_MIN_ROW and rows * length * hidden * PREFILL_WORK_BYTES_PER_POSITION > RELEASE_WORK_BYTES
 HEAD_WORK_BYTES_PER_VOCAB = 390
+
+
+def trim_heap() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
+    Python objects built and dropped by the hundred thousand (a vocabulary's metadata while its
+    tokenizer is built) leave their pages in the process otherwise: 20 MB for Llama 3's."""
+    global _MALLOC_TRIM
+    if _MALLOC_TRIM is None:
+        try:
+            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            _MALLOC_TRIM = False
+    if _MALLOC_TRIM:
+        _MALLOC_TRIM(0)
+
+
+_MALLOC_TRIM = None
 
 
 def bytes_per_weight(backend: str, qtype: str) -> float:

@@ -1,7 +1,7 @@
 """DiP-SD on a 3-member session: 4 users each drafting at their own member vs batched plain decoding.
 
     .venv/bin/python -m bench.dipsd [--latency 20,50] [--users 4] [--max-tokens 48] [--rounds 3]
-                                    [--precision serving|f32] [--speculate origin|ngram] [--json]
+                                    [--requests 1] [--precision serving|f32] [--speculate origin|ngram] [--json]
 
 One loopback session of separate processes per hop latency (kafila demo's launcher, as
 bench.multiuser and bench.spec), started with `--speculate origin` and batched decode rows on.
@@ -21,6 +21,10 @@ answers were the same text as plain decoding (at serving precision a K+1-row ste
 near-tie; at --precision f32 they are the same, tests/test_origin_session.py).
 `--speculate ngram` runs the same with every draft made at the head (the comparison: what
 drafting at the origin costs or gains against the head's own n-grams).
+`--requests K`: every user asks K prompts one after another (prompts i, i + 1, … : with K = 4 and
+the 4 grounded prompts, every user asks all four, in a different order), so a round is users who
+keep asking and its aggregate (all tokens ÷ first request → last token) is their sustained rate:
+one answer that speculates badly no longer sets the wall time alone (with K = 1 it does).
 """
 
 from __future__ import annotations
@@ -55,7 +59,7 @@ def spec_totals(levels: list[dict]) -> dict:
 
 
 def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, model: str, precision: str,
-                speculate: str = "origin") -> dict:  # fmt: skip
+                speculate: str = "origin", requests: int = 1) -> dict:  # fmt: skip
     from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     prompts = json.loads(PROMPTS.read_text())["grounded"]
@@ -74,7 +78,7 @@ def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, mod
         for r in range(rounds):
             order = [(spec, True), (plain, False)] if r % 2 == 0 else [(plain, False), (spec, True)]
             for rows, flag in order:
-                rows.append(one_level(s, users, max_tokens, prompts, {"speculate": flag}))
+                rows.append(one_level(s, users, max_tokens, prompts, {"speculate": flag}, requests))
         session_spec = get_json(s.api(head), "/status").get("speculation")
     finally:
         s.stop()
@@ -90,7 +94,7 @@ def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, mod
             "ttft_ms": [med(plain, "ttft_ms_median"), med(spec, "ttft_ms_median")],
             "users_sum": [med(plain, "users_tok_s_sum"), med(spec, "users_tok_s_sum")], "plain_tpot_ms": med(plain, "tpot_ms_median"),
             "origin_tpot_ms": med(spec, "tpot_ms_median"), **spec_totals(spec),
-            "same_text": same, "answers": users * rounds,
+            "same_text": same, "answers": users * requests * rounds, "requests": requests,
             "short_answers": sum(r["short_answers"] for r in spec + plain), "session_speculation": session_spec,
             "rounds": {"origin": spec, "plain": plain}, "session_s": round(time.monotonic() - t0, 1)}  # fmt: skip
 
@@ -101,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--users", type=int, default=4, help="concurrent users (typed at m1, m2, m3 in turn)")
     p.add_argument("--max-tokens", type=int, default=48, help="tokens each user asks for")
     p.add_argument("--rounds", type=int, default=3, help="A/B pairs measured per latency (median)")
+    p.add_argument("--requests", type=int, default=1, help="prompts each user asks one after another in a round")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--precision", choices=("serving", "f32"), default="serving")
     p.add_argument("--speculate", choices=("origin", "ngram"), default="origin",
@@ -112,18 +117,21 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print("bench.dipsd: --latency takes comma-separated numbers", file=sys.stderr)
         return 2
-    if not 1 <= args.users <= 16 or not 1 <= args.max_tokens <= 1024 or not 1 <= args.rounds <= 20 or min(latencies) < 0:
-        print("bench.dipsd: --users 1..16, --max-tokens 1..1024, --rounds 1..20, latencies ≥ 0", file=sys.stderr)
+    if (not 1 <= args.users <= 16 or not 1 <= args.max_tokens <= 1024 or not 1 <= args.rounds <= 20
+            or not 1 <= args.requests <= 16 or min(latencies) < 0):
+        print("bench.dipsd: --users 1..16, --max-tokens 1..1024, --rounds 1..20, --requests 1..16, latencies ≥ 0",
+              file=sys.stderr)
         return 2
     print(machine(), flush=True)
     print(f"3 members on loopback, {args.model} at {args.precision} precision, {args.users} users typed at m1, m2, m3 "
-          f"in turn, grounded prompts, {args.max_tokens} tokens each, median of {args.rounds} A/B rounds, "
+          f"in turn, grounded prompts, {args.requests} request(s) each one after another, {args.max_tokens} tokens "
+          f"each, median of {args.rounds} A/B rounds, "
           f"--speculate {args.speculate}", flush=True)
     fmt = lambda x, d=2: "—" if x is None else f"{x:.{d}f}"  # noqa: E731
     out = {}
     for ms in latencies:
         r = out[f"{ms:g}"] = run_latency(ms, args.users, args.max_tokens, args.rounds, args.model, args.precision,
-                                         args.speculate)  # fmt: skip
+                                         args.speculate, args.requests)  # fmt: skip
         print(f"{ms:>4g} ms/hop  plain (batched rows) {r['plain_tok_s']:6.1f} tok/s  {args.speculate} drafting "
               f"{r['origin_tok_s']:6.1f} tok/s  ratio {r['ratio']:.2f}× (rounds "
               f"{', '.join(f'{x:.2f}' for x in r['ratio_per_round'])})  decoding only {r['plain_decode_tok_s']:.1f} → "

@@ -67,46 +67,56 @@ def unique(text: str) -> str:
     return f"Request {next(_SERIAL)}: {text}"
 
 
-def run_users(session, texts: list[str], max_tokens: int, extra: dict | None = None) -> list[dict]:
-    """One request a text, started together (user i types texts[i] at member i mod members;
-    `extra`: more fields of each request's body): each client's stream_chat result."""
+def run_users(session, texts: list[str] | list[list[str]], max_tokens: int, extra: dict | None = None) -> list[dict]:
+    """Users started together, user i typing at member i mod members texts[i]: one text, or a
+    list of texts asked one after another (each when the last answer is done); `extra`: more
+    fields of each request's body. Each client's stream_chat results, user by user."""
     from kafila.tooling.launch import stream_chat
 
-    results: list = [None] * len(texts)
-    start = threading.Barrier(len(texts))
+    seqs = [[t] if isinstance(t, str) else list(t) for t in texts]
+    results: list[list[dict]] = [[] for _ in seqs]
+    start = threading.Barrier(len(seqs))
 
     def user(i: int) -> None:
         api = session.api(session.names[i % len(session.names)])
         start.wait()
-        results[i] = stream_chat(api, texts[i], max_tokens, extra=extra)
+        for text in seqs[i]:
+            results[i].append(stream_chat(api, text, max_tokens, extra=extra))
 
-    threads = [threading.Thread(target=user, args=(i,)) for i in range(len(texts))]
+    threads = [threading.Thread(target=user, args=(i,)) for i in range(len(seqs))]
     for t in threads:
         t.start()
     for t in threads:
         t.join(600)
-    if any(r is None for r in results):
-        raise RuntimeError(f"{sum(r is None for r in results)} of {len(texts)} users got no answer (see the logs)")
-    return results
+    missing = sum(len(s) - len(r) for s, r in zip(seqs, results))
+    if missing:
+        raise RuntimeError(f"{missing} of {sum(map(len, seqs))} requests got no answer (see the logs)")
+    return [r for rs in results for r in rs]
 
 
-def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS, extra: dict | None = None) -> dict:
-    """`users` requests started together (user i types prompts[i] at member i mod members;
-    `extra`: more fields of each request's body); their timings as seen by each client."""
-    results = run_users(session, [unique(prompts[i % len(prompts)]) for i in range(users)], max_tokens, extra)
-    tokens = sum(r["tokens"] or 0 for r in results)
-    wall = max(r["last_s"] for r in results) - min(r["started_s"] for r in results)
-    tpots = [1000.0 / r["tok_s"] for r in results if r["tok_s"]]
-    # decode only: tokens after each user's first ÷ (the earliest first token → the last token)
-    decode_wall = max(r["last_s"] for r in results) - min(r["started_s"] + r["ttft_ms"] / 1000 for r in results)
-    return {"users": users, "tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall,
-            "decode_aggregate_tok_s": (tokens - users) / decode_wall if decode_wall > 0 else None,
+def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS, extra: dict | None = None,
+              requests: int = 1) -> dict:  # fmt: skip
+    """`users` users started together, user i typing at member i mod members `requests` prompts
+    one after another (prompts[i], prompts[i + 1], … : with as many requests as prompts every
+    user asks them all); `extra`: more fields of each request's body. Their timings as seen by
+    each client."""
+    seqs = [[unique(prompts[(i + j) % len(prompts)]) for j in range(requests)] for i in range(users)]
+    flat = run_users(session, seqs, max_tokens, extra)
+    results = [flat[i * requests:(i + 1) * requests] for i in range(users)]  # user by user
+    tokens = sum(r["tokens"] or 0 for r in flat)
+    wall = max(r["last_s"] for r in flat) - min(r["started_s"] for r in flat)
+    tpots = [1000.0 / r["tok_s"] for r in flat if r["tok_s"]]
+    # decode only: tokens after each answer's first ÷ (the earliest first token → the last token)
+    decode_wall = max(r["last_s"] for r in flat) - min(r["started_s"] + r["ttft_ms"] / 1000 for r in flat)
+    return {"users": users, "requests": requests, "tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall,
+            "decode_aggregate_tok_s": (tokens - len(flat)) / decode_wall if decode_wall > 0 else None,
             # steady state (users who keep asking, DiP-SD's throughput): each user's tokens ÷ its own time
-            "users_tok_s_sum": sum((r["tokens"] or 0) / (r["last_s"] - r["started_s"]) for r in results),
+            "users_tok_s_sum": sum(sum(r["tokens"] or 0 for r in rs) / (rs[-1]["last_s"] - rs[0]["started_s"])
+                                   for rs in results),
             "tpot_ms_median": statistics.median(tpots), "tpot_ms_max": max(tpots),
-            "ttft_ms_median": statistics.median(r["ttft_ms"] for r in results),
-            "short_answers": sum((r["tokens"] or 0) < max_tokens for r in results),
-            "texts": [r["text"] for r in results], "speculation": [r["speculation"] for r in results]}  # fmt: skip
+            "ttft_ms_median": statistics.median(r["ttft_ms"] for r in flat),
+            "short_answers": sum((r["tokens"] or 0) < max_tokens for r in flat),
+            "texts": [r["text"] for r in flat], "speculation": [r["speculation"] for r in flat]}  # fmt: skip
 
 
 def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: int, model: str,

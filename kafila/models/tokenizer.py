@@ -18,6 +18,7 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from backends.errors import BadInput
+from backends.memory import trim_heap
 from backends.gguf.header import read_header
 from kafila.models import vocab as V
 
@@ -320,7 +321,9 @@ def load_tokenizer(index) -> Tokenizer:
 
 def load_tokenizer_file(path: str) -> Tokenizer:
     """The tokenizer of any GGUF file, reading only its metadata (a vocabulary-only GGUF is enough)."""
-    return tokenizer_from_metadata(read_tokenizer_metadata(path), name=path)
+    tokenizer = tokenizer_from_metadata(read_tokenizer_metadata(path), name=path)
+    trim_heap()  # the metadata's strings are garbage now: their pages go back
+    return tokenizer
 
 
 # ---- reading the metadata of a GGUF file -------------------------------------------------------
