@@ -4,6 +4,7 @@ The fake stages keep real per-slot state (a running sum of what they saw), so a 
 mask or ordering changes the tokens."""
 
 import asyncio
+import time
 
 import numpy as np
 import pytest
@@ -340,6 +341,47 @@ def test_micro_batches_go_round_the_ring_together_and_answer_as_solo(batch_rows)
                 break
             await asyncio.sleep(0.01)
         assert settled(nodes), "every stage freed its slots, but those the head parked"
+        for n in nodes:
+            await n.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+class SlowPromptShard(BatchingShard):
+    """The head's stage: a prompt's forward takes 0.2 s, and the prompt batches are recorded."""
+
+    prompt_batches: list
+
+    def forward(self, slot, x, positions, mask):
+        if len(positions) > 1:
+            time.sleep(0.2)
+        return super().forward(slot, x, positions, mask)
+
+    def forward_batch(self, slots, xs, positions, masks):
+        if min(len(p) for p in positions) > 1:
+            self.prompt_batches = getattr(self, "prompt_batches", []) + [len(slots)]
+        return super().forward_batch(slots, xs, positions, masks)
+
+
+def test_prompts_that_reach_the_head_while_it_computes_leave_as_one_batch():
+    """Two prompts typed at m2 and m3 reach the head while its stage reads a first prompt: the
+    head takes every event that came meanwhile before it sends anything, so the two go round as
+    one batch (one forward per stage), not one after the other; every answer is its solo one."""
+    async def main():
+        solo = await solo_tokens()
+        names = ["m1", "m2", "m3"]
+        lim = Limits(hidden=H, context=64, slots=4, vocab=V)
+        layers = [SlowPromptShard(0, embed=True, head=True), BatchingShard(1), BatchingShard(2)]
+        nodes = [RingNode(nm, "m1", names, s, lim, eos_ids=frozenset({0})) for nm, s in zip(names, layers)]
+        pipes = [Pipe() for _ in range(3)]
+        for i, node in enumerate(nodes):
+            node.start(pipes[i - 1].reader, pipes[i])
+        first = asyncio.create_task(collect(engine(nodes[0]), PROMPTS[0]))
+        await asyncio.sleep(0.05)  # the head computes the first prompt
+        others = [collect(engine(nodes[1]), PROMPTS[2]), collect(engine(nodes[2]), PROMPTS[4])]
+        results = await asyncio.gather(first, *others)
+        assert [r[0] for r in results] == [solo[0], solo[2], solo[4]]
+        assert getattr(layers[0], "prompt_batches", []) == [2]
         for n in nodes:
             await n.close()
 

@@ -18,8 +18,8 @@ import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from backends.errors import BadInput
-from backends.memory import trim_heap
 from backends.gguf.header import read_header
+from backends.memory import trim_heap
 from kafila.models import vocab as V
 
 SUPPORTED_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece

@@ -436,7 +436,7 @@ class HeadCore:
 
     def _groups_for(self, rows: int) -> int | None:
         """microbatch.best_groups for `rows` decode steps on the measured batch cost (None until
-        batches of two sizes and the hops were measured: pipeline_depth's one-row rule then)."""
+        a decode trip and the hops were measured: pipeline_depth's one-row rule then)."""
         fit = self._ring_fit() if self._net_ms is not None else None
         if fit is None:
             return None

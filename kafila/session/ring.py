@@ -542,20 +542,11 @@ class RingNode:
         while True:
             ev = await self._events.get()
             try:
-                if isinstance(ev, Broken):
-                    await self._carry_out(core.fail_all(ev.reason))
-                    continue
-                if isinstance(ev, Submitted):
-                    await self._carry_out(core.on_request(ev.request))
-                elif isinstance(ev, Cancelled):
-                    await self._carry_out(core.cancel(ev.req_id))
-                elif isinstance(ev, Solved):
-                    core.dipsd_solved(ev, time.perf_counter())
-                elif isinstance(ev, Back):  # one step, or a micro-batch's rows: all done before the next pump
-                    tokens, pick_us = await self._compute(self._pick, core.picks(ev.acts))
-                    await self._carry_out(core.complete(ev.acts, tokens, time.perf_counter(), pick_us / 1000))
-                    if core.depth_due(time.perf_counter()):
-                        core.batches.groups = self._pipeline_depth()
+                # every event that came while the head computed, then one pump: prompts that
+                # arrived together leave as one batch (they went one a pump, a forward each)
+                await self._handle(ev)
+                while not self._events.empty():
+                    await self._handle(self._events.get_nowait())
                 for work in core.pump(time.perf_counter()):
                     await self._run(work)
             except StreamClosed as exc:
@@ -567,6 +558,23 @@ class RingNode:
             except Exception as exc:
                 log.exception("head driver failed")
                 self.degrade(f"the head {self.name} failed: {type(exc).__name__}: {exc}")
+
+    async def _handle(self, ev: HeadEvent) -> None:
+        """One event of the head's driver, before its next pump."""
+        core = self.core
+        if isinstance(ev, Broken):
+            await self._carry_out(core.fail_all(ev.reason))
+        elif isinstance(ev, Submitted):
+            await self._carry_out(core.on_request(ev.request))
+        elif isinstance(ev, Cancelled):
+            await self._carry_out(core.cancel(ev.req_id))
+        elif isinstance(ev, Solved):
+            core.dipsd_solved(ev, time.perf_counter())
+        elif isinstance(ev, Back):  # one step, or a micro-batch's rows: all done before the next pump
+            tokens, pick_us = await self._compute(self._pick, core.picks(ev.acts))
+            await self._carry_out(core.complete(ev.acts, tokens, time.perf_counter(), pick_us / 1000))
+            if core.depth_due(time.perf_counter()):
+                core.batches.groups = self._pipeline_depth()
 
     async def _run(self, work: Work) -> None:
         """One step (or micro-batch) of the head's: through its stage, then round the ring."""
