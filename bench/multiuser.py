@@ -5,7 +5,8 @@
 
 One loopback session of separate processes (kafila demo's launcher, `--concurrency auto`) per
 hop latency. For each number of users n, n greedy chat requests (different prompts, typed at
-m1, m2, m3 in turn, as a household would) start together and stream; each round of each n runs
+the head's member first and then at the other members in turn, as a household would;
+one user types at the head) start together and stream; each round of each n runs
 back to back with the others, 1 user first and 1 user again last (the machine's load drifts: the
 single-user figure is the mean of both). Reported per n, median over --rounds:
 - aggregate tok/s: every user's tokens ÷ the wall time from the first request sent to the last
@@ -67,18 +68,21 @@ def unique(text: str) -> str:
     return f"Request {next(_SERIAL)}: {text}"
 
 
-def run_users(session, texts: list[str] | list[list[str]], max_tokens: int, extra: dict | None = None) -> list[dict]:
-    """Users started together, user i typing at member i mod members texts[i]: one text, or a
-    list of texts asked one after another (each when the last answer is done); `extra`: more
-    fields of each request's body. Each client's stream_chat results, user by user."""
+def run_users(session, texts: list[str] | list[list[str]], max_tokens: int, extra: dict | None = None,
+              members: list[str] | None = None) -> list[dict]:  # fmt: skip
+    """Users started together, user i typing at members[i mod len(members)] (default: the
+    session's members in order) texts[i]: one text, or a list of texts asked one after another
+    (each when the last answer is done); `extra`: more fields of each request's body. Each
+    client's stream_chat results, user by user."""
     from kafila.tooling.launch import stream_chat
 
+    members = members or session.names
     seqs = [[t] if isinstance(t, str) else list(t) for t in texts]
     results: list[list[dict]] = [[] for _ in seqs]
     start = threading.Barrier(len(seqs))
 
     def user(i: int) -> None:
-        api = session.api(session.names[i % len(session.names)])
+        api = session.api(members[i % len(members)])
         start.wait()
         for text in seqs[i]:
             results[i].append(stream_chat(api, text, max_tokens, extra=extra))
@@ -95,13 +99,13 @@ def run_users(session, texts: list[str] | list[list[str]], max_tokens: int, extr
 
 
 def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS, extra: dict | None = None,
-              requests: int = 1) -> dict:  # fmt: skip
-    """`users` users started together, user i typing at member i mod members `requests` prompts
-    one after another (prompts[i], prompts[i + 1], … : with as many requests as prompts every
-    user asks them all); `extra`: more fields of each request's body. Their timings as seen by
-    each client."""
+              requests: int = 1, members: list[str] | None = None) -> dict:  # fmt: skip
+    """`users` users started together, user i typing at members[i mod len(members)] (run_users)
+    `requests` prompts one after another (prompts[i], prompts[i + 1], … : with as many requests
+    as prompts every user asks them all); `extra`: more fields of each request's body. Their
+    timings as seen by each client."""
     seqs = [[unique(prompts[(i + j) % len(prompts)]) for j in range(requests)] for i in range(users)]
-    flat = run_users(session, seqs, max_tokens, extra)
+    flat = run_users(session, seqs, max_tokens, extra, members)
     results = [flat[i * requests:(i + 1) * requests] for i in range(users)]  # user by user
     tokens = sum(r["tokens"] or 0 for r in flat)
     wall = max(r["last_s"] for r in flat) - min(r["started_s"] for r in flat)
@@ -138,14 +142,18 @@ def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: i
         head = st["plan"]["head"]
         for name in s.names:  # warm-up: first steps of each shape compile kernels
             stream_chat(s.api(name), PROMPTS[0], 8)
+        # users type at the head first, then at the others: the one-user baseline is always the
+        # user at the head (the planner places the head from probes that differ between sessions;
+        # typed elsewhere, one user crosses three more hops before its first token)
+        at = s.names[s.names.index(head):] + s.names[:s.names.index(head)]
         served = [n for n in levels if n <= slots]
         runs: dict[int, list[dict]] = {n: [] for n in served}
         solo_after: list[dict] = []
         for _ in range(rounds):
             for n in served:
-                runs[n].append(one_level(s, n, max_tokens))
+                runs[n].append(one_level(s, n, max_tokens, members=at))
             if 1 in runs:
-                solo_after.append(one_level(s, 1, max_tokens))
+                solo_after.append(one_level(s, 1, max_tokens, members=at))
         load = get_json(s.api(head), "/status")["load"]
     finally:
         s.stop()
