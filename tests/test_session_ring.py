@@ -4,6 +4,7 @@ The fake stages keep real per-slot state (a running sum of what they saw), so a 
 mask or ordering changes the tokens."""
 
 import asyncio
+import threading
 import time
 
 import numpy as np
@@ -12,8 +13,9 @@ import pytest
 from backends.base import HeadOps
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.engine.ring import RingEngine
-from kafila.session.frames import Limits
+from kafila.session.frames import Activation, Limits, Tokens
 from kafila.session.ring import RingNode
+from kafila.session.streams import FrameWriter, read_frame
 from tests.fake_link import Pipe
 
 H, V = 8, 50
@@ -384,6 +386,40 @@ def test_prompts_that_reach_the_head_while_it_computes_leave_as_one_batch():
         assert getattr(layers[0], "prompt_batches", []) == [2]
         for n in nodes:
             await n.close()
+
+    asyncio.run(asyncio.wait_for(main(), 30))
+
+
+class GatedShard(FakeShard):
+    """A stage whose forward waits for the test to open its gate."""
+
+    def __init__(self, seed):
+        super().__init__(seed)
+        self.gate = threading.Event()
+
+    def forward(self, slot, x, positions, mask):
+        assert self.gate.wait(10)
+        return super().forward(slot, x, positions, mask)
+
+
+def test_frames_routed_through_a_member_do_not_wait_for_its_stage():
+    """Tokens for a user at m3 reach m2 behind an activation that m2's stage is computing: m2
+    passes them on at once (they waited for the forward when the read loop ran the stage), and
+    the activation follows when its forward is done."""
+    async def main():
+        shard = GatedShard(1)
+        node = RingNode("m2", "m1", ["m1", "m2", "m3"], shard, LIM)
+        inp, out = Pipe(), Pipe()
+        node.start(inp.reader, out)
+        feed = FrameWriter(inp, LIM)
+        await feed.send(Activation("m1:1", 1, 0, 0, (), np.ones((2, H), np.float32)))
+        await feed.send(Tokens("m3:1", "m3", (5,)))
+        first = await asyncio.wait_for(read_frame(out.reader, LIM), 5)
+        assert isinstance(first, Tokens) and first.dst == "m3"  # while the stage still computes
+        shard.gate.set()
+        then = await asyncio.wait_for(read_frame(out.reader, LIM), 5)
+        assert isinstance(then, Activation) and then.req_id == "m1:1" and then.n == 2
+        await node.close()
 
     asyncio.run(asyncio.wait_for(main(), 30))
 
