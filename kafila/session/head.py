@@ -44,7 +44,8 @@ import numpy as np
 from kafila.sampling import Sampler
 from kafila.session.dipsd_live import LiveDipsd, LiveSchedule, LiveUser, RingFit
 from kafila.session.frames import MAX_BATCH_ROWS, Activation, Frame, Limits, Request, Tokens
-from kafila.session.microbatch import SHARED_BUSY_SHARE, MicroBatches, best_groups, prompt_batches
+from kafila.session.microbatch import (ROW_MIN_SHARE, ROW_PRIOR_SLOPE, SHARED_BUSY_SHARE, MicroBatches, best_groups,
+                                       prompt_batches)
 from kafila.session.scheduler import (
     Finished,
     Scheduler,
@@ -62,16 +63,6 @@ from kafila.session.timing import Measured, ema
 from planner.dipsd import DipsdProblem, DipsdSchedule
 
 DEPTH_EVERY_S = 1.0  # how often the head re-estimates the micro-batches to keep in flight
-# A decode row's share of a one-row trip's compute. One forward of 8 rows took 2.2× one row's time
-# on the default model (bench.batch_rows --head, an Intel Xeon with AMX; 1.8-2.8× on an AMD EPYC),
-# and 4 rows of the 8B shape 1.39× one (docs/BENCHMARKS.md): a row costs 0.11-0.26 of a trip.
-# ROW_PRIOR_SLOPE stands in until batches of two sizes are measured; ROW_MIN_SHARE bounds the fit
-# from below: on a machine whose cores several stages share, a group's measured compute holds the
-# other groups' interference, and trips of 2 and 4 rows measured alike fitted a row at 0.01 of a
-# trip, which made one group of 8 rows look as cheap as one row (110 ms a token against 93 for
-# two groups of 4; 20 ms a hop, 2026-12-03).
-ROW_PRIOR_SLOPE = 0.15
-ROW_MIN_SHARE = 0.1
 
 
 # --- events: what the ring node's driver queue carries to the head -------------------------------
@@ -237,8 +228,7 @@ class HeadCore:
         use = dipsd and speculate in ("ngram", "origin") and adaptive_k and draft_k >= 1  # n-gram drafts either way
         self.dipsd = LiveDipsd(draft_k, method=dipsd_method) if use else None
         self._schedule: LiveSchedule | None = None  # the schedule the scheduler and batches follow
-        # the busiest machine's compute of a decode trip, by its positions
-        self.serial_cost = StepCost(prior_slope=ROW_PRIOR_SLOPE, min_share=ROW_MIN_SHARE)
+        self.serial_cost = StepCost(prior_slope=ROW_PRIOR_SLOPE, min_share=ROW_MIN_SHARE)  # a trip's busiest machine
         self._net_ms: float | None = None  # the ring edges' RTT/2 each, together (pipeline_depth's)
 
     # --- requests ------------------------------------------------------------------------------
@@ -437,8 +427,7 @@ class HeadCore:
     def _groups_for(self, rows: int) -> int | None:
         """microbatch.best_groups for `rows` decode steps on the measured batch cost (None until
         a decode trip and the hops were measured: pipeline_depth's one-row rule then)."""
-        fit = self._ring_fit() if self._net_ms is not None else None
-        if fit is None:
+        if self._net_ms is None or (fit := self._ring_fit()) is None:
             return None
         net = self._net_ms  # ring_ms is the hops and the other machines' compute
         busy = self._by_machine((n, self.measured.stage_ms[n]) for n in self.ring)  # all measured (_ring_fit)

@@ -159,6 +159,16 @@ SHARED_BUSY_SHARE = 0.75
 # first 3 of 8 users arriving one by one, three groups (a round 4 % shorter for 3 rows) took all
 # 8 at 110 ms a token against 93 for two (20 ms a hop, one 2-core machine, 2026-12-03).
 GROUP_GAIN = 0.05
+# The head's fit of a decode row's cost (HeadCore.serial_cost): a row's share of a one-row trip's compute. One forward of 8 rows took 2.2× one row's time
+# on the default model (bench.batch_rows --head, an Intel Xeon with AMX; 1.8-2.8× on an AMD EPYC),
+# and 4 rows of the 8B shape 1.39× one (docs/BENCHMARKS.md): a row costs 0.11-0.26 of a trip.
+# ROW_PRIOR_SLOPE stands in until batches of two sizes are measured; ROW_MIN_SHARE bounds the fit
+# from below: on a machine whose cores several stages share, a group's measured compute holds the
+# other groups' interference, and trips of 2 and 4 rows measured alike fitted a row at 0.01 of a
+# trip, which made one group of 8 rows look as cheap as one row (110 ms a token against 93 for
+# two groups of 4; 20 ms a hop, 2026-12-03).
+ROW_PRIOR_SLOPE = 0.15
+ROW_MIN_SHARE = 0.1
 
 
 def best_groups(rows: int, c_ms: float, beta_ms: float, net_ms: float, others_ms: float, most: int,
