@@ -73,21 +73,22 @@ def large_step(rows: int, length: int, hidden: int) -> bool:
 HEAD_WORK_BYTES_PER_VOCAB = 390
 
 
+def _malloc_trim():
+    try:
+        return ctypes.CDLL("libc.so.6").malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl)
+        return None
+
+
+_MALLOC_TRIM = _malloc_trim()
+
+
 def trim_heap() -> None:
     """Hand the C heap's free pages back to the system (glibc's malloc_trim; elsewhere nothing).
     Python objects built and dropped by the hundred thousand (a vocabulary's metadata while its
     tokenizer is built) leave their pages in the process otherwise: 20 MB for Llama 3's."""
-    global _MALLOC_TRIM
-    if _MALLOC_TRIM is None:
-        try:
-            _MALLOC_TRIM = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            _MALLOC_TRIM = False
-    if _MALLOC_TRIM:
+    if _MALLOC_TRIM is not None:
         _MALLOC_TRIM(0)
-
-
-_MALLOC_TRIM = None
 
 
 def bytes_per_weight(backend: str, qtype: str) -> float:
