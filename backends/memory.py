@@ -70,6 +70,26 @@ RELEASE_MIN_ROW = 16  # a step is large only with a row this long (a batch of de
 def large_step(rows: int, length: int, hidden: int) -> bool:
     """Whether a step of `rows` × `length` positions leaves a working set worth handing back."""
     return length >= RELEASE_MIN_ROW and rows * length * hidden * PREFILL_WORK_BYTES_PER_POSITION > RELEASE_WORK_BYTES
+
+
+class LargeSteps:
+    """When a shard should hand a long prompt's working set back: `due(rows, length)`, asked before
+    each step, is True for the first small step after a large one (the prompt's chunks are done),
+    never between the chunks. `releases` counts the True answers (the tests read it)."""
+
+    def __init__(self, hidden: int) -> None:
+        self.hidden = hidden
+        self.pending = False  # a large step ran since the last release
+        self.releases = 0
+
+    def due(self, rows: int, length: int) -> bool:
+        large = large_step(rows, length, self.hidden)
+        if self.pending and not large:
+            self.pending = False
+            self.releases += 1
+            return True
+        self.pending = self.pending or large
+        return False
 HEAD_WORK_BYTES_PER_VOCAB = 390
 
 

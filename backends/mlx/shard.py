@@ -69,8 +69,7 @@ class MLXShard(HeadOps):
             index.path, spec.first, spec.last, spec.embed, spec.head, f32=precision == "f32"
         )
         self._slots: dict[int, SlotCache] = {}
-        self._large_step = False  # MLX's buffer cache holds a large step's buffers (_mind_cache)
-        self.scratch_releases = 0
+        self._large = memory.LargeSteps(self.hparams.hidden)  # MLX's buffer cache keeps a large step's buffers
 
     @property
     def n_blocks(self) -> int:
@@ -173,16 +172,15 @@ class MLXShard(HeadOps):
         out = np.array(h[0], dtype=np.float32)  # [T, hidden]
         return np.split(out, np.cumsum(ns)[:-1])  # [n, hidden] per row
 
+    @property
+    def scratch_releases(self) -> int:
+        return self._large.releases
+
     def _mind_cache(self, rows: int, length: int) -> None:
-        """Before a step of `rows` × `length` positions: empty MLX's buffer cache when this step is
-        small and an earlier one was large (backends.memory.large_step), so a long prompt's working
-        set does not stay with the process; the cache keeps serving the steps in between."""
-        large = memory.large_step(rows, length, self.hparams.hidden)
-        if self._large_step and not large:
+        """Before a step of `rows` × `length` positions: empty MLX's buffer cache after a long
+        prompt (memory.LargeSteps), as mlx-lm's prefill loop does; it keeps serving in between."""
+        if self._large.due(rows, length):
             mx.clear_cache()
-            self._large_step = False
-            self.scratch_releases += 1
-        self._large_step = self._large_step or large
 
     def _row_inputs(
         self, slot: int, cache: SlotCache, x: np.ndarray, positions: np.ndarray, mask: np.ndarray

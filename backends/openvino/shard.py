@@ -18,7 +18,6 @@ exactly as before, and a slot never in a group costs one dict lookup more per fo
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import threading
 from collections.abc import Iterator, Sequence
@@ -83,14 +82,6 @@ def _releasing(bank: WeightBank, active: bool) -> Iterator[None]:
 COMPACT_DEAD = 256
 
 
-def _trim_heap() -> None:
-    """Give freed heap memory (build-time temporaries) back to the system (glibc only)."""
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 @functools.lru_cache(maxsize=1)
 def core() -> ov.Core:
     """The process's one OpenVINO Core (created on first use, never at import)."""
@@ -127,9 +118,8 @@ class OpenVINOShard(HeadOps):
         # repacked the weights (after the first forwards, RELEASE_AFTER), see WeightBank.spill.
         self._forwards = 0
         self._batch_forwards = 0
-        self._large_step = False  # the plugin holds a large step's buffers (_release_scratch)
-        self.scratch_releases = 0
-        _trim_heap()
+        self._large = memory.LargeSteps(self.index.hparams.hidden)  # the plugin keeps a large step's buffers
+        memory.trim_heap()
         self._reqs: dict[int, ov.InferRequest] = {}
         self._spare: list[ov.InferRequest] = []
         self._beam = ov.Tensor(np.zeros(1, dtype=np.int32))
@@ -311,7 +301,8 @@ class OpenVINOShard(HeadOps):
             mask = full
             self._live[slot] = np.concatenate([live, np.arange(held, held + n, dtype=np.int64)])
         self._held[slot] = held + n
-        self._mind_scratch(1, x.shape[1])
+        if self._large.due(1, x.shape[1]):
+            self._release_scratch()
         req.set_input_tensor(0, ov.Tensor(x, shared_memory=True))
         req.set_input_tensor(1, ov.Tensor(np.ascontiguousarray(mask, dtype=np.int64)[None], shared_memory=True))
         req.set_input_tensor(2, ov.Tensor(np.ascontiguousarray(positions, dtype=np.int64)[None], shared_memory=True))
@@ -341,7 +332,8 @@ class OpenVINOShard(HeadOps):
         group = self._group_for(slots)
         xs = [self._inputs(x) for x in xs]
         step = rowmod.step_inputs(group, slots, xs, positions, masks, np.float32, self.index.hparams.hidden)
-        self._mind_scratch(*step.x.shape[:2])
+        if self._large.due(*step.x.shape[:2]):
+            self._release_scratch()
         req = group.req
         req.set_input_tensor(0, ov.Tensor(step.x, shared_memory=True))
         req.set_input_tensor(1, ov.Tensor(step.mask, shared_memory=True))
@@ -360,14 +352,6 @@ class OpenVINOShard(HeadOps):
         # token comes from the head graph (greedy), as on a shard that does not fold
         self._last_rows = []
         return hiddens
-
-    def _mind_scratch(self, rows: int, length: int) -> None:
-        """Before a step of `rows` × `length` positions: give back a large earlier step's buffers
-        when this one is small, and note when this one is large."""
-        large = memory.large_step(rows, length, self.index.hparams.hidden)
-        if self._large_step and not large:
-            self._release_scratch()
-        self._large_step = self._large_step or large
 
     def _release_scratch(self) -> None:
         """Hand the plugin's intermediate buffers back (CompiledModel.release_memory), then run
@@ -388,9 +372,11 @@ class OpenVINOShard(HeadOps):
         finally:
             req.reset_state()
             self._spare.append(req)
-        self._large_step = False
-        self.scratch_releases += 1
-        _trim_heap()
+        memory.trim_heap()
+
+    @property
+    def scratch_releases(self) -> int:
+        return self._large.releases
 
     def _inputs(self, x: np.ndarray) -> np.ndarray:
         """A forward's x as the stage graph takes it: hidden [n, H], the embedding's rows for ids."""
@@ -399,7 +385,7 @@ class OpenVINOShard(HeadOps):
     def release_weight_pages(self) -> None:
         """Drop the constants' file pages from the resident set (they come back if read)."""
         self._bank.release_pages()
-        _trim_heap()
+        memory.trim_heap()
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         head = self._head_request()
