@@ -1,6 +1,6 @@
 """Where the CPU plugin's decode time goes on K-quant weights: one matrix, then a whole model, by config.
 
-    .venv/bin/python -m bench.ov_kernels [--rows 14336] [--cols 4096] [--model GGUF] [--tokens 24]
+    .venv/bin/python -m bench.ov_kernels [--rows 14336] [--cols 4096] [--model GGUF] [--tokens 24] [--context 30]
 
 1. One Q4_K-shaped matrix-vector product (u4 codes, a scale and an offset per 32 weights, random
    values), compiled alone, in exact forms (backends/openvino/weights.py):
@@ -23,6 +23,8 @@
    split form) or in the split form however small (`split form`), decode tok/s of `--tokens`
    greedy tokens: every chain is built first, then `--rounds` rounds run each once in turn, so
    load from elsewhere falls on all alike (`--configs` picks some: an 8B-shape chain holds ~7 GB).
+   `--context N`: the prompt's length (default 30); `u8 KV cache` is the plugin's own default KV
+   type, where serving keeps an f16 cache (backends/openvino/shard.py).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ PLUGIN_CONFIGS = {
     "dynamic quantization off": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"},
     "dynamic quantization 128": {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "128"},
     "f32 inference": {"INFERENCE_PRECISION_HINT": "f32"},
+    "u8 KV cache": {"KV_CACHE_PRECISION": "u8"},  # the plugin's default; serving keeps f16 (shard.py)
 }
 GROUP = 32
 
@@ -104,7 +107,7 @@ def matrix(rows: int, cols: int, calls: int = 40) -> list[dict]:
     return out
 
 
-def model(path: str, tokens: int, configs: list[str], rounds: int = 3) -> list[dict]:
+def model(path: str, tokens: int, configs: list[str], rounds: int = 3, context: int = 30) -> list[dict]:
     import backends.openvino.shard as shard_mod
     from backends.openvino import weights
     from kafila.engine.chain import LocalChain
@@ -121,7 +124,7 @@ def model(path: str, tokens: int, configs: list[str], rounds: int = 3) -> list[d
     rates: dict[str, list[float]] = {name: [] for name in configs}
     for _ in range(rounds):
         for name, chain in chains.items():
-            times = [time.perf_counter() for _ in chain.generate(list(range(1000, 1030)), tokens)]
+            times = [time.perf_counter() for _ in chain.generate(list(range(1000, 1000 + context)), tokens)]
             rates[name].append((len(times) - 1) / (times[-1] - times[0]))
     return [{"config": name, "plugin": PLUGIN_CONFIGS[name], "tok_s": rates[name]} for name in configs]
 
@@ -133,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--model", help="also time Kafila's 1-stage chain on this GGUF under each config")
     ap.add_argument("--tokens", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--context", type=int, default=30, help="the --model rows' prompt length (positions)")
     ap.add_argument("--configs", default=",".join(PLUGIN_CONFIGS), help=f"some of: {', '.join(PLUGIN_CONFIGS)}")
     ap.add_argument("--skip-matrix", action="store_true", help="only the --model rows")
     ap.add_argument("--json", action="store_true")
@@ -144,7 +148,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--configs: unknown {', '.join(unknown)} (choose from {', '.join(PLUGIN_CONFIGS)})")
     res = {"machine": machine(), "matrix": [] if a.skip_matrix else matrix(a.rows, a.cols)}
     if a.model:
-        res["model"] = model(a.model, a.tokens, configs, a.rounds)
+        res["model"] = model(a.model, a.tokens, configs, a.rounds, a.context)
     if a.json:
         print(json.dumps(res))
         return 0

@@ -252,10 +252,48 @@ def test_a_slot_cut_back_continues_as_a_fresh_one(backend, chain_factory):
             shard.close_slot(slot)
 
 
-def test_an_openvino_slot_cut_back_is_not_requantized_and_a_long_dead_tail_is_compacted(chain_factory):
-    """At serving precision (a u8 KV cache) a state read and written back is requantized, so a
-    cut copies nothing: the same prompt re-fed after two cuts gives bit-identical states. A
-    tail over COMPACT_DEAD positions that outweighs the rest is copied out once, exactly at f32."""
+def test_a_question_asked_again_gets_the_first_asks_logits_at_serving_precision(chain_factory, default_tokenizer):
+    """The prompt cache at serving precision: the first ask feeds the chat prompt in one forward,
+    so its last position attends to the prompt's K/V as computed; asked again, the prefix comes
+    from the KV cache and only the last token is fed. The two must give the same first-token
+    logits within the cache's rounding, or a greedy answer changes when the question comes back
+    (with the plugin's default u8 KV cache the logits moved by 0.57 on an AVX2-only CPU and
+    "The capital of France is Paris." became "L'Étoile, la Mar": tests/test_api_model.py)."""
+    import numpy as np
+
+    from kafila.api import chat_prompt_ids
+
+    chain = chain_factory("openvino", 2, "serving")
+    ids = chat_prompt_ids(default_tokenizer, [{"role": "user", "content": "What is the capital of France?"}])
+    answer = [504, 3575, 282, 4649, 314, 7042, 30]  # tokens the first ask left in the slot
+
+    def feed(slots, tokens, start):
+        x = np.array(tokens, np.int64)
+        for shard, slot in zip(chain.shards, slots):
+            x = shard.forward(slot, x, np.arange(start, start + len(tokens)), np.ones(start + len(tokens), np.int64))
+        return x
+
+    first, again = [s.open_slot() for s in chain.shards], [s.open_slot() for s in chain.shards]
+    try:
+        want = chain.logits(feed(first, ids, 0)[-1:])[0]
+        feed(again, ids + answer, 0)
+        for shard, slot in zip(chain.shards, again):
+            shard.trim(slot, len(ids) - 1)
+        got = chain.logits(feed(again, ids[-1:], len(ids) - 1))[0]
+    finally:
+        for shard, a, b in zip(chain.shards, first, again):
+            shard.close_slot(a)
+            shard.close_slot(b)
+    assert np.abs(got - want).max() < 0.05
+    assert int(np.argmax(got)) == int(np.argmax(want))
+
+
+def test_an_openvino_slot_cut_back_copies_nothing_and_a_long_dead_tail_is_compacted(chain_factory):
+    """At serving precision a cut copies nothing: the state stays, its tail masked, and the same
+    prompt re-fed after two cuts gives the same hidden states up to the attention's rounding
+    over a longer masked tail (bit-identical on an AMX CPU; 2e-3 on an AVX2-only one, whose f16
+    cache the plugin's attention reads at half precision). A tail over COMPACT_DEAD positions that
+    outweighs the rest is copied out once, exactly at f32."""
     import numpy as np
 
     from backends.openvino.shard import COMPACT_DEAD
@@ -272,8 +310,9 @@ def test_an_openvino_slot_cut_back_is_not_requantized_and_a_long_dead_tail_is_co
         shard.trim(slot, len(prefix))
         first = feed(shard, slot, [77, 78], len(prefix))
         shard.trim(slot, len(prefix))
+        assert slot in shard._live  # masked, not copied
         again = feed(shard, slot, [77, 78], len(prefix))
-        np.testing.assert_array_equal(first, again)
+        np.testing.assert_allclose(again, first, rtol=0, atol=1e-2)
     finally:
         shard.close_slot(slot)
 

@@ -34,9 +34,14 @@ from backends.openvino.graph import StageBuilder
 from backends.openvino.rows import Row, RowGroup
 from backends.openvino.weights import WeightBank
 
-# serving: the CPU plugin's defaults, exactly what openvino_genai.LLMPipeline(gguf) compiles with
-# on CPU (bf16 inference where the CPU has it, u8 KV cache, dynamic quantization group 32).
-SERVING_CONFIG: dict[str, str] = {}
+# serving: the CPU plugin's defaults (bf16 inference where the CPU has it, dynamic quantization
+# group 32), as openvino_genai.LLMPipeline(gguf) compiles on CPU, but an f16 KV cache where the
+# plugin's default is u8. A prompt's positions attend to their own chunk's K/V at full precision
+# and every later step to the cache's, so with u8 a question asked again, its prefix read from the
+# prompt cache, got other first-token logits than the first ask and flipped near-ties on an
+# AVX2-only CPU (tests/test_prompt_cache.py); f16 keeps the two within rounding. It is also
+# llama.cpp's default KV type and what the planner prices (ModelIndex.kv_bytes_per_token_per_block).
+SERVING_CONFIG: dict[str, str] = {"KV_CACHE_PRECISION": "f16"}
 # f32: for numerical comparison with the float64 reference.
 F32_CONFIG = {
     "INFERENCE_PRECISION_HINT": "f32",
@@ -162,9 +167,8 @@ class OpenVINOShard(HeadOps):
     def trim(self, slot: int, length: int) -> None:
         """Keep the slot's first `length` physical positions (a reused prompt cache slot: the
         positions after the prefix a new prompt shares go). Nothing is copied: a row of a group
-        and a slot alone both forget their tail, which stays in the state masked out, since a
-        state read and written back at serving precision is requantized (a u8 KV cache) and a
-        seeded request asked twice would part. A slot alone whose state is mostly such tail
+        and a slot alone both forget their tail, which stays in the state masked out: a cut
+        costs no copy of the state. A slot alone whose state is mostly such tail
         (over COMPACT_DEAD positions, and more than it keeps) has its live positions copied out
         once."""
         group = self._group_of.get(slot)
