@@ -90,6 +90,8 @@ class LargeSteps:
             return True
         self.pending = self.pending or large
         return False
+
+
 HEAD_WORK_BYTES_PER_VOCAB = 390
 
 

@@ -143,6 +143,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     from bench.llamacpp_speed import machine
 
+    if not 1 <= a.context <= 4096:
+        ap.error("--context: 1..4096 prompt positions")
     configs = [c.strip() for c in a.configs.split(",") if c.strip()]
     if unknown := [c for c in configs if c not in PLUGIN_CONFIGS]:
         ap.error(f"--configs: unknown {', '.join(unknown)} (choose from {', '.join(PLUGIN_CONFIGS)})")

@@ -18,6 +18,18 @@ from kafila.session.prefix import EVICT_SHARED, MAX_WASTE, Parked, ParkedSlots, 
 from kafila.session.scheduler import Finished, Scheduler, SlotFreed, TokenOut
 from tests.test_scheduler import EOS, FakeRing, drive
 
+def feed_through(shards, slots, ids, cache_len: int):
+    """`ids` at positions cache_len… through `shards` in turn (one slot each), every position seen:
+    the last shard's hidden states."""
+    import numpy as np
+
+    x = np.array(ids, np.int64)
+    n = len(ids)
+    for shard, slot in zip(shards, slots):
+        x = shard.forward(slot, x, np.arange(cache_len, cache_len + n), np.ones(cache_len + n, np.int64))
+    return x
+
+
 # --- the rules ---------------------------------------------------------------------------------
 
 
@@ -219,8 +231,7 @@ def test_a_slot_cut_back_continues_as_a_fresh_one(backend, chain_factory):
     shard = chain_factory(backend, 3, "f32").shards[0]  # embeds ids: feeds take token ids
 
     def feed(slot, ids, cache_len):
-        ids = np.array(ids, np.int64)
-        return shard.forward(slot, ids, np.arange(cache_len, cache_len + len(ids)), np.ones(cache_len + len(ids), np.int64))
+        return feed_through([shard], [slot], ids, cache_len)
 
     prefix, old, new = [1, 400, 2000, 17, 9], [33, 34, 35, 36], [77, 78, 79]
     fresh = shard.open_slot()
@@ -268,10 +279,7 @@ def test_a_question_asked_again_gets_the_first_asks_logits_at_serving_precision(
     answer = [504, 3575, 282, 4649, 314, 7042, 30]  # tokens the first ask left in the slot
 
     def feed(slots, tokens, start):
-        x = np.array(tokens, np.int64)
-        for shard, slot in zip(chain.shards, slots):
-            x = shard.forward(slot, x, np.arange(start, start + len(tokens)), np.ones(start + len(tokens), np.int64))
-        return x
+        return feed_through(chain.shards, slots, tokens, start)
 
     first, again = [s.open_slot() for s in chain.shards], [s.open_slot() for s in chain.shards]
     try:
@@ -299,8 +307,7 @@ def test_an_openvino_slot_cut_back_copies_nothing_and_a_long_dead_tail_is_compac
     from backends.openvino.shard import COMPACT_DEAD
 
     def feed(shard, slot, ids, cache_len):
-        ids = np.array(ids, np.int64)
-        return shard.forward(slot, ids, np.arange(cache_len, cache_len + len(ids)), np.ones(cache_len + len(ids), np.int64))
+        return feed_through([shard], [slot], ids, cache_len)
 
     shard = chain_factory("openvino", 3, "serving").shards[0]
     slot = shard.open_slot()
