@@ -19,6 +19,10 @@ _BACKENDS = {
 }
 NAMES = tuple(_BACKENDS)
 PRECISIONS = ("serving", "f32")  # serving: the backend's fast defaults; f32: f32 compute and KV
+# The OpenVINO stage's form of K-quant (Q4_K, Q5_K) matrices (backends/openvino/weights.py): exact
+# (the file's weights to f32 rounding) or fast (integer zero points, the CPU plugin's fused kernel)
+KQUANTS = ("exact", "fast")
+DEFAULT_KQUANT = "exact"
 
 
 @dataclass(frozen=True)
@@ -48,8 +52,15 @@ def load_shard(name: str, spec: ShardSpec, precision: str = "serving", **options
         raise BadInput(st.reason)
     if precision not in PRECISIONS:
         raise BadInput(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
+    if name != "openvino":  # delta-net (hybrid) layers are built on OpenVINO only so far (issue 35)
+        from backends.gguf import open_model
+
+        index = options.get("index") or open_model(spec.model_path)
+        if index.hparams.hybrid is not None:
+            raise BadInput(f"{index.hparams.arch} (gated delta-net layers) is served on the openvino backend only; "
+                           "choose the openvino backend")
     module, cls, _, _ = _BACKENDS[name]
     return getattr(importlib.import_module(module), cls)(spec, precision=precision, **options)
 
 
-__all__ = ["NAMES", "PRECISIONS", "BackendStatus", "HeadOps", "Shard", "ShardSpec", "load_shard", "status"]
+__all__ = ["DEFAULT_KQUANT", "KQUANTS", "NAMES", "PRECISIONS", "BackendStatus", "HeadOps", "Shard", "ShardSpec", "load_shard", "status"]

@@ -98,7 +98,7 @@ class Shard(Protocol):
         """Replace the slot's KV state with one captured from this shard."""
 
     # Optional: `park(slot)`: the slot's request is over and its KV is kept for a prompt that
-    # starts the same way (kafila/session/prefix.py); a backend whose batched rows share a home
+    # starts the same way (kafila/session/ring/prefix.py); a backend whose batched rows share a home
     # (OpenVINO's row groups) lets the slot out of it here. Backends without it need nothing.
 
 

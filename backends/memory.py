@@ -7,10 +7,14 @@ while serving, read off the constant forms (backends/openvino/weights.py, backen
 - OpenVINO: codes + f32 scale (+ f32 zero point) per group (32; 16 for Q6_K); the CPU plugin's
   repacked copy is what stays resident (the graph's constants live in a spill file whose pages are
   dropped). Q4_K = 0.5 + 4/32 + 4/32 = 0.75, Q6_K = 1 + 4/16 = 1.25; floats are f32 (4).
+  The small types (backends/openvino/lowbit.py): Q2_K 0.5 + 4/16 + 4/16 (the split form; 0.75 as u2
+  with a zero point), Q3_K 0.5 + 4/16, IQ4_NL
+  1 + 2/32, IQ4_XS 1 + 4/32, MXFP4 0.5 + 4/32 (not measured; read off the forms).
   Checked on the Llama-3.2-1B shape: a 4-block shard's anonymous memory grows by 53 MB a block
   (the forms give 53.2 MB; the GGUF holds 36.6 MB).
 - MLX: packed codes + scale + bias per group of 32 (f16 for Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, f32 for the
-  K-quants); Q6_K is padded to groups of 32 (12 bits of codes + 4 bits of f32 scale/bias = 2 B).
+  K-quants); Q6_K is padded to groups of 32 (12 bits of codes + 4 bits of f32 scale/bias = 2 B),
+  Q2_K and Q3_K too (2 and 3 bits of codes); IQ4_* as 8-bit codes, MXFP4 as 5-bit ones.
 - reference: every weight dequantized to float64 (8 B; a yardstick, not a serving path).
 
 PROCESS_BYTES: a session member's fixed resident set before any weight and beside its tokenizer:
@@ -29,7 +33,7 @@ Fitted on two runs of bench/memory_big.py on the Llama-3.2-1B shape (docs/BENCHM
 `kafila run` 211 MB. MLX's figures are not measured (no Apple machine here): the OpenVINO ones.
 
 PREFILL_WORK_BYTES: the working set of one prefill step in a stage, beside all of the above. The
-chunk rule (kafila.session.scheduler.prefill_chunk_tokens) sizes a prompt's steps to it, and every
+chunk rule (kafila.session.ring.scheduler.prefill_chunk_tokens) sizes a prompt's steps to it, and every
 process's fixed part reserves it: a member's peak is its resident set plus a long prompt's first
 chunk. Measured on the CPU plugin (the peak over the resident set while a fresh prompt's first
 chunk runs; bench.memory_big --prompt-tokens, docs/BENCHMARKS.md): 183–230 bytes per position
@@ -46,9 +50,11 @@ _FLOAT = {"F32": 4.0, "F16": 4.0, "BF16": 4.0}  # dense f32 in memory on every b
 
 RESIDENT_BYTES_PER_WEIGHT: dict[str, dict[str, float]] = {
     "openvino": {"Q4_0": 0.5625, "Q4_1": 0.75, "Q5_0": 1.0625, "Q5_1": 1.25, "Q8_0": 1.0625,
-                 "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25, **_FLOAT},  # fmt: skip
+                 "Q4_K": 0.75, "Q5_K": 1.25, "Q6_K": 1.25, **_FLOAT,
+                 "Q2_K": 1.0, "Q3_K": 0.75, "IQ4_NL": 1.0625, "IQ4_XS": 1.125, "MXFP4": 0.625},  # fmt: skip
     "mlx": {"Q4_0": 0.625, "Q4_1": 0.625, "Q5_0": 0.75, "Q5_1": 0.75, "Q8_0": 1.125,
-            "Q4_K": 0.75, "Q5_K": 0.875, "Q6_K": 2.0, **_FLOAT},  # fmt: skip
+            "Q4_K": 0.75, "Q5_K": 0.875, "Q6_K": 2.0, **_FLOAT,
+            "Q2_K": 1.0, "Q3_K": 1.25, "IQ4_NL": 1.125, "IQ4_XS": 1.25, "MXFP4": 0.875},  # fmt: skip
     "reference": {},  # every type: float64
 }
 REFERENCE_BYTES_PER_WEIGHT = 8.0

@@ -20,6 +20,7 @@ import numpy as np
 
 from backends.base import HeadOps, ShardSpec
 from backends.gguf import ModelIndex, open_model
+from backends.gguf.families import require_llama_blocks
 
 F64 = np.float64
 
@@ -73,6 +74,7 @@ class ReferenceShard(HeadOps):
         self.precision = precision  # always float64; accepted for the common signature
         self.index = index if index is not None else open_model(spec.model_path)
         self.index.check_range(spec.first, spec.last)
+        require_llama_blocks(self.index.hparams, "reference")
         self.h = self.index.hparams
         self._blocks = [self._load_block(b) for b in range(spec.first, spec.last)]
         self._rope = rope_neox if self.h.rope_neox else rope_interleaved

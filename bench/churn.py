@@ -24,6 +24,7 @@ import tempfile
 import threading
 import time
 
+DETECT_TARGET_S = 5.0  # kill -9 → the host's "left": the watchdog's budget (was a bound in tests/test_churn.py)
 PROMPTS = [
     "Count from one to forty in words.",
     "Write a short story about a lighthouse keeper.",
@@ -61,8 +62,9 @@ def ask_all(s, origins: list[str], prompts: list[str], max_tokens: int) -> tuple
     return threads, results
 
 
-def wait_decoding(s, n: int, timeout_s: float = 120.0, after_s: float = 1.0) -> None:
-    """Until the head holds `n` requests, then `after_s` more (they decode by then)."""
+def wait_decoding(s, n: int, timeout_s: float = 120.0, after_s: float = 1.0, min_tokens: int = 2) -> None:
+    """Until the head holds `n` requests that have each generated `min_tokens` tokens (their
+    answers are streaming, not still in prefill: its /status `load.requests`), then `after_s` more."""
     from kafila.tooling.launch import get_json
 
     deadline = time.monotonic() + timeout_s
@@ -70,12 +72,32 @@ def wait_decoding(s, n: int, timeout_s: float = 120.0, after_s: float = 1.0) -> 
     while time.monotonic() < deadline:
         st = get_json(s.api(host), "/status")
         head = st["plan"]["head"]
-        req = get_json(s.api(head), "/status").get("requests") or {}
-        if req.get("active", 0) >= n:
+        held = (get_json(s.api(head), "/status").get("load") or {}).get("requests") or []
+        if sum(1 for r in held if (r.get("tokens") or 0) >= min_tokens) >= n:
             time.sleep(after_s)
             return
         time.sleep(0.1)
-    raise TimeoutError(f"the head never held {n} requests at once")
+    raise TimeoutError(f"the head never held {n} requests decoding at once")
+
+
+def pieces_around(results: list, at_pc: float, until_pc: float | None = None) -> list[tuple[int, int]]:
+    """Per answer, (pieces streamed before `at_pc`, pieces after `until_pc` or `at_pc`), perf_counter
+    times: an answer with both was in flight across the event, so the event hit it mid-answer."""
+    until_pc = at_pc if until_pc is None else until_pc
+    return [(sum(t < at_pc for t in (r or {}).get("times", [])), sum(t > until_pc for t in (r or {}).get("times", [])))
+            for r in results]  # fmt: skip
+
+
+def not_mid_answer(results: list, pieces: list[tuple[int, int]]) -> list[str]:
+    """What contradicts "the event hit the answers mid-stream" (empty: nothing): every answer had
+    streamed before it, every answer cut by max_tokens (so not ended by the model) streamed after
+    it, and at least one did. An answer the model ended early may have finished before the event."""
+    problems = [f"answer {i} had streamed nothing before" for i, (before, _) in enumerate(pieces) if not before]
+    problems += [f"answer {i} ran to max_tokens but streamed nothing after" for i, ((_, after), r)
+                 in enumerate(zip(pieces, results)) if (r or {}).get("finish_reason") == "length" and not after]
+    if not any(before and after for before, after in pieces):
+        problems.append("no answer streamed both before and after")
+    return problems
 
 
 def leave_round(s, victim: str, origins: list[str], prompts: list[str], max_tokens: int, sig: int) -> dict:
@@ -107,6 +129,7 @@ def leave_round(s, victim: str, origins: list[str], prompts: list[str], max_toke
         replay = min(firsts) if firsts else None
     return {
         "results": results,
+        "pieces": pieces_around(results, pc_leave),
         "detect_s": None if left is None else left - t_leave,
         "replan_s": None if back is None or left is None else back - left,
         "fetch_s": max((w.get("seconds", 0.0) for w in weights), default=0.0),
@@ -124,7 +147,9 @@ def restart_round(s, origins: list[str], prompts: list[str], max_tokens: int, do
 
     threads, results = ask_all(s, origins, prompts, max_tokens)
     wait_decoding(s, len(prompts), after_s=0.3)
+    killed_pc = time.perf_counter()
     s.restart_rendezvous(down_s=down_s)
+    back_pc = time.perf_counter()  # a new rendezvous listens from here
     for t in threads:
         t.join(300)
     outage: dict[str, float | None] = {}
@@ -135,7 +160,7 @@ def restart_round(s, origins: list[str], prompts: list[str], max_tokens: int, do
         if all(v.get("up") and v.get("resumes") for v in sig.values()):
             break
         time.sleep(0.2)
-    return {"results": results, "outage_s": outage,
+    return {"results": results, "outage_s": outage, "pieces": pieces_around(results, killed_pc, back_pc),
             "max_gap_s": max((r.get("max_gap_s", 0.0) for r in results if r), default=None)}
 
 
@@ -150,6 +175,9 @@ def main() -> None:
     ap.add_argument("--rendezvous-restart", action="store_true",
                     help="first restart the rendezvous (a separate process) under the serving session")
     args = ap.parse_args()
+    from bench._report import header
+
+    print(header(), flush=True)
     names = [f"m{i + 1}" for i in range(args.members)]
     s = LocalSession(members=args.members, model=args.model, precision=args.precision, context=512,
                      log_dir=tempfile.mkdtemp(prefix="kafila-churn-logs-"),
@@ -180,12 +208,15 @@ def main() -> None:
             rows.append((label, victim, len(ring), r, same))
         print(f"\n{args.model}, {args.members} members, --precision {args.precision}, "
               f"{len(PROMPTS)} concurrent requests of {args.max_tokens} tokens\n")
-        print("| leave | member | ring before | detection s | replan s | fetch s (MB, tensors) | replay s "
-              "| longest token gap s | answers identical |")
-        print("|---|---|---|---|---|---|---|---|---|")
+        print(f"| leave | member | ring before | answers hit mid-answer | detection s (target < {DETECT_TARGET_S:g}) "
+              "| replan s | fetch s (MB, tensors) | replay s | longest token gap s | answers identical |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
         f = lambda v: "?" if v is None else f"{v:.2f}"
         for label, victim, n, r, same in rows:
-            print(f"| {label} | {victim} | {n} | {f(r['detect_s'])} | {f(r['replan_s'])} | {f(r['fetch_s'])} "
+            hit = sum(1 for before, after in r["pieces"] if before and after)  # the rest: ended by the model
+            met = "" if r["detect_s"] is None else (" (met)" if r["detect_s"] < DETECT_TARGET_S else " (MISSED)")
+            print(f"| {label} | {victim} | {n} | {hit} of {len(r['pieces'])} | {f(r['detect_s'])}{met} "
+                  f"| {f(r['replan_s'])} | {f(r['fetch_s'])} "
                   f"({r['fetched_mb']:.1f} MB, {r['fetched_tensors']}) | {f(r['replay_s'])} | "
                   f"{f(r['max_gap_s'])} | {'yes' if same else 'NO'} |")
         if restart is not None:

@@ -1,7 +1,18 @@
 """DiP-SD on a 3-member session: 4 users each drafting at their own member vs batched plain decoding.
 
     .venv/bin/python -m bench.dipsd [--latency 20,50] [--users 4] [--max-tokens 48] [--rounds 3]
-                                    [--requests 1] [--precision serving|f32] [--speculate origin|ngram] [--json]
+                                    [--requests 1] [--precision serving|f32] [--speculate origin|ngram|draft]
+                                    [--model M] [--draft D] [--json]
+
+The real pair (issue 37): `--model qwen2.5-coder-1.5b-q4_k_m --draft qwen2.5-coder-0.5b` (names of
+kafila.tooling.pypi_gguf, fetched on first use; any alias or path works too):
+    python -m bench.dipsd --model qwen2.5-coder-1.5b-q4_k_m --draft qwen2.5-coder-0.5b --latency 20 --users 4
+    python -m bench.dipsd --model qwen2.5-coder-1.5b-q4_k_m --draft qwen2.5-coder-0.5b --latency 50 --users 1 \
+        --speculate draft
+With --draft every member gets the draft model (`kafila join --draft`): with --speculate origin
+each member drafts the requests typed at it with it, on a thread of its own while the ring works
+(kafila/session/ring/speculation/origin.py); with --speculate draft the head drafts every request
+with it (speculation/draft.py).
 
 One loopback session of separate processes per hop latency (kafila demo's launcher, as
 bench.multiuser and bench.spec), started with `--speculate origin` and batched decode rows on.
@@ -9,7 +20,7 @@ bench.multiuser and bench.spec), started with `--speculate origin` and batched d
 member m1, m2, m3 in turn (bench.multiuser.one_level), greedy, each asking for --max-tokens. Each
 round measures the same users twice, in alternating order (A B, then B A): A with speculation
 (`"speculate": true`: drafts made at each request's origin member ride its activations to the
-head, the head's n-grams where they are stale; kafila/session/origin.py), B with `"speculate":
+head, the head's n-grams where they are stale; kafila/session/ring/speculation/origin.py), B with `"speculate":
 false` (plain decoding, the same micro-batched rows). Reported per latency, median over rounds:
 aggregate committed tok/s (every user's tokens ÷ first request sent → last token received,
 prefill included), A ÷ B, the same for decoding only (tokens after each user's first ÷ the
@@ -58,13 +69,29 @@ def spec_totals(levels: list[dict]) -> dict:
             "origin_share": tot["origin_steps"] / steps if steps else None}  # fmt: skip
 
 
+def commit() -> str:
+    import subprocess
+
+    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
+    return (r.stdout.strip() or "?") + (" (+ changes)" if subprocess.run(["git", "diff", "--quiet", "HEAD"],
+                                                                       check=False).returncode else "")
+
+
+def model_path(name: str | None) -> str | None:
+    """A kafila.tooling.pypi_gguf name fetched (first use: pip), else the alias or path as given."""
+    from kafila.tooling.pypi_gguf import MODELS, fetch
+
+    return str(fetch(name)) if name in MODELS else name
+
+
 def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, model: str, precision: str,
-                speculate: str = "origin", requests: int = 1) -> dict:  # fmt: skip
+                speculate: str = "origin", requests: int = 1, draft: str | None = None) -> dict:  # fmt: skip
     from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     prompts = json.loads(PROMPTS.read_text())["grounded"]
-    s = LocalSession(members=3, model=model, latency_ms=latency_ms, speculate=speculate, precision=precision,
-                     batch_rows=True, log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
+    s = LocalSession(members=3, model=model_path(model), latency_ms=latency_ms, speculate=speculate,
+                     precision=precision, draft=model_path(draft), batch_rows=True,
+                     log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
                      cache_root=tempfile.mkdtemp(prefix="kafila-bench-cache-"))  # fmt: skip
     t0 = time.monotonic()
     s.start(timeout_s=600)
@@ -108,8 +135,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--requests", type=int, default=1, help="prompts each user asks one after another in a round")
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--precision", choices=("serving", "f32"), default="serving")
-    p.add_argument("--speculate", choices=("origin", "ngram"), default="origin",
-                   help="the session's drafting: at each request's member (default) or at the head")
+    p.add_argument("--speculate", choices=("origin", "ngram", "draft"), default="origin",
+                   help="the session's drafting: at each request's member (default), n-grams at the head, "
+                        "or the draft model (--draft) at the head")
+    p.add_argument("--draft", default=None, help="a draft model every member gets (alias, path or pypi_gguf name)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -117,21 +146,24 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError:
         print("bench.dipsd: --latency takes comma-separated numbers", file=sys.stderr)
         return 2
+    if args.speculate == "draft" and not args.draft:
+        print("bench.dipsd: --speculate draft needs --draft MODEL", file=sys.stderr)
+        return 2
     if (not 1 <= args.users <= 16 or not 1 <= args.max_tokens <= 1024 or not 1 <= args.rounds <= 20
             or not 1 <= args.requests <= 16 or min(latencies) < 0):
         print("bench.dipsd: --users 1..16, --max-tokens 1..1024, --rounds 1..20, --requests 1..16, latencies ≥ 0",
               file=sys.stderr)
         return 2
-    print(machine(), flush=True)
+    print(machine(), "commit", commit(), flush=True)
     print(f"3 members on loopback, {args.model} at {args.precision} precision, {args.users} users typed at m1, m2, m3 "
           f"in turn, grounded prompts, {args.requests} request(s) each one after another, {args.max_tokens} tokens "
           f"each, median of {args.rounds} A/B rounds, "
-          f"--speculate {args.speculate}", flush=True)
+          f"--speculate {args.speculate}" + (f", draft model {args.draft}" if args.draft else ""), flush=True)
     fmt = lambda x, d=2: "—" if x is None else f"{x:.{d}f}"  # noqa: E731
     out = {}
     for ms in latencies:
         r = out[f"{ms:g}"] = run_latency(ms, args.users, args.max_tokens, args.rounds, args.model, args.precision,
-                                         args.speculate, args.requests)  # fmt: skip
+                                         args.speculate, args.requests, args.draft)  # fmt: skip
         print(f"{ms:>4g} ms/hop  plain (batched rows) {r['plain_tok_s']:6.1f} tok/s  {args.speculate} drafting "
               f"{r['origin_tok_s']:6.1f} tok/s  ratio {r['ratio']:.2f}× (rounds "
               f"{', '.join(f'{x:.2f}' for x in r['ratio_per_round'])})  decoding only {r['plain_decode_tok_s']:.1f} → "
@@ -141,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['origin_steps']} of {r['origin_steps'] + r['fallback_steps']} drafting steps)  "
               f"same text {r['same_text']}/{r['answers']}  TPOT {r['plain_tpot_ms']:.0f} → {r['origin_tpot_ms']:.0f} ms"
               + (f"  ({r['short_answers']} answers ended early)" if r["short_answers"] else ""), flush=True)  # fmt: skip
+    print(f"\n| hop ms | users | drafting | plain tok/s | speculating tok/s | ratio | decoding-only ratio "
+          "| acceptance | tokens/trip | same text |\n|---|---|---|---|---|---|---|---|---|---|")
+    for ms, r in out.items():
+        print(f"| {ms} | {r['users']} | {args.speculate}{' + ' + args.draft if args.draft else ''} "
+              f"| {r['plain_tok_s']:.1f} | {r['origin_tok_s']:.1f} | {r['ratio']:.2f}× | {r['decode_ratio']:.2f}× "
+              f"| {fmt(r['acceptance'])} | {fmt(r['tokens_per_trip'])} | {r['same_text']}/{r['answers']} |")
     if args.json:
         print(json.dumps(out, default=str))  # one line: bench.before_after reads the last
     return 0

@@ -5,7 +5,7 @@
 Two 3-member loopback sessions of separate processes run side by side (kafila demo's launcher,
 `--speculate ngram`, batched rows on): one with `kafila host --dipsd on` (the default: the live
 optimiser chooses the speculating requests' draft lengths and micro-batches together,
-kafila/session/dipsd_live.py) and one with `--dipsd off` (each request's K is choose_k's alone).
+kafila/session/ring/speculation/dipsd_live.py) and one with `--dipsd off` (each request's K is choose_k's alone).
 Each round asks both the same: `--users` greedy requests of bench/spec_prompts.json's grounded
 prompts (rotated each round), typed at m1, m2, m3 in turn and started together; the sessions
 alternate (on, off, off, on, ...) so the machine's drifting load hits both alike. Reported per

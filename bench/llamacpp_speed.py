@@ -280,7 +280,9 @@ def main(argv: list[str] | None = None) -> int:
     from kafila.commands.inspect import describe
     from kafila.models import load_tokenizer, resolve_model
 
-    print(machine(), flush=True)
+    from bench._report import header
+
+    print(header(), flush=True)
     with contextlib.suppress(Exception):
         import llama_cpp
 

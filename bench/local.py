@@ -213,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
             if r.tokens is not None and r.name.startswith("kafila OpenVINO"):
                 same[r.name] = "yes" if r.tokens() == want else "NO"
     samples = measure(rows_, args.warmups, args.repeats)
+    from bench._report import header
+
+    print(header())
     print(table(samples, same, []))
     print("samples (tok/s):", json.dumps({k: [round(x, 1) for x in v] for k, v in samples.items()}), flush=True)
     del rows_

@@ -42,7 +42,7 @@ def _proc_memory(pid: int) -> dict | None:
             rollup = f.read()
     except OSError:
         return None
-    from kafila.session.memory import _status_kib
+    from kafila.session.ring.memory import _status_kib
 
     return {"rss_bytes": _status_kib(status, "VmRSS"), "peak_rss_bytes": _status_kib(status, "VmHWM"),
             "pss_bytes": _status_kib(rollup, "Pss"), "pss_anon_bytes": _status_kib(rollup, "Pss_Anon"),
@@ -75,7 +75,7 @@ def one_stage(model: str, backend: str, context: int, concurrency: int, max_toke
               prompt: str = PROMPT) -> dict:  # fmt: skip
     """`kafila run` on the whole model, its memory sampled from outside."""
     from backends.gguf import open_model
-    from kafila.session.memory import shard_memory
+    from kafila.session.ring.memory import shard_memory
 
     index = open_model(model)
     cmd = [sys.executable, "-m", "kafila", "run", "--model", model, "--backend", backend,

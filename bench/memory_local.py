@@ -187,9 +187,10 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(child(args.child, json.loads(sys.stdin.read()))))
         return 0
 
+    from bench._report import header
     from bench.llamacpp_speed import machine
 
-    print(machine(), flush=True)
+    print(header(), flush=True)
     results, model_info = measure(args.model, args.rounds, args.tokens)
     print(f"model {args.model}: GGUF tensor bytes {model_info['gguf_bytes'] / 1e6:.1f} MB; "
           f"{args.tokens} new tokens, greedy, EOS ignored; MB = 10^6 bytes")

@@ -14,12 +14,19 @@ single-user figure is the mean of both). Reported per n, median over --rounds:
 - per-user TPOT (time per output token: first to last token ÷ tokens after the first), the
   median user's and the slowest user's, as ratios to one user's.
 A number of users above the session's slots (its `/status` concurrency) is left out and said so.
+The bound (--bound on, the default): after a session's rounds, its stages (the plan's blocks, the
+head's with the embedding and lm_head) are built in this process and each one's batched decode
+step is timed for the row counts that matter (bench/ring_bound.py); with the head's measured
+network time per trip H, bound(N) = max over g micro-batches of N / max(g·C(⌈N/g⌉), C(⌈N/g⌉) + H),
+C(b) = Σ_s t_s(b): what one machine computing one stage at a time could deliver, decode only. The
+table prints it beside the measured decode aggregate (tokens after each user's first ÷ the
+earliest first token → the last token) and their ratio.
 --batch-rows on,off runs a session with batched decode rows (`kafila host --batch-rows on`, the
 default: ready decode steps go round as micro-batches, one forward per stage) and one without,
 one after the other at each latency, and prints on ÷ off per number of users. --ring-lane
 auto,quic does the same for the ring's frames: over the TCP lane where it connects (`auto`, the
 default) and over the QUIC edges only (`kafila join --ring-lane quic`), printing auto ÷ quic.
---core-lock on,off does the same for the members' compute lock (kafila/session/cores.py: one
+--core-lock on,off does the same for the members' compute lock (kafila/session/ring/cores.py: one
 stage computes at a time on a machine; off: KAFILA_CORE_LOCK=0 in the members' environment).
 --prompt-cache on,off does the same for prompt caching (`kafila host --prompt-cache`). Every
 request's text is new (it starts "Request <n>:"), so a round never finds an earlier round's
@@ -38,7 +45,7 @@ import tempfile
 import threading
 import time
 
-from bench.llamacpp_speed import machine
+from bench._report import header, markdown
 
 PROMPTS = [
     "Write a long story about a lighthouse keeper who finds a message in a bottle.",
@@ -125,7 +132,8 @@ def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS
 
 def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: int, model: str,
                 batch_rows: bool = True, ring_lane: str = "auto", core_lock: bool = True,
-                prompt_cache: bool = True) -> dict:  # fmt: skip
+                prompt_cache: bool = True, with_bound: bool = True) -> dict:  # fmt: skip
+    from kafila.models.registry import resolve_model
     from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     os.environ["KAFILA_CORE_LOCK"] = "1" if core_lock else "0"  # the members inherit it
@@ -154,9 +162,22 @@ def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: i
                 runs[n].append(one_level(s, n, max_tokens, members=at))
             if 1 in runs:
                 solo_after.append(one_level(s, 1, max_tokens, members=at))
-        load = get_json(s.api(head), "/status")["load"]
+        head_status = get_json(s.api(head), "/status")
+        load = head_status["load"]
     finally:
         s.stop()
+    bounds = {}
+    network_ms = head_status.get("network_ms")
+    if network_ms is None:
+        network_ms = sum((e.get("rtt_ms") or 0.0) / 2 for e in head_status.get("edges") or [])
+    if with_bound:  # the session is gone: its stages' batched steps, one process, one at a time
+        from bench.ring_bound import bound, stage_costs
+
+        counts = [head_status["stages"][n]["blocks"] for n in head_status["plan"]["ring"]]  # the head's first
+        stages = [(sum(counts[:i]), sum(counts[: i + 1])) for i in range(len(counts))]
+        rows = sorted({1, 2, 4, 8, 16, *served} & set(range(1, max(served) + 1)))
+        costs = stage_costs(resolve_model(model), stages, rows)
+        bounds = {n: bound(costs, n, float(network_ms)) for n in served}
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     solo_rows = runs.get(1, []) + solo_after
     solo_agg, solo_tpot = med(solo_rows, "aggregate_tok_s"), med(solo_rows, "tpot_ms_median")
@@ -167,12 +188,16 @@ def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: i
                       "aggregate_ratio": med(rows, "aggregate_tok_s") / solo_agg,
                       "tpot_ms": med(rows, "tpot_ms_median"), "tpot_ratio": med(rows, "tpot_ms_median") / solo_tpot,
                       "tpot_max_ratio": med(rows, "tpot_ms_max") / solo_tpot, "ttft_ms": med(rows, "ttft_ms_median"),
+                      "decode_tok_s": med(rows, "decode_aggregate_tok_s"),
+                      "bound_tok_s": bounds[n]["tok_s"] if n in bounds else None,
+                      "bound": bounds.get(n),
                       "short_answers": sum(r["short_answers"] for r in rows), "rounds": rows})  # fmt: skip
     return {"latency_ms": latency_ms, "batch_rows": batch_rows, "ring_lane": ring_lane, "core_lock": core_lock,
             "prompt_cache": prompt_cache,
             "slots": slots, "plan": st["plan"], "left_out": [n for n in levels if n > slots],
             "solo_tok_s": solo_agg, "solo_tpot_ms": solo_tpot, "table": table,
             "head_stage_batch_rows": (load["stages"].get(head) or {}).get("batch_rows"),
+            "network_ms": network_ms,
             "session_s": round(time.monotonic() - t0, 1)}  # fmt: skip
 
 
@@ -187,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-lane", default="auto", help="auto, quic or auto,quic (both, side by side)")
     p.add_argument("--core-lock", default="on", help="on, off or on,off (both, side by side)")
     p.add_argument("--prompt-cache", default="on", help="on, off or on,off (both, side by side)")
+    p.add_argument("--bound", choices=("on", "off"), default="on",
+                   help="time the plan's stages in this process after each session and print the bound")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="also print the results as one markdown table")
     args = p.parse_args(argv)
     modes = [m.strip() for m in args.batch_rows.split(",")]
     lanes = [m.strip() for m in args.ring_lane.split(",")]
@@ -214,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(levels) < 1 or not 1 <= args.max_tokens <= 1024 or not 1 <= args.rounds <= 20:
         print("bench.multiuser: users ≥ 1, --max-tokens 1..1024, --rounds 1..20", file=sys.stderr)
         return 2
-    print(machine(), flush=True)
+    print(header(), flush=True)
     print(f"3 members on loopback, {args.model}, {args.max_tokens} tokens per user, median of {args.rounds} "
           "rounds; aggregate = all users' tokens / (first request sent → last token)", flush=True)  # fmt: skip
     out = {}
@@ -223,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         key = (f"{ms:g} ms, rows {mode}" + (", ring lane quic" if lane == "quic" else "")
                + (", core lock off" if lock == "off" else "") + (", prompt cache off" if cache == "off" else ""))
         r = out[key] = run_latency(ms, levels, args.max_tokens, args.rounds, args.model, mode == "on", lane,
-                                   lock == "on", cache == "on")  # fmt: skip
+                                   lock == "on", cache == "on", args.bound == "on")  # fmt: skip
         print(f"\n{ms:g} ms/hop, batched rows {mode}, ring lane {lane}, core lock {lock}, prompt cache {cache}: "
               f"{r['slots']} slots (auto), ring {' → '.join(r['plan']['ring'])}, "
               f"1 user {r['solo_tok_s']:.1f} tok/s, TPOT {r['solo_tpot_ms']:.1f} ms", flush=True)
@@ -249,6 +277,23 @@ def main(argv: list[str] | None = None) -> int:
                 ratios = ", ".join(f"{a['users']}: {a['aggregate_tok_s'] / b['aggregate_tok_s']:.2f}×"
                                    for a, b in zip(other["table"], r["table"]))  # fmt: skip
                 print(f"  aggregate tok/s, {what}, by users: {ratios}", flush=True)
+    if args.bound == "on":
+        print("\n| hop ms | users | bound tok/s (g micro-batches × rows) | measured decode tok/s | measured ÷ bound "
+              "| aggregate tok/s (prefill included) | TPOT ÷ solo |\n|---|---|---|---|---|---|---|")
+        for r in out.values():
+            for row in r["table"]:
+                b = row["bound"]
+                print(f"| {r['latency_ms']:g} | {row['users']} | {b['tok_s']:.1f} ({b['groups']} × {b['rows']}) "
+                      f"| {row['decode_tok_s']:.1f} | {row['decode_tok_s'] / b['tok_s']:.2f} "
+                      f"| {row['aggregate_tok_s']:.1f} | {row['tpot_ratio']:.2f}× |")
+        print("(bound: bench/ring_bound.py; H = the head's measured network ms per trip: "
+              + ", ".join(f"{r['latency_ms']:g} ms/hop {r['network_ms']:.1f} ms" for r in out.values()) + ")")
+    if args.markdown:
+        print("\n" + markdown(["session", "users", "aggregate tok/s", "÷ 1 user", "TPOT ms", "÷ solo", "slowest ÷ solo",
+                                "TTFT ms"],
+                               [(key, row["users"], f"{row['aggregate_tok_s']:.1f}", f"{row['aggregate_ratio']:.2f}×",
+                                 f"{row['tpot_ms']:.1f}", f"{row['tpot_ratio']:.2f}×", f"{row['tpot_max_ratio']:.2f}×",
+                                 f"{row['ttft_ms']:.0f}") for key, r in out.items() for row in r["table"]]))
     if args.json:
         print(json.dumps(out, default=str))  # one line: bench.before_after reads the last
     return 0

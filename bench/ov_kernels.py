@@ -10,6 +10,8 @@
      times each group's sum of x (a matrix 1/32 the size): the same product, summed in another order;
      `split i4` the same with signed codes q − 8 and offsets o + 8s (Kafila's form for large
      matrices), `split f16` with f16 scales (not exact).
+   - `integer zero point` (`--kquant fast`): the zero point z rounded to a u8 constant (not exact:
+     each weight off by up to s/2), `… f16` with f16 scales (openvino_genai's and the GGUF frontend's).
    Weights are centred like a trained model's (offset ≈ −7.5 scales), so the u4 split form's two
    products nearly cancel. A matrix that fits the CPU's last-level cache (the 1B shape's do on a
    large-cache EPYC) times the kernels, not memory: `--model` is the whole-model answer.
@@ -66,6 +68,11 @@ def _matrix_model(form: str, q: np.ndarray, s: np.ndarray, o: np.ndarray, keep: 
     if form == "zero point":  # w = (q − z)·s, z = −o/s
         w = ops.reshape(ops.multiply(ops.subtract(w, ops.constant(-o / s)), ops.constant(s)), flat, False)
         y = ops.matmul(x, w, False, True)
+    elif form.startswith("integer zero point"):  # --kquant fast: w = (q − round(z))·s, z a u8 constant
+        z = ops.convert(ops.constant(np.clip(np.rint(-o / s), 0, 255).astype(np.uint8)), f32)
+        scale = ops.constant(s) if not form.endswith("f16") else ops.convert(ops.constant(s.astype(np.float16)), f32)
+        w = ops.reshape(ops.multiply(ops.subtract(w, z), scale), flat, False)
+        y = ops.matmul(x, w, False, True)
     else:  # w·x = (q·s)·x + o·(group sums of x); i4: ((q − 8)·s)·x + (o + 8s)·(group sums)
         scale = ops.constant(s) if form != "split f16" else ops.convert(ops.constant(s.astype(np.float16)), f32)
         w = ops.reshape(ops.multiply(w, scale), flat, False)
@@ -88,7 +95,7 @@ def matrix(rows: int, cols: int, calls: int = 40) -> list[dict]:
     x = (rng.standard_normal((1, 1, cols)) + 0.3).astype(np.float32)  # activations are rarely centred
     exact = (q.astype(np.float64) * s + o).reshape(rows, cols) @ x[0, 0].astype(np.float64)
     out = []
-    for form in ("zero point", "split", "split i4", "split f16"):
+    for form in ("zero point", "split", "split i4", "split f16", "integer zero point", "integer zero point f16"):
         mb = (q.size / 2 + s.nbytes // (2 if form == "split f16" else 1) + o.nbytes) / 1e6
         for precision in ("serving", "f32"):
             keep: list = []

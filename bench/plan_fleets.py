@@ -71,6 +71,9 @@ def main() -> None:
     parser.add_argument("--fleets", type=Path, default=ROOT / "fleets")
     parser.add_argument("--tables", action="store_true", help="also print each rich table")
     args = parser.parse_args()
+    from bench._report import header
+
+    print(header(), flush=True)
 
     rows = []
     reduction: dict[str, list[float]] = {b: [] for b in BASELINES}  # cells where both fit

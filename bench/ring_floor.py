@@ -11,10 +11,10 @@ each round running every way once in turn (so drifting load falls on all of them
   a step's hidden state goes round by OS pipes, each process computing on its main thread. What
   separate processes cost by themselves (their caches, their thread pools, waking a process).
 - `pipes+thread`: the same, but every process reads the pipe on an asyncio loop and computes on a
-  one-thread executor, as a ring member does (kafila/session/ring.py's hand-off to the stage's
+  one-thread executor, as a ring member does (kafila/session/ring/node.py's hand-off to the stage's
   worker and back): what the loop ↔ compute-thread hand-offs add.
 - `session`: a real 3-member loopback session (kafila.tooling.launch.LocalSession: QUIC edges,
-  ring frames over the TCP lane (kafila/session/ring_lane.py), the head's scheduler); its own
+  ring frames over the TCP lane (kafila/session/weights/ring_lane.py), the head's scheduler); its own
   block division (the planner's), so it is compared by tok/s only.
 - `session (quic)`: the same with `--ring-lane quic`: ring frames over the QUIC edges, as every
   session carried them before the lane (and as one does where TCP cannot connect).

@@ -93,7 +93,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ring-lane", choices=("auto", "quic"), default="auto",
                    help="the speed and latency sessions' ring frames: auto (TCP lane) or quic")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="print bench/_report.py's header and one markdown table")
     args = p.parse_args(argv)
+    if args.markdown:
+        from bench._report import header
+
+        print(header(), flush=True)
 
     from backends.gguf import open_model
     from kafila.api import chat_prompt_ids
@@ -145,6 +150,22 @@ def main(argv: list[str] | None = None) -> int:
         out["hetero_ratio"] = statistics.median(ratios)
         print(f"  planner / uniform with m2 throttled, median of {len(ratios)} per-pair ratios: "
               f"{out['hetero_ratio']:.2f}× (min {min(ratios):.2f}×, max {max(ratios):.2f}×)", file=sys.stderr)
+    if args.markdown:
+        from bench._report import markdown
+
+        rows = []
+        for key, label in (("local_3", f"LocalChain, {args.local_stages} stage(s), one process"),
+                           ("session", "session, 3 processes, loopback"),
+                           ("local_3_after", f"LocalChain, {args.local_stages} stage(s), one process (again)"),
+                           ("session_20ms", "session, 3 processes, 20 ms per hop")):
+            if key in out:
+                r = out[key]
+                ratio = f"{r['tok_s'] / local:.2f}×" if local and key.startswith("session") else ""
+                rows.append((label, f"{r['tok_s']:.1f}", f"{r['ttft_ms']:.0f}", ratio))
+        if "hetero_ratio" in out:
+            rows.append(("m2 throttled: planner ÷ uniform (median of pairs)", "", "", f"{out['hetero_ratio']:.2f}×"))
+        print(f"\n{args.model}, {args.max_tokens} tokens, greedy, median of {args.runs} answers after a warm-up\n")
+        print(markdown(["run", "decode tok/s", "TTFT ms", "÷ one process (mean of both)"], rows))
     if args.json:
         print(json.dumps(out, default=str))
     return 0

@@ -26,7 +26,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from bench.llamacpp_speed import machine
+from bench._report import header, markdown
 
 PROMPTS = Path(__file__).with_name("spec_prompts.json")
 
@@ -92,9 +92,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--precision", choices=("serving", "f32"), default="serving")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--markdown", action="store_true", help="also print the results as one markdown table")
     args = p.parse_args(argv)
     prompts = json.loads(PROMPTS.read_text())
-    print(machine(), flush=True)
+    print(header(), flush=True)
     results = {}
     for ms in (float(x) for x in args.latency.split(",")):
         results[ms] = r = run_latency(ms, prompts, args.max_tokens, args.model, args.precision)
@@ -105,6 +106,14 @@ def main(argv: list[str] | None = None) -> int:
                   f"  ratio {v['ratio_median']:.2f}× (min {v['ratio_min']:.2f}×)  acceptance {fmt(v['acceptance'])}"
                   f"  tokens/trip {fmt(v['tokens_per_trip'])}  drafts/trip {fmt(v['drafts_per_trip'])}"
                   f"  same text {v['identical']}/{v['prompts']}", flush=True)
+    if args.markdown:
+        fmt = lambda x, d=2: "—" if x is None else f"{x:.{d}f}"  # noqa: E731
+        print("\n" + markdown(["ms/hop", "prompts", "plain tok/s", "n-gram tok/s", "n-gram ÷ plain (min)",
+                                "acceptance", "tokens/trip", "same text"],
+                               [(f"{ms:g}", name, f"{v['plain_tok_s']:.1f}", f"{v['spec_tok_s']:.1f}",
+                                 f"{v['ratio_median']:.2f}× ({v['ratio_min']:.2f}×)", fmt(v["acceptance"]),
+                                 fmt(v["tokens_per_trip"]), f"{v['identical']}/{v['prompts']}")
+                                for ms, r in results.items() for name, v in r.items() if name in prompts]))
     if args.json:
         print(json.dumps(results, indent=1))
     return 0

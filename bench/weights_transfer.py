@@ -11,9 +11,9 @@ While it forms, a sampler polls every member's /status (its live transfer figure
 /proc/PID every 50 ms: the member's largest RSS while its weights arrive, its VmHWM when they
 are all in (its peak so far: process start, probe and the transfer; the shard build comes after),
 and the CPU seconds the member and the host used during the transfer. MB/s = bytes that crossed
-the edge / the member's fetch seconds (kafila.session.transfer.fetch_weights' own figures).
+the edge / the member's fetch seconds (kafila.session.weights.transfer.fetch_weights' own figures).
 
-Each member fetches over the bulk lane (TCP, kafila.session.bulk) when the host offers it, as
+Each member fetches over the bulk lane (TCP, kafila.session.weights.bulk) when the host offers it, as
 in any session; `--quic-members N` makes the last N members fetch over the QUIC stream only
 (`kafila join --weights-lane quic`), so both lanes run side by side in one run. The `lane`
 column is what each member's /status says carried its weights.
@@ -106,6 +106,7 @@ def _cpu_model() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shape", default="llama-3.2-1b", help="a tests/big_gguf shape")
+    ap.add_argument("--model", help="a model alias or GGUF path instead of --shape (e.g. smollm2-135m: quick)")
     ap.add_argument("--members", type=int, default=2, help="session size, host included")
     ap.add_argument("--backend", default="openvino")
     ap.add_argument("--timeout-s", type=float, default=900.0, help="for the session to form")
@@ -113,12 +114,21 @@ def main(argv: list[str] | None = None) -> int:
                     help="the last N members fetch over the QUIC stream only (the other lane, side by side)")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    from bench._report import header
     from kafila.tooling.launch import LocalSession
+
+    print(header(), flush=True)
     from tests.big_gguf import big_model, cache_dir
 
     if not 0 <= args.quic_members <= args.members - 1:
         ap.error(f"--quic-members: choose 0..{args.members - 1}")
-    model = big_model(args.shape)
+    if args.model:
+        from kafila.models import resolve_model
+
+        model = resolve_model(args.model)
+    else:
+        model = big_model(args.shape)
+    cache_dir().mkdir(parents=True, exist_ok=True)  # big_model makes it; --model does not
     caches = tempfile.mkdtemp(prefix="weights-transfer-", dir=cache_dir())  # a real disk, not tmpfs
     names = [f"m{i + 1}" for i in range(args.members)]
     quic = {n: "quic" for n in names[len(names) - args.quic_members:]} if args.quic_members else {}
@@ -162,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
         session.stop()
         starter.join(timeout=30)
         shutil.rmtree(caches, ignore_errors=True)
-    print(f"{args.shape} ({os.path.getsize(model) / 1e6:.1f} MB), {args.members} members, loopback, "
+    print(f"{args.model or args.shape} ({os.path.getsize(model) / 1e6:.1f} MB), {args.members} members, loopback, "
           f"CPU {_cpu_model()} ({os.cpu_count()} cores)")
     print("| member | lane | blocks | tensors MB | received MB | s | MB/s | peak RSS receiving MB | VmHWM at end MB "
           "| member CPU s | host CPU s |")

@@ -14,7 +14,17 @@ member will serve on (a member is priced by what its shards will run, not by num
 - free memory (GB = 1e9 bytes): what the OS reports available, lowered to the room left under
   a cgroup memory limit when one is set;
 - arithmetic throughput (TFLOP/s): a float32 matmul in the backend's library (numpy for
-  openvino and reference, MLX for mlx).
+  openvino and reference, MLX for mlx);
+- openvino only, a block's fixed cost (µs): the serving graph of a transformer block
+  (backends/openvino/graph.py's StageBuilder, KV cache state included) at a tiny width, so its
+  weights read in no time, timed as BLOCK_PROBE_DEEP blocks against one: the difference a block
+  is what each block costs beyond its bytes (the dispatch of its ~40 ops). Small models are
+  not bandwidth-bound: for SmolLM2-135M this is most of a stage. Beside it, the rate a block's
+  bytes stream at through the shards' compressed 4-bit FullyConnected (GB/s): the same block
+  graph at a wide shape (hidden 1024, ~6 MB of 4-bit weights) timed as three blocks against
+  one, less the fixed cost; the decompressing matrix-vector product, not a plain read, is what
+  a token pays per byte. And the head's fixed cost (µs): a tiny lm_head graph with its top-1,
+  one inference as the head's token pick is.
 `ProbeResult.backend` names what was measured ("openvino CPU", "mlx CPU", "mlx GPU",
 "reference numpy CPU").
 Each figure is the median over several runs, with its spread (max − min over the runs, in the
@@ -83,6 +93,9 @@ class ProbeResult:
     llc_mib: int | None
     backend: str
     errors: tuple[str, ...] = field(default=())
+    block_us: float | None = None  # a block's fixed compute beyond its bytes (openvino)
+    block_gbps: float | None = None  # the rate a block's 4-bit weights stream at (openvino)
+    head_us: float | None = None  # the head pick's fixed compute (openvino)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -100,6 +113,9 @@ class ProbeResult:
             "bandwidth_gbps": self.bandwidth_gbps,
             "overhead_us": self.overhead_us,
             "tflops": self.tflops,
+            "block_us": self.block_us,
+            "block_gbps": self.block_gbps,
+            "head_us": self.head_us,
         }
         entry.update(extra)
         return entry
@@ -131,6 +147,11 @@ def probe_device(quick: bool = False, backend: str = "openvino") -> ProbeResult:
         measure = measure_overhead if backend == "openvino" else measure_overhead_numpy
         overhead = _attempt(lambda: measure(settings), errors, "overhead")
         tflops = _attempt(lambda: measure_tflops(settings), errors, "tflops")
+    block = head = None
+    if backend == "openvino":
+        block = _attempt(lambda: measure_block_openvino(settings), errors, "block")
+        head = _attempt(lambda: measure_head_openvino(settings), errors, "head")
+    block_us, block_gbps = block if block is not None else (None, None)
     llc = last_level_cache_bytes()
     return ProbeResult(
         bandwidth_gbps=_median(bandwidth),
@@ -147,6 +168,9 @@ def probe_device(quick: bool = False, backend: str = "openvino") -> ProbeResult:
         llc_mib=None if llc is None else llc // MIB,
         backend=label,
         errors=tuple(errors),
+        block_us=_median(block_us),
+        block_gbps=_median(block_gbps),
+        head_us=_median(head),
     )
 
 
@@ -235,6 +259,152 @@ def measure_overhead(settings: ProbeSettings) -> list[float]:
 
     calls_per_s = _timed_runs(forward, settings)
     return [1e6 / rate for rate in calls_per_s]
+
+
+# the tiny block: weights of a few KB, so what it costs is the dispatch of its ops
+BLOCK_PROBE_SHAPE = {"hidden": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "ffn": 128, "vocab": 256}
+BLOCK_PROBE_DEEP = 9  # blocks in the deep graph; the shallow one has 1
+BLOCK_PROBE_PAST = 32  # positions of KV before the timed steps (a short conversation)
+BLOCK_PROBE_RESET = 256  # steps after which the KV state is reset (it grows a position a step)
+
+
+# a wide block of 4-bit weights (as Q4_K / Q4_1 files are served): what a block's bytes cost
+WIDE_PROBE_SHAPE = {"hidden": 1024, "n_heads": 16, "n_kv_heads": 4, "head_dim": 64, "ffn": 2816, "vocab": 256}
+WIDE_PROBE_DEEP = 3
+# each block-probe run lasts one CFS period at least (cpu.cfs_period_us = 100 ms by default), so a
+# CPU quota shows in it: a 25 ms run fits inside a 25 % quota's share of one period unthrottled
+BLOCK_PROBE_RUN_S = 0.1
+BLOCK_PROBE_RUNS = 3
+Q4_GROUP = 32  # weights a 4-bit group shares its scale and zero point with
+
+
+class _ProbeWeights:
+    """A WeightBank's two calls (vector, project) over random constants: the real block graph
+    (StageBuilder.block) at a probe's shape; `packed`: 4-bit codes with a scale and zero point a
+    group, the compressed FullyConnected the shards build (WeightBank.packed_linear), else f32."""
+
+    def __init__(self, hp: Any, packed: bool) -> None:
+        self.hp, self.packed = hp, packed
+        q, kv = hp.n_heads * hp.head_dim, hp.n_kv_heads * hp.head_dim
+        self.out = {"attn_q": q, "attn_k": kv, "attn_v": kv, "attn_output": hp.hidden,
+                    "ffn_gate": hp.ffn, "ffn_up": hp.ffn, "ffn_down": hp.hidden,
+                    "token_embd": hp.vocab, "output": hp.vocab}  # fmt: skip
+        self.rng = np.random.default_rng(0)
+        self.weight_bytes = 0  # what one block's matrices hold, as stored
+
+    def vector(self, name: str, unpermute_heads: int = 0) -> Any:
+        import openvino.opset13 as ops
+
+        width = self.hp.head_dim if "q_norm" in name or "k_norm" in name else self.hp.hidden
+        return ops.constant(np.ones(width, np.float32))
+
+    def project(self, y: Any, names: list) -> list:
+        import openvino.opset13 as ops
+
+        width = y.get_partial_shape()[-1].get_length()
+        out = []
+        for name, _ in names:
+            rows = self.out[name.split(".")[-2]]
+            out.append(self._linear(y, rows, width) if self.packed else ops.matmul(
+                y, ops.constant((self.rng.standard_normal((rows, width)) * 0.02).astype(np.float32)), False, True,
+            ).output(0))  # fmt: skip
+        return out
+
+    def _linear(self, y: Any, rows: int, cols: int) -> Any:
+        import openvino as ov
+        import openvino.opset13 as ops
+
+        from backends.openvino.weights import Packed, WeightBank, pack_u4
+
+        groups = cols // Q4_GROUP
+        codes = self.rng.integers(0, 16, (rows, groups, Q4_GROUP), dtype=np.uint8)
+        scale = np.full((rows, groups, 1), 0.01, np.float32)
+        zero = np.full((rows, groups, 1), 8.0, np.float32)
+        q = ops.constant(ov.Tensor(pack_u4(codes), codes.shape, ov.Type.u4))
+        self.weight_bytes += rows * cols // 2 + 2 * rows * groups * 4
+        return WeightBank.packed_linear(y, Packed(q, ops.constant(scale), ops.constant(zero), None, rows, cols))
+
+
+def _probe_builder(blocks: int, shape: dict, packed: bool = False) -> Any:
+    from backends.gguf.index import Hyperparams
+    from backends.openvino.graph import StageBuilder
+
+    hp = Hyperparams(arch="llama", n_blocks=blocks, context_length=4096, rope_base=10000.0, rms_eps=1e-5,
+                     tied_embeddings=True, qkv_bias=False, rope_neox=True, **shape)  # fmt: skip
+
+    class _Index:  # what StageBuilder reads of a ModelIndex
+        hparams = hp
+
+    return StageBuilder(_Index(), _ProbeWeights(hp, packed))
+
+
+def _step_timer(blocks: int, shape: dict = BLOCK_PROBE_SHAPE, packed: bool = False) -> tuple[Callable[[], float], int]:
+    """One decode step (a token) of a compiled probe stage of `blocks` blocks, KV state and all,
+    and the bytes its blocks' matrices hold."""
+    from backends.openvino.shard import core
+
+    builder = _probe_builder(blocks, shape, packed)
+    compiled = core().compile_model(builder.stage(0, blocks), "CPU")
+    request = compiled.create_infer_request()
+    hidden = shape["hidden"]
+    length = [0]
+
+    def feed(n: int) -> None:
+        start = length[0]
+        request.infer({"hidden_states": np.full((1, n, hidden), 0.1, np.float32),  # [B, L, H]
+                       "attention_mask": np.ones((1, start + n), np.int64),  # [B, S]
+                       "position_ids": np.arange(start, start + n, dtype=np.int64)[None],  # [B, L]
+                       "beam_idx": np.zeros(1, np.int32)})  # fmt: skip
+        length[0] = start + n
+
+    def step() -> float:
+        if length[0] == 0 or length[0] > BLOCK_PROBE_RESET:
+            request.reset_state()
+            length[0] = 0
+            feed(BLOCK_PROBE_PAST)
+        feed(1)
+        return 1.0
+
+    return step, builder.w.weight_bytes
+
+
+def measure_block_openvino(settings: ProbeSettings) -> tuple[list[float], list[float]]:
+    """(µs, GB/s) per run: what a transformer block costs beyond its bytes, (deep − shallow) /
+    (BLOCK_PROBE_DEEP − 1) of the tiny block's decode step; and the rate its bytes stream at
+    through the shards' compressed 4-bit FullyConnected, the wide block's bytes over its time
+    less that fixed cost. The graphs are timed run by run in turn, so load falls on all alike."""
+    shallow, _ = _step_timer(1)
+    deep, _ = _step_timer(BLOCK_PROBE_DEEP)
+    wide1, _ = _step_timer(1, WIDE_PROBE_SHAPE, packed=True)
+    wide, held = _step_timer(WIDE_PROBE_DEEP, WIDE_PROBE_SHAPE, packed=True)
+    block_bytes = held / WIDE_PROBE_DEEP
+    one = ProbeSettings(runs=1, run_s=max(settings.run_s, BLOCK_PROBE_RUN_S), buffer_bytes=0, matmul_n=0)
+    fixed, rates = [], []
+    for _ in range(min(settings.runs, BLOCK_PROBE_RUNS) if settings.run_s < BLOCK_PROBE_RUN_S else settings.runs):
+        t1, t9 = (1e6 / _timed_runs(f, one)[0] for f in (shallow, deep))
+        w1, w3 = (1e6 / _timed_runs(f, one)[0] for f in (wide1, wide))
+        us = max(0.0, (t9 - t1) / (BLOCK_PROBE_DEEP - 1))
+        fixed.append(us)
+        streamed_us = (w3 - w1) / (WIDE_PROBE_DEEP - 1) - us
+        if streamed_us > 0:
+            rates.append(block_bytes / streamed_us / 1e3)  # bytes/µs = MB/s; GB/s
+    return fixed, rates
+
+
+def measure_head_openvino(settings: ProbeSettings) -> list[float]:
+    """µs of the head's token pick at the tiny shape: final norm, lm_head, top-1, one inference
+    (what the head's pick pays beyond the lm_head's bytes)."""
+    from backends.openvino.shard import core
+
+    request = core().compile_model(_probe_builder(1, BLOCK_PROBE_SHAPE).head(), "CPU").create_infer_request()
+    hidden = np.full((1, BLOCK_PROBE_SHAPE["hidden"]), 0.1, np.float32)  # [N, H]
+
+    def pick() -> float:
+        request.infer({0: hidden})
+        int(request.get_tensor("token").data[0])
+        return 1.0
+
+    return [1e6 / rate for rate in _timed_runs(pick, settings)]
 
 
 def measure_tflops(settings: ProbeSettings) -> list[float]:

@@ -184,16 +184,20 @@ def test_rendezvous_survives_abuse_while_a_session_forms_and_relays(lab, rendezv
     assert abused["joins_sent"] == 1000 and abused["udp_sent"] > 1000, abused
     assert abused["udp_answers"] == 0, abused
     print("abuse:", abused, "bogus members of the real session:", bogus_result)
-    # Joins to unknown nameplates are refused as such; those to the abuser's own decoy session
-    # are admitted (it is a real session), and every garbage frame is refused or dropped.
-    assert abused["answers"].get("error:unknown-nameplate", 0) >= 400, abused
+    # Joins to unknown nameplates are refused: as such for the first few from an address, then
+    # rate-limited (a scan is slow and tells nothing, issue 38); those to the abuser's own decoy
+    # session are admitted (it is a real session), and every garbage frame is refused or dropped.
+    answers = abused["answers"]
+    assert answers.get("error:unknown-nameplate", 0) + answers.get("error:rate-limited", 0) >= 400, abused
+    assert answers.get("error:unknown-nameplate", 0) <= 12 + abused["seconds"] / 2, abused
     assert abused["answers"].get("Joined", 0) <= 500, abused
     assert bogus_result["joins_sent"] == 20, bogus_result
     # Junk that is not a PAKE message drops its sender and closes nothing (issue 15: one junk
     # body used to close the nameplate, locking the real members out): a later join still reaches
     # the session — admitted as pending, or asked to come back while the pending quota is full.
+    # (or, the abuser's address having spent its joins to unknown nameplates, refused as a scanner)
     assert sum(late["answers"].values()) == 1, late
-    assert set(late["answers"]) <= {"Joined", "error:busy"}, late
+    assert set(late["answers"]) <= {"Joined", "error:busy", "error:rate-limited"}, late
     # The rendezvous still classifies a newcomer correctly.
     check = lab.spawn(
         lab.add_member(nat.ORDINARY_APDF),

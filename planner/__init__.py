@@ -27,7 +27,8 @@ Decisions the issue leaves open, taken here:
 
 Modules, one part of §V each: `cost` (eq. 2, lim), `partition` (Algorithm 1), `head`
 (rotation with margin µ), `ring` (ordering), `admission` (tiers and the memory check),
-`baselines` (GPipe, exo), `plan` (the order of work), `fleet` (input validation).
+`baselines` (GPipe, exo), `plan` (the order of work), `fleet` (input validation), `context`
+(the longest context the members' memory holds).
 
 `dipsd` and `dipsd_milp` (import them by name; not re-exported): DiP-SD offline, the number of
 verification batches, user-to-batch assignment and draft lengths for distributed speculative
@@ -37,6 +38,7 @@ baselines (`kafila plan dipsd`).
 
 from planner.admission import Refusal, choose_tier, refusals
 from planner.baselines import memory_proportional_counts, uniform_counts
+from planner.context import largest_context
 from planner.cost import (
     StageCost,
     Tier,
@@ -88,6 +90,7 @@ __all__ = [
     "compare",
     "edge_between",
     "feasible",
+    "largest_context",
     "make_plan",
     "memory_proportional_counts",
     "order_ring",

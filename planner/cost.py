@@ -5,6 +5,18 @@
 split as Algorithm 1 states it into fixed(i) = o_i (+ β_head/b̄_i for the head) and
 per(i) = β_block/b̄_i, so that a stage costs `fixed + n·per` for n blocks.
 
+What a token reads is not always what a block holds: an MoE block reads its dense part and k of
+its E experts (`Model.block_read_bytes`), and the head reads its lm_head and one embedding row
+(`Model.head_read`): β above is those read bytes; memory (below) counts every byte held. Small
+models are not bandwidth-bound: each block also pays its ops' dispatch, a fixed cost the probe
+measures on the device (`Device.block_us`), and the head its own (`Device.head_us`: the
+embedding, lm_head and pick), so in the full tier
+
+    fixed(i) = o_i + [i = head]·(h_i + β_head/r_i),  per(i) = u_i + β_block/r_i
+
+with u_i, h_i = 0 where the device did not measure them, and r_i the rate weights stream at
+through the backend's quantized matmuls (`Device.block_gbps`), b̄_i where not measured.
+
 Units: bandwidth in GB/s (1e9 bytes/s), overhead in µs, every cost returned in ms.
 Bytes / (GB/s) = bytes / (b·1e9) s = bytes / (b·1e6) ms.
 
@@ -44,6 +56,8 @@ __all__ = [
     "block_limit",
     "bytes_per_block",
     "member_bytes",
+    "shared_cost",
+    "sharers",
     "short_bytes",
     "slots_that_fit",
     "stage_cost",
@@ -81,17 +95,39 @@ def stage_cost(device: Device, fleet: Fleet, tier: Tier, is_head: bool) -> Stage
     if tier is Tier.FULL:
         if device.bandwidth_gbps is None or device.overhead_us is None:
             raise ValueError(f"device {device.name!r} is not measured for the full tier")
-        per_byte_ms = 1.0 / (device.bandwidth_gbps * _BYTES_PER_GB_MS)
-        fixed = device.overhead_us * _MS_PER_US + (
-            model.head_bytes * per_byte_ms if is_head else 0.0
-        )
-        return StageCost(fixed, model.block_bytes * per_byte_ms)
+        # weights stream through the backend's quantized matmuls: their measured rate where the
+        # probe gave it, else the plain read
+        rate = device.block_gbps if device.block_gbps is not None else device.bandwidth_gbps
+        per_byte_ms = 1.0 / (rate * _BYTES_PER_GB_MS)
+        head = (device.head_us or 0.0) * _MS_PER_US + model.head_read * per_byte_ms
+        fixed = device.overhead_us * _MS_PER_US + (head if is_head else 0.0)
+        per_block = (device.block_us or 0.0) * _MS_PER_US + model.block_read_bytes * per_byte_ms
+        return StageCost(fixed, per_block)
     if tier is Tier.THROUGHPUT:
         if device.tflops is None:
             raise ValueError(f"device {device.name!r} has no TFLOP/s for the throughput tier")
-        flops = FLOP_PER_WEIGHT_BYTE * model.block_bytes
+        flops = FLOP_PER_WEIGHT_BYTE * model.block_read_bytes
         return StageCost(0.0, flops / (device.tflops * _FLOP_PER_TFLOP_MS))
     raise ValueError("the memory tier prices nothing")
+
+
+def sharers(device: Device, fleet: Fleet) -> int:
+    """How many of the fleet's members run on `device`'s machine (itself included): 1 when it
+    gave no machine identity."""
+    if device.machine is None:
+        return 1
+    return sum(1 for d in fleet.devices if d.machine == device.machine)
+
+
+def shared_cost(device: Device, fleet: Fleet, tier: Tier, is_head: bool) -> StageCost:
+    """What PARTITION balances: a stage's cost times the members sharing its machine. Members of
+    one machine compute one at a time (kafila/session/ring/cores.py), so with the ring full a
+    machine is busy for the sum of its stages; pricing each of its s stages at s× its own time
+    makes the bottleneck a machine's sum when they hold alike (and leaves a ring all on one
+    machine divided as before: every stage scaled the same)."""
+    cost = stage_cost(device, fleet, tier, is_head)
+    s = sharers(device, fleet)
+    return cost if s == 1 else StageCost(cost.fixed_ms * s, cost.per_ms * s)
 
 
 def bytes_per_block(fleet: Fleet) -> float:

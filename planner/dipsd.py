@@ -11,7 +11,7 @@ pass, the accepted tokens and the bonus token come back, drafting resumes. Users
 into N batches verified one after another (pipeline stages); while the target verifies batch n
 the other batches draft, so drafting hides behind verification.
 
-Latency model, all in ms (the units of `kafila.session.speculate.StepCost.fit`):
+Latency model, all in ms (the units of `kafila.session.ring.speculation.speculate.StepCost.fit`):
 - drafting, user m: d_m(l) = draft_overhead_ms + network_ms + draft_ms_per_token · l
   (the paper's l_m · G_m plus τ_m^c; a drafter's StepCost fit (c, β) decoding one token per
   step gives draft_ms_per_token = c + β);
@@ -22,7 +22,7 @@ Latency model, all in ms (the units of `kafila.session.speculate.StepCost.fit`):
 - batch n's draft completion D_n = max_{m∈n} d_m(l_m) + ring_ms (the paper's epigraph t_n^d;
   `ring_ms`, 0 in the paper, is a fixed delay every batch spends away from the target's serial
   part, which other batches overlap: Kafila's ring hops, where the verifier is a pipeline of
-  stages and only the busiest machine's compute is serial — kafila.session.dipsd_live);
+  stages and only the busiest machine's compute is serial — kafila.session.ring.speculation.dipsd_live);
 - the pipeline span (one full round of all N batches, the paper's S):
       S = max(Σ_n v_n, max_n (D_n + v_n)),
   i.e. the target is busy Σ v_n per round and batch n's cycle (verify, return, draft) must fit

@@ -14,6 +14,22 @@ is absent or `null` means the device could not measure it: that is what moves a 
 admission tier (see `planner.admission`), so it is not an input error. A measurement that is
 present must be valid (bandwidth and TFLOP/s > 0, overhead and RTT >= 0).
 Unknown keys (`site`, `source`, ...) are ignored.
+
+Every number is bounded, not only typed (issue 38: a member's descriptor is an input): finite, not
+negative, and under a ceiling far above any real machine (`MAX_*` below), so that 1e308 GB of
+memory, NaN bandwidth or "lots" is a `PlanInputError` naming the field, never an OverflowError
+deep in the cost model.
+
+Mixture-of-experts blocks (issue 34) keep two figures: `block_bytes` is every weight of a block
+(memory, admission), and a token reads only the dense part and `experts_used` of `expert_count`
+experts of `expert_bytes` each (`Model.block_read_bytes`; B rows read the expected union,
+`Model.read_bytes`). `head_read_bytes` is what the head reads a token (the lm_head matrix and one
+embedding row; absent: `head_bytes`). Per device, besides bandwidth and overhead, the probe
+may give `block_us` (a block's fixed compute beyond its bytes: the backend's dispatch of its
+ops, measured), `block_gbps` (the rate weights stream at through the backend's quantized
+matrix-vector products, which a token's bytes pay instead of the plain read `bandwidth_gbps`
+measures), `head_us` (the head's, likewise) and `machine` (an identity members on one
+computer share: they compute one at a time, planner.plan prices them so).
 """
 
 from __future__ import annotations
@@ -29,6 +45,20 @@ from planner.errors import PlanInputError
 __all__ = ["BYTES_PER_GB", "Device", "Fleet", "Model", "Nat", "parse_fleet"]
 
 BYTES_PER_GB = 1e9
+# Ceilings on a fleet's numbers: far above any household machine, low enough that products of
+# them (bytes × tokens × requests) stay finite floats.
+MAX_MEMORY_GB = 1e6
+MAX_BANDWIDTH_GBPS = 1e6
+MAX_OVERHEAD_US = 1e8  # 100 s a step
+MAX_TFLOPS = 1e6
+MAX_RTT_MS = 1e6
+MAX_BYTES = 1e15  # one block's or the head's bytes
+MAX_BLOCKS = 100_000
+MAX_CONTEXT_TOKENS = 1 << 24
+MAX_CONCURRENCY = 1 << 16
+MAX_EXPERTS = 1 << 16
+MAX_DEVICES = 256
+MAX_NAME_CHARS = 256
 
 
 class Nat(str, Enum):
@@ -53,6 +83,32 @@ class Model:
     block_resident_bytes: float | None = None  # one block's weights as the backend holds them
     head_resident_bytes: float | None = None  # the head's (embedding, lm_head, sampler) likewise
     anchor_bytes: float = 0.0  # the anchor's extra: it hosts the session (serves weights, digests)
+    # Mixture of experts: E experts of `expert_bytes` each in a block, k read per token (0: dense).
+    expert_count: int = 0
+    experts_used: int = 0
+    expert_bytes: float = 0.0
+    head_read_bytes: float | None = None  # what a token reads at the head (absent: head_bytes)
+
+    @property
+    def head_read(self) -> float:
+        """Bytes the head reads for one token (the lm_head matrix, one embedding row)."""
+        return self.head_bytes if self.head_read_bytes is None else self.head_read_bytes
+
+    @property
+    def block_read_bytes(self) -> float:
+        """Bytes one token reads of one block: every weight of a dense block; of an MoE block the
+        dense part and k of its E experts."""
+        return self.read_bytes(1)
+
+    def read_bytes(self, rows: int) -> float:
+        """Bytes a step of `rows` rows (users, drafts) reads of one block: the dense part and the
+        expected union of the experts the rows choose, E·(1 − (1 − k/E)^rows)·expert_bytes
+        (each row picks k of E; the union is read once)."""
+        if self.expert_count <= 0:
+            return self.block_bytes
+        e, k = self.expert_count, self.experts_used
+        dense = self.block_bytes - e * self.expert_bytes
+        return dense + e * (1.0 - (1.0 - k / e) ** max(1, rows)) * self.expert_bytes
 
     @property
     def block_memory(self) -> float:
@@ -76,6 +132,10 @@ class Device:
     rtt_ms: float | None = None  # round trip to the rendezvous, ms
     nat: Nat | None = None  # NAT behaviour class
     tflops: float | None = None  # arithmetic throughput, TFLOP/s
+    block_us: float | None = None  # a block's fixed compute beyond its bytes (dispatch), µs
+    block_gbps: float | None = None  # the rate a block's weights stream at in its matmuls, GB/s
+    head_us: float | None = None  # the head's fixed compute (embedding, lm_head, pick), µs
+    machine: str | None = None  # members on one machine share its cores (one computes at a time)
 
     @property
     def memory_bytes(self) -> float:
@@ -107,8 +167,8 @@ def parse_fleet(data: Any, model: str | None = None) -> Fleet:
     """
     if not isinstance(data, Mapping):
         raise PlanInputError(f"fleet must be a JSON object, not {_kind(data)}")
-    context = _integer(data, "context", "fleet", minimum=1)
-    concurrency = _integer(data, "concurrency", "fleet", minimum=1)
+    context = _integer(data, "context", "fleet", 1, MAX_CONTEXT_TOKENS)
+    concurrency = _integer(data, "concurrency", "fleet", 1, MAX_CONCURRENCY)
     chosen = _choose_model(data, model)
     devices = _devices(data)
     anchor = _string(data, "anchor", "fleet")
@@ -157,24 +217,51 @@ def _model(raw: Any, key: str | None) -> Model:
     where = f"model {key!r}" if key else "model"
     name = key if key is not None and "name" not in raw else _string(raw, "name", where)
     where = f"model {name!r}"
+    block_bytes = _number(raw, "block_bytes", where, positive=True, high=MAX_BYTES)
+    experts = _experts(raw, where, block_bytes)
     return Model(
         name=name,
-        blocks=_integer(raw, "blocks", where, minimum=1),
-        block_bytes=_number(raw, "block_bytes", where, positive=True),
-        head_bytes=_number(raw, "head_bytes", where, positive=False),
+        blocks=_integer(raw, "blocks", where, 1, MAX_BLOCKS),
+        block_bytes=block_bytes,
+        head_bytes=_number(raw, "head_bytes", where, positive=False, high=MAX_BYTES),
         kv_bytes_per_token_per_block=_number(
-            raw, "kv_bytes_per_token_per_block", where, positive=False
+            raw, "kv_bytes_per_token_per_block", where, positive=False, high=MAX_BYTES
         ),
         process_bytes=_optional(raw, "process_bytes", where) or 0.0,
         block_resident_bytes=_optional(raw, "block_resident_bytes", where),
         head_resident_bytes=_optional(raw, "head_resident_bytes", where),
         anchor_bytes=_optional(raw, "anchor_bytes", where) or 0.0,
+        expert_count=experts[0],
+        experts_used=experts[1],
+        expert_bytes=experts[2],
+        head_read_bytes=_optional(raw, "head_read_bytes", where),
     )
 
 
+def _experts(raw: Mapping[str, Any], where: str, block_bytes: float) -> tuple[int, int, float]:
+    """(E, k, bytes of one expert) of an MoE block; (0, 0, 0.0) for a dense one."""
+    keys = ("expert_count", "experts_used", "expert_bytes")
+    present = [k for k in keys if raw.get(k) is not None]
+    if not present:
+        return 0, 0, 0.0
+    if len(present) != len(keys):
+        raise PlanInputError(f"{where}: an MoE model gives all of {', '.join(keys)}")
+    count = _integer(raw, "expert_count", where, 1, MAX_EXPERTS)
+    used = _integer(raw, "experts_used", where, 1, count)
+    each = _number(raw, "expert_bytes", where, positive=True, high=MAX_BYTES)
+    if count * each > block_bytes:
+        raise PlanInputError(
+            f"{where}: {count} experts of {each:.0f} bytes exceed the block's "
+            f"block_bytes ({block_bytes:.0f}); block_bytes counts every expert"
+        )
+    return count, used, each
+
+
 def _optional(raw: Mapping[str, Any], key: str, where: str) -> float | None:
-    """An optional byte count: absent or null → None, else a number >= 0."""
-    return None if raw.get(key) is None else _number(raw, key, where, positive=False)
+    """An optional byte count: absent or null → None, else a number 0..MAX_BYTES."""
+    if raw.get(key) is None:
+        return None
+    return _number(raw, key, where, positive=False, high=MAX_BYTES)
 
 
 def _devices(data: Mapping[str, Any]) -> tuple[Device, ...]:
@@ -185,6 +272,8 @@ def _devices(data: Mapping[str, Any]) -> tuple[Device, ...]:
         raise PlanInputError(f'fleet "devices" must be a list, not {_kind(raw)}')
     if not raw:
         raise PlanInputError("fleet has no devices; a session needs at least one")
+    if len(raw) > MAX_DEVICES:
+        raise PlanInputError(f"fleet has {len(raw)} devices; at most {MAX_DEVICES} are planned")
     devices: list[Device] = []
     seen: set[str] = set()
     for index, entry in enumerate(raw):
@@ -195,15 +284,20 @@ def _devices(data: Mapping[str, Any]) -> tuple[Device, ...]:
             raise PlanInputError(f"device name {name!r} appears twice; names must be unique")
         seen.add(name)
         where = f"device {name!r}"
+        machine = entry.get("machine")
         devices.append(
             Device(
                 name=name,
-                memory_gb=_number(entry, "memory_gb", where, positive=True),
-                bandwidth_gbps=_measured(entry, "bandwidth_gbps", where),
-                overhead_us=_measured(entry, "overhead_us", where, zero_ok=True),
-                rtt_ms=_measured(entry, "rtt_ms", where, zero_ok=True),
+                memory_gb=_number(entry, "memory_gb", where, positive=True, high=MAX_MEMORY_GB),
+                bandwidth_gbps=_measured(entry, "bandwidth_gbps", where, MAX_BANDWIDTH_GBPS),
+                overhead_us=_measured(entry, "overhead_us", where, MAX_OVERHEAD_US, zero_ok=True),
+                rtt_ms=_measured(entry, "rtt_ms", where, MAX_RTT_MS, zero_ok=True),
                 nat=_nat(entry, where),
-                tflops=_measured(entry, "tflops", where),
+                tflops=_measured(entry, "tflops", where, MAX_TFLOPS),
+                block_us=_measured(entry, "block_us", where, MAX_OVERHEAD_US, zero_ok=True),
+                block_gbps=_measured(entry, "block_gbps", where, MAX_BANDWIDTH_GBPS),
+                head_us=_measured(entry, "head_us", where, MAX_OVERHEAD_US, zero_ok=True),
+                machine=None if machine is None else _string(entry, "machine", where),
             )
         )
     return tuple(devices)
@@ -215,10 +309,10 @@ def _nat(entry: Mapping[str, Any], where: str) -> Nat | None:
         return None
     try:
         return Nat(value)
-    except ValueError:
+    except (ValueError, TypeError):
         choices = ", ".join(n.value for n in Nat)
         raise PlanInputError(
-            f'{where}: "nat" must be one of {choices} or null, not {value!r}'
+            f'{where}: "nat" must be one of {choices} or null, not {_shown(value)}'
         ) from None
 
 
@@ -226,23 +320,34 @@ def _kind(value: Any) -> str:
     return "null" if value is None else type(value).__name__
 
 
+def _shown(value: Any) -> str:
+    """A value as an error line quotes it: short, whatever a member sent."""
+    text = repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
 def _string(raw: Mapping[str, Any], key: str, where: str) -> str:
     if key not in raw:
         raise PlanInputError(f'{where} is missing "{key}"')
     value = raw[key]
-    if not isinstance(value, str) or not value:
-        raise PlanInputError(f'{where}: "{key}" must be a non-empty string, not {value!r}')
+    if not isinstance(value, str) or not 1 <= len(value) <= MAX_NAME_CHARS:
+        raise PlanInputError(
+            f'{where}: "{key}" must be a string of 1..{MAX_NAME_CHARS} characters, '
+            f"not {_shown(value)}"
+        )
     return value
 
 
-def _integer(raw: Mapping[str, Any], key: str, where: str, minimum: int) -> int:
+def _integer(raw: Mapping[str, Any], key: str, where: str, minimum: int, maximum: int) -> int:
     if key not in raw:
         raise PlanInputError(f'{where} is missing "{key}"')
     value = raw[key]
-    if isinstance(value, float) and value.is_integer():
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise PlanInputError(f'{where}: "{key}" must be an integer >= {minimum}, not {value!r}')
+    if isinstance(value, bool) or not isinstance(value, int) or not minimum <= value <= maximum:
+        raise PlanInputError(
+            f'{where}: "{key}" must be an integer {minimum}..{maximum}, not {_shown(value)}'
+        )
     return value
 
 
@@ -250,21 +355,27 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
 
 
-def _number(raw: Mapping[str, Any], key: str, where: str, positive: bool) -> float:
+def _number(
+    raw: Mapping[str, Any], key: str, where: str, positive: bool, high: float
+) -> float:
     if key not in raw:
         raise PlanInputError(f'{where} is missing "{key}"')
     value = raw[key]
-    if not _is_number(value) or value < 0 or (positive and value == 0):
-        bound = "> 0" if positive else ">= 0"
-        raise PlanInputError(f'{where}: "{key}" must be a number {bound}, not {value!r}')
+    if not _is_number(value) or not 0 <= value <= high or (positive and value == 0):
+        bound = f"> 0 and <= {high:g}" if positive else f"0..{high:g}"
+        raise PlanInputError(f'{where}: "{key}" must be a number {bound}, not {_shown(value)}')
     return float(value)
 
 
-def _measured(raw: Mapping[str, Any], key: str, where: str, zero_ok: bool = False) -> float | None:
+def _measured(
+    raw: Mapping[str, Any], key: str, where: str, high: float, zero_ok: bool = False
+) -> float | None:
     value = raw.get(key)
     if value is None:  # absent or null: not measured
         return None
-    if not _is_number(value) or value < 0 or (not zero_ok and value == 0):
-        bound = ">= 0" if zero_ok else "> 0"
-        raise PlanInputError(f'{where}: "{key}" must be a number {bound} or null, not {value!r}')
+    if not _is_number(value) or not 0 <= value <= high or (not zero_ok and value == 0):
+        bound = f"0..{high:g}" if zero_ok else f"> 0 and <= {high:g}"
+        raise PlanInputError(
+            f'{where}: "{key}" must be a number {bound} or null, not {_shown(value)}'
+        )
     return float(value)

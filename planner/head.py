@@ -2,7 +2,8 @@
 
 Rotating a ring leaves every edge in place, so choosing the head does not disturb the
 ordering: the planner solves PARTITION once per rotation (the head first, paying β_head/b̄
-and holding fewer blocks) and keeps the cheapest. Overhead measurements are noisy, so the
+and holding fewer blocks) and keeps the cheapest. Members that share a machine are priced as
+sharing it (cost.shared_cost). Overhead measurements are noisy, so the
 anchor stays head unless some rotation's bottleneck τ* is below τ_anchor·(1 − µ), µ = 0.05.
 Among equally cheap rotations the first one after the anchor in ring order wins.
 """
@@ -13,7 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from planner.cost import Tier, block_limit, stage_cost
+from planner.cost import Tier, block_limit, shared_cost
 from planner.fleet import Device, Fleet
 from planner.partition import Division, partition
 
@@ -40,7 +41,7 @@ def partition_with_head(
 ) -> HeadChoice | None:
     """PARTITION for the rotation that starts at ring[head] (the head)."""
     order = _rotated(ring, head)
-    costs = [stage_cost(d, fleet, tier, is_head=(i == 0)) for i, d in enumerate(order)]
+    costs = [shared_cost(d, fleet, tier, is_head=(i == 0)) for i, d in enumerate(order)]
     blocks = fleet.model.blocks
     if respect_memory:
         limits = [block_limit(d, fleet, is_head=(i == 0)) for i, d in enumerate(order)]

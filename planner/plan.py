@@ -84,10 +84,27 @@ class Plan:
     stage_ms: tuple[float, ...] | None  # None in the memory tier
     edges: tuple[RingEdge, ...]
     refused: tuple[Refusal, ...]
+    # each member's machine identity (ring order); None: every member counts as its own machine
+    machines: tuple[str, ...] | None = None
+    # of the head's stage_ms, its token pick (the lm_head's bytes and the pick's fixed cost)
+    head_ms: float | None = None
+
+    @property
+    def machine_ms(self) -> dict[str, float] | None:
+        """Each machine's stages summed (members of one machine compute one at a time)."""
+        if self.stage_ms is None:
+            return None
+        names = self.machines or self.ring
+        busy: dict[str, float] = {}
+        for machine, ms in zip(names, self.stage_ms, strict=True):
+            busy[machine] = busy.get(machine, 0.0) + ms
+        return busy
 
     @property
     def bottleneck_ms(self) -> float | None:
-        return None if self.stage_ms is None else max(self.stage_ms)
+        """The busiest machine's time a token: one stage's, or the sum of a machine's stages."""
+        busy = self.machine_ms
+        return None if busy is None else max(busy.values())
 
     @property
     def imbalance(self) -> float | None:
@@ -168,6 +185,8 @@ class Plan:
             stage_ms=_stage_ms(data.get("stage_ms"), ring),
             edges=_edges(data.get("edges", ()), ring),
             refused=_refused(data.get("refused", ())),
+            machines=_machines(data.get("machines"), ring),
+            head_ms=_ms(data.get("head_ms"), "plan.head_ms"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -177,7 +196,7 @@ class Plan:
             return None if value is None else round(value, _JSON_DIGITS)
 
         stages = self.stage_ms if self.stage_ms is not None else (None,) * len(self.ring)
-        return {
+        out = {
             "feasible": self.feasible,
             "tier": self.tier.value,
             "policy": self.policy.value,
@@ -192,6 +211,11 @@ class Plan:
             ],
             "refused": [{"device": r.device, "short_bytes": r.short_bytes} for r in self.refused],
         }
+        if self.machines is not None:  # members that share a machine's cores
+            out["machines"] = dict(zip(self.ring, self.machines, strict=True))
+        if self.head_ms is not None:
+            out["head_ms"] = ms(self.head_ms)
+        return out
 
 
 def make_plan(fleet: Fleet, policy: Policy | str = Policy.KAFILA) -> Plan:
@@ -200,12 +224,14 @@ def make_plan(fleet: Fleet, policy: Policy | str = Policy.KAFILA) -> Plan:
     tier = choose_tier(fleet.devices)
     ring = order_ring(fleet.devices, fleet.anchor)  # anchor first
     order, counts = _divide(ring, fleet, tier, policy)
-    stages = None
+    stages = head_ms = None
     if tier is not Tier.MEMORY:
         stages = tuple(
             stage_cost(d, fleet, tier, is_head=(i == 0)).at(n)
             for i, (d, n) in enumerate(zip(order, counts, strict=True))
         )
+        head_ms = (stage_cost(order[0], fleet, tier, is_head=True).fixed_ms
+                   - stage_cost(order[0], fleet, tier, is_head=False).fixed_ms)
     refused = refusals(order, counts, fleet)
     return Plan(
         feasible=not refused,
@@ -217,7 +243,15 @@ def make_plan(fleet: Fleet, policy: Policy | str = Policy.KAFILA) -> Plan:
         stage_ms=stages,
         edges=ring_edges(order),
         refused=refused,
+        machines=_machine_names(order),
+        head_ms=head_ms,
     )
+
+
+def _machine_names(order: tuple[Device, ...]) -> tuple[str, ...] | None:
+    """Each member's machine (its own name where it gave none); None when no two share one."""
+    names = tuple(d.machine or f"member:{d.name}" for d in order)
+    return names if len(set(names)) < len(names) else None
 
 
 def _divide(
@@ -291,6 +325,17 @@ def _edges(value: Any, ring: list[str]) -> tuple[RingEdge, ...]:
             raise PlanInputError("plan.edges: an edge's kind is direct or relay") from None
         out.append(RingEdge(e["from"], e["to"], kind, _ms(e.get("ms"), "plan.edges[].ms")))
     return tuple(out)
+
+
+def _machines(value: Any, ring: list[str]) -> tuple[str, ...] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or set(value) != set(ring):
+        raise PlanInputError("plan.machines must name a machine for exactly the ring's members")
+    for n in ring:
+        if not isinstance(value[n], str) or not 1 <= len(value[n]) <= MAX_PLAN_NAME_CHARS + 8:
+            raise PlanInputError(f"plan.machines[{n!r}] must be a short machine name")
+    return tuple(value[n] for n in ring)
 
 
 def _refused(value: Any) -> tuple[Refusal, ...]:

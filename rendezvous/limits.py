@@ -37,6 +37,21 @@ MAX_PENDING_PER_SESSION = 4  # more pending joins at once are refused ("full")
 PENDING_TIMEOUT_S = 30.0  # a pending id the host has not admitted by then is dropped
 PENDING_BODIES_MAX = 4  # bodies a pending id may send to the host (PAKE, hello)
 PENDING_BYTES_MAX = 96 * 1024  # in all: the hello carries the member's descriptor (<= 64 KiB)
+# Pending slots cannot be hogged: a join that finds them full waits in line (arrival order), a
+# pending id must begin its PAKE within PAKE_START_S, and one address holds at most
+# MAX_PENDING_PER_SOURCE pending or waiting joins of a session, so a stranger's connections
+# hold a slot for seconds and a real joiner's turn comes within a few of those.
+MAX_PENDING_PER_SOURCE = 2
+PAKE_START_S = 3.0  # from Joined to the pending id's first body (its PAKE: the joiner measured its NAT before)
+MAX_WAITING_JOINS = 64  # per session; more get "busy" (the joiner asks again)
+JOIN_WAIT_S = 8.0  # in line longer than this: "busy" (the joiner asks again; its own wait is 10 s)
+# Nameplate scanning is slow and seen: each address may ask for nameplates that do not exist
+# UNKNOWN_JOIN_BURST times, then one per 1/UNKNOWN_JOINS_PER_S s; past that every join from it is
+# refused (also to live nameplates, so refusals tell a scanner nothing). 9999 nameplates: ~5.5 h.
+UNKNOWN_JOIN_BURST = 10
+UNKNOWN_JOINS_PER_S = 0.5
+MAX_TRACKED_SOURCES = 4096  # addresses whose misses are remembered (the oldest forgotten first)
+NOTICE_INTERVAL_S = 60.0  # "n joins refused from ADDR": one line per address and interval
 MAX_RELAY_EDGES_PER_MEMBER = 64  # edges one member may have asked for at once
 # resume: a session re-created after a restart gives new joiners ids from here, above any id the
 # old rendezvous handed out (it counts from 1), so a member that resumes later never collides

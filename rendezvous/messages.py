@@ -216,6 +216,33 @@ class EdgeResume:
     peer: int
 
 
+@dataclass(frozen=True)
+class Reopen:
+    """host -> rendezvous: close the nameplate joins use now and open another for this session
+    (a fresh code: after a wrong guess, or on the host's command). nameplate 0: any free one; else
+    that one if free (the host re-claims its code after the rendezvous restarted)."""
+
+    TAG: ClassVar[int] = 20
+    nameplate: int = 0
+
+
+@dataclass(frozen=True)
+class Reopened:
+    """rendezvous -> host: joins now go to this nameplate (the session's own one stays its id)."""
+
+    TAG: ClassVar[int] = 21
+    nameplate: int
+
+
+@dataclass(frozen=True)
+class Notice:
+    """rendezvous -> host: what the host should see about its session (joins refused, and from
+    where), at most once per NOTICE_INTERVAL_S."""
+
+    TAG: ClassVar[int] = 22
+    reason: str
+
+
 def resume_proof(key: bytes, nameplate: int, rid: int) -> bytes:
     """What member rid shows to resume: a MAC under the host's key (the host's own proof is the key)."""
     if rid == 0:
@@ -226,14 +253,14 @@ def resume_proof(key: bytes, nameplate: int, rid: int) -> bytes:
 Message = (
     Open | Opened | Join | Joined | Send | Deliver | PeerLeft | EdgeRequest | EdgeAllocated
     | Kick | CloseNameplate | Heartbeat | Bye | Error | SessionClosed | Admit | Resume | Resumed
-    | EdgeResume
+    | EdgeResume | Reopen | Reopened | Notice
 )
 _BY_TAG: dict[int, type] = {
     cls.TAG: cls
     for cls in (
         Open, Opened, Join, Joined, Send, Deliver, PeerLeft, EdgeRequest, EdgeAllocated,
         Kick, CloseNameplate, Heartbeat, Bye, Error, SessionClosed, Admit, Resume, Resumed,
-        EdgeResume,
+        EdgeResume, Reopen, Reopened, Notice,
     )
 }
 

@@ -33,7 +33,9 @@ into it. Relay edges the restarted relay lost come back when both ends send `Edg
 
 from __future__ import annotations
 
+import collections
 import hmac
+import itertools
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,17 +48,21 @@ from rendezvous.limits import (
     HOST_SIGNAL_BURST_FRAMES,
     HOST_SIGNAL_BYTES_PER_S,
     HOST_SIGNAL_FRAMES_PER_S,
+    JOIN_WAIT_S,
     MAX_CONNECTIONS,
     MAX_MEMBERS_PER_SESSION,
     MAX_NAMEPLATE,
     MAX_PENDING_PER_SESSION,
+    MAX_PENDING_PER_SOURCE,
     MAX_RELAY_EDGES_PER_MEMBER,
     MAX_RELAY_EDGES_PER_SESSION,
     MAX_SESSIONS,
     MAX_SIGNAL_FRAMES_PER_S,
+    MAX_WAITING_JOINS,
     MEMBER_SIGNAL_BURST_BYTES,
     MEMBER_SIGNAL_BYTES_PER_S,
     MEMBER_SILENT_S,
+    PAKE_START_S,
     PENDING_BODIES_MAX,
     PENDING_BYTES_MAX,
     PENDING_TIMEOUT_S,
@@ -65,6 +71,7 @@ from rendezvous.limits import (
     SIGNAL_FRAME_COST_BYTES,
 )
 from rendezvous.relay import RelayTable, TokenBucket
+from rendezvous.sources import SourceCounts, UnknownJoins
 
 
 @dataclass(frozen=True)
@@ -79,7 +86,12 @@ class CloseConn:
     reason: str
 
 
-Action = SendTo | CloseConn
+@dataclass(frozen=True)
+class Log:
+    text: str  # a warning for the rendezvous' own log (someone scans nameplates)
+
+
+Action = SendTo | CloseConn | Log
 
 
 @dataclass
@@ -95,6 +107,9 @@ class _Conn:
     joined_at: float = 0.0
     pending_bodies: int = 0
     pending_bytes: int = 0
+    source: str = ""  # the peer's address (IP), for per-source limits
+    waiting: int | None = None  # the nameplate of the session whose pending slot it waits for
+    began: bool = False  # a pending id sent its first body (its PAKE)
 
 
 @dataclass
@@ -109,6 +124,12 @@ class _Session:
     resume_key: bytes = b""  # the host's (Open); empty: nobody can resume into this session
     edge_claims: dict[bytes, tuple[int, int, float]] = field(default_factory=dict)  # EdgeResume: edge -> (rid, peer, at)
     gone: set[int] = field(default_factory=set)  # ids the host was told left: they cannot resume
+    join_plate: int = 0  # the nameplate joins use (Reopen moves it; `nameplate` stays the session's id)
+    waiting: collections.deque = field(default_factory=collections.deque)  # conns in line for a slot
+    refused: SourceCounts = field(default_factory=SourceCounts)  # joins refused, told to the host
+
+    def __post_init__(self) -> None:
+        self.join_plate = self.join_plate or self.nameplate
 
 
 class Registry:
@@ -128,6 +149,8 @@ class Registry:
         self._random_below = random_below
         self._conns: dict[int, _Conn] = {}
         self._sessions: dict[int, _Session] = {}  # by nameplate (live or closed nameplate)
+        self._aliases: dict[int, int] = {}  # a reopened session's join nameplate -> its nameplate
+        self._unknown = UnknownJoins()  # per source: joins to nameplates that do not exist
         self.rejected = 0  # requests refused (bad joins, bad messages), for tests and logs
 
     @property
@@ -147,22 +170,30 @@ class Registry:
         session = self._sessions.get(nameplate)
         return sorted(session.pending) if session else []
 
+    def unassigned(self, conn: int) -> bool:  # in no session, no line: the service may close it for room
+        state = self._conns.get(conn)
+        return state is not None and state.session is None and state.waiting is None
+
     def is_host(self, conn: int) -> bool:
         state = self._conns.get(conn)
         return state is not None and state.session is not None and state.rid == 0
 
     # events from the asyncio layer
-    def connected(self, conn: int, now: float) -> list[Action]:
+    def connected(self, conn: int, now: float, source: str = "") -> list[Action]:
         if len(self._conns) >= MAX_CONNECTIONS:
             self.rejected += 1
             return [CloseConn(conn, "too many connections")]
         bucket = TokenBucket(MAX_SIGNAL_FRAMES_PER_S, SIGNAL_BURST_FRAMES)
         byte_bucket = TokenBucket(MEMBER_SIGNAL_BYTES_PER_S, MEMBER_SIGNAL_BURST_BYTES)
-        self._conns[conn] = _Conn(conn, now, now, bucket, byte_bucket)
+        self._conns[conn] = _Conn(conn, now, now, bucket, byte_bucket, source=source)
         return []
 
     def disconnected(self, conn: int, reason: str, now: float) -> list[Action]:
         state = self._conns.pop(conn, None)
+        if state is not None and state.waiting is not None:
+            session = self._sessions.get(state.waiting)
+            if session is not None and conn in session.waiting:
+                session.waiting.remove(conn)
         if state is None or state.session is None:
             return []
         return self._leave(state, reason)
@@ -175,6 +206,10 @@ class Registry:
         cost = SIGNAL_FRAME_COST_BYTES + len(getattr(message, "body", b""))
         if not state.bucket.take(1, now) or not state.byte_bucket.take(cost, now):
             return self._refuse(conn, "rate-limited", "too many signaling messages", fatal=True)
+        if state.waiting is not None:  # in line for a pending slot: it can only wait
+            if isinstance(message, m.Heartbeat):
+                return []
+            return self._refuse(conn, "not-joined", "wait for the answer to your join", fatal=True)
         if state.session is None:
             if isinstance(message, m.Open):
                 return self._open(state, message)
@@ -219,6 +254,8 @@ class Registry:
         if is_host and isinstance(message, m.CloseNameplate):
             session.open_for_joins = False
             return []
+        if is_host and isinstance(message, m.Reopen):
+            return self._reopen(state, session, message.nameplate)
         return self._refuse(conn, "unexpected", f"unexpected {type(message).__name__}")
 
     def tick(self, now: float) -> list[Action]:
@@ -227,7 +264,11 @@ class Registry:
         for state in list(self._conns.values()):
             if state.conn not in self._conns:
                 continue  # dropped with its session during this tick
-            if state.session is None and now - state.opened_at > HELLO_TIMEOUT_S:
+            if state.waiting is not None:
+                if now - state.joined_at > JOIN_WAIT_S:
+                    actions += self._refuse(state.conn, "busy", "too many joins at once; try again in a moment",
+                                            fatal=True)  # fmt: skip
+            elif state.session is None and now - state.opened_at > HELLO_TIMEOUT_S:
                 del self._conns[state.conn]
                 actions.append(CloseConn(state.conn, "no hello"))
             elif state.session is not None and now - state.last_seen > MEMBER_SILENT_S:
@@ -235,6 +276,19 @@ class Registry:
             elif state.session is not None and not state.admitted and now - state.joined_at > PENDING_TIMEOUT_S:
                 actions.append(SendTo(state.conn, m.Error("not-admitted", "the host did not admit you in time")))
                 actions += self._drop(state, "not admitted in time", "not admitted")
+            elif state.session is not None and not state.admitted and not state.began \
+                    and now - state.joined_at > PAKE_START_S:
+                actions.append(SendTo(state.conn, m.Error("not-admitted", f"no PAKE within {PAKE_START_S:g} s")))
+                actions += self._drop(state, "no PAKE in time", "no PAKE in time")
+        for session in list(self._sessions.values()):
+            actions += self._next_in_line(session, now)
+            notice = session.refused.report(now, "joins refused from {source} in the last minute "
+                                            "(too many at once from one address, or the line was full)")
+            if notice and session.host_conn in self._conns:
+                actions.append(SendTo(session.host_conn, m.Notice(notice[: m.MAX_REASON_CHARS])))
+        scans = self._unknown.report(now)
+        if scans:
+            actions.append(Log(scans))
         for session in self._sessions.values():
             for edge_id in [e for e, (_, _, at) in session.edge_claims.items() if now - at > EDGE_CLAIM_TTL_S]:
                 del session.edge_claims[edge_id]
@@ -267,6 +321,7 @@ class Registry:
         if message.to != 0:
             return self._refuse(state.conn, "forbidden", "members may only send to the host", fatal=True)
         state.pending_bodies += 1
+        state.began = True
         state.pending_bytes += len(message.body)
         if state.pending_bodies > PENDING_BODIES_MAX or state.pending_bytes > PENDING_BYTES_MAX:
             return self._refuse(state.conn, "not-admitted", "too much before the host admitted you",
@@ -279,12 +334,7 @@ class Registry:
             return self._refuse(state.conn, "full", "the rendezvous is full", fatal=True)
         if message.resume_key and len(message.resume_key) != m.RESUME_KEY_BYTES:
             return self._refuse(state.conn, "malformed", "a resume key must be 32 bytes", fatal=True)
-        nameplate = 0
-        for _ in range(100):
-            candidate = 1 + self._random_below(MAX_NAMEPLATE)
-            if candidate not in self._sessions:
-                nameplate = candidate
-                break
+        nameplate = self._free_nameplate()
         if not nameplate:
             return self._refuse(state.conn, "full", "no free nameplate", fatal=True)
         session = _Session(nameplate, state.conn, resume_key=message.resume_key)
@@ -292,6 +342,28 @@ class Registry:
         token = self._add_member(session, state, 0)
         self._admit_host(state, session, token)
         return [SendTo(state.conn, m.Opened(nameplate, 0, token, self.stun_port2))]
+
+    def _free_nameplate(self, wanted: int = 0) -> int:
+        """A nameplate neither a session nor a join alias holds (`wanted` if free); 0: none."""
+        tries = [wanted] if wanted else []
+        for candidate in itertools.chain(tries, (1 + self._random_below(MAX_NAMEPLATE) for _ in range(100))):
+            if candidate not in self._sessions and candidate not in self._aliases:
+                return candidate
+        return 0
+
+    def _reopen(self, state: _Conn, session: _Session, wanted: int) -> list[Action]:
+        """The host's fresh code: joins go to a new nameplate from now on; the old one is closed."""
+        if session.join_plate != session.nameplate and wanted == session.join_plate:
+            session.open_for_joins = True  # the one it has (the host re-claims it after a resume)
+            return [SendTo(state.conn, m.Reopened(wanted))]
+        plate = self._free_nameplate(wanted)
+        if not plate:
+            return self._refuse(state.conn, "full", "no free nameplate")
+        self._aliases.pop(session.join_plate, None)
+        session.join_plate, session.open_for_joins = plate, True
+        if plate != session.nameplate:
+            self._aliases[plate] = session.nameplate
+        return [SendTo(state.conn, m.Reopened(plate))]
 
     def _admit_host(self, state: _Conn, session: _Session, token: bytes) -> None:
         state.admitted = True
@@ -301,7 +373,7 @@ class Registry:
 
     def _resume(self, state: _Conn, message: m.Resume, now: float) -> list[Action]:
         """A member (or the host) back on a new connection; see the module's docstring."""
-        session = self._sessions.get(message.nameplate)
+        session = self._sessions.get(self._aliases.get(message.nameplate, message.nameplate))
         if self.relay.has_token(message.relay_token) and (
                 session is None or session.tokens.get(message.rid) != message.relay_token):
             return self._refuse(state.conn, "bad-resume", "that relay token belongs to someone else", fatal=True)
@@ -375,19 +447,49 @@ class Registry:
         return []
 
     def _join(self, state: _Conn, message: m.Join, now: float) -> list[Action]:
-        session = self._sessions.get(message.nameplate)
-        if session is None or not session.open_for_joins:
+        if not self._unknown.allowed(state.source, now):  # a scanner: refused whatever it asks
+            return self._refuse(state.conn, "rate-limited", "too many joins to nameplates that do not "
+                                "exist from your address; wait a minute and check the code", fatal=True)  # fmt: skip
+        session = self._sessions.get(self._aliases.get(message.nameplate, message.nameplate))
+        if session is None or not session.open_for_joins or session.join_plate != message.nameplate:
+            self._unknown.miss(state.source, now)
             return self._refuse(
                 state.conn, "unknown-nameplate",
                 f"no open session with nameplate {message.nameplate}", fatal=True,
             )
         if len(session.members) >= MAX_MEMBERS_PER_SESSION:
             return self._refuse(state.conn, "full", "the session is full", fatal=True)
-        if len(session.pending) >= MAX_PENDING_PER_SESSION:
-            # "busy", not "full": transient (the host admits pending ids within seconds), and
-            # a joiner's Member.join retries it by itself
-            return self._refuse(state.conn, "busy", "too many joins at once; try again in a moment",
-                                fatal=True)
+        # "busy", not "full": transient (a pending slot frees within seconds), and a joiner's
+        # Member.join asks again by itself
+        if self._held_by(session, state.source) >= MAX_PENDING_PER_SOURCE or len(session.waiting) >= MAX_WAITING_JOINS:
+            session.refused.add(state.source)
+            return self._refuse(state.conn, "busy", "too many joins at once; try again in a moment", fatal=True)
+        if len(session.pending) >= MAX_PENDING_PER_SESSION or session.waiting:
+            state.waiting, state.joined_at = session.nameplate, now  # in line, in arrival order
+            session.waiting.append(state.conn)
+            return []
+        return self._give_slot(session, state, now)
+
+    def _held_by(self, session: _Session, source: str) -> int:  # pending and waiting joins from source
+        conns = [session.members[rid] for rid in session.pending if rid in session.members]
+        conns += [c for c in session.waiting if c in self._conns]
+        return sum(1 for c in conns if self._conns[c].source == source) if source else 0
+
+    def _next_in_line(self, session: _Session, now: float) -> list[Action]:
+        """Free pending slots go to the joins waiting longest (those that left are skipped)."""
+        actions: list[Action] = []
+        while session.waiting and len(session.pending) < MAX_PENDING_PER_SESSION:
+            state = self._conns.get(session.waiting.popleft())
+            if state is None or state.waiting != session.nameplate:
+                continue
+            state.waiting = None
+            if len(session.members) >= MAX_MEMBERS_PER_SESSION or not session.open_for_joins:
+                actions += self._refuse(state.conn, "full", "the session is full or closed", fatal=True)
+                continue
+            actions += self._give_slot(session, state, now)
+        return actions
+
+    def _give_slot(self, session: _Session, state: _Conn, now: float) -> list[Action]:
         rid = session.next_rid
         session.next_rid += 1
         token = self._add_member(session, state, rid)
@@ -436,6 +538,7 @@ class Registry:
             return []
         # the host left: the session is over
         del self._sessions[session.nameplate]
+        self._aliases.pop(session.join_plate, None)
         actions: list[Action] = []
         for rid, conn in session.members.items():
             self._conns.pop(conn, None)

@@ -54,6 +54,12 @@ class TokenBucket:
         self.level -= n
         return True
 
+    def peek(self, now: float) -> float:
+        """The level now, without taking anything (a bucket never used is full)."""
+        if self.stamp is None:
+            return self.burst
+        return min(self.burst, self.level + (now - self.stamp) * self.rate_per_s)
+
 
 @dataclass
 class _Binding:

@@ -9,6 +9,7 @@ with an Error and the connection closed (TCP); the service itself never stops on
 from __future__ import annotations
 
 import asyncio
+import collections
 import contextlib
 import itertools
 import logging
@@ -17,7 +18,9 @@ from rendezvous import frames
 from rendezvous import messages as m
 from rendezvous.errors import ProtocolError
 from rendezvous.limits import MAX_DATAGRAM_BYTES
-from rendezvous.registry import Action, CloseConn, Registry, SendTo
+from rendezvous.limits import MAX_CONNECTIONS
+from rendezvous.quiet import BoundedLog, fd_share, quiet_accept_errors
+from rendezvous.registry import Action, CloseConn, Log, Registry, SendTo
 from rendezvous.relay import RelayTable
 from rendezvous.stun import ALTERNATE_IP, PRIMARY, SECOND_PORT, StunResponder
 from rendezvous.udp import AsyncioEndpoint, PktinfoEndpoint, open_endpoint
@@ -29,6 +32,7 @@ MAX_WRITE_BUFFER_BYTES = 4 * 1024 * 1024  # a member that reads slower than this
 TCP_READ_BYTES = 64 * 1024
 BIND_ATTEMPTS = 20
 LOCAL_ADDRESSES_MAX = 65536  # remembered "which of our addresses did this peer write to" entries
+FD_SHARE = 0.5  # of the fds above quiet.FD_RESERVE: signaling connections (the API takes a quarter)
 
 
 class Rendezvous:
@@ -48,6 +52,12 @@ class Rendezvous:
         self.stun_port2 = 0
         self.udp_dropped = 0
         self.dropped_senders = 0  # members dropped for flooding a connection that reads slower
+        # connections at once, from the fd limit: accept() must never fail for want of fds
+        self.max_connections = min(MAX_CONNECTIONS, fd_share(FD_SHARE))
+        # connections oldest first, until seen in a session (or its line): the evictable ones among them
+        self._fresh: collections.OrderedDict[int, None] = collections.OrderedDict()
+        self.evicted = 0  # silent connections closed to make room for a new one
+        self.quiet = BoundedLog(log)
 
     @classmethod
     async def start(
@@ -93,6 +103,7 @@ class Rendezvous:
         self.registry.stun_port2 = self.stun_port2
         self.address = (host, bound)
         self._ticker = asyncio.create_task(self._tick_forever(), name="rendezvous-tick")
+        quiet_accept_errors(asyncio.get_running_loop(), self.quiet)
         log.info("rendezvous on %s:%d (tcp+udp), stun also on udp %d", host, bound, self.stun_port2)
         return self
 
@@ -126,11 +137,18 @@ class Rendezvous:
         if task is not None:
             self._tasks.add(task)
         conn = next(self._conn_ids)
+        if not self._make_room():
+            writer.close()
+            if task is not None:
+                self._tasks.discard(task)
+            return
         self._writers[conn] = writer
+        self._fresh[conn] = None
         loop = asyncio.get_running_loop()
         reason = "disconnected"
+        peer = writer.get_extra_info("peername")
         try:
-            self._apply(self.registry.connected(conn, loop.time()))
+            self._apply(self.registry.connected(conn, loop.time(), peer[0] if peer else ""))
             frame_reader = m.FrameReader()
             while conn in self._writers:
                 data = await reader.read(TCP_READ_BYTES)
@@ -152,10 +170,29 @@ class Rendezvous:
             # calls task.exception() on a cancelled task and logs a traceback per connection
             reason = "rendezvous closing"
         finally:
+            self._fresh.pop(conn, None)
             self._apply(self.registry.disconnected(conn, reason, loop.time()))
             self._close_writer(conn)
             if task is not None:
                 self._tasks.discard(task)
+
+    def _make_room(self) -> bool:
+        """At the cap, the oldest connection in no session (idle, or dribbling half a frame) makes
+        room for the new one: such connections cannot keep a joiner (or the host resuming) out,
+        nor take the fds."""
+        if len(self._writers) < self.max_connections:
+            return True
+        while self._fresh:
+            oldest, _ = self._fresh.popitem(last=False)
+            if oldest in self._writers and self.registry.unassigned(oldest):
+                self.evicted += 1
+                self.quiet.note("evicted", f"{self.max_connections} signaling connections are open (cap "
+                                "from the fd limit); closing the oldest that is in no session")  # fmt: skip
+                self._close_writer(oldest)
+                return True
+        self.quiet.note("full", f"{self.max_connections} signaling connections are open, each in a "
+                        "session (cap from the fd limit); refusing new ones")  # fmt: skip
+        return False
 
     def _apply(self, actions: list[Action], origin: int | None = None) -> None:
         """Carry out the registry's actions; `origin` is the connection whose message caused them."""
@@ -164,6 +201,8 @@ class Rendezvous:
                 self._send(action.conn, action.message, origin)
             elif isinstance(action, CloseConn):
                 self._close_writer(action.conn)
+            elif isinstance(action, Log):
+                log.warning("rendezvous: %s", action.text)
 
     def _send(self, conn: int, message: m.Message, origin: int | None = None) -> None:
         """Write a frame; when the receiver's buffer is full, a member flooding it is dropped.

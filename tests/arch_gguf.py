@@ -10,6 +10,14 @@ Kinds (all 2 blocks, hidden 64, 4 query heads, 2 KV heads, tied embeddings, RoPE
 - "llama-linear": the "llama" weights with rope.scaling.type linear, factor 4.
 - "qwen2":        q/k/v biases, rows as HF has them (NEOX RoPE).
 - "qwen3":        per-head q/k RMSNorm weights, no biases, explicit key/value length 32 (≠ 64/4).
+Kinds of the families (tests/test_arch_families.py; 3 blocks):
+- "gemma3":       Gemma 3: q/k norms, post-attention and post-FFN norms, GeGLU, embedding scale,
+                  sliding window 8 on blocks 0 and 2 (pattern period 2) with their own RoPE base
+                  (freq_base_swa 10000 vs 1e6 on the full block 1), logit soft-capping 30.
+- "qwen3moe":     Qwen3's attention, 8 experts of FFN 32, top 2, renormalised.
+- "qwen2moe":     Qwen2's biases, 8 experts of FFN 32, top 2 (not renormalised), a gated shared expert,
+                  an untied output.weight (llama.cpp requires one).
+- "mixtral":      Llama with 4 experts of FFN 128 (llama.cpp: feed_forward_length), top 2 (Mixtral's layout).
 The llama kinds copy the tokenizer of llama.cpp's ggml-vocab-llama-bpe.gguf (Llama 3, 128256
 tokens), the qwen kinds ggml-vocab-qwen2.gguf's (151936 tokens): the embedding is 33–39 MB.
 
@@ -28,6 +36,10 @@ import numpy as np
 from tests.llamacpp_files import vocab_file
 
 KINDS = ("llama", "llama3", "llama-linear", "qwen2", "qwen3")
+FAMILY_KINDS = ("gemma3", "qwen3moe", "qwen2moe", "mixtral")
+ARCH_OF = {"mixtral": "llama"}
+EXPERTS = {"qwen3moe": (8, 2, 32), "qwen2moe": (8, 2, 32), "mixtral": (4, 2, 128)}  # E, k, expert FFN
+GEMMA3_WINDOW = 8
 ROPE_BASE = 10000.0
 LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position": 256}
 
@@ -76,17 +88,20 @@ def _copy_tokenizer(w: gguf.GGUFWriter, vocab_name: str) -> int:
 def write_arch_gguf(path: str | os.PathLike, kind: str, *, blocks: int = 2, hidden: int = 64, heads: int = 4,
                     kv_heads: int = 2, ffn: int = 128, seed: int = 0, arch: str | None = None,
                     tiny_vocab: int = 0, extra_kv: dict | None = None,
-                    extra_tensors: dict[str, tuple[int, ...]] | None = None) -> str:
+                    extra_tensors: dict[str, tuple[int, ...]] | None = None,
+                    experts: tuple[int, int, int] | None = None) -> str:
     """A random F32 GGUF of `kind` (see the module docstring).
 
     For the refusal tests: `arch` overrides general.architecture, `tiny_vocab` > 0 writes that many
     embedding rows and no tokenizer (milliseconds instead of seconds), `extra_kv` adds
-    {key: (value, GGUFValueType)} and `extra_tensors` adds {name: shape} random F32 tensors.
+    {key: (value, GGUFValueType)} and `extra_tensors` adds {name: shape} random F32 tensors;
+    `experts` (E, k, expert FFN) overrides a MoE kind's (bench/moe.py).
     """
-    if kind not in KINDS:
-        raise ValueError(f"unknown kind {kind!r}: choose from {KINDS}")
-    arch = arch or ("llama" if kind.startswith("llama") else kind)
-    head_dim = 32 if kind == "qwen3" else hidden // heads
+    if kind not in KINDS + FAMILY_KINDS:
+        raise ValueError(f"unknown kind {kind!r}: choose from {KINDS + FAMILY_KINDS}")
+    arch = arch or ARCH_OF.get(kind) or ("llama" if kind.startswith("llama") else kind)
+    head_dim = 32 if kind in ("qwen3", "qwen3moe", "gemma3") else hidden // heads
+    qk_norm = kind in ("qwen3", "qwen3moe", "gemma3")
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"kafila-test-{kind}")
@@ -96,25 +111,39 @@ def write_arch_gguf(path: str | os.PathLike, kind: str, *, blocks: int = 2, hidd
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
     w.add_head_count_kv(kv_heads)
-    if kind == "qwen3":
+    if qk_norm:
         w.add_key_length(head_dim)
         w.add_value_length(head_dim)
     w.add_rope_dimension_count(head_dim)
-    w.add_rope_freq_base(ROPE_BASE)
+    w.add_rope_freq_base(1e6 if kind == "gemma3" else ROPE_BASE)
+    if kind == "gemma3":
+        w.add_sliding_window(GEMMA3_WINDOW)
+        w.add_uint32(f"{arch}.attention.sliding_window_pattern", 2)
+        w.add_float32(f"{arch}.final_logit_softcapping", 30.0)
+    experts = experts or EXPERTS.get(kind)
+    if experts:
+        n_exp, n_used, exp_ffn = experts
+        w.add_expert_count(n_exp)
+        w.add_expert_used_count(n_used)
+        w.add_expert_feed_forward_length(exp_ffn)
+        if kind == "qwen2moe":
+            w.add_expert_shared_feed_forward_length(ffn)
     if kind == "llama-linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(4.0)
-    w.add_layer_norm_rms_eps(1e-5 if kind.startswith("llama") else 1e-6)
+    w.add_layer_norm_rms_eps(1e-5 if arch == "llama" else 1e-6)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     for key, (value, vtype) in (extra_kv or {}).items():
         w.add_key_value(key, value, vtype)
-    vocab = tiny_vocab or _copy_tokenizer(w, "llama-bpe" if kind.startswith("llama") else "qwen2")
+    vocab = tiny_vocab or _copy_tokenizer(w, "qwen2" if kind.startswith("qwen") else "llama-bpe")
 
     def add(name: str, shape: tuple[int, ...], scale: float, mean: float = 0.0) -> None:
         w.add_tensor(name, (mean + rng.standard_normal(shape) * scale).astype(np.float32))
 
-    add("token_embd.weight", (vocab, hidden), 1.0)  # tied: also the lm_head
+    add("token_embd.weight", (vocab, hidden), 0.125 if kind == "gemma3" else 1.0)  # tied: also the lm_head
     add("output_norm.weight", (hidden,), 0.1, 1.0)
+    if kind == "qwen2moe":
+        add("output.weight", (vocab, hidden), 1.0)
     if kind == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, ROPE_BASE, **LLAMA3_ROPE))
     q_rows, kv_rows = heads * head_dim, kv_heads * head_dim
@@ -124,15 +153,30 @@ def write_arch_gguf(path: str | os.PathLike, kind: str, *, blocks: int = 2, hidd
         add(p + "attn_q.weight", (q_rows, hidden), 0.25)
         add(p + "attn_k.weight", (kv_rows, hidden), 0.25)
         add(p + "attn_v.weight", (kv_rows, hidden), 0.3)
-        if kind == "qwen2":
+        if kind in ("qwen2", "qwen2moe"):
             add(p + "attn_q.bias", (q_rows,), 0.5)
             add(p + "attn_k.bias", (kv_rows,), 0.5)
             add(p + "attn_v.bias", (kv_rows,), 0.5)
-        if kind == "qwen3":
+        if qk_norm:
             add(p + "attn_q_norm.weight", (head_dim,), 0.5, 1.0)
             add(p + "attn_k_norm.weight", (head_dim,), 0.5, 1.0)
         add(p + "attn_output.weight", (hidden, q_rows), 0.3)
         add(p + "ffn_norm.weight", (hidden,), 0.1, 1.0)
+        if kind == "gemma3":
+            add(p + "post_attention_norm.weight", (hidden,), 0.1, 1.0)
+            add(p + "post_ffw_norm.weight", (hidden,), 0.1, 1.0)
+        if experts:
+            n_exp, _, exp_ffn = experts
+            add(p + "ffn_gate_inp.weight", (n_exp, hidden), 0.5)
+            add(p + "ffn_gate_exps.weight", (n_exp, exp_ffn, hidden), 0.3)
+            add(p + "ffn_up_exps.weight", (n_exp, exp_ffn, hidden), 0.3)
+            add(p + "ffn_down_exps.weight", (n_exp, hidden, exp_ffn), 0.3)
+            if kind == "qwen2moe":
+                add(p + "ffn_gate_inp_shexp.weight", (hidden,), 0.3)
+                add(p + "ffn_gate_shexp.weight", (ffn, hidden), 0.2)
+                add(p + "ffn_up_shexp.weight", (ffn, hidden), 0.2)
+                add(p + "ffn_down_shexp.weight", (hidden, ffn), 0.2)
+            continue
         add(p + "ffn_gate.weight", (ffn, hidden), 0.2)
         add(p + "ffn_up.weight", (ffn, hidden), 0.2)
         add(p + "ffn_down.weight", (hidden, ffn), 0.2)

@@ -47,6 +47,7 @@ def write_llama_gguf(
     seed: int = 0,
     odd_tensor: tuple[str, str] | None = None,
     tensor_types: dict[str, str] | None = None,
+    context_length: int = 512,
 ) -> str:
     """A random Llama-shaped GGUF; `odd_tensor=(name, qtype)` stores one tensor in another type.
 
@@ -60,7 +61,7 @@ def write_llama_gguf(
     head_dim = hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(blocks)
-    w.add_context_length(512)
+    w.add_context_length(context_length)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(ffn)
     w.add_head_count(heads)
@@ -93,9 +94,16 @@ def write_llama_gguf(
         elif kind in ("Q4_K", "Q5_K", "Q6_K"):  # the gguf package cannot quantize these
             t = getattr(gguf.GGMLQuantizationType, kind)
             w.add_tensor(name, quantize_k(data, kind), raw_dtype=t)
-        elif kind == "IQ4_NL":  # a type Kafila does not serve; its block is laid out as Q4_0's
-            w.add_tensor(name, quants.quantize(data, gguf.GGMLQuantizationType.Q4_0),
-                         raw_dtype=gguf.GGMLQuantizationType.IQ4_NL)
+        elif kind in ("Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4"):  # llama.cpp's own quantizer
+            from tests.ggml_quants import ggml_quantize
+
+            w.add_tensor(name, ggml_quantize(kind, data.reshape(-1, shape[-1])).reshape(*shape[:-1], -1),
+                         raw_dtype=getattr(gguf.GGMLQuantizationType, kind))
+        elif kind == "Q8_1":  # a type Kafila does not serve (ggml's activation type): random blocks
+            t = gguf.GGMLQuantizationType.Q8_1
+            bw, bb = gguf.GGML_QUANT_SIZES[t]
+            raw = rng.integers(0, 256, (*shape[:-1], shape[-1] // bw * bb), dtype=np.uint8)
+            w.add_tensor(name, raw, raw_dtype=t)
         else:
             t = getattr(gguf.GGMLQuantizationType, kind)
             w.add_tensor(name, quants.quantize(data, t), raw_dtype=t)

@@ -20,6 +20,7 @@ from kafila.net.admission import HostSession
 from kafila.net.handshake import rejection_reason
 from kafila.net.joining import Joiner
 from kafila.net.natcheck import NatReport
+from kafila.net.admission_messages import encode
 from kafila.net.pieces import PIECE_BYTES, split
 from kafila.net.roster import MemberInfo, MemberJoined, MemberLeft, Message, RosterUpdated
 from rendezvous import messages as m
@@ -107,7 +108,7 @@ def test_right_code_joins_and_both_sides_agree_on_the_roster() -> None:
     link.run()
     assert a.state == joining.JOINED and link.host.state_of(1) == adm.MEMBER
     [welcomed] = link.of(1, joining.Welcomed)
-    assert welcomed == joining.Welcomed("alice", GROUP_KEY, m.resume_proof(RESUME_KEY, NAMEPLATE, 1), False)
+    assert welcomed == joining.Welcomed("alice", GROUP_KEY, m.resume_proof(RESUME_KEY, NAMEPLATE, 1), False, NAMEPLATE)
     assert link.host_of(adm.Admit) == [adm.Admit(1)]
     [joined] = link.host_of(MemberJoined)
     assert joined.info == info("alice", 1)
@@ -225,7 +226,7 @@ def test_messages_whole_and_in_pieces_both_ways() -> None:
     parts = split(packed)
     assert len(parts) > 1
     channel = link.host.channels[1]
-    out = [x for part in parts for x in a.receive(0, channel.seal(part), 0.0)]
+    out = [x for part in parts for x in a.receive(0, channel.seal(encode(part)), 0.0)]
     assert out == [Message("host", plan)]
 
 
@@ -301,5 +302,5 @@ def test_actions_are_frozen() -> None:
     with pytest.raises(AttributeError):
         adm.Kick(1, "x").rid = 2  # type: ignore[misc]
     with pytest.raises(AttributeError):
-        joining.Welcomed("a", b"", b"", False).name = "b"  # type: ignore[misc]
+        joining.Welcomed("a", b"", b"", False, 1).name = "b"  # type: ignore[misc]
     assert rejection_reason(adm.SendBody(1, b"Rno").body) == "no"

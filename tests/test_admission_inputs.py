@@ -20,10 +20,10 @@ import pytest
 from backends.errors import BadInput
 from kafila.net.codefile import read_code, write_private
 from kafila.net.sock import MemberSocket
-from kafila.session import weights as W
-from kafila.session.frames import Cancel, Limits, Request, Tokens
-from kafila.session.participant import role_of
-from kafila.session.ring import RingNode
+from kafila.session.weights import manifest as W
+from kafila.session.wire.frames import Cancel, Limits, Request, Tokens
+from kafila.session.control.participant import role_of
+from kafila.session.ring.node import RingNode
 from rendezvous import frames
 from rendezvous.errors import ProtocolError
 
@@ -166,7 +166,7 @@ def test_host_code_file_and_join_code_file_through_the_cli(tmp_path, monkeypatch
             seen["code"] = self.code
             return 0
 
-    monkeypatch.setattr("kafila.session.participant.Participant", _Participant)
+    monkeypatch.setattr("kafila.session.control.participant.Participant", _Participant)
     monkeypatch.setattr(join, "check_backend", lambda name: None)
     path = tmp_path / "c"
     write_private(str(path), CODE + "\n")
@@ -183,7 +183,7 @@ class _Edge:
     opens with `hello`."""
 
     def __init__(self, peer: str, hello) -> None:
-        from kafila.session.frames import encode
+        from kafila.session.wire.frames import encode
 
         self.peer, self.closed = peer, False
         self.reader = asyncio.StreamReader()
@@ -199,30 +199,30 @@ class _Edge:
 def test_ring_hello_must_name_the_authenticated_peer_and_the_planned_predecessor(caplog) -> None:
     """The first ring Hello from anyone became the predecessor stream: a member (m3, not m2's
     predecessor) or one claiming another's name could feed m2's stage."""
-    from kafila.session.frames import Hello
-    from kafila.session.participant import Participant, SessionConfig
+    from kafila.session.wire.frames import Hello
+    from kafila.session.control.participant import Participant, SessionConfig
 
     plan = {"ring": ["m1", "m2", "m3"], "head": "m1", "blocks": {"m1": 1, "m2": 1, "m3": 1}}
 
     async def main():
         p = Participant(SessionConfig(name="m2", rendezvous=None))
-        early = asyncio.ensure_future(p._on_edge(_Edge("m3", Hello("m3", "ring"))))  # before the plan
+        early = asyncio.ensure_future(p.stage.ring.on_edge(_Edge("m3", Hello("m3", "ring"))))  # before the plan
         await asyncio.sleep(0.01)
         assert not early.done()
-        p._set_plan(1, plan, {})
+        p.stage.set_plan(1, plan, {})
         await early
         for edge in (_Edge("m3", Hello("m1", "ring")),  # m3 claiming to be m1
                      _Edge("m1", Hello("m3", "ring"))):  # the right peer with a wrong Hello
-            await p._on_edge(edge)
+            await p.stage.ring.on_edge(edge)
             assert edge.closed
-        assert 1 not in p._pred_streams
+        assert 1 not in p.stage.ring._pred_streams
         good = _Edge("m1", Hello("m1", "ring"))
-        await p._on_edge(good)
-        assert not good.closed and p._pred_streams[1].result()[0] is good
+        await p.stage.ring.on_edge(good)
+        assert not good.closed and p.stage.ring._pred_streams[1].result()[0] is good
         stale = _Edge("m1", Hello("m1", "ring", 1))  # a replan to plan 2 (m1 stays the predecessor)
-        p._set_plan(2, plan, {})
-        await p._on_edge(stale)
-        assert stale.closed and 2 not in p._pred_streams
+        p.stage.set_plan(2, plan, {})
+        await p.stage.ring.on_edge(stale)
+        assert stale.closed and 2 not in p.stage.ring._pred_streams
 
     with caplog.at_level(logging.DEBUG):
         asyncio.run(main())

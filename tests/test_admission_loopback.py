@@ -108,23 +108,33 @@ def test_pending_stranger_cannot_open_edges_or_flood() -> None:
     run(main())
 
 
-def test_wrong_code_stops_the_host_answering_but_joined_members_keep_working() -> None:
-    """Finding 3: after one failed confirmation the host answers no PAKE, so a malicious or
-    honest rendezvous gets one guess per code; members already in are unaffected."""
+def test_wrong_code_closes_that_code_a_fresh_one_admits_and_members_keep_working() -> None:
+    """Finding 3, and issue 38 item 2: after one failed confirmation the host answers no PAKE for
+    that code (one guess per code), then opens a fresh code at a fresh nameplate by itself; the
+    fresh code admits a joiner, the old one admits nobody, members already in are unaffected."""
     async def main():
         async with session(2) as (rv, (host, a, b)):
-            words = host.code.split("-")
+            old, fresh = host.code, asyncio.get_running_loop().create_future()
+            host.codes.on_new_code = fresh.set_result
+            words = old.split("-")
             wrong = "-".join([words[0], "adroitness" if words[1] != "adroitness" else "adviser", *words[2:]])
             with pytest.raises(Refused, match="wrong code"):
                 await Member.join(wrong, rv.address, "eve", {}, bind_host=LOOP)
             assert host.code_void and host._admission.state == "closed"
-            # a malicious rendezvous reopening the nameplate gets no PAKE answer either
+            # until the fresh code, a malicious rendezvous reopening the nameplate gets no PAKE answer
             rv.registry._sessions[host.nameplate].open_for_joins = True
-            s = await Stranger.join(rv, host.nameplate)
-            s.writer.write(m.encode(m.Send(0, Pake(host.code).start())))
+            s = await Stranger.join(rv, int(words[0]))
+            s.writer.write(m.encode(m.Send(0, Pake(old).start())))
             answer = await s.next()
             assert isinstance(answer, m.Deliver) and answer.body[:1] == b"R"  # a refusal, no PAKE
             assert host._admission.answered == 3  # m0, m1 and eve: nothing since
+            code = await asyncio.wait_for(fresh, 15)
+            assert code == host.code != old and not host.code_void and code.split("-")[0] != words[0]
+            with pytest.raises(Refused, match="check the code"):  # the old nameplate is closed
+                await Member.join(old, rv.address, "old", {}, bind_host=LOOP)
+            c = await Member.join(code, rv.address, "carol", {}, bind_host=LOOP)
+            assert c.nameplate == host.nameplate  # resumes name the session, not the code's nameplate
+            await c.close()
             await _still_serving(host, a, b)
     run(main())
 

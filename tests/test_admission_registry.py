@@ -12,8 +12,11 @@ import pytest
 
 from rendezvous import messages as m
 from rendezvous.limits import (
+    JOIN_WAIT_S,
     MAX_MEMBERS_PER_SESSION,
     MAX_PENDING_PER_SESSION,
+    MAX_PENDING_PER_SOURCE,
+    PAKE_START_S,
     MAX_RELAY_EDGES_PER_MEMBER,
     PENDING_BODIES_MAX,
     PENDING_TIMEOUT_S,
@@ -213,3 +216,55 @@ def test_pending_id_sending_anything_else_is_dropped(message: m.Message) -> None
     actions = rig.recv(conn, message)
     assert conn in _closed(actions) and rid not in rig.reg.members_of(rig.nameplate)
     assert rig.host_alive()
+
+
+def _join_from(rig: Rig, source: str, nameplate: int | None = None) -> tuple[int, list]:
+    conn = rig.next_conn
+    rig.next_conn += 1
+    rig.reg.connected(conn, rig.now, source)
+    return conn, _sends(rig.recv(conn, m.Join(nameplate or rig.nameplate)), conn)
+
+
+def test_pending_slots_go_in_arrival_order_with_a_pake_deadline_and_a_cap_per_address() -> None:
+    """Issue 38 item 3: a stranger re-taking the pending slots (no PAKE) used to block every join."""
+    rig = Rig()
+    squat = [_join_from(rig, f"10.0.0.{2 + i // 2}") for i in range(MAX_PENDING_PER_SESSION)]
+    assert all(isinstance(out[0], m.Joined) for _, out in squat)
+    conn, out = _join_from(rig, "10.0.0.2")  # a third from one address: refused at once
+    assert [e.code for e in out] == ["busy"] and MAX_PENDING_PER_SOURCE == 2
+    legit, out = _join_from(rig, "10.0.0.9")  # the slots are full: it waits in line, in order
+    assert out == []
+    late, _ = _join_from(rig, "10.0.0.3")  # the squatter's next try comes after it (and is capped)
+    rig.now += PAKE_START_S + 0.1  # the squatters never began a PAKE
+    for c in [HOST, legit]:
+        rig.recv(c, m.Heartbeat())
+    actions = rig.reg.tick(rig.now)
+    assert {c for c, _ in squat} <= _closed(actions)
+    [joined] = _sends(actions, legit)
+    assert isinstance(joined, m.Joined)  # its turn came with the first freed slot
+    [notice] = [n for n in _sends(actions, HOST) if isinstance(n, m.Notice)]
+    assert notice.reason.startswith("1 joins refused from 10.0.0.2")
+    assert _sends(rig.reg.tick(rig.now + 1), HOST) == []  # the next notice waits a minute
+    # the line is bounded in time too: after JOIN_WAIT_S a join gets "busy" (the joiner asks again)
+    for i in range(MAX_PENDING_PER_SESSION - len(rig.reg.pending_of(rig.nameplate))):
+        c, _ = _join_from(rig, f"10.0.1.{i}")
+        rig.recv(c, m.Send(0, b"P-began"))  # these began their PAKE: they keep their slots
+    waiting, out = _join_from(rig, "10.0.0.8")
+    assert out == []
+    rig.now += JOIN_WAIT_S + 1
+    assert [e.code for e in _sends(rig.reg.tick(rig.now), waiting)] == ["busy"]
+
+
+def test_reopen_moves_joins_to_a_fresh_nameplate() -> None:
+    """Issue 38 item 2: after a wrong guess the host's fresh code has a nameplate of its own."""
+    rig = Rig()
+    rig.recv(HOST, m.CloseNameplate())
+    [reopened] = _sends(rig.recv(HOST, m.Reopen()), HOST)
+    assert isinstance(reopened, m.Reopened) and reopened.nameplate != rig.nameplate
+    conn, out = _join_from(rig, "10.0.0.5")
+    assert [e.code for e in out] == ["unknown-nameplate"]  # the old code's nameplate is closed
+    conn, out = _join_from(rig, "10.0.0.6", reopened.nameplate)
+    assert isinstance(out[0], m.Joined)
+    assert rig.reg.members_of(rig.nameplate) == [0, out[0].rid]  # one session, under its first nameplate
+    # after a resume the host re-claims the fresh nameplate: the same one, still open
+    assert _sends(rig.recv(HOST, m.Reopen(reopened.nameplate)), HOST) == [m.Reopened(reopened.nameplate)]

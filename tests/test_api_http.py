@@ -412,13 +412,19 @@ def test_request_headers_that_never_complete_are_cut_off(tokenizer):  # noqa: F8
 
 
 def test_connections_past_the_cap_get_a_503_and_the_rest_are_served(tokenizer):  # noqa: F811
+    """Connections that sent a whole request fill the cap: one more gets a 503."""
     async def test(server, http):
-        idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(3)]
-        for _ in range(100):
-            if server.connections == 3:
+        busy = []
+        for _ in range(3):  # each with a request in progress (a body that has not come yet)
+            r, w = await asyncio.open_connection("127.0.0.1", server.port)
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n{")
+            busy.append((r, w))
+        for _ in range(200):
+            if server.connections == 3 and not server.silent:
                 break
             await asyncio.sleep(0.01)
-        assert server.connections == 3
+        assert server.connections == 3 and not server.silent
         reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
         writer.write(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\n\r\n")
         head, _, body = (await asyncio.wait_for(reader.read(), 5)).partition(b"\r\n\r\n")
@@ -426,7 +432,7 @@ def test_connections_past_the_cap_get_a_503_and_the_rest_are_served(tokenizer): 
         assert json.loads(body)["error"]["code"] == "too_many_connections"
         writer.close()
         assert server.connections == 3  # the refused one was never counted
-        for _, w in idle:
+        for _, w in busy:
             w.close()
         for _ in range(100):
             if server.connections == 0:
@@ -436,3 +442,42 @@ def test_connections_past_the_cap_get_a_503_and_the_rest_are_served(tokenizer): 
             assert r.status == 200
 
     serve(ScriptedEngine(tokenizer), test, ApiLimits(max_connections=3))
+
+
+def test_silent_connections_make_room_for_a_request(tokenizer):  # noqa: F811
+    """Connections that never sent a whole request hold at most SILENT_SHARE of the slots: a new
+    connection evicts the oldest of them, so idle sockets cannot keep a client out."""
+    async def test(server, http):
+        idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(8)]
+        for _ in range(200):
+            if server.evicted >= 5:
+                break
+            await asyncio.sleep(0.01)
+        assert server.connections == len(server.silent) == 3 and server.evicted == 5  # 4 slots, 3 silent at most
+        async with http.get("/v1/models") as r:  # served, not refused
+            assert r.status == 200
+        closed = [await asyncio.wait_for(r.read(), 2) == b"" for r, _ in idle[:5]]
+        assert all(closed), closed  # the oldest silent ones were closed
+        for _, w in idle:
+            w.close()
+        # at the cap, with two requests in progress and two silent connections: a new one still gets in
+        busy = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(2)]
+        for _, w in busy:
+            w.write(b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 100\r\n\r\n{")
+        for _ in range(200):
+            if server.connections == 2 and not server.silent:
+                break
+            await asyncio.sleep(0.01)
+        idle = [await asyncio.open_connection("127.0.0.1", server.port) for _ in range(2)]
+        for _ in range(200):
+            if server.connections == 4:
+                break
+            await asyncio.sleep(0.01)
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(b"GET /v1/models HTTP/1.1\r\nHost: 127.0.0.1\r\nConnection: close\r\n\r\n")
+        assert (await asyncio.wait_for(reader.read(), 5)).startswith(b"HTTP/1.1 200 ")
+        for _, w in [*busy, *idle, (reader, writer)]:
+            w.close()
+
+    serve(ScriptedEngine(tokenizer), test, ApiLimits(max_connections=4))

@@ -75,3 +75,24 @@ def test_openai_client_raises_the_right_errors(client):
     engine.fail_after, engine.is_ready = None, False
     with pytest.raises(openai.InternalServerError, match="not ready"):
         api.chat.completions.create(model="scripted", messages=MSGS)
+
+
+def test_openai_client_sends_a_prompt_of_token_ids(client, tokenizer):  # noqa: F811
+    """OpenAI's `prompt` as a list of token ids reaches the engine as those ids exactly (no BOS
+    added, nothing re-tokenized), plain and streamed, also as a batch of one; ids outside the
+    vocabulary, non-integers and an empty list are 400s."""
+    engine, api = client
+    ids = [tokenizer.vocab_size - 1, 0, *tokenizer.encode("Once upon", add_special=False)]
+    r = api.completions.create(model="scripted", prompt=ids, max_tokens=5)
+    assert list(engine.requests[-1].prompt_ids) == ids
+    assert r.choices[0].text == tokenizer.decode(ScriptedEngine.answer(ids, 5))
+    assert r.usage.prompt_tokens == len(ids)
+    streamed = "".join(c.choices[0].text for c in api.completions.create(
+        model="scripted", prompt=[ids], max_tokens=5, stream=True))  # fmt: skip
+    assert streamed == r.choices[0].text and list(engine.requests[-1].prompt_ids) == ids
+    asked = len(engine.requests)
+    for bad_prompt in ([tokenizer.vocab_size], [-1, 5], [1.5, 2], [True, 3], [], [[1, 2], [3]]):
+        with pytest.raises(openai.BadRequestError) as err:
+            api.completions.create(model="scripted", prompt=bad_prompt, max_tokens=2)
+        assert err.value.body["param"] == "prompt", bad_prompt
+    assert len(engine.requests) == asked  # none of them reached the engine

@@ -10,7 +10,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
 
 import pytest
 
@@ -31,9 +30,7 @@ def test_big_shapes_open_with_q4_k_m_types(shape):
 
     s = SHAPES[shape]
     path = big_model(shape)
-    t0 = time.monotonic()
-    index = open_model(path)
-    assert time.monotonic() - t0 < 5.0
+    index = open_model(path)  # how long it takes: bench.header_read
     h = index.hparams
     assert (h.n_blocks, h.hidden, h.n_heads, h.n_kv_heads, h.vocab) == (s.blocks, s.hidden, s.heads, s.kv_heads, s.vocab)
     assert index.metadata["general.file_type"] == 15  # MOSTLY_Q4_K_M
@@ -104,8 +101,8 @@ def test_host_hashing_for_seconds_forms_the_session_and_a_second_session_reuses_
             codes = s.stop()
         assert all(c in (0, -2, 130) for c in codes.values()), codes
     (first, first_s), (second, second_s) = digests
-    assert first == "computed" and first_s >= 1.0, digests  # seconds of hashing: the 808 MB file, read twice
-    assert second == "read from the cache" and second_s < 0.5, digests
+    assert first == "computed" and first_s > 0, digests  # the 808 MB file hashed on the first run
+    assert second == "read from the cache", digests  # and not on the second (how long each took: a timing, not a claim)
     assert answers[0]["text"] == answers[1]["text"] and answers[0]["tokens"] == 3
 
 
@@ -115,9 +112,9 @@ def test_a_header_larger_than_one_chunk_arrives_in_pieces(tmp_path):
     import contextlib
 
     from backends.gguf import open_model
-    from kafila.session import weights as W
-    from kafila.session.frames import WEIGHT_CHUNK_BYTES
-    from kafila.session.transfer import fetch_weights, serve_weights
+    from kafila.session.weights import manifest as W
+    from kafila.session.wire.frames import WEIGHT_CHUNK_BYTES
+    from kafila.session.weights.transfer import fetch_weights, serve_weights
     from tests.fake_link import Pipe
 
     model = big_model("llama-3.2-1b")

@@ -34,7 +34,7 @@ CONTEXT = 4096
 
 
 def test_the_watchdog_gives_a_prefill_chunk_time_in_proportion_to_its_positions():
-    from kafila.session.ring import HANG_ROWS, STAGE_HANG_S, hang_bound_s
+    from kafila.session.ring.watchdog import HANG_ROWS, STAGE_HANG_S, hang_bound_s
 
     assert hang_bound_s(STAGE_HANG_S, 1) == hang_bound_s(STAGE_HANG_S, HANG_ROWS) == STAGE_HANG_S
     assert hang_bound_s(STAGE_HANG_S, 512) == 16 * STAGE_HANG_S  # the 8B shape's chunk: 32 min a stage
@@ -61,8 +61,8 @@ def test_a_long_prefill_step_is_not_a_hang_and_gives_the_solo_tokens():
 
     from kafila.engine import GenerationRequest, GenerationStats
     from kafila.engine.ring import RingEngine
-    from kafila.session.frames import Limits
-    from kafila.session.ring import RingNode
+    from kafila.session.wire.frames import Limits
+    from kafila.session.ring.node import RingNode
     from tests.fake_link import Pipe
     from tests.test_session_ring import H, V, shards
 

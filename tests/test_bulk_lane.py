@@ -1,4 +1,4 @@
-"""The bulk lane (weights over TCP, kafila.session.bulk): its sealed records without sockets, the
+"""The bulk lane (weights over TCP, kafila.session.weights.bulk): its sealed records without sockets, the
 lane end to end on 127.0.0.1 moving a real model's ranges, keys that must be refused, and the
 fallback to the QUIC stream (here an in-memory stream, as in test_weights.py)."""
 
@@ -14,11 +14,11 @@ import time
 import pytest
 
 from kafila.net import bulk_records as R
-from kafila.session import bulk as B
-from kafila.session import transfer as T
-from kafila.session import weights as W
-from kafila.session.frames import BulkOffer, FrameDecoder, FrameError, Hello, encode
-from kafila.session.transfer import Lanes, fetch_weights, serve_weights
+from kafila.session.weights import bulk as B
+from kafila.session.weights import transfer as T
+from kafila.session.weights import manifest as W
+from kafila.session.wire.frames import BulkOffer, FrameDecoder, FrameError, Hello, encode
+from kafila.session.weights.transfer import Lanes, fetch_weights, serve_weights
 from tests.fake_link import Pipe
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -174,7 +174,7 @@ async def transfer(model_path, manifest, copy, listener, lanes, old_server=False
 
 async def _old_serve(reader, writer, path, file_bytes):
     """A server from before the bulk lane: it ignores Hello's flag and answers chunks."""
-    from kafila.session.streams import FrameWriter, StreamClosed, read_frame
+    from kafila.session.wire.streams import FrameWriter, StreamClosed, read_frame
 
     out = FrameWriter(writer)
     while True:

@@ -1,4 +1,4 @@
-"""`kafila chat` against a real API server (scripted engine, 127.0.0.1 port 0)."""
+"""`kafila chat` against real API servers: a scripted engine, and `kafila serve` on the default model."""
 
 from __future__ import annotations
 
@@ -85,3 +85,51 @@ def test_unreachable_api_is_one_line_and_exit_3():
     assert proc.returncode == 3
     assert proc.stderr.count("\n") == 1 and "cannot reach the Kafila API" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.model
+def test_chat_against_kafila_serve_on_the_default_model(default_model_path):
+    """`kafila chat` against a real engine: `kafila serve` on the default model. Each printed answer
+    is what the server answers (greedy, non-streamed, through the OpenAI client) to the whole
+    conversation so far, so the chat streamed it whole and sent the history; the second turn's
+    answer without the history differs, so a chat that dropped the history would fail here."""
+    import os
+    import re
+    import signal
+
+    import openai
+
+    turns = ["Name one fruit that is red.", "Which fruit did you just name? Answer in one word."]
+    max_tokens = 16
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "kafila", "serve", "--api", "127.0.0.1:0", "--context", "512", "--slots", "1"]
+    serve = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        line = serve.stdout.readline()  # printed once the API listens
+        match = re.search(r"at http://(127\.0\.0\.1:\d+)/v1", line)
+        assert match, (line, serve.stderr.read() if serve.poll() is not None else "")
+        chat = subprocess.run([sys.executable, "-m", "kafila", "chat", "--api", match.group(1), "--max-tokens",
+                               str(max_tokens)], input="\n".join(turns) + "\n", capture_output=True, text=True,
+                              timeout=300, env=env)  # fmt: skip
+        assert chat.returncode == 0, chat.stderr
+        client = openai.OpenAI(base_url=f"http://{match.group(1)}/v1", api_key="none", max_retries=0, timeout=120)
+
+        def answer(messages):
+            r = client.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=max_tokens)
+            return r.choices[0].message.content
+
+        history, want = [], []
+        for turn in turns:
+            history.append({"role": "user", "content": turn})
+            want.append(answer(history))
+            history.append({"role": "assistant", "content": want[-1]})
+        assert chat.stdout == "".join(a + "\n" for a in want), (chat.stdout, want)
+        alone = answer([{"role": "user", "content": turns[1]}])
+        assert alone != want[1], "the second turn's answer does not need the history: choose other turns"
+        serve.send_signal(signal.SIGINT)
+        assert serve.wait(30) == 0
+    finally:
+        if serve.poll() is None:
+            serve.kill()
+            serve.wait()

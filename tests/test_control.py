@@ -1,4 +1,4 @@
-"""The session's control messages (kafila.session.control): every kind goes through encode and
+"""The session's control messages (kafila.session.control.messages): every kind goes through encode and
 decode unchanged, and what is malformed or out of bounds is one ControlError. No sockets."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from kafila.session import control as c
+from kafila.session.control import messages as c
 from planner import Plan, PlanInputError
 
 PLAN_JSON = {"feasible": True, "tier": "full", "policy": "kafila", "head": "a", "ring": ["a", "b", "c"],

@@ -1,4 +1,4 @@
-"""The machine's compute lock (kafila/session/cores.py): one stage computes at a time among the
+"""The machine's compute lock (kafila/session/ring/cores.py): one stage computes at a time among the
 members of one machine; members alone on theirs take nothing."""
 
 import subprocess
@@ -6,7 +6,7 @@ import sys
 import threading
 import time
 
-from kafila.session.cores import CoreLock, NoLock, core_lock
+from kafila.session.ring.cores import CoreLock, NoLock, core_lock
 
 
 def test_a_member_alone_on_its_machine_takes_no_lock(monkeypatch):
@@ -42,7 +42,7 @@ def test_two_members_of_one_machine_compute_one_after_the_other(tmp_path):
 
 
 def test_a_member_that_dies_holding_it_does_not_keep_it(tmp_path):
-    code = ("import os, sys; from kafila.session.cores import CoreLock; "
+    code = ("import os, sys; from kafila.session.ring.cores import CoreLock; "
             f"l = CoreLock('box', {str(tmp_path)!r}); l.__enter__(); print('held', flush=True); os._exit(1)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "held" in p.stdout

@@ -32,7 +32,7 @@ def test_demo_json_two_members(tmp_path):
                        capture_output=True, text=True, timeout=280)
     assert r.returncode == 0, r.stderr[-2000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
-    assert set(out) == {"text", "tokens", "tok_s", "ttft_ms", "plan", "memory", "speculation"}
+    assert set(out) == {"text", "tokens", "tok_s", "ttft_ms", "plan", "memory", "speculation", "prediction"}
     assert out["text"] and 1 <= out["tokens"] <= 12
     assert out["ttft_ms"] > 0 and (out["tokens"] == 1 or out["tok_s"] > 0)
     plan = out["plan"]

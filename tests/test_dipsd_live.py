@@ -1,4 +1,4 @@
-"""The live DiP-SD optimiser at the head (kafila/session/dipsd_live.py), sans I/O: when it
+"""The live DiP-SD optimiser at the head (kafila/session/ring/speculation/dipsd_live.py), sans I/O: when it
 re-solves, what it answers past its bound, the lengths' bounds, the schedule on the micro-batches,
 requests leaving; and the head with it (fake stages, tests/test_head_core.py's Rig): the same
 greedy tokens as plain decoding."""
@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from kafila.session.dipsd_live import LiveDipsd, LiveUser, RingFit, _relabel
-from kafila.session.frames import Activation
-from kafila.session.head import SolveDipsd
-from kafila.session.microbatch import MicroBatches
-from kafila.session.scheduler import Scheduler
-from kafila.session.speculate import DRAFT_K
+from kafila.session.ring.speculation.dipsd_live import LiveDipsd, LiveUser, RingFit, _relabel
+from kafila.session.wire.frames import Activation
+from kafila.session.ring.head import SolveDipsd
+from kafila.session.ring.microbatch import MicroBatches
+from kafila.session.ring.scheduler import Scheduler
+from kafila.session.ring.speculation.speculate import DRAFT_K
 from planner.dipsd import SolveLimits, greedy
 from tests.test_head_core import H, PROMPTS, STAGE_US, Rig, solo
 
@@ -238,8 +238,8 @@ def test_on_three_openvino_stages_the_optimised_requests_get_their_solo_ids(chai
     solo run; with it off, the same."""
     import asyncio
 
-    from kafila.session.frames import Limits
-    from kafila.session.ring import RingNode
+    from kafila.session.wire.frames import Limits
+    from kafila.session.ring.node import RingNode
     from tests.fake_link import Pipe
     from tests.test_speculate import _generate
 

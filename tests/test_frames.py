@@ -6,7 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 
-from kafila.session import frames as F
+from kafila.session.wire import frames as F
 
 LIM = F.Limits(hidden=8, context=32, slots=2, vocab=100)
 

@@ -5,7 +5,7 @@ Whose fault an error is stays a type: ours (EncodeError) is never the peer's (Fr
 import numpy as np
 import pytest
 
-from kafila.session import frames as F
+from kafila.session.wire import frames as F
 from rendezvous.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
 LIM = F.Limits(hidden=8, context=32, slots=2, vocab=100)

@@ -1,4 +1,4 @@
-"""HeadCore (session/head.py) paired with fake stages over an in-memory link, without sockets,
+"""HeadCore (session/ring/head.py) paired with fake stages over an in-memory link, without sockets,
 threads or clocks (as aioquic's tests pair two connections): a `Rig` plays the ring node's part
 (the head's forwards, the stages, the wire) by hand, one hop at a time, with a fake `now`.
 
@@ -16,9 +16,16 @@ import numpy as np
 import pytest
 
 from kafila import sampling
-from kafila.session import fields, frames, head, microbatch, scheduler, slots, speculate, timing
-from kafila.session.frames import Activation, FrameDecoder, Free, Limits, Request, Tokens, encode
-from kafila.session.head import (
+from kafila.session.wire import fields
+from kafila.session.wire import frames
+from kafila.session.ring import head
+from kafila.session.ring import microbatch
+from kafila.session.ring import scheduler
+from kafila.session.ring import slots
+from kafila.session.ring.speculation import speculate
+from kafila.session.ring import timing
+from kafila.session.wire.frames import Activation, FrameDecoder, Free, Limits, Request, Tokens, encode
+from kafila.session.ring.head import (
     Deliver,
     Ended,
     Forward,
@@ -27,9 +34,9 @@ from kafila.session.head import (
     HeadCore,
     Send,
 )  # fmt: skip
-from kafila.session.picks import pick_tokens
-from kafila.session.ring import LocalSlots
-from kafila.session.scheduler import SchedulerError
+from kafila.session.ring.picks import pick_tokens
+from kafila.session.ring.local_slots import LocalSlots
+from kafila.session.ring.scheduler import SchedulerError
 from tests.test_session_ring import H, V, FakeShard
 
 NAMES = ["m1", "m2", "m3"]

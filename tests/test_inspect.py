@@ -88,7 +88,7 @@ def test_synthetic_model(synthetic_model, synthetic_index):
     "make, needle",
     [
         (lambda p: write_llama_gguf(p / "gemma.gguf", arch="gemma"), "unsupported architecture 'gemma'"),
-        (lambda p: write_llama_gguf(p / "q5.gguf", odd_tensor=("blk.0.attn_k.weight", "IQ4_NL")), "IQ4_NL"),
+        (lambda p: write_llama_gguf(p / "q5.gguf", odd_tensor=("blk.0.attn_k.weight", "Q8_1")), "Q8_1"),
         (lambda p: write_vocab_only(p / "vocab.gguf"), "lacks"),
     ],
     ids=["arch", "quant-type", "vocab-only"],
@@ -141,3 +141,14 @@ def test_float_tensors_only(tmp_path):
     assert out["served"] is True and list(out["quant_types"]) == ["F32"]
     assert out["quant_types"]["F32"]["share"] == 1.0
     assert out["tensor_bytes"] == sum(4 * int(np.prod(t.shape)) for t in gguf.GGUFReader(path).tensors)
+
+
+def test_small_quant_types_are_listed_and_served(tmp_path):
+    """A file holding Q2_K, Q3_K, IQ4_NL, IQ4_XS and MXFP4 matrices (llama.cpp's quantizer) is served,
+    each type named with its share."""
+    mix = {"attn_q.weight": "Q3_K", "attn_k.weight": "IQ4_NL", "attn_v.weight": "IQ4_XS", "ffn_up.weight": "MXFP4"}
+    path = write_llama_gguf(tmp_path / "low.gguf", blocks=1, hidden=256, ffn=512, heads=4, kv_heads=2,
+                            qtype="Q2_K", embed_qtype="Q2_K", tensor_types=mix)
+    out = inspect_json(path)
+    assert out["served"] is True and out["why_not"] is None, out["why_not"]
+    assert {"Q2_K", "Q3_K", "IQ4_NL", "IQ4_XS", "MXFP4"} <= set(out["quant_types"]), out["quant_types"]

@@ -98,11 +98,11 @@ def test_k_rows_must_be_whole_super_blocks(tmp_path):
 
 
 def test_unsupported_type_is_refused_with_the_supported_list(tmp_path):
-    path = write_llama_gguf(tmp_path / "m.gguf", blocks=1, **SMALL, odd_tensor=("blk.0.ffn_up.weight", "IQ4_NL"))
+    path = write_llama_gguf(tmp_path / "m.gguf", blocks=1, **SMALL, odd_tensor=("blk.0.ffn_up.weight", "Q8_1"))
     with pytest.raises(BadInput) as exc:
         open_model(path)
     msg = str(exc.value)
-    assert "\n" not in msg and "IQ4_NL" in msg
+    assert "\n" not in msg and "Q8_1" in msg
     assert all(t in msg for t in ("Q4_K", "Q5_K", "Q6_K", "BF16", "Q5_0", "Q5_1"))
 
 
@@ -116,12 +116,19 @@ def _fc_precisions(model) -> Counter:
     return Counter(rt(o, "runtimePrecision") for o in model.get_ordered_ops() if rt(o, "layerType") == "FullyConnected")
 
 
+def _all_models() -> dict:
+    """This file's K-quant models and tests/test_q5.py's Q5 ones: one reference test for both."""
+    from tests.test_q5 import MODELS as Q5_MODELS
+
+    return {**MODELS, **{f"q5-{name}": kw for name, kw in Q5_MODELS.items()}}
+
+
 @needs_openvino
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", list(_all_models()))
 def test_openvino_matches_the_reference(tmp_path, name, ov_form):
     from tests.test_openvino_numerics import REL_BOUND, compare_chain
 
-    index = open_model(write_llama_gguf(tmp_path / "m.gguf", **MODELS[name]))
+    index = open_model(write_llama_gguf(tmp_path / "m.gguf", **_all_models()[name]))
     worst = compare_chain(index, [(0, 1), (1, 4)], [5, 60, 200, 7, 258, 33], [70, 71, 72])
     assert worst["hidden"] < REL_BOUND and worst["logits"] < REL_BOUND, worst
 

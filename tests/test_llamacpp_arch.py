@@ -207,12 +207,22 @@ def test_unsupported_architecture_is_refused_naming_it_and_what_is_served(tmp_pa
     assert "'gemma'" in message and "llama, qwen2, qwen3" in message
 
 
-def test_moe_llama_is_refused(tmp_path):
+def test_experts_of_a_dense_only_architecture_are_refused(tmp_path):
+    """qwen2 has a MoE sibling (qwen2moe) but no experts of its own in llama.cpp."""
+    from gguf import GGUFValueType as T
+
+    experts = {"qwen2.expert_count": (8, T.UINT32), "qwen2.expert_used_count": (2, T.UINT32)}
+    message = _refusal(tmp_path, kind="qwen2", extra_kv=experts,
+                       extra_tensors={"blk.0.ffn_gate_exps.weight": (8, 128, 64)})  # fmt: skip
+    assert "8 experts" in message and "MoE" in message and "qwen3moe" in message
+
+
+def test_llama_experts_without_their_tensors_are_refused(tmp_path):
     from gguf import GGUFValueType as T
 
     experts = {"llama.expert_count": (8, T.UINT32), "llama.expert_used_count": (2, T.UINT32)}
     message = _refusal(tmp_path, extra_kv=experts, extra_tensors={"blk.0.ffn_gate_exps.weight": (8, 128, 64)})
-    assert "8 experts" in message and "MoE" in message
+    assert "ffn_gate_inp" in message
 
 
 def test_expert_tensors_without_expert_count_are_refused(tmp_path):

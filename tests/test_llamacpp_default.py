@@ -37,13 +37,18 @@ NEW_TOKENS = 32
 KAFILA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "kafila")
 
 # On the Q4_1 file, measured 2026-12-01, first differing index per prompt: on an AMD EPYC with AVX2
-# f32 [27, 1, 20, 2, 14, 21, 32, 32]; on one with AVX-512-VNNI the third prompt parts at token 0 —
-# llama.cpp's Q8_1 dot products round differently per ISA, so where the sequences part is the
-# CPU's, not Kafila's. What must hold everywhere: each first difference is a near-tie in Kafila's
-# own logits (llama.cpp's token within MAX_Q4_1_LOGIT_DELTA of Kafila's top logit at that step),
-# and the strict check is the F32 one. MAX_Q4_1_LOGIT_DELTA bounds the activation-rounding error
-# (measured ≤ 1.8): a real bug (RoPE, norm, a wrong scale) moves logits by far more.
-MAX_Q4_1_LOGIT_DELTA = 3.0  # after the prompt (prefill), max over the vocabulary
+# f32 [27, 1, 20, 2, 14, 21, 32, 32]; on one with AVX-512-VNNI (2026-12-04) f32 [8, 17, 0, 25, 15,
+# 32, 32, 32] — llama.cpp's Q8_1 dot products round differently per ISA, so where the sequences
+# part is the CPU's, not Kafila's. What must hold everywhere, each checked against llama.cpp's own
+# figures: the logits after each prompt within MAX_Q4_1_LOGIT_DELTA of llama.cpp's (measured on
+# AVX-512: ≤ 1.40 at f32, ≤ 1.30 at serving; on AVX2 ≤ 1.8 over all steps); every first difference
+# at a near-tie in llama.cpp's logits AND in Kafila's (both top-two gaps ≤ NEAR_TIE_LOGITS;
+# measured ≤ 0.28 at f32, ≤ 0.43 at serving); and most tokens agreeing (common prefixes, measured
+# 161 of 256 at f32 and 144 at serving here, 149 at f32 on AVX2). A real bug (RoPE, norm, a wrong
+# scale) moves logits by far more and parts the sequences early and away from ties.
+MAX_Q4_1_LOGIT_DELTA = 2.0  # after the prompt (prefill), max over the vocabulary
+NEAR_TIE_LOGITS = 0.6  # top-two gap at a first difference, in llama.cpp's logits and in Kafila's
+MIN_COMMON_FRACTION = 0.45  # of the 8 × 32 greedy tokens, in the common prefixes
 F32_LOGIT_DELTA = 1e-3  # same weights in F32: measured ≤ 1e-4
 
 
@@ -54,7 +59,9 @@ def first_difference(a: list[int], b: list[int]) -> int:
 
 @pytest.fixture(scope="module")
 def llamacpp_runs(default_model_path, prompt_ids) -> list[tuple[list[int], np.ndarray]]:
-    return [llamacpp_ref.greedy_run(default_model_path, ids, NEW_TOKENS, threads=2, f32_kv=True) for ids in prompt_ids]
+    # one thread: llama.cpp splits a matmul by rows, so the logits do not depend on it, and two
+    # threads spin at barriers on a loaded 2-core machine (minutes per prompt)
+    return [llamacpp_ref.greedy_run(default_model_path, ids, NEW_TOKENS, threads=1, f32_kv=True) for ids in prompt_ids]
 
 
 def write_dequantized_f32(index, dst) -> str:
@@ -141,15 +148,22 @@ def check_against_llamacpp(chain, prompt_ids, llamacpp_runs, title: str) -> None
     assert all(len(a) == NEW_TOKENS for a in ours)
     assert max(deltas) <= MAX_Q4_1_LOGIT_DELTA, deltas
     gaps = []  # at each first difference: Kafila's top logit minus its logit for llama.cpp's token
-    for ids, a, (theirs, _), at in zip(prompt_ids, ours, llamacpp_runs, parts):
+    ref_gaps = []  # and llama.cpp's own top logit minus its logit for Kafila's token (same prefix)
+    for ids, a, (theirs, ref_logits), at in zip(prompt_ids, ours, llamacpp_runs, parts):
         if at < NEW_TOKENS:
             logits = prefill_logits(chain, list(ids) + a[:at])
             gaps.append(float(logits[a[at]] - logits[theirs[at]]))
+            ref_gaps.append(float(ref_logits[at][theirs[at]] - ref_logits[at][a[at]]))
     print(f"logit gap at each first difference: {' '.join(f'{g:.2f}' for g in gaps)}")
+    print(f"llama.cpp's own gap there: {' '.join(f'{g:.2f}' for g in ref_gaps)}; "
+          f"common prefix {sum(parts)} of {NEW_TOKENS * len(parts)} tokens")
+    # llama.cpp's own logits at the step where the sequences part (same prefix on both sides): its
+    # token must have beaten ours by a near-tie only
+    assert all(0 <= g <= NEAR_TIE_LOGITS for g in ref_gaps), (parts, ref_gaps)
     # |gap|: at serving precision the re-fed prefix computes in another batching than the decode
     # steps did (bf16, u8 KV), so Kafila's own top may itself move at such a near-tie
-    assert all(abs(g) <= MAX_Q4_1_LOGIT_DELTA for g in gaps), (parts, gaps)
-    assert sum(at == NEW_TOKENS for at in parts) >= 1, parts  # and not everything parts
+    assert all(abs(g) <= NEAR_TIE_LOGITS for g in gaps), (parts, gaps)
+    assert sum(parts) >= MIN_COMMON_FRACTION * NEW_TOKENS * len(parts), parts
 
 
 def test_run_json_prompt_ids_are_llamacpp_tokens(default_model_path, default_tokenizer, prompt_ids):

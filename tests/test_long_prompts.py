@@ -13,10 +13,10 @@ import pytest
 
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.engine.ring import RingEngine
-from kafila.session.frames import MAX_FRAME_BYTES, Activation, EncodeError, Limits, encode
-from kafila.session.ring import RingNode
+from kafila.session.wire.frames import MAX_FRAME_BYTES, Activation, EncodeError, Limits, encode
+from kafila.session.ring.node import RingNode
 from backends.memory import PREFILL_WORK_BYTES, PREFILL_WORK_BYTES_PER_POSITION
-from kafila.session.scheduler import Scheduler, later_chunk_tokens, prefill_chunk_tokens
+from kafila.session.ring.scheduler import Scheduler, later_chunk_tokens, prefill_chunk_tokens
 from tests.default_model import MODEL, needs_default_model
 from tests.fake_link import Pipe
 from tests.test_session_ring import H, LIM, V, shards
@@ -29,7 +29,7 @@ class Tap(Pipe):
     """A Pipe that records the size of every activation payload written to it."""
 
     def __init__(self, limits=LIM):
-        from kafila.session.frames import FrameDecoder
+        from kafila.session.wire.frames import FrameDecoder
 
         super().__init__()
         self.rows: list[int] = []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 import subprocess
 import sys
 
@@ -23,6 +24,7 @@ from kafila.net.pieces import (
     split,
     unpack,
 )  # fmt: skip
+from kafila.net.admission_messages import Part
 from rendezvous.errors import ProtocolError
 from tests.synthetic_gguf import write_llama_gguf
 
@@ -54,7 +56,7 @@ def test_pieces_round_trip(size):
     packed = bytes(range(256)) * (size // 256) + b"x" * (size % 256)
     a = Assembler(MAX_HOST_MESSAGE_BYTES)
     parts = split(packed)
-    assert len(parts) == -(-size // PIECE_BYTES) and all(len(p["data"]) <= PIECE_BYTES for p in parts)
+    assert len(parts) == -(-size // PIECE_BYTES) and all(len(p.data) <= PIECE_BYTES for p in parts)
     outs = [a.feed(p) for p in parts]
     assert outs[:-1] == [None] * (len(parts) - 1) and outs[-1] == packed and not a.pending
     assert a.feed(split(packed)[0]) is None  # and the next message starts cleanly
@@ -77,11 +79,12 @@ def test_pieces_refuse_every_malformed_sequence():
     assert "out of order" in bad([parts[1]]).reason  # no first piece
     assert "incomplete" in bad([parts[0], parts[0]]).reason  # a new message inside one
     assert "incomplete" in bad(parts, whole_after=1).reason  # a whole message inside one
-    assert "cannot be" in bad([{**parts[0], "n": 50}]).reason  # pieces that do not match the size
-    assert "holds" in bad([parts[0], {**parts[1], "data": b"y" * 10}]).reason
-    assert "holds" in bad([{**parts[0], "data": parts[0]["data"] + b"!"}]).reason
-    assert "out of order" in bad([parts[0], {**parts[1], "size": 1 + parts[1]["size"]}]).reason
-    assert "integer" in bad([{**parts[0], "i": "0"}]).reason
+    assert "cannot be" in bad([replace(parts[0], n=50)]).reason  # pieces that do not match the size
+    assert "holds" in bad([parts[0], replace(parts[1], data=b"y" * 10)]).reason
+    assert "holds" in bad([replace(parts[0], data=parts[0].data + b"!")]).reason
+    assert "out of order" in bad([parts[0], replace(parts[1], size=1 + parts[1].size)]).reason
+    with pytest.raises(ProtocolError, match="integer"):  # a piece's fields are typed before it is fed
+        Part.from_wire({"i": "0", "n": parts[0].n, "size": parts[0].size, "data": parts[0].data})
     with pytest.raises(ProtocolError, match="not msgpack"):
         unpack(b"\xc1", 100)
 

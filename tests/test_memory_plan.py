@@ -174,7 +174,7 @@ def test_a_shard_built_by_rows_answers_as_before(tmp_path, monkeypatch, ov_form)
 
 
 def test_the_hosts_plan_prices_a_mixed_ring_by_its_largest_backend(kquant_model):
-    from kafila.session.host import _resident_model
+    from kafila.session.control.host import _resident_model
 
     index = open_model(kquant_model)
     ov, mlx = index.planner_model("openvino"), index.planner_model("mlx")

@@ -1,8 +1,8 @@
-"""The head's micro-batch grouping (kafila/session/microbatch.py), without a ring."""
+"""The head's micro-batch grouping (kafila/session/ring/microbatch.py), without a ring."""
 
 from types import SimpleNamespace
 
-from kafila.session.microbatch import SHARED_BUSY_SHARE, MicroBatches, best_groups, prompt_batches
+from kafila.session.ring.microbatch import SHARED_BUSY_SHARE, MicroBatches, best_groups, prompt_batches
 
 
 def step(rid):

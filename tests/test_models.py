@@ -76,8 +76,8 @@ def test_split_blocks(synthetic_index, default_index):
         (lambda p: write_not_gguf(p / "zip.gguf"), "not a GGUF"),
         (lambda p: write_truncated(p / "cut.gguf"), "truncated"),
         (lambda p: write_llama_gguf(p / "gpt2.gguf", arch="gpt2"), "unsupported architecture 'gpt2'"),
-        (lambda p: write_llama_gguf(p / "q5.gguf", odd_tensor=("blk.2.ffn_up.weight", "IQ4_NL")),
-         "blk.2.ffn_up.weight has quant type IQ4_NL"),
+        (lambda p: write_llama_gguf(p / "q5.gguf", odd_tensor=("blk.2.ffn_up.weight", "Q8_1")),
+         "blk.2.ffn_up.weight has quant type Q8_1"),
     ],
     ids=["missing", "not-gguf", "truncated", "arch", "quant-type"],
 )

@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from backends.errors import BadInput
-from kafila.session.load import clean_head, clean_request, clean_stage, ring_load
-from kafila.session.scheduler import Scheduler, SchedulerError, TokenOut
-from kafila.session.slots import AUTO_MAX_SLOTS, auto_slots, parse_concurrency, parse_max_queued
+from kafila.session.ring.load import clean_head, clean_request, clean_stage, ring_load
+from kafila.session.ring.scheduler import Scheduler, SchedulerError, TokenOut
+from kafila.session.ring.slots import AUTO_MAX_SLOTS, auto_slots, parse_concurrency, parse_max_queued
 from planner import block_limit, make_plan, parse_fleet, slots_that_fit
 from tests.test_planner_support import GB, device, fleet
 
@@ -224,3 +224,19 @@ def test_kafila_status_renders_the_load() -> None:
     assert "slots: 2 of 8 busy, 1 queued" in text and "load per stage" in text
     assert "m2:4" in text and "11.2" in text and "5 / 24" in text
     assert "micro-batches: 2 kept in flight, rows now [2]" in text and "20.5 + 2.25 ms a position" in text
+
+
+def test_the_many_users_bound_is_the_busier_of_the_machine_and_a_trip():
+    """bench/ring_bound.py: N users in g micro-batches of ⌈N/g⌉ rows; one machine computes one
+    stage at a time, so a round takes max(g·C(b), C(b) + H), and the best g is taken."""
+    from bench.ring_bound import bound, ring_compute_ms
+
+    costs = [{1: 10.0, 2: 12.0, 4: 16.0}, {1: 5.0, 2: 6.0, 4: 8.0}]  # ms of a b-row step, per stage
+    assert ring_compute_ms(costs, 3) == 24.0  # 3 rows cost what the 4-row step costs
+    assert ring_compute_ms(costs, 8) == 48.0  # past the largest measured: linear in rows
+    # no network: one batch of all rows keeps the machine busiest for the fewest steps
+    assert bound(costs, 4, 0.0) == {"tok_s": 4 / 24.0 * 1000, "groups": 1, "rows": 4, "compute_ms": 24.0}
+    # 100 ms a trip on the wire: one batch waits for it; 4 batches of one row fill it
+    b = bound(costs, 4, 100.0)
+    assert (b["groups"], b["rows"]) == (4, 1) and b["tok_s"] == pytest.approx(4 / 115.0 * 1000)
+    assert bound(costs, 1, 100.0)["tok_s"] == pytest.approx(1000 / 115.0)

@@ -93,20 +93,20 @@ def test_session_roster_messages_edges_and_leaving() -> None:
             # member <-> member edge, and a host edge, concurrently
             (ea, eb), (eh, ea2) = await asyncio.gather(_pair(a, b), _pair(host, a))
             for edge in (ea, eb, eh, ea2):
-                assert edge.time_to_data_s is not None and edge.time_to_data_s < 0.5
+                assert edge.time_to_data_s is not None  # how soon: bench.edges
             seconds = await _exchange(ea, eb, 10_000_000)
             print(f"\n10 MB each way over one edge: {seconds:.2f} s; stats {ea.stats()}")
             await _exchange(eh, ea2, 100_000)
             for edge in (ea, eb):
-                assert edge.kind == "direct" and edge.time_to_direct_s < 1.0
+                assert edge.kind == "direct" and edge.time_to_direct_s is not None
                 assert edge.predicted == "direct"
                 stats = edge.stats()
                 assert stats["bytes_received"] > 10_000_000 and stats["time_to_direct_s"]
-            # a clean leave reaches the host at once
+            # a clean leave reaches the host as a leave, before silence could have told it
             t0 = time.perf_counter()
             await b.close()
-            left = await _event(host, MemberLeft, 3.0)
-            assert left.name == "m1" and time.perf_counter() - t0 < 1.0
+            left = await _event(host, MemberLeft, MEMBER_SILENT_S)
+            assert left.name == "m1" and time.perf_counter() - t0 < MEMBER_SILENT_S
             assert "m1" not in host.roster()
     run(main())
 
@@ -246,7 +246,7 @@ def test_relay_carries_only_ciphertext() -> None:
             rb, _ = await eb.accept_stream()
             assert await rb.readexactly(len(secret) * 50) == secret * 50
             assert ea.kind == eb.kind == "relay" and ea.time_to_direct_s is None
-            assert ea.time_to_data_s < 0.5
+            assert ea.time_to_data_s is not None
             relayed = b"".join(seen)
             assert len(relayed) > len(secret) * 50
             assert b"KAFILA-PLAINTEXT-CANARY" not in relayed

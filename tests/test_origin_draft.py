@@ -1,4 +1,4 @@
-"""Drafting at the origin member (--speculate origin, kafila/session/origin.py), without a ring:
+"""Drafting at the origin member (--speculate origin, kafila/session/ring/speculation/origin.py), without a ring:
 the alignment rule, the origin's drafter, the head's scheduler taking (aligned, stale but
 aligned, misaligned → its own n-grams) and refusing drafts, and the activation's draft fields on
 the wire (round trip, malformed ones refused; the pinned old bytes are tests/test_frames_wire.py)."""
@@ -6,11 +6,11 @@ the wire (round trip, malformed ones refused; the pinned old bytes are tests/tes
 import numpy as np
 import pytest
 
-from kafila.session import frames as F
-from kafila.session.fields import MAX_ORIGIN_DRAFT
-from kafila.session.origin import OriginDrafts, aligned_draft
-from kafila.session.scheduler import Scheduler
-from kafila.session.speculate import SPECULATE_MODES, SpecStats, ngram_draft
+from kafila.session.wire import frames as F
+from kafila.session.wire.fields import MAX_ORIGIN_DRAFT
+from kafila.session.ring.speculation.origin import OriginDrafts, aligned_draft
+from kafila.session.ring.scheduler import Scheduler
+from kafila.session.ring.speculation.speculate import SPECULATE_MODES, SpecStats, ngram_draft
 
 PROMPT = (5, 6, 7, 8, 9, 5, 6)  # n-grams propose 7 8 9 5 6 after it
 
@@ -180,8 +180,8 @@ def test_malformed_origin_drafts_are_the_peers_frame_error(fields):
 def test_the_head_takes_the_draft_that_rode_on_a_returning_activation():
     """HeadCore.complete hands an activation's origin draft to the scheduler: the next step of
     that request carries the draft's next tokens (a request typed at m2, its prefill back)."""
-    from kafila.session.frames import Activation, Request
-    from kafila.session.head import Forward, HeadCore, Send
+    from kafila.session.wire.frames import Activation, Request
+    from kafila.session.ring.head import Forward, HeadCore, Send
 
     lim = F.Limits(hidden=8, context=64, slots=2, vocab=100)
     core = HeadCore("m1", ["m1", "m2", "m3"], lim, speculate="origin", draft_k=3, adaptive_k=False, batch=False)

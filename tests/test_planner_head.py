@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from planner import HEAD_MARGIN, make_plan, parse_fleet
+from planner import make_plan, parse_fleet
 from tests.test_planner_support import GB, device, fleet
 
 # 1 GB blocks and a 1 GB head at 1 GB/s: 1000 ms per block, 1000 ms for the head.
@@ -29,10 +29,6 @@ def gain_fleet(gain: float) -> dict:
         device("B", 100, 1.0, overhead_us=0.0),
         model=MODEL,
     )
-
-
-def test_margin_is_five_per_cent() -> None:
-    assert HEAD_MARGIN == 0.05
 
 
 @pytest.mark.parametrize(

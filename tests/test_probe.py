@@ -36,6 +36,11 @@ def test_quick_probe_is_sane(two_quick_probes: tuple[ProbeResult, ProbeResult]) 
     for spread in (result.bandwidth_spread, result.overhead_spread, result.tflops_spread):
         assert spread is not None and spread >= 0
     assert result.buffer_mib >= 64
+    # the block probe (the serving block graph, tiny and wide): a fixed cost, a streaming rate
+    # below what a plain read gets, the head pick's fixed cost
+    assert result.block_us is not None and 0 < result.block_us < 100_000
+    assert result.block_gbps is not None and 0.01 < result.block_gbps < 10_000
+    assert result.head_us is not None and 0 < result.head_us < 100_000
 
 
 def test_quick_probe_repeats_to_the_same_order(
@@ -78,6 +83,12 @@ def test_probe_json_and_fleet_entry_feed_the_planner(
     }
     plan = make_plan(parse_fleet(fleet))
     assert plan.feasible and plan.tier.value == "full"
+    entry = result.fleet_device("me")
+    assert entry["block_us"] == result.block_us and entry["block_gbps"] == result.block_gbps
+    # priced with them: a block costs its fixed part plus its bytes at the streaming rate
+    stage = plan.stage_ms[1]
+    per_block_ms = result.block_us / 1e3 + 1e6 / (result.block_gbps * 1e6)
+    assert stage == pytest.approx(result.overhead_us / 1e3 + plan.blocks[1] * per_block_ms)
 
 
 def test_probe_command_json() -> None:
@@ -132,7 +143,7 @@ def test_mlx_member_probes_with_mlx() -> None:
 
 def test_the_descriptor_is_measured_on_the_serving_backend(monkeypatch: pytest.MonkeyPatch) -> None:
     import kafila.probe
-    from kafila.session.participant import Participant, SessionConfig
+    from kafila.session.control.participant import Participant, SessionConfig
 
     asked: list[str] = []
     measured = probe_device(quick=True, backend="reference")  # what the fake hands back
@@ -142,7 +153,7 @@ def test_the_descriptor_is_measured_on_the_serving_backend(monkeypatch: pytest.M
         return measured
 
     monkeypatch.setattr(kafila.probe, "probe_device", fake_probe)
-    descriptor = Participant(SessionConfig(name="m", rendezvous=None, backend="mlx")).descriptor()
+    descriptor = Participant(SessionConfig(name="m", rendezvous=None, backend="mlx")).stage.descriptor()
     assert asked == ["mlx"]
     assert descriptor["backend"] == "mlx" and descriptor["probed_on"] == "reference numpy CPU"
 

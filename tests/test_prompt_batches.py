@@ -1,4 +1,4 @@
-"""Prompts that reach the head together go round the ring as one batch (session/microbatch.py
+"""Prompts that reach the head together go round the ring as one batch (session/ring/microbatch.py
 `prompt_batches`): three RingNodes over in-memory pipes (the ring's own code) on real shards of
 the default model at f32, on OpenVINO and on MLX. Four requests submitted at once each get the tokens they get alone, and
 every stage ran their four prompts as one forward into fresh slots."""
@@ -7,8 +7,8 @@ import asyncio
 
 import pytest
 
-from kafila.session.frames import Limits
-from kafila.session.ring import RingNode
+from kafila.session.wire.frames import Limits
+from kafila.session.ring.node import RingNode
 from tests.fake_link import Pipe
 
 pytestmark = pytest.mark.model

@@ -1,4 +1,4 @@
-"""Prompt caching (kafila/session/prefix.py): a finished request's slot keeps its KV, and a prompt
+"""Prompt caching (kafila/session/ring/prefix.py): a finished request's slot keeps its KV, and a prompt
 that starts the same way feeds only the rest — with the tokens a fresh slot gives.
 
 The rules alone, the scheduler against a fake ring that honours the mask, and the real ring
@@ -14,8 +14,8 @@ import random
 import pytest
 from hypothesis import given, settings, strategies as st
 
-from kafila.session.prefix import EVICT_SHARED, MAX_WASTE, Parked, ParkedSlots, reuse_in, shared_prefix
-from kafila.session.scheduler import Finished, Scheduler, SlotFreed, TokenOut
+from kafila.session.ring.prefix import EVICT_SHARED, MAX_WASTE, Parked, ParkedSlots, reuse_in, shared_prefix
+from kafila.session.ring.scheduler import Finished, Scheduler, SlotFreed, TokenOut
 from tests.test_scheduler import EOS, FakeRing, drive
 
 def feed_through(shards, slots, ids, cache_len: int):
@@ -263,6 +263,9 @@ def test_a_slot_cut_back_continues_as_a_fresh_one(backend, chain_factory):
             shard.close_slot(slot)
 
 
+ASKED_AGAIN_BOUND = 0.15
+
+
 def test_a_question_asked_again_gets_the_first_asks_logits_at_serving_precision(chain_factory, default_tokenizer):
     """The prompt cache at serving precision: the first ask feeds the chat prompt in one forward,
     so its last position attends to the prompt's K/V as computed; asked again, the prefix comes
@@ -292,7 +295,10 @@ def test_a_question_asked_again_gets_the_first_asks_logits_at_serving_precision(
         for shard, a, b in zip(chain.shards, first, again):
             shard.close_slot(a)
             shard.close_slot(b)
-    assert np.abs(got - want).max() < 0.05
+    # The f16 cache's rounding moves these logits by 0.04-0.05 on AVX-512 kernels and by 0.07 on
+    # the AVX2 and pre-VNNI AVX-512 ones (tests/test_cpu_kinds.py runs this test on them); the
+    # failures this guards against moved them by 0.57 (a u8 KV cache) and 0.65 (bf16 inference).
+    assert np.abs(got - want).max() < ASKED_AGAIN_BOUND
     assert int(np.argmax(got)) == int(np.argmax(want))
 
 
@@ -341,7 +347,7 @@ def test_an_openvino_slot_cut_back_copies_nothing_and_a_long_dead_tail_is_compac
 
 
 def ring_turns(chain, limits, turns, prompt_cache: bool, concurrent: bool):
-    from kafila.session.ring import RingNode
+    from kafila.session.ring.node import RingNode
     from tests.fake_link import Pipe
     from tests.test_speculate import _generate
 
@@ -372,7 +378,7 @@ def ring_turns(chain, limits, turns, prompt_cache: bool, concurrent: bool):
 @pytest.mark.parametrize("backend", ["openvino", "mlx"])
 def test_on_three_stages_second_turns_reuse_the_first_and_answer_as_without(backend, chain_factory, default_index,
                                                                             default_tokenizer):  # fmt: skip
-    from kafila.session.frames import Limits
+    from kafila.session.wire.frames import Limits
     from tests.conftest import PROMPTS
 
     tok = default_tokenizer

@@ -1,6 +1,6 @@
-"""The bound on replans (kafila/session/replans.py), without a session."""
+"""The bound on replans (kafila/session/control/replans.py), without a session."""
 
-from kafila.session.replans import ReplanPacer
+from kafila.session.control.replans import ReplanPacer
 
 
 def test_a_burst_goes_at_once_then_each_replan_waits_longer_up_to_a_bound():

@@ -1,4 +1,4 @@
-"""Ring frames over the TCP lane (kafila.session.ring_lane): the offer and its answer on the ring
+"""Ring frames over the TCP lane (kafila.session.weights.ring_lane): the offer and its answer on the ring
 stream, the fallback to the stream when TCP does not connect or is not offered, the lane tied to
 the stream beside it, and --latency-ms on the lane. The ring stream is an in-memory pair here (as
 in test_bulk_lane.py); the lane is a real TCP connection on 127.0.0.1 with the real listener."""
@@ -10,10 +10,10 @@ import time
 import numpy as np
 import pytest
 
-from kafila.session import bulk as B
-from kafila.session.frames import Activation, BulkOffer, Hello, Limits, encode
-from kafila.session.ring_lane import offer_lane, take_lane
-from kafila.session.streams import FrameWriter, StreamClosed, read_frame
+from kafila.session.weights import bulk as B
+from kafila.session.wire.frames import Activation, BulkOffer, Hello, Limits, encode
+from kafila.session.weights.ring_lane import offer_lane, take_lane
+from kafila.session.wire.streams import FrameWriter, StreamClosed, read_frame
 from tests.fake_link import Pipe
 
 LIMITS = Limits(hidden=8, context=64, slots=4, vocab=100)
@@ -140,7 +140,7 @@ def test_a_lane_whose_tcp_ends_alone_is_marked_broke(stream_ends, monkeypatch):
     """The TCP connection ends while the QUIC stream beside it stays up: P marks its lane broke
     (its member then keeps that successor's frames on QUIC). When the stream ends too within the
     grace (a teardown: both end, TCP often first) it is no break."""
-    from kafila.session import ring_lane
+    from kafila.session.weights import ring_lane
 
     monkeypatch.setattr(ring_lane, "BREAK_GRACE_S", 0.5)
 

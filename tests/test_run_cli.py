@@ -30,7 +30,7 @@ def assert_bad_input(proc: subprocess.CompletedProcess, *needles: str) -> None:
         (lambda p: write_not_gguf(p / "zip.gguf"), "not a GGUF"),
         (lambda p: write_truncated(p / "cut.gguf"), "truncated"),
         (lambda p: write_llama_gguf(p / "gpt2.gguf", arch="gpt2"), "unsupported architecture"),
-        (lambda p: write_llama_gguf(p / "q5.gguf", odd_tensor=("blk.0.attn_k.weight", "IQ4_NL")), "IQ4_NL"),
+        (lambda p: write_llama_gguf(p / "q5.gguf", odd_tensor=("blk.0.attn_k.weight", "Q8_1")), "Q8_1"),
     ],
     ids=["missing", "not-gguf", "truncated", "arch", "quant-type"],
 )

@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kafila.session.scheduler import Finished, Scheduler, SchedulerError, SlotFreed, TokenOut
+from kafila.session.ring.scheduler import Finished, Scheduler, SchedulerError, SlotFreed, TokenOut
 
 EOS = 0
 

@@ -1,5 +1,6 @@
-"""A session's context: 2048, or the model's own when shorter; an explicit --context it lacks is
-one line, exit 2 (issue 10). Through the real CLI parsing, without forming a session."""
+"""A session's context: the model's own (the plan caps it by memory: test_context_fit.py); an
+explicit --context it lacks is one line, exit 2 (issue 10). Through the real CLI parsing, without
+forming a session."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import pytest
 
 from backends.errors import BadInput, Refused
 from kafila.cli import main
-from kafila.session.host import DEFAULT_CONTEXT_TOKENS, HostParticipant, session_context
+from kafila.session.control.host import HostParticipant, session_context
 from kafila.tooling.launch import LocalSession
 from tests.synthetic_gguf import write_llama_gguf
 
@@ -22,9 +23,9 @@ def short_model(tmp_path_factory) -> str:
 @pytest.mark.parametrize(
     ("requested", "model_context", "context", "noted"),
     [
-        (None, 512, 512, True),  # the default is capped by the model, and says so
+        (None, 512, 512, False),  # the default is the model's own
         (None, 2048, 2048, False),
-        (None, 131072, DEFAULT_CONTEXT_TOKENS, False),
+        (None, 131072, 131072, False),  # (the plan caps it by the members' memory)
         (512, 512, 512, False),
         (2, 512, 2, False),
         (4096, 131072, 4096, False),  # above the default, within the model: allowed
@@ -65,7 +66,7 @@ def test_host_default_context_is_the_models_when_shorter(short_model, monkeypatc
     assert session_context(cfg.context, MODEL_CONTEXT, "short")[0] == MODEL_CONTEXT
 
 
-def test_demo_default_passes_no_context_and_says_it_is_capped(short_model, capsys, monkeypatch, tmp_path) -> None:
+def test_demo_default_passes_no_context(short_model, capsys, monkeypatch, tmp_path) -> None:
     argvs = []
 
     def spawn(self, name, args, port):
@@ -74,7 +75,6 @@ def test_demo_default_passes_no_context_and_says_it_is_capped(short_model, capsy
 
     monkeypatch.setattr(LocalSession, "_spawn", spawn)
     assert main(["demo", "--model", short_model, "--members", "2", "--cache-dir", str(tmp_path)]) != 0
-    assert "demo: context 512: short's own context" in capsys.readouterr().err
     assert argvs and "--context" not in argvs[0]  # the host chooses (kafila host's default)
 
 

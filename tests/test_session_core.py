@@ -1,4 +1,4 @@
-"""The session lifecycle's sans-I/O cores (kafila.session.lifecycle), driven event by event with
+"""The session lifecycle's sans-I/O cores (kafila.session.control.lifecycle), driven event by event with
 fake times: no sockets, no model, no event loop. The plans are written by hand (the planner's
 choice of head and division does not matter here)."""
 
@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from kafila.session import control as c
-from kafila.session import lifecycle as lc
-from kafila.session.lifecycle import Phase
+from kafila.session.control import messages as c
+from kafila.session.control import lifecycle as lc
+from kafila.session.control.lifecycle import Phase
 from planner import Plan, Refusal
 
 TERMS = c.SessionTerms(context=256, concurrency=2, protocol=c.PROTOCOL, version="0.1.0")
@@ -271,17 +271,65 @@ def test_an_infeasible_replan_ends_the_session_saying_why() -> None:
     assert kinds(acts) == ["SendAll", "EndEngine", "Abort"]
 
 
-def test_a_member_that_fails_or_leaves_while_forming_ends_the_first_plan() -> None:
+def test_a_member_that_fails_or_leaves_while_forming_is_dropped_and_the_rest_replan() -> None:
+    """Issue 38: a member that cannot prepare its stage, or leaves while the first plan forms, is
+    dropped (named, with the reason) and the rest are planned again: never the session's end."""
     core = lc.HostCore("m1")
     core.on(made(1, "m1", "m2", "m3"), 0.0)
     acts = core.on(received("m2", c.Failed("no memory", 1)), 1.0)
-    assert acts == [lc.SendAll(c.Refusal("member m2 failed: no memory")),
-                    lc.Abort("member m2 could not prepare its stage: no memory")]  # fmt: skip
+    why = "it could not prepare its stage: no memory"
+    assert acts == [lc.Drop("m2", why), lc.Say(f"m1: member m2 is dropped: {why}"),
+                    lc.Record("dropped", (("name", "m2"), ("reason", why))), lc.Replan(f"m2 dropped ({why})")]
+    assert core.phase is not Phase.ENDED and not core.forming
+    assert core.on(lc.MemberLeft("m2", "removed: " + why), 1.5) == []  # the drop's own echo is no news
+    core.on(made(2, "m1", "m3", reason=f"m2 dropped ({why})"), 2.0)
+    core.on(lc.Prepared(2), 3.0)
+    assert kinds(core.on(received("m3", c.Ready(2)), 3.0))[-1] == "Formed" and core.phase is Phase.SERVING
     core = lc.HostCore("m1")
     core.on(made(1, "m1", "m2", "m3"), 0.0)
     acts = core.on(lc.MemberLeft("m3", "bye"), 1.0)
-    assert acts == [lc.SendAll(c.Refusal("member m3 left while the session was forming")),
-                    lc.Abort("member m3 left while the session was forming (bye)")]  # fmt: skip
+    assert acts == [lc.Replan("member m3 left while the session was forming (bye)")] and core.phase is not Phase.ENDED
+
+
+def test_what_a_member_should_not_send_drops_that_member_only() -> None:
+    core = serving_host()
+    # a host-only message from a ring member: dropped, and the ring planned again without it
+    acts = core.on(received("m3", c.Serving(1)), 5.0)
+    assert kinds(acts) == ["Drop", "Say", "Record", "Replan"] and acts[0].member == "m3"
+    assert "only the host sends" in acts[0].reason
+    core = serving_host()
+    core.on(lc.MemberJoined("m4"), 5.0)  # waiting for the next plan
+    acts = core.on(received("m4", c.Degraded("made up", 1)), 6.0)  # a break of a ring it is not in
+    assert kinds(acts) == ["Drop", "Say", "Record"] and core.pending_break is None and core.phase is Phase.SERVING
+    acts = core.on(lc.Malformed("m2", "epoch must be an integer 1..2147483648", "ready"), 7.0)
+    assert kinds(acts) == ["Drop", "Say", "Record", "Replan"] and "no control message" in acts[0].reason
+
+
+def test_a_member_not_ready_in_time_or_unreachable_is_dropped() -> None:
+    core = lc.HostCore("m1")
+    core.on(made(1, "m1", "m2", "m3"), 0.0)
+    core.on(received("m2", c.Ready(1)), 1.0)
+    acts = core.on(lc.Tick(), lc.READY_TIMEOUT_S)
+    assert [a.member for a in acts if isinstance(a, lc.Drop)] == ["m3"] and kinds(acts)[-1] == "Replan"
+    core = lc.HostCore("m1")
+    core.on(made(1, "m1", "m2"), 0.0)
+    acts = core.on(lc.Prepared(1, "the ring edge from m1 to m2 was not up within 60 s", ("m2",)), 1.0)
+    assert kinds(acts) == ["Drop", "Say", "Record", "Replan"] and "not up within 60 s" in acts[0].reason
+
+
+def test_a_dropped_member_ends_saying_why_and_a_plan_it_cannot_read_too() -> None:
+    core = member()
+    core.on(received("m1", plan("m1", "m2")), 0.0)
+    core.on(lc.Prepared(1), 0.0)
+    core.on(received("m1", c.Serving(1)), 0.0)
+    acts = core.on(lc.MemberLeft("m1", "removed: it froze", dropped=True), 9.0)
+    assert kinds(acts) == ["EndEngine", "Say", "Record", "Abort"] and core.phase is Phase.ENDED
+    assert "dropped this member" in acts[-1].reason and "kafila join again" in acts[-1].reason
+    core = member()
+    acts = core.on(lc.Malformed("m1", "plan has no ring", "plan"), 1.0)
+    assert kinds(acts) == ["Send", "EndEngine", "Abort"] and isinstance(acts[0].msg, c.Failed)
+    assert "plan cannot be read: plan has no ring" in acts[-1].reason
+    assert member().on(lc.Malformed("m1", "junk", "status"), 1.0) == []  # anything else: logged, ignored
 
 
 def test_a_member_that_leaves_while_replanning_makes_another_replan() -> None:
@@ -298,15 +346,15 @@ def test_the_host_that_cannot_prepare_its_own_stage_refuses() -> None:
     assert acts[-1] == lc.Abort("the host m1 could not prepare its stage: no shard") and kinds(acts)[0] == "SendAll"
 
 
-def test_a_session_that_does_not_form_in_time_is_refused() -> None:
+def test_a_session_whose_host_is_not_ready_in_time_is_refused() -> None:
     core = lc.HostCore("m1")
     core.on(made(1, "m1", "m2", "m3"), 0.0)
     core.on(received("m2", c.Ready(1)), 1.0)
+    core.on(received("m3", c.Ready(1)), 1.0)
     assert core.timer() == pytest.approx(lc.READY_TIMEOUT_S)
     assert core.on(lc.Tick(), lc.READY_TIMEOUT_S - 1) == []
     acts = core.on(lc.Tick(), lc.READY_TIMEOUT_S)
-    assert acts[-1] == lc.Abort(f"the session did not form within {lc.READY_TIMEOUT_S:g} s: m3 not ready")
-    assert core.on(received("m3", c.Ready(1)), lc.READY_TIMEOUT_S + 1) == []  # over
+    assert acts[-1] == lc.Abort(f"the session did not form within {lc.READY_TIMEOUT_S:g} s: m1 not ready")
 
 
 # --- the machine itself -----------------------------------------------------------------------------
@@ -320,9 +368,9 @@ def test_transitions_are_data_and_a_wrong_one_is_a_bug() -> None:
 
 
 def test_the_cores_import_no_io() -> None:
-    root = Path(__file__).resolve().parents[1] / "kafila" / "session"
+    root = Path(__file__).resolve().parents[1] / "kafila" / "session" / "control"
     forbidden = {"asyncio", "socket", "time", "threading", "os", "subprocess"}
-    for name in ("lifecycle.py", "lifecycle_events.py", "control.py"):
+    for name in ("lifecycle.py", "lifecycle_events.py", "messages.py"):
         tree = ast.parse((root / name).read_text())
         for node in ast.walk(tree):
             if isinstance(node, ast.Import):

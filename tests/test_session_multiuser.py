@@ -100,7 +100,7 @@ def session(request, tmp_path_factory):
 
 
 def test_slots_come_from_memory(session):
-    from kafila.session.slots import AUTO_MAX_SLOTS
+    from kafila.session.ring.slots import AUTO_MAX_SLOTS
 
     st = status(session.api("m2"))
     # a 135M model at context 512 takes tens of MB a slot: any machine that runs the tests holds the cap

@@ -5,8 +5,8 @@ import os
 import pytest
 
 from backends.errors import Refused
-from kafila.session.host import members_table, plan_table, predicted_tok_s
-from kafila.session.participant import role_of
+from kafila.session.control.host import members_table, plan_table, predicted_tok_s
+from kafila.session.control.participant import role_of
 
 PLAN = {"feasible": True, "tier": "full", "policy": "kafila", "head": "m1", "ring": ["m1", "m3", "m2"],
         "blocks": {"m1": 8, "m3": 12, "m2": 10}, "stage_ms": {"m1": 4.0, "m3": 4.0, "m2": 4.0},
@@ -40,7 +40,7 @@ def test_plan_preview_names_the_bottleneck_with_its_tok_s():
     from rich.console import Console
 
     from kafila.commands.status import render
-    from kafila.session.preview import bottleneck, plan_summary
+    from kafila.session.control.preview import bottleneck, plan_summary
 
     plan = {**PLAN, "stage_ms": {"m1": 4.0, "m3": 5.0, "m2": 3.0}, "bottleneck_ms": 5.0}
     assert bottleneck(plan) == "m3"

@@ -13,9 +13,9 @@ import pytest
 from backends.base import HeadOps
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.engine.ring import RingEngine
-from kafila.session.frames import Activation, Limits, Tokens
-from kafila.session.ring import RingNode
-from kafila.session.streams import FrameWriter, read_frame
+from kafila.session.wire.frames import Activation, Limits, Tokens
+from kafila.session.ring.node import RingNode
+from kafila.session.wire.streams import FrameWriter, read_frame
 from tests.fake_link import Pipe
 
 H, V = 8, 50
@@ -63,7 +63,7 @@ class FakeShard(HeadOps):
 
 def settled(nodes) -> bool:
     """No request holds a slot, and every stage holds KV only in the slots the head parked
-    (prompt caching: session/prefix.py) — nothing leaked."""
+    (prompt caching: session/ring/prefix.py) — nothing leaked."""
     sched = nodes[0].scheduler
     parked = set(sched.parked_slots())
     return sched.active == 0 and all(set(n.slots.slots) <= parked for n in nodes)
@@ -448,7 +448,7 @@ def test_a_request_cancelled_inside_a_micro_batch_leaves_the_others_whole():
 
 
 def test_a_micro_batch_out_of_order_is_a_malformed_frame():
-    from kafila.session.frames import Activation, FrameError
+    from kafila.session.wire.frames import Activation, FrameError
 
     async def main():
         nodes, _ = batching_ring(True)

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from kafila.sampling import token_probs
-from kafila.session.scheduler import Finished, Scheduler, TokenOut
-from kafila.session.speculate import Acceptance, StepCost, choose_k, expected_tokens, verify
+from kafila.session.ring.scheduler import Finished, Scheduler, TokenOut
+from kafila.session.ring.speculation.speculate import Acceptance, StepCost, choose_k, expected_tokens, verify
 
 # --- choosing K -------------------------------------------------------------------------------
 
@@ -192,7 +192,7 @@ def _no_residual(draft, logits, sampling):
 def test_the_chi_square_catches_a_broken_verifier(bug, monkeypatch):
     """The same check fails on a verifier that accepts with the wrong probability (√p rescaled)
     or skips the residual: the test above can tell such bugs apart from a correct sampler."""
-    import kafila.session.speculate as spec
+    import kafila.session.ring.speculation.speculate as spec
 
     if bug == "acceptance":
         real = spec.token_probs

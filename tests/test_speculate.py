@@ -12,11 +12,11 @@ import pytest
 
 from kafila.engine import GenerationRequest, GenerationStats
 from kafila.engine.ring import RingEngine
-from kafila.session.draft import ModelDrafter
-from kafila.session.frames import FrameDecoder, Limits, Request, encode
-from kafila.session.ring import RingNode
-from kafila.session.scheduler import Finished, Scheduler, TokenOut
-from kafila.session.speculate import SpecStats, accept, ngram_draft
+from kafila.session.ring.speculation.draft import ModelDrafter
+from kafila.session.wire.frames import FrameDecoder, Limits, Request, encode
+from kafila.session.ring.node import RingNode
+from kafila.session.ring.scheduler import Finished, Scheduler, TokenOut
+from kafila.session.ring.speculation.speculate import SpecStats, accept, ngram_draft
 from tests.fake_link import Pipe
 
 N_NEW = 64

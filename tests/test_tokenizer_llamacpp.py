@@ -20,12 +20,18 @@ import tarfile
 import pytest
 
 from backends.errors import BadInput
+from kafila.models.vocab import PRETOKENIZERS
 from tests import llamacpp_files
 
 KAFILA = os.path.join(os.path.dirname(sys.executable), "kafila")
 CLI_VOCABS = ("llama-bpe", "qwen2", "llama-spm")
 OTHER_VOCABS = ("gpt-2", "starcoder", "refact", "command-r", "mpt", "qwen35", "phi-3", "falcon",
-                "deepseek-coder", "deepseek-llm")  # fmt: skip
+                "deepseek-coder", "deepseek-llm", "gemma-4")  # fmt: skip
+# vocabularies llama.cpp ships without test vectors, and without tokenizer.ggml.pre: llama.cpp's
+# own tokenization (llama-cpp-python) of every other vocabulary's test strings is the yardstick
+NO_PRE_VOCABS = ("aquila", "gpt-neox")
+EXTRA_TEXTS = ("3333333 12345678 \u0661\u0662\u0663", "a  b\n\n c\t\td", "<|endoftext|>x<|padding|>",
+               "Hello, world! $5+3=8 <tag>|~^")  # fmt: skip
 
 
 def kafila(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess:
@@ -128,7 +134,6 @@ def write_vocab(path, model: str, pre: str | None) -> str:
 
 @pytest.mark.parametrize(("model", "pre", "message"), [
     ("gpt2", "made-up-pre", "pre-tokenizer 'made-up-pre' is not supported; Kafila supports: a.x-4.0, "),
-    ("gpt2", None, "has no pre-tokenizer"),
     ("wordpiece-ish", "default", "tokenizer model 'wordpiece-ish' is not supported"),
 ])  # fmt: skip
 def test_unsupported_tokenizer_is_one_line_exit_2(tmp_path, model, pre, message):
@@ -138,6 +143,45 @@ def test_unsupported_tokenizer_is_one_line_exit_2(tmp_path, model, pre, message)
     assert r.stdout == ""
     assert message in r.stderr
     assert r.stderr.count("\n") == 1 and "Traceback" not in r.stderr
+
+
+def llamacpp_tokenizations(path: str, texts: list[str], special: bool) -> list[list[int]]:
+    """llama.cpp's ids of each text (one vocab-only llama-cpp-python model for all of them)."""
+    import contextlib
+
+    import llama_cpp
+
+    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+        llm = llama_cpp.Llama(model_path=path, vocab_only=True, verbose=False)
+    try:
+        return [list(llm.tokenize(t.encode(), add_bos=special, special=special)) for t in texts]
+    finally:
+        llm.close()
+
+
+@pytest.mark.parametrize("name", NO_PRE_VOCABS)
+def test_missing_pre_tokenizer_falls_back_as_llamacpp_does(vocab_dir, name):
+    """No tokenizer.ggml.pre: llama.cpp's 'default' pre-tokenizer, its BOS and special handling."""
+    path = str(llamacpp_files.vocab_file(name))
+    tok = tokenizer(name)
+    assert tok.model.pre is PRETOKENIZERS["default"]
+    texts = [t for v in ("llama-bpe", "deepseek-llm") for t, _ in llamacpp_files.vocab_cases(v)] + list(EXTRA_TEXTS)
+    for special in (False, True):
+        want = llamacpp_tokenizations(path, texts, special)
+        got = [tok.encode(t, add_special=special, parse_special=special) for t in texts]
+        assert not mismatches(list(zip(texts, want)), got), special
+
+
+def test_gemma4_tokenizer(vocab_dir):
+    """Gemma 4's BPE over "▁" text: BOS always added (llama.cpp overrides the file), byte fallback,
+    newline runs, its end-of-turn tokens; and llama-cpp-python agrees with special tokens parsed."""
+    tok = tokenizer("gemma-4")
+    assert tok.kind == "gemma4" and tok.add_bos and tok.bos_id == 2
+    assert {tok.token_to_id("<eos>"), tok.token_to_id("<turn|>")} <= tok.eos_ids
+    texts = ["<|turn>user\nHi there<turn|>\n<|turn>model\n", "\n\n\n  spaced   out \U0001F999 \u0915\u093f", ""]
+    want = llamacpp_tokenizations(str(llamacpp_files.vocab_file("gemma-4")), texts, True)
+    assert [tok.encode(t) for t in texts] == want
+    assert tok.decode(tok.encode(texts[1])) == texts[1]
 
 
 def test_supported_synthetic_vocab_works(tmp_path):

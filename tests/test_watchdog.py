@@ -9,11 +9,12 @@ import time
 
 import pytest
 
-from kafila.session.frames import Limits
-from kafila.session.ring import RingNode
+from kafila.session.wire.frames import Limits
+from kafila.session.ring.node import RingNode
 from tests.fake_link import Pipe
 
 pytestmark = pytest.mark.model
+HANG_S = 30.0  # how long a hung forward blocks unless released: far past the watchdog's 1 s bound
 
 
 class Hanging:
@@ -22,11 +23,13 @@ class Hanging:
     def __init__(self, shard, after: int) -> None:
         self.shard, self.after, self.calls = shard, after, 0
         self.release = threading.Event()
+        self.woke = threading.Event()  # a hung forward returned (released, or its 30 s were up)
 
     def forward(self, *args):
         self.calls += 1
         if self.calls > self.after:
-            self.release.wait(30)
+            self.release.wait(HANG_S)
+            self.woke.set()
         return self.shard.forward(*args)
 
     def __getattr__(self, name):
@@ -61,7 +64,6 @@ def test_a_hanging_stage_fails_its_requests_naming_it(frozen, chain_factory, pro
         nodes = _ring([chain.shards[0], chain.shards[1], hung], limits, hang_s=1.0, tell=not frozen)
         try:
             _, waiter = await nodes[1].submit(list(prompt_ids[0]), 32)
-            t0 = time.monotonic()
             tokens, end = [], None
             while end is None:
                 item = await asyncio.wait_for(waiter.queue.get(), 10)
@@ -69,30 +71,30 @@ def test_a_hanging_stage_fails_its_requests_naming_it(frozen, chain_factory, pro
                     tokens.append(item)
                 else:
                     end = item
-            return tokens, end, time.monotonic() - t0, nodes
+            return tokens, end, hung.woke.is_set(), nodes
         finally:
             hung.release.set()
             for n in nodes:
                 await n.close()
 
-    tokens, end, took, nodes = asyncio.run(main())
+    tokens, end, woke, nodes = asyncio.run(main())
     assert len(tokens) == 3  # what came back before the hang: the prefill's token and two more
     assert end.finish == "error" and "m3" in end.error, end
     assert ("not answering" if frozen else "hangs") in end.error, end
-    # the bound (1 s here, twice it for a trip) plus the news travelling round, with room for a
-    # loaded 2-core CI machine; the hung forward itself would block for 30 s
-    assert took < 8.0
+    # the watchdog ended the request while the hung forward still blocked: not its 30 s running
+    # out (how soon after the 1 s bound is a timing, not a claim of this test)
+    assert not woke
     assert nodes[0].degraded and "m3" in nodes[2].degraded
 
 
 def test_a_stage_waiting_for_another_member_of_its_machine_is_not_a_hang(chain_factory, prompt_ids, default_index,
                                                                           tmp_path, monkeypatch):
-    """Members of one machine compute one at a time (kafila/session/cores.py): a stage whose step
+    """Members of one machine compute one at a time (kafila/session/ring/cores.py): a stage whose step
     waits longer than its bound for another member's compute is not hung, and the answer is the
     one it gives without the wait."""
     import tempfile
 
-    from kafila.session.cores import CoreLock
+    from kafila.session.ring.cores import CoreLock
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     monkeypatch.delenv("KAFILA_CORE_LOCK", raising=False)

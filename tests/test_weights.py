@@ -7,9 +7,9 @@ import os
 import pytest
 
 from backends.gguf import open_model
-from kafila.session import weights as W
-from kafila.session.streams import StreamClosed
-from kafila.session.transfer import check_local_file, fetch_weights, serve_weights
+from kafila.session.weights import manifest as W
+from kafila.session.wire.streams import StreamClosed
+from kafila.session.weights.transfer import check_local_file, fetch_weights, serve_weights
 from tests.default_model import MODEL, needs_default_model
 from tests.fake_link import Pipe
 
@@ -152,7 +152,8 @@ def _quiet_console():
 
 def test_member_status_shows_the_transfer_live(tmp_path, digests):
     """/status during a fetch: bytes done of the total, MB/s and ETA, before the fetch returns."""
-    from kafila.session.participant import Participant, SessionConfig
+    from kafila.session.control.fetch import fetch_weights_from
+    from kafila.session.control.participant import Participant, SessionConfig
 
     m = digests.manifest(10, 20, False)
     cfg = SessionConfig(name="m2", rendezvous=None, api=None, cache_dir=str(tmp_path))
@@ -160,9 +161,9 @@ def test_member_status_shows_the_transfer_live(tmp_path, digests):
 
     async def run():
         up, down = Pipe(), Pipe()
-        member.net = FakeNet(down.reader, up)
+        member.stage.net = FakeNet(down.reader, up)
         server = asyncio.create_task(serve_weights(up.reader, down, MODEL, m.file_bytes, {}))
-        fetch = asyncio.create_task(member._fetch(m, "m1"))
+        fetch = asyncio.create_task(fetch_weights_from(member.stage, m, "m1"))
         seen, last = await _sample_while(fetch, lambda: dict(member.status()["weights"]))
         up.close()
         await server
@@ -173,24 +174,24 @@ def test_member_status_shows_the_transfer_live(tmp_path, digests):
     assert partial, seen[:3]
     assert all(w["mb_s"] is not None and w["eta_s"] is not None for w in partial)
     assert last["state"] == "done" and last["done_bytes"] == last["total_bytes"] and last["source"] == "host"
-    assert weights == member.state.weights
+    assert weights == member.stage.state.weights
 
 
 def test_host_status_shows_each_members_transfer_live(tmp_path, digests):
     """The host counts the bytes it serves each member: its /status has a partial figure per
     member while the transfer runs, and 'done' once the member closed its stream."""
-    from kafila.session.host import HostParticipant
-    from kafila.session.participant import SessionConfig
+    from kafila.session.control.host import HostParticipant
+    from kafila.session.control.participant import SessionConfig
 
     m = digests.manifest(0, 10, True)
     cfg = SessionConfig(name="m1", rendezvous=None, api=None, cache_dir=str(tmp_path), model_path=MODEL)
     host = HostParticipant(cfg, _quiet_console())
-    host.digests = digests
+    host.weights.digests = digests
 
     async def run():
         up, down = Pipe(), Pipe()
-        host._transfers["m2"] = W.TransferProgress(m.header_len + m.tensor_bytes, 0.0)
-        served = asyncio.create_task(host.serve_weights(FakeEdge("m2"), up.reader, down))
+        host.weights.transfers["m2"] = W.TransferProgress(m.header_len + m.tensor_bytes, 0.0)
+        served = asyncio.create_task(host.weights.serve(FakeEdge("m2"), up.reader, down))
         fetch = asyncio.create_task(fetch_weights(down.reader, up, "m2", m, str(tmp_path / "c.gguf")))
         seen, _ = await _sample_while(fetch, lambda: dict(host.status()["transfers"]["m2"]))
         up.close()

@@ -17,24 +17,27 @@ from functools import cached_property
 import numpy as np
 
 from backends.errors import BadInput
+from backends.gguf.families import Family, family_of, ffn_tensors
 from backends.gguf.header import read_header
-from backends.gguf.quant import BLOCK_WEIGHTS, QuantBlocks, bf16_to_f32, split_blocks
+from backends.gguf.hybrid import HYBRID_ARCHITECTURES, HybridParams, hybrid_params
+from backends.gguf.quant import BLOCK_WEIGHTS, FLOAT_TYPES, QuantBlocks, bf16_to_f32, split_blocks
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3")
-SUPPORTED_TYPES = ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", *HYBRID_ARCHITECTURES)
+SUPPORTED_TYPES = (*FLOAT_TYPES, *BLOCK_WEIGHTS)  # every type backends/gguf/quant.py reads exactly
 GGUF_MAGIC = b"GGUF"
 BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 HEAD_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
 BLOCK_TENSOR_NAMES = (
     "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-    "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight",
-)  # fmt: skip
+    "ffn_norm.weight",
+)  # fmt: skip; and the FFN's (families.ffn_tensors)
 OPTIONAL_BLOCK_TENSORS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")  # Qwen2 (llama.cpp allows them on llama too)
-QK_NORM_TENSORS = ("attn_q_norm.weight", "attn_k_norm.weight")  # Qwen3: per-head RMSNorm of q and k
+QK_NORM_TENSORS = ("attn_q_norm.weight", "attn_k_norm.weight")  # Qwen3, Gemma 3: per-head RMSNorm of q and k
+QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "qwen3moe")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"  # llama3 per-dimension frequency factors (llama only)
 # RoPE as llama.cpp applies it per architecture (llama_model_rope_type): llama rotates pairs
 # (2i, 2i+1) of GGUF's permuted q/k rows ("normal"); qwen2/qwen3 rotate halves (i, i + D/2), "neox".
-NEOX_ROPE_ARCHITECTURES = ("qwen2", "qwen3")
+NEOX_ROPE_ARCHITECTURES = ("qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", *HYBRID_ARCHITECTURES)
 HASH_CHUNK_BYTES = 8 << 20
 
 
@@ -70,6 +73,8 @@ class Hyperparams:
     rope_freq_factors: bool = False  # rope_freqs.weight [D/2]: θ_i = pos·base^(−2i/D) / factor_i
     rope_scale: float = 1.0  # linear RoPE scaling: positions × rope_scale (= 1 / scaling.factor)
     qk_norm: bool = False  # RMSNorm of each q and k head (weights [D]) after projection, before RoPE
+    family: Family = Family()  # what the architecture adds to Llama's block (backends/gguf/families.py)
+    hybrid: HybridParams | None = None  # delta-net layers beside attention (backends/gguf/hybrid.py)
 
 
 # the tokenizer's per-token arrays: open_model walks past them (ModelIndex.metadata reads them)
@@ -267,7 +272,14 @@ def open_model(path: str) -> ModelIndex:
     n_heads = int(hp("attention.head_count"))
     hidden = int(hp("embedding_length"))
     n_blocks = int(hp("block_count"))
-    head_dim = _head_dim(path, arch, hp, hidden, n_heads)
+    hybrid = None
+    if arch in HYBRID_ARCHITECTURES:  # partial RoPE: the rotated dims are the hybrid part's
+        head_dim = int(hp("attention.key_length", hidden // n_heads))
+        if int(hp("attention.value_length", head_dim)) != head_dim:
+            raise BadInput(f"GGUF {path}: {arch} key and value head sizes differ; Kafila serves them equal")
+        hybrid = hybrid_params(path, arch, hp, tensors, n_blocks, head_dim)
+    else:
+        head_dim = _head_dim(path, arch, hp, hidden, n_heads)
     hparams = Hyperparams(
         arch=arch,
         n_blocks=n_blocks,
@@ -285,10 +297,13 @@ def open_model(path: str) -> ModelIndex:
         rope_neox=arch in NEOX_ROPE_ARCHITECTURES,
         rope_freq_factors=ROPE_FREQS_TENSOR in tensors,
         rope_scale=_rope_scale(path, arch, hp),
-        qk_norm=arch == "qwen3",
+        qk_norm=arch in (*QK_NORM_ARCHITECTURES, *HYBRID_ARCHITECTURES),
+        family=family_of(path, arch, hp, n_blocks, hidden, n_heads, head_dim),
+        hybrid=hybrid,
     )
-    _check_complete(path, tensors, hparams)
-    _check_arch(path, arch, hp, tensors, hparams)
+    if hybrid is None:  # hybrid_params checked the hybrid files' tensors
+        _check_complete(path, tensors, hparams)
+        _check_arch(path, arch, hp, tensors, hparams)
     name = os.path.basename(path).removesuffix(".gguf")
     return ModelIndex(path=os.path.abspath(path), name=name, file_bytes=file_bytes,
                       hparams=hparams, tensors=tensors, lean_metadata=metadata)
@@ -297,7 +312,8 @@ def open_model(path: str) -> ModelIndex:
 def _check_complete(path: str, tensors: dict[str, TensorInfo], h: Hyperparams) -> None:
     missing = [n for n in ("token_embd.weight", "output_norm.weight") if n not in tensors]
     for b in range(h.n_blocks):
-        missing += [f"blk.{b}.{n}" for n in BLOCK_TENSOR_NAMES if f"blk.{b}.{n}" not in tensors]
+        required = BLOCK_TENSOR_NAMES + ffn_tensors(h.arch, h.family)
+        missing += [f"blk.{b}.{n}" for n in required if f"blk.{b}.{n}" not in tensors]
     if missing:
         raise BadInput(f"GGUF {path} lacks tensor {missing[0]} ({len(missing)} missing in all)")
     extra = [n for n in tensors if (m := BLOCK_TENSOR.match(n)) and int(m.group(1)) >= h.n_blocks]
@@ -343,11 +359,7 @@ def _rope_scale(path: str, arch: str, hp) -> float:
 def _check_arch(path: str, arch: str, hp, tensors: dict[str, TensorInfo], h: Hyperparams) -> None:
     """Refuse what llama.cpp would compute for this architecture but Kafila does not: experts,
     extra biases, fused or unknown tensors; check the shapes of the optional tensors it serves."""
-    experts = int(hp("expert_count", 0))
-    if experts:
-        raise BadInput(f"GGUF {path}: {arch} with {experts} experts (MoE) is not served; "
-                       f"Kafila serves dense {', '.join(SUPPORTED_ARCHITECTURES)}")
-    allowed = set(BLOCK_TENSOR_NAMES) | set(OPTIONAL_BLOCK_TENSORS)
+    allowed = set(BLOCK_TENSOR_NAMES) | set(OPTIONAL_BLOCK_TENSORS) | set(ffn_tensors(arch, h.family))
     if h.qk_norm:
         allowed |= set(QK_NORM_TENSORS)
     for name in tensors:
@@ -372,6 +384,12 @@ def _check_arch(path: str, arch: str, hp, tensors: dict[str, TensorInfo], h: Hyp
             t = tensors.get(f"blk.{b}.{n}")
             if t is not None and t.shape[0] != rows:
                 raise BadInput(f"GGUF {path}: tensor {t.name} has {t.shape[0]} rows, expected {rows}")
+    E = h.family.n_experts
+    for b in range(h.n_blocks) if E else ():
+        for n in ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight"):
+            t = tensors[f"blk.{b}.{n}"]
+            if t.shape[0] != E or len(t.shape) != (2 if n == "ffn_gate_inp.weight" else 3):
+                raise BadInput(f"GGUF {path}: tensor {t.name} has shape {t.shape}, expected {E} experts first")
     t = tensors.get(ROPE_FREQS_TENSOR)
     if t is not None and (t.shape != (D // 2,) or t.qtype != "F32"):
         raise BadInput(f"GGUF {path}: {ROPE_FREQS_TENSOR} is {t.qtype} {t.shape}, expected F32 ({D // 2},)")

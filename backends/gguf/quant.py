@@ -13,6 +13,18 @@ each group an affine form of small integer codes, w = scale·q (+ offset):
   Q5_K  (176 B / 256): as Q4_K + 32 bytes of 5th bits (qh)  group 32  likewise, q 0..31
   Q6_K  (210 B / 256): 128 bytes low nibbles (ql), 64 bytes high 2 bits (qh), 16 × i8 sc, f16 d
                                                             group 16  w = (d·sc)·(q − 32), q 0..63
+  Q2_K  (84 B / 256): 16 bytes scales (sc low 4 bits, m high 4), 64 bytes of 2-bit codes, f16 d, f16 dmin
+                                                            group 16  w = (d·sc)·q − (dmin·m), q 0..3
+  Q3_K  (110 B / 256): 32 bytes hmask, 64 bytes of 2-bit codes, 12 bytes of 6-bit scales, f16 d
+                                                            group 16  w = (d·(sc − 32))·q, q −4..3
+  IQ4_NL (18 B / 32): f16 d, 16 bytes of nibbles            group 32  w = d·K[q], K = KVALUES_IQ4NL
+  IQ4_XS (136 B / 256): f16 d, u16 scales_h, 4 bytes scales_l, 128 bytes of nibbles
+                                                            group 32  w = (d·(ls − 32))·K[q]
+  MXFP4 (17 B / 32): u8 e (E8M0), 16 bytes of nibbles      group 32  w = 2^(e−128)·KVALUES_MXFP4[q]
+
+The lookup types (IQ4_*, MXFP4) keep in `q` the table's values (int8), not the nibbles: w = scale·q
+then holds for every type. Their products are exact in f32 too (an f16 times a 6-bit integer times
+a 7-bit value; MXFP4's scale is a power of two), as in ggml's dequantize_row_*.
 
 For the K-quants, scale = d·sc and offset = −(dmin·m) are products of an f16 and a 6- or 8-bit
 integer, exact in f32, and scale·q is exact in f32 too, so f32 computes w with one rounding
@@ -25,6 +37,12 @@ for every 32-weight type (an f16 times an integer below 2^8), so Q4_1/Q5_1 round
 Q4_K/Q5_K: sub-block pair (2i, 2i+1) is the low / high nibbles of bytes 32i..32i+31; Q5_K's 5th
 bit of element l of sub-block j is bit j of qh[l]. Q6_K: in each 128-weight half, element 32k + l
 takes ql[l + 32·(k mod 2)]'s nibble k div 2 and bits 2k..2k+1 of qh[l].
+Q2_K/Q3_K: in each 128-weight half h, sub-block 8h + 2k + i (k 0..3, i 0..1) is bits 2k..2k+1 of
+qs[32h + 16i .. +16]; Q3_K's sign bit (0: q − 4) of that sub-block's element l is bit 4h + k of
+hmask[16i + l]. Q3_K's scale j is 4 bits of byte j mod 8 (low nibble for j < 8) and 2 bits of byte
+8 + j mod 4 (bits 2·(j div 4)..), as its kmask shuffle. IQ4_XS's 6-bit scale of group g is nibble
+g mod 2 of scales_l[g div 2] and bits 2g..2g+1 of scales_h. IQ4_NL/IQ4_XS/MXFP4 nibbles are in
+Q4_0's order (low nibbles first).
 """
 
 from __future__ import annotations
@@ -37,10 +55,17 @@ QK = 32  # weights per block of the 32-weight types
 QK_K = 256  # weights per super-block of the K-quants
 FLOAT_TYPES = ("F32", "F16", "BF16")
 BLOCK_WEIGHTS = {"Q8_0": QK, "Q4_0": QK, "Q4_1": QK, "Q5_0": QK, "Q5_1": QK,
-                 "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K}
-BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+                 "Q4_K": QK_K, "Q5_K": QK_K, "Q6_K": QK_K,
+                 "Q2_K": QK_K, "Q3_K": QK_K, "IQ4_NL": QK, "IQ4_XS": QK_K, "MXFP4": QK}
+BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210,
+               "Q2_K": 84, "Q3_K": 110, "IQ4_NL": 18, "IQ4_XS": 136, "MXFP4": 17}
 CODE_BITS = {"Q8_0": 8, "Q4_0": 4, "Q4_1": 4, "Q5_0": 5, "Q5_1": 5,
-             "Q4_K": 4, "Q5_K": 5, "Q6_K": 8}  # bits per stored code
+             "Q4_K": 4, "Q5_K": 5, "Q6_K": 8,
+             "Q2_K": 2, "Q3_K": 3, "IQ4_NL": 8, "IQ4_XS": 8, "MXFP4": 8}  # bits per stored code (q's range)
+# ggml-common.h's tables: IQ4_NL/IQ4_XS's non-linear 4-bit grid, and MXFP4's E2M1 values doubled
+# (its scale is then 2^(e − 128), half the E8M0 value: GGML_E8M0_TO_FP32_HALF)
+KVALUES_IQ4NL = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], np.int8)
+KVALUES_MXFP4 = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], np.int8)
 CODE_BIAS = {"Q4_0": 8, "Q5_0": 16}  # q' = q − bias for the symmetric types with unsigned codes
 
 
@@ -53,14 +78,15 @@ class QuantBlocks:
     """
 
     qtype: str
-    q: np.ndarray  # codes [rows, groups, group]: uint8 (Q4_0/Q4_1/Q4_K 0..15, Q5_* 0..31) or
-    #                int8 (Q8_0; Q6_K stored as q − 32 in −32..31)
-    scale: np.ndarray  # [rows, groups]: float16 d (Q8_0, Q4_0/1, Q5_0/1) or float32 d·sc (K-quants, exact)
-    offset: np.ndarray | None  # [rows, groups]: Q4_1/Q5_1's f16 min m, Q4_K/Q5_K's f32 −dmin·m; else None
+    q: np.ndarray  # codes [rows, groups, group]: uint8 (Q4_0/Q4_1/Q4_K 0..15, Q5_* 0..31, Q2_K 0..3) or
+    #                int8 (Q8_0; Q6_K stored as q − 32 in −32..31; Q3_K −4..3; IQ4_*/MXFP4 the table's values)
+    scale: np.ndarray  # [rows, groups]: float16 d (Q8_0, Q4_0/1, Q5_0/1, IQ4_NL) or float32 (K-quants,
+    #                    IQ4_XS: d·sc; MXFP4: 2^(e − 128); exact)
+    offset: np.ndarray | None  # [rows, groups]: Q4_1/Q5_1's f16 min m, Q4_K/Q5_K/Q2_K's f32 −dmin·m; else None
 
     @property
     def group(self) -> int:
-        """Weights per group sharing one scale (32; 16 for Q6_K)."""
+        """Weights per group sharing one scale (32; 16 for Q6_K, Q2_K, Q3_K)."""
         return self.q.shape[-1]
 
     @property
@@ -173,6 +199,8 @@ def split_blocks(qtype: str, raw: np.ndarray, rows: int, cols: int) -> QuantBloc
 def _split_rows(qtype: str, blocks: np.ndarray) -> QuantBlocks:
     if qtype in ("Q4_K", "Q5_K", "Q6_K"):
         return _split_k(qtype, blocks)
+    if qtype in LOWBIT_SPLITTERS:
+        return LOWBIT_SPLITTERS[qtype](blocks)
     scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
     if qtype == "Q8_0":
         return QuantBlocks(qtype, blocks[..., 2:].copy().view(np.int8), scale, None)
@@ -184,6 +212,79 @@ def _split_rows(qtype: str, blocks: np.ndarray) -> QuantBlocks:
     if qtype == "Q5_1":
         return QuantBlocks(qtype, unpack_q5(blocks[..., 4:8], blocks[..., 8:]), scale, offset)
     return QuantBlocks(qtype, unpack_nibbles(blocks[..., 4:]), scale, offset)
+
+
+def _split_q2_k(blocks: np.ndarray) -> QuantBlocks:
+    """Q2_K super-blocks uint8 [rows, nsb, 84] → codes 0..3 in groups of 16 (dequantize_row_q2_K)."""
+    rows, nsb, _ = blocks.shape
+    sc, qs = blocks[..., 0:16], blocks[..., 16:80]
+    d, dmin = _f16(blocks[..., 80:82]), _f16(blocks[..., 82:84])  # [rows, nsb]
+    q = _two_bit_planes(qs)  # [rows, nsb, 16, 16]
+    scale = (d[..., None] * (sc & 0x0F).astype(np.float32)).reshape(rows, nsb * 16)  # exact in f32
+    offset = -(dmin[..., None] * (sc >> 4).astype(np.float32)).reshape(rows, nsb * 16)
+    return QuantBlocks("Q2_K", q.reshape(rows, nsb * 16, 16), scale, offset)
+
+
+def _two_bit_planes(qs: np.ndarray) -> np.ndarray:
+    """Q2_K/Q3_K's 64 bytes of 2-bit codes [..., 64] → [..., 16 sub-blocks, 16] uint8 0..3: half h,
+    shift k, byte run i gives sub-block 8h + 2k + i (see the module docstring)."""
+    qs = qs.reshape(*qs.shape[:-1], 2, 1, 2, 16)  # [.., h, ·, i, l]
+    shifts = (2 * np.arange(4, dtype=np.uint8)).reshape(4, 1, 1)
+    return ((qs >> shifts) & 3).reshape(*qs.shape[:-4], 16, 16)  # [.., h, k, i, l] → sub-block, l
+
+
+def _split_q3_k(blocks: np.ndarray) -> QuantBlocks:
+    """Q3_K super-blocks uint8 [rows, nsb, 110] → int8 codes −4..3 in groups of 16 (dequantize_row_q3_K)."""
+    rows, nsb, _ = blocks.shape
+    hmask, qs, s = blocks[..., 0:32], blocks[..., 32:96], blocks[..., 96:108]
+    d = _f16(blocks[..., 108:110])  # [rows, nsb]
+    low = _two_bit_planes(qs).reshape(rows, nsb, 2, 4, 2, 16)  # [.., h, k, i, l]
+    bit = (4 * np.arange(2, dtype=np.uint8)).reshape(2, 1, 1, 1) + np.arange(4, dtype=np.uint8).reshape(4, 1, 1)
+    high = (hmask.reshape(rows, nsb, 1, 1, 2, 16) >> bit) & 1  # [.., h, k, i, l]: 1 keeps q, 0 takes 4 off
+    q = low.astype(np.int8) - 4 * (1 - high.astype(np.int8))
+    j = np.arange(16)
+    nib = np.where(j < 8, s[..., j % 8] & 0x0F, s[..., j % 8] >> 4)  # [rows, nsb, 16]
+    top = (s[..., 8 + j % 4] >> (2 * (j // 4)).astype(np.uint8)) & 3
+    sc = (nib | (top << 4)).astype(np.float32) - 32  # −32..31
+    scale = (d[..., None] * sc).reshape(rows, nsb * 16)  # exact in f32
+    return QuantBlocks("Q3_K", np.ascontiguousarray(q.reshape(rows, nsb * 16, 16)), scale, None)
+
+
+def _split_iq4_nl(blocks: np.ndarray) -> QuantBlocks:
+    """IQ4_NL blocks uint8 [rows, nb, 18] → the grid's values (int8) in groups of 32, f16 d."""
+    scale = blocks[..., 0:2].copy().view(np.float16)[..., 0]
+    return QuantBlocks("IQ4_NL", KVALUES_IQ4NL[unpack_nibbles(blocks[..., 2:])], scale, None)
+
+
+def _split_iq4_xs(blocks: np.ndarray) -> QuantBlocks:
+    """IQ4_XS super-blocks uint8 [rows, nsb, 136] → the grid's values in groups of 32, f32 d·(ls − 32)."""
+    rows, nsb, _ = blocks.shape
+    d = _f16(blocks[..., 0:2])
+    scales_h = np.ascontiguousarray(blocks[..., 2:4]).view(np.uint16)[..., 0].astype(np.uint32)  # [rows, nsb]
+    g = np.arange(8)
+    low = (blocks[..., 4 + g // 2] >> (4 * (g % 2)).astype(np.uint8)) & 0x0F  # [rows, nsb, 8]
+    high = (scales_h[..., None] >> (2 * g).astype(np.uint32)) & 3
+    ls = (low.astype(np.int32) | (high.astype(np.int32) << 4)) - 32
+    scale = (d[..., None] * ls.astype(np.float32)).reshape(rows, nsb * 8)  # exact in f32
+    q = KVALUES_IQ4NL[unpack_nibbles(blocks[..., 8:].reshape(rows, nsb, 8, 16))]
+    return QuantBlocks("IQ4_XS", q.reshape(rows, nsb * 8, 32), scale, None)
+
+
+def e8m0_half(e: np.ndarray) -> np.ndarray:
+    """uint8 E8M0 exponents → float32 2^(e − 128), built from bits as GGML_E8M0_TO_FP32_HALF does
+    (e < 2 are subnormals; e = 255 is 2^127, not NaN)."""
+    e = np.asarray(e, np.uint32)
+    bits = np.where(e < 2, np.uint32(0x00200000) << e, (e - 1) << 23).astype(np.uint32)
+    return bits.view(np.float32)
+
+
+def _split_mxfp4(blocks: np.ndarray) -> QuantBlocks:
+    """MXFP4 blocks uint8 [rows, nb, 17] → the doubled E2M1 values (int8) in groups of 32, f32 2^(e − 128)."""
+    return QuantBlocks("MXFP4", KVALUES_MXFP4[unpack_nibbles(blocks[..., 1:])], e8m0_half(blocks[..., 0]), None)
+
+
+LOWBIT_SPLITTERS = {"Q2_K": _split_q2_k, "Q3_K": _split_q3_k, "IQ4_NL": _split_iq4_nl,
+                    "IQ4_XS": _split_iq4_xs, "MXFP4": _split_mxfp4}
 
 
 def bf16_to_f32(raw: np.ndarray) -> np.ndarray:

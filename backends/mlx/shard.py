@@ -25,6 +25,7 @@ from backends import memory
 from backends.base import HeadOps, ShardSpec
 from backends.errors import BadInput
 from backends.gguf import ModelIndex, open_model
+from backends.gguf.families import require_llama_blocks
 from backends.mlx.model import Dims, SlotCache, attention_mask, block, block_rows
 from backends.mlx.weights import load_shard_weights, weight_bytes
 
@@ -46,6 +47,7 @@ class MLXShard(HeadOps):
     ):
         index = index if index is not None else open_model(spec.model_path)
         hp = index.hparams
+        require_llama_blocks(hp, "mlx")
         if not 0 <= spec.first <= spec.last <= hp.n_blocks:
             raise BadInput(
                 f"block range [{spec.first}, {spec.last}) is outside the model's {hp.n_blocks} blocks"

@@ -12,8 +12,13 @@ uint32 `weight` of packed codes, `scales`, `biases`), exactly:
   Q4_K   q                4     d·sc (f32) −dmin·m     f32: d·sc and dmin·m are not f16 values
   Q5_K   q (0..31)        5     d·sc (f32) −dmin·m
   Q6_K   q (0..63)        6     d·sc (f32) −32·d·sc    groups of 16: see below
+  Q2_K   q (0..3)         2     d·sc (f32) −dmin·m     groups of 16, likewise
+  Q3_K   q + 4 (0..7)     3     d·sc (f32) −4·d·sc     groups of 16, likewise
+  IQ4_NL K[q] + 128       8     d (f16)    −128d       K: the IQ4 grid's values (−127..113)
+  IQ4_XS K[q] + 128       8     d·sc (f32) −128·d·sc
+  MXFP4  v + 12 (0..24)   5     2^(e−128)  −12·2^(e−128)  v: doubled E2M1 values (−12..12)
 
-Q6_K has one scale per 16 weights and MLX's smallest group is 32, so each group of 16 is padded
+Q6_K (and Q2_K, Q3_K) has one scale per 16 weights and MLX's smallest group is 32, so each group of 16 is padded
 with 16 zero columns (and the input with 16 zeros): 12 bits of codes + 4 bits of f32 scale/bias
 per weight = 2 bytes per weight in memory (dense f32 would be 4; the file holds 0.82; f16 is not
 exact). F32, F16 and BF16 matrices are dense f32 (F16/BF16: 4 bytes per weight against 2 in the
@@ -36,7 +41,9 @@ from backends.gguf import ModelIndex, open_model
 from backends.gguf.quant import FLOAT_TYPES, QuantBlocks
 
 GROUP_SIZE = 32  # MLX's group of every quantized matrix (Q6_K's 16 are padded to it)
-PAD_GROUP = 16  # Q6_K's group
+PAD_GROUP = 16  # Q6_K's, Q2_K's and Q3_K's group
+PADDED_CODES = {"Q6_K": (32, 6), "Q2_K": (0, 2), "Q3_K": (4, 3)}  # (shift to unsigned codes, bits)
+LOOKUP_CODES = {"IQ4_NL": (128, 8), "IQ4_XS": (128, 8), "MXFP4": (12, 5)}  # table values −127..113, −12..12
 
 
 @dataclass(frozen=True)
@@ -94,13 +101,18 @@ def affine(b: QuantBlocks, f32: bool) -> tuple[np.ndarray, np.ndarray, np.ndarra
     s = b.scale
     if f32:  # before the products below: −16d of a large f16 d is not an f16 value
         s = s.astype(np.float32)
-    if b.qtype == "Q6_K":  # codes q − 32 → q; groups of 16 padded to 32
+    if b.group == PAD_GROUP:  # Q6_K, Q2_K, Q3_K: groups of 16 padded to 32
         rows, groups, _ = b.q.shape
+        shift, bits = PADDED_CODES[b.qtype]  # code = q + shift, unsigned
         codes = np.zeros((rows, groups, GROUP_SIZE), np.uint8)
-        codes[..., :PAD_GROUP] = (b.q.astype(np.int16) + 32).astype(np.uint8)
+        codes[..., :PAD_GROUP] = (b.q.astype(np.int16) + shift).astype(np.uint8)
         s32 = s.astype(np.float32)
-        return codes.reshape(rows, -1), s32, -32 * s32, 6, True
-    if b.qtype == "Q8_0":
+        bias = b.offset.astype(np.float32) if b.offset is not None else -shift * s32
+        return codes.reshape(rows, -1), s32, bias, bits, True
+    if b.qtype in LOOKUP_CODES:  # the table's values v as unsigned codes v + shift
+        shift, bits = LOOKUP_CODES[b.qtype]
+        codes, bias = (b.q.astype(np.int16) + shift).astype(np.uint8), -shift * s
+    elif b.qtype == "Q8_0":
         codes, bias = (b.q.astype(np.int16) + 128).astype(np.uint8), -128 * s
     elif b.qtype in ("Q4_0", "Q5_0"):
         codes, bias = b.q, -(8 if b.qtype == "Q4_0" else 16) * s

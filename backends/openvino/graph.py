@@ -21,6 +21,11 @@ GQA broadcast → ScaledDotProductAttention(mask) → o_proj → residual → RM
 RoPE is rotate_half throughout: llama's q/k rows (permuted in GGUF for pairwise "normal" RoPE)
 are un-permuted into HF order first; qwen2/qwen3 rows are already in that order ("neox" RoPE).
 The angle tables fold in llama3's rope_freqs factors and linear scaling: θ_i = p·scale·base^(−2i/D)/f_i.
+
+Families (backends/gguf/families.py) change parts of the block: Gemma 3 scales the embedding,
+normalizes the attention and FFN outputs before their residual adds, uses GeGLU, its own q·k
+scale and soft-capped logits, and its windowed layers take a second mask and RoPE table
+(backends/openvino/attention.py); MoE families replace the FFN by backends/openvino/moe.py's.
 """
 
 from __future__ import annotations
@@ -31,6 +36,8 @@ import openvino.opset13 as ops
 import openvino.opset6 as ops6
 
 from backends.gguf import ModelIndex
+from backends.openvino.attention import gelu_tanh, softcap, window_mask
+from backends.openvino.moe import moe_ffn, shared_expert
 from backends.openvino.weights import F32, WeightBank
 
 I64 = ov.Type.i64
@@ -98,9 +105,11 @@ class StageBuilder:
         self.h = index.hparams
         self.w = weights
 
-    def block(self, b: int, x: ov.Output, cos: ov.Output, sin: ov.Output, mask: ov.Output,
-              beam_idx: ov.Output, sinks: list) -> ov.Output:
-        h = self.h
+    def block(self, b: int, x: ov.Output, rope: dict, masks: dict, beam_idx: ov.Output, sinks: list) -> ov.Output:
+        """Block b; `rope` and `masks` map windowed (True) / full (False) to (cos, sin) and mask."""
+        h, fam = self.h, self.h.family
+        cos, sin = rope[fam.windowed(b)]
+        mask = masks[fam.windowed(b)]
         D, nh, nkv = h.head_dim, h.n_heads, h.n_kv_heads
         p = f"blk.{b}."
         # llama: un-permute q/k rows (and whatever lies along them) into HF order; qwen: as stored
@@ -129,15 +138,26 @@ class StageBuilder:
         v_all = self._kv_cache(f"past_key_values.{b}.value", v, beam_idx, sinks)  # [B, nkv, S, D]
         if nh != nkv:
             k_all, v_all = self._repeat_kv(k_all), self._repeat_kv(v_all)  # [B, nh, S, D]
-        attn = ops.scaled_dot_product_attention(q, k_all, v_all, mask, ops.constant(np.float32(1.0 / np.sqrt(D))))
+        scale = fam.attn_scale or 1.0 / np.sqrt(D)
+        attn = ops.scaled_dot_product_attention(q, k_all, v_all, mask, ops.constant(np.float32(scale)))
         attn = ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, nh * D), True)  # [B, L, nh·D]
         (o,) = self.w.project(attn.output(0), [(p + "attn_output.weight", 0)])  # [B, L, H]
+        if fam.post_norms:  # Gemma: the attention's output normalized before the residual add
+            o = rms_norm(o, self.w.vector(p + "post_attention_norm.weight"), h.rms_eps)
         x = ops.add(x, o).output(0)
 
-        # feed-forward (SwiGLU)
         y = rms_norm(x, self.w.vector(p + "ffn_norm.weight"), h.rms_eps)
+        if fam.n_experts:  # mixture of experts (backends/openvino/moe.py)
+            down = moe_ffn(self.w, y, p, fam.n_experts_used, fam.experts_renorm, fam.experts_scale)
+            if fam.shared_expert:
+                down = ops.add(down, shared_expert(self.w, y, p)).output(0)
+            return ops.add(x, down).output(0)  # [B, L, H]
+        # feed-forward (SwiGLU; Gemma: GeGLU)
         gate, up = self.w.project(y, [(p + "ffn_gate.weight", 0), (p + "ffn_up.weight", 0)])  # [B, L, F] ×2
-        (down,) = self.w.project(ops.multiply(ops.swish(gate), up).output(0), [(p + "ffn_down.weight", 0)])
+        act = gelu_tanh(gate) if fam.ffn_act == "gelu_tanh" else ops.swish(gate)
+        (down,) = self.w.project(ops.multiply(act, up).output(0), [(p + "ffn_down.weight", 0)])
+        if fam.post_norms:
+            down = rms_norm(down, self.w.vector(p + "post_ffw_norm.weight"), h.rms_eps)
         return ops.add(x, down).output(0)  # [B, L, H]
 
     def _kv_cache(self, name: str, new: ov.Output, beam_idx: ov.Output, sinks: list) -> ov.Output:
@@ -183,12 +203,25 @@ class StageBuilder:
 
         new_len = ops.gather(ops.shape_of(position_ids, I64), _i64(1), _i64(0))  # [1] L
         mask = causal_mask(attention_mask.output(0), new_len)  # [B, 1, L, S]
-        h = self.h
+        h, fam = self.h, self.h.family
         factors = self.index.dequantize("rope_freqs.weight", np.float64) if h.rope_freq_factors else None
-        cos, sin = rope_tables(position_ids.output(0), h.head_dim, h.rope_base, h.rope_scale, factors)
+        rope = {False: rope_tables(position_ids.output(0), h.head_dim, h.rope_base, h.rope_scale, factors)}
+        masks = {False: mask}
+        if any(fam.windowed(b) for b in range(first, last)):  # windowed layers: own RoPE base, scale 1
+            rope[True] = rope_tables(position_ids.output(0), h.head_dim, fam.rope_base_swa)
+            masks[True] = window_mask(mask, attention_mask.output(0), position_ids.output(0), fam.sliding_window)
+        if first == 0 and fam.embed_scale != 1.0:  # Gemma: the embedding's rows × sqrt(hidden)
+            x = ops.multiply(x, ops.constant(np.float32(fam.embed_scale))).output(0)
         sinks: list = []
+        if h.hybrid is not None:  # delta-net and gated attention blocks (qwen35): delta_net.py
+            from backends.openvino.delta_net import HybridBlocks
+
+            hybrid = HybridBlocks(self)
         for b in range(first, last):
-            x = self.block(b, x, cos, sin, mask, beam_idx.output(0), sinks)
+            if h.hybrid is not None:
+                x = hybrid.block(b, x, position_ids.output(0), mask, beam_idx.output(0), sinks)
+                continue
+            x = self.block(b, x, rope, masks, beam_idx.output(0), sinks)
         out = ops.result(x, name="hidden_out")
         out.output(0).set_names({"hidden_out"})  # not "hidden_states": that names the input
         results = [out]
@@ -208,6 +241,8 @@ class StageBuilder:
         y = rms_norm(hidden, self.w.vector("output_norm.weight"), self.h.rms_eps)
         name = "token_embd.weight" if self.h.tied_embeddings else "output.weight"
         (logits,) = self.w.project(y, [(name, 0)])
+        if self.h.family.logit_softcap:
+            logits = softcap(logits, self.h.family.logit_softcap)
         return logits
 
     @staticmethod

@@ -92,7 +92,8 @@ def row_kv(states: dict[str, ov.Tensor], batch_pos: int, index: np.ndarray | Non
     out = {}
     for name, t in states.items():
         a = t.data[batch_pos : batch_pos + 1]  # [1, Hkv, S, D]
-        out[name] = np.ascontiguousarray(a if index is None else a[:, :, index])
+        # a recurrent variable (delta_net.py: 2 or 3 dims) has no positions: the row as it is
+        out[name] = np.ascontiguousarray(a if index is None or a.ndim != 4 else a[:, :, index])
     return out
 
 

@@ -31,17 +31,29 @@ from backends.base import HeadOps, ShardSpec
 from backends.gguf import ModelIndex, open_model
 from backends.openvino import rows as rowmod
 from backends.openvino.graph import StageBuilder
+from backends.openvino.recurrent import RecurrentSteps
 from backends.openvino.rows import Row, RowGroup
+from backends import DEFAULT_KQUANT
 from backends.openvino.weights import WeightBank
 
-# serving: the CPU plugin's defaults (bf16 inference where the CPU has it, dynamic quantization
-# group 32), as openvino_genai.LLMPipeline(gguf) compiles on CPU, but an f16 KV cache where the
-# plugin's default is u8. A prompt's positions attend to their own chunk's K/V at full precision
-# and every later step to the cache's, so with u8 a question asked again, its prefix read from the
-# prompt cache, got other first-token logits than the first ask and flipped near-ties on an
-# AVX2-only CPU (tests/test_prompt_cache.py); f16 keeps the two within rounding. It is also
-# llama.cpp's default KV type and what the planner prices (ModelIndex.kv_bytes_per_token_per_block).
-SERVING_CONFIG: dict[str, str] = {"KV_CACHE_PRECISION": "f16"}
+# serving: f32 activations and an f16 KV cache on every CPU, so every CPU kind computes one way:
+# - not the plugin's bf16 (its default where the CPU has it: AVX-512-BF16, AMX): there a question
+#   asked again through the prompt cache got first-token logits 0.65 apart from the first ask's, and
+#   an F16/BF16 file gave other greedy text at 1 and 3 stages (the residual stream rounded to bf16
+#   inside a graph, not across a stage boundary);
+# - not its int8 activations (dynamic quantization, taken only on VNNI CPUs): with them the default
+#   model's answer to "What is the capital of France?" differed between VNNI and AVX2-only CPUs.
+#   `--kquant fast` (integer zero points, openvino_genai's form) turns them on: it trades exactness
+#   for the plugin's fused integer kernels anyway (OpenVINOShard);
+# - an f16 KV cache, not the plugin's u8: a prompt's positions attend to their own chunk's K/V at
+#   full precision and every later step to the cache's, and with u8 the two asks flipped near-ties.
+#   f16 is llama.cpp's default KV type and what the planner prices.
+# bench/serving_precision.py measures the choice on a CPU; tests/test_cpu_kinds.py runs the
+# agreement tests on other CPU kinds' kernels.
+SERVING_CONFIG: dict[str, str] = {"INFERENCE_PRECISION_HINT": "f32", "KV_CACHE_PRECISION": "f16",
+                                  "DYNAMIC_QUANTIZATION_GROUP_SIZE": "0"}
+# --kquant fast at serving precision: the plugin's int8 activations where the CPU has VNNI (group 32)
+FAST_KQUANT_CONFIG = {"DYNAMIC_QUANTIZATION_GROUP_SIZE": "32"}
 # f32: for numerical comparison with the float64 reference.
 F32_CONFIG = {
     "INFERENCE_PRECISION_HINT": "f32",
@@ -97,13 +109,16 @@ class OpenVINOShard(HeadOps):
     """A block range of a GGUF model compiled with OpenVINO (see backends.base.Shard)."""
 
     def __init__(self, spec: ShardSpec, precision: str = "serving", device: str = "CPU",
-                 index: ModelIndex | None = None, config: dict[str, str] | None = None) -> None:
+                 index: ModelIndex | None = None, config: dict[str, str] | None = None,
+                 kquant: str = DEFAULT_KQUANT) -> None:
         self.spec = spec
         self.precision = precision
         self.index = index if index is not None else open_model(spec.model_path)
         self.index.check_range(spec.first, spec.last)
         cfg = dict(CONFIGS[precision]) if config is None else dict(config)
-        bank = self._bank = WeightBank(self.index, spill=True)
+        if config is None and precision == "serving" and kquant == "fast":
+            cfg.update(FAST_KQUANT_CONFIG)
+        bank = self._bank = WeightBank(self.index, spill=True, kquant=kquant)
         builder = StageBuilder(self.index, bank)
         # A shard with the head and the last block computes the greedy token in its stage graph;
         # its separate head graph (logits, or greedy on other hidden states) is compiled lazily.
@@ -134,6 +149,8 @@ class OpenVINOShard(HeadOps):
         # positions still live, in order (the rest stay in the state, masked, until compacted)
         self._held: dict[int, int] = {}
         self._live: dict[int, np.ndarray] = {}
+        # a hybrid model's slots: the last step's recurrent state and inputs, for an exact cut
+        self._steps = RecurrentSteps() if self.index.hparams.hybrid is not None else None
 
     # --- slots -------------------------------------------------------------------------
 
@@ -155,6 +172,8 @@ class OpenVINOShard(HeadOps):
         self._spare.append(req)
         self._held.pop(slot, None)
         self._live.pop(slot, None)
+        if self._steps is not None:
+            self._steps.forget(slot)
 
     def park(self, slot: int) -> None:
         """The slot's request is over but its KV is kept for the next prompt that starts the
@@ -180,11 +199,16 @@ class OpenVINOShard(HeadOps):
             return
         held = self._held[slot]
         live = self._live.get(slot)
+        if self._steps is not None and 0 < length < (held if live is None else len(live)):
+            self._cut_recurrent(slot, length, held if live is None else len(live))
+            return
         if length > (held if live is None else len(live)):
             raise ValueError(f"slot {slot} holds {held if live is None else len(live)} positions, not {length}")
         live = (np.arange(held, dtype=np.int64) if live is None else live)[:length]
         req = self._reqs[slot]
         if length == 0:
+            if self._steps is not None:
+                self._steps.forget(slot)
             req.reset_state()
             self._held[slot] = 0
             self._live.pop(slot, None)
@@ -195,6 +219,20 @@ class OpenVINOShard(HeadOps):
             self._live.pop(slot, None)
         elif length < held:
             self._live[slot] = live
+
+    def _cut_recurrent(self, slot: int, length: int, held: int) -> None:
+        """A hybrid slot back to `length` positions inside its last step (backends/openvino/recurrent.py)."""
+        step = self._steps.cut(slot, length, held)
+        self._steps.forget(slot)
+        steps, self._steps = self._steps, None  # the KV's own cut, then the step's head again
+        try:
+            self.trim(slot, step.start)
+        finally:
+            self._steps = steps
+        steps.put_back(self._reqs[slot], step.states)
+        n = length - step.start
+        if n:
+            self.forward(slot, step.x[:n], step.positions[:n], step.mask[:length])
 
     def capture(self, slot: int) -> Any:
         """{variable name: a copy of its state} (the plugin hands states back at their own precision)."""
@@ -211,6 +249,8 @@ class OpenVINOShard(HeadOps):
             s.state = ov.Tensor(np.ascontiguousarray(state[s.name]))
         self._held[slot] = next((a.shape[2] for a in state.values() if len(a.shape) == 4), 0)
         self._live.pop(slot, None)
+        if self._steps is not None:  # the restored state has no last step to go back into
+            self._steps.forget(slot)
 
     # --- row groups (backends/openvino/rows.py) -----------------------------------------
 
@@ -294,6 +334,9 @@ class OpenVINOShard(HeadOps):
         if slot in self._group_of:
             self._take_out(slot)
         req = self._reqs[slot]
+        if self._steps is not None:
+            start = self._held[slot] if self._live.get(slot) is None else len(self._live[slot])
+            self._steps.before(slot, req, start, x, positions, mask)
         x = np.ascontiguousarray(self._inputs(x), dtype=np.float32)[None]  # [1, n, H]
         n, held, live = x.shape[1], self._held[slot], self._live.get(slot)
         if live is not None:  # the caller's positions → the state's: the cut-off tail stays masked
@@ -331,6 +374,8 @@ class OpenVINOShard(HeadOps):
         for slot in slots:
             if slot not in self._reqs:
                 raise ValueError(f"slot {slot} is not open")
+        if self._steps is not None:  # recurrent states are not batched into row groups yet: one by one
+            return [self.forward(*step) for step in zip(slots, xs, positions, masks)]
         if len(slots) == 1 and slots[0] not in self._group_of:
             return [self.forward(slots[0], xs[0], positions[0], masks[0])]
         group = self._group_for(slots)

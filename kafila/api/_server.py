@@ -40,6 +40,7 @@ from kafila.api._validate import (
 from backends.errors import BadInput, KafilaError
 from kafila.engine import Engine, EngineError, GenerationRequest, GenerationStats
 from kafila.models import StreamDecoder
+from rendezvous.quiet import BoundedLog, fd_share, quiet_accept_errors
 
 log = logging.getLogger("kafila.api")
 
@@ -104,6 +105,10 @@ def _is_ollama(request: web.Request) -> bool:
 
 _HTTP_CODES = {404: "not_found", 405: "method_not_allowed", 413: "body_too_large"}
 FULL_LINGER_S = 2.0  # a connection over the cap: how long its 503 waits for the client to close
+FD_SHARE = 0.25  # of the fds above quiet.FD_RESERVE (the embedded rendezvous takes half)
+# connections that have sent nothing yet may hold at most this share of the slots: the rest stay
+# for requests in progress, and a new connection evicts the oldest silent one past it
+SILENT_SHARE = 0.75  # "sent nothing": no whole request yet (a slowloris' half header included)
 
 
 class _Counted(asyncio.Protocol):
@@ -111,9 +116,12 @@ class _Counted(asyncio.Protocol):
 
     def __init__(self, inner: asyncio.Protocol, server: ApiServer) -> None:
         self.inner, self.server = inner, server
+        self.transport = None
         server.connections += 1
 
     def connection_made(self, transport) -> None:
+        self.transport = transport
+        self.server.silent[id(transport)] = self
         self.inner.connection_made(transport)
 
     def data_received(self, data: bytes) -> None:
@@ -130,6 +138,7 @@ class _Counted(asyncio.Protocol):
 
     def connection_lost(self, exc) -> None:
         self.server.connections -= 1
+        self.server.silent.pop(id(self.transport), None)
         self.inner.connection_lost(exc)
 
 
@@ -171,7 +180,16 @@ class ApiServer:
         self.engine = engine
         self.limits = limits or ApiLimits()
         self.inflight = 0  # generation requests admitted and not yet finished
-        self.connections = 0  # open HTTP connections (at most limits.max_connections)
+        self.connections = 0  # open HTTP connections (at most max_connections)
+        # the cap: the limits', and never more than a share of the fd limit (accept must not fail)
+        self.max_connections = min(self.limits.max_connections, fd_share(FD_SHARE))
+        self.silent: dict[int, _Counted] = {}  # connections with no whole request yet, oldest first
+        self.evicted = 0
+        # a bad request (a URL or header over 8 KB, a bad Content-Length) is refused by aiohttp
+        # before any route or guard: one line per cause a minute, tracebacks only with --debug
+        self.quiet = BoundedLog(log)
+        # the host's session code (kafila.net.host_codes.HostCodes: .code, renew()); None elsewhere
+        self.codes = None
         self.host: str | None = None
         self.port: int | None = None
         self._runner: web.AppRunner | None = None
@@ -193,6 +211,7 @@ class ApiServer:
         app.router.add_post("/v1/chat/completions", self.chat_completions)
         app.router.add_post("/v1/completions", self.completions)
         app.router.add_get("/status", self.status)
+        app.router.add_post("/admin/new-code", self.new_code)
         from kafila.api._ollama_routes import OllamaRoutes
         from kafila.api._page import add_page_routes
 
@@ -203,8 +222,9 @@ class ApiServer:
     async def start(self, host: str = DEFAULT_API_HOST, port: int = DEFAULT_API_PORT) -> None:
         # handler_cancellation: a client that hangs up cancels its handler, and so its generation;
         # keepalive_timeout: aiohttp closes a connection still waiting for a request's headers
-        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None,
+        runner = web.AppRunner(self.app(), handler_cancellation=True, access_log=None, logger=self.quiet,
                                keepalive_timeout=self.limits.header_timeout_s)  # fmt: skip
+        quiet_accept_errors(asyncio.get_running_loop(), self.quiet)
         await runner.setup()
         self._runner = runner
         try:  # our own listener (aiohttp's low-level server as the protocol): it counts connections
@@ -223,8 +243,18 @@ class ApiServer:
 
     def _connection(self) -> asyncio.Protocol:
         assert self._runner is not None and self._runner.server is not None
-        if self.connections >= self.limits.max_connections:
-            return _Full(self.limits.max_connections)
+        evict = bool(self.silent) and (self.connections >= self.max_connections
+                                       or len(self.silent) >= self.max_connections * SILENT_SHARE)
+        if evict:  # the oldest silent connection makes room (its count drops when its close lands)
+            oldest = self.silent.pop(next(iter(self.silent)))
+            self.evicted += 1
+            self.quiet.note("evicted", f"{len(self.silent) + 1} API connections sent no whole request; "
+                            "closing the oldest to keep slots for requests", level=logging.INFO)  # fmt: skip
+            if oldest.transport is not None:
+                oldest.transport.close()
+        elif self.connections >= self.max_connections:
+            self.quiet.note("full", f"{self.max_connections} API connections are open; refusing more (503)")
+            return _Full(self.max_connections)
         return _Counted(self._runner.server(), self)
 
     async def close(self) -> None:
@@ -257,7 +287,20 @@ class ApiServer:
     async def status(self, request: web.Request) -> web.Response:
         body = dict(self.engine.status())
         body.setdefault("api", {"url": self.url, "inflight_requests": self.inflight})
+        if self.codes is not None and _from_loopback(request):  # the code is a secret: this machine only
+            body["code"] = self.codes.code
         return _json(body)
+
+    async def new_code(self, request: web.Request) -> web.Response:
+        """The host closes its session code and opens a fresh one (members stay): this machine only."""
+        if self.codes is None:
+            raise web.HTTPNotFound()
+        if not _from_loopback(request):
+            raise ApiError(403, "forbidden", "a new session code is given only to this machine (loopback)")
+        try:
+            return _json({"code": await self.codes.renew()})
+        except KafilaError as exc:
+            raise ApiError(503, "not_ready", str(exc)) from None
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         params = parse_chat(await self._body(request), self.limits)
@@ -424,6 +467,7 @@ class ApiServer:
         """Every failure leaves as OpenAI's error JSON (Ollama's under /api/), converted here and
         only here; a request from a foreign Host or Origin goes no further (403)."""
         ollama = _is_ollama(request)
+        self.silent.pop(id(request.transport), None)  # a whole request: this connection progresses
         try:
             headers = request.headers
             why = refusal(headers.get("Host"), headers.get("Origin"), self.own_names)
@@ -462,6 +506,11 @@ class ApiServer:
 def _vocab_size(tokenizer) -> int | None:
     size = getattr(tokenizer, "vocab_size", None)
     return int(size) if size is not None else None
+
+
+def _from_loopback(request: web.Request) -> bool:
+    peer = request.transport.get_extra_info("peername") if request.transport is not None else None
+    return bool(peer) and _is_loopback(peer[0])
 
 
 def _is_loopback(host: str) -> bool:

@@ -6,6 +6,8 @@ import argparse
 import json
 import os
 
+from kafila.commands import _options
+
 DEFAULT_PROMPT = "Name three uses of a pooled home computer cluster."
 # Forming waits as long as a member waits to be ready (session/member.py READY_TIMEOUT_S: weights
 # over a slow link and a shard build; an 8B shape's three builds on one small machine take minutes).
@@ -20,28 +22,25 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "plan and the measured speed, and stop everything.",
     )
     p.add_argument("--members", type=int, default=3, metavar="N", help="session size, host included (default 3)")
-    p.add_argument("--model", default="smollm2-135m", help="GGUF path or alias (default smollm2-135m)")
-    p.add_argument("--backend", default="openvino", help="shard runtime of every member (default openvino)")
-    p.add_argument("--policy", choices=("kafila", "uniform", "memory"), default="kafila")
+    _options.add_model(p)
+    _options.add_backend(p)
+    _options.add_policy(p)
     p.add_argument("--throttle", action="append", default=[], metavar="NAME=FRACTION",
                    help="run member NAME under a CPU quota (FRACTION of one CPU), e.g. m2=0.25")
-    p.add_argument("--latency-ms", type=float, default=0.0, metavar="L",
-                   help="every member delays each datagram it sends by L ms (a WAN)")
-    p.add_argument("--context", type=int, default=None, metavar="N",
-                   help="the session's context (kafila host --context; default 2048, or the model's own if shorter)")
+    _options.add_latency(p, "every member")
+    _options.add_context(p)
     p.add_argument("--prompt", default=DEFAULT_PROMPT)
-    p.add_argument("--max-tokens", type=int, default=64, metavar="N")
-    p.add_argument("--speculate", choices=("off", "ngram", "draft", "origin"), default="off",
-                   help="the session's speculative decoding (kafila host --speculate)")
-    p.add_argument("--draft", metavar="GGUF", default=None,
-                   help="the draft model for --speculate draft (every member gets it: the head runs it)")
-    p.add_argument("--precision", choices=("serving", "f32"), default="serving",
-                   help="every stage's compute (kafila host --precision)")
+    _options.add_max_tokens(p, 64)
+    _options.add_speculate(p)
+    _options.add_draft(p, "every member gets: the head drafts with it (--speculate draft), each member for the requests typed at it (--speculate origin)")
+    _options.add_precision(p)
+    _options.add_kquant(p)
     p.add_argument("--ask", default=None, metavar="NAME", help="the member the prompt is typed at (default: the last)")
     p.add_argument("--cache-dir", default=os.path.join(os.path.expanduser("~"), ".cache", "kafila", "demo"),
                    help="members' weight caches (NAME/ below it; a rerun fetches only what changed)")
     p.add_argument("--json", action="store_true",
-                   help='print {"text","tokens","tok_s","ttft_ms","plan","memory"} (memory: per member)')
+                   help='print {"text","tokens","tok_s","ttft_ms","plan","memory","prediction"} (memory: per member; '
+                   'prediction: per stage predicted_ms, measured_ms, error, and tok_s likewise)')
     p.set_defaults(handler=run)
 
 
@@ -54,7 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from backends.gguf import open_model
     from kafila.commands.join import check_backend
     from kafila.models import resolve_model
-    from kafila.session.host import plan_table, predicted_tok_s, session_context
+    from kafila.session.control.config import session_context
+    from kafila.session.control.preview import plan_table, predicted_tok_s
     from kafila.tooling.launch import LocalSession, get_json, stream_chat
     from kafila.tooling.throttle import parse_throttle
 
@@ -71,18 +71,16 @@ def run(args: argparse.Namespace) -> int:
     if args.speculate == "draft" and not args.draft:
         raise BadInput("--speculate draft needs --draft GGUF (a small model of the same vocabulary)")
     if args.draft:
-        from kafila.session.draft import open_draft
+        from kafila.session.ring.speculation.draft import open_draft
 
         args.draft = resolve_model(args.draft)
         open_draft(args.draft, index)  # missing, not a GGUF or another vocabulary: one line
-    _, capped = session_context(args.context, index.hparams.context_length, index.name)  # and a --context it lacks
+    session_context(args.context, index.hparams.context_length, index.name)  # a --context it lacks: one line
     throttle = dict(parse_throttle(t) for t in args.throttle)
     console = Console(stderr=True)
-    if capped:
-        console.print(f"demo: {capped}")
     session = LocalSession(members=args.members, model=args.model, backend=args.backend,
                            policy=args.policy, latency_ms=args.latency_ms, speculate=args.speculate,
-                           precision=args.precision, draft=args.draft, throttle=throttle, context=args.context,
+                           precision=args.precision, kquant=args.kquant, draft=args.draft, throttle=throttle, context=args.context,
                            cache_root=args.cache_dir, debug=args.debug)  # fmt: skip
     ask = args.ask or session.names[-1]
     if ask not in session.names:
@@ -117,15 +115,21 @@ def run(args: argparse.Namespace) -> int:
         finally:
             signal.signal(signal.SIGINT, old_int)
             signal.signal(signal.SIGTERM, old)
+    from kafila.session.control.pricing import predictions
+
+    # the planner's per-stage ms and tok/s beside the head's measured compute and this answer's rate
+    measured = {n: v.get("compute_ms") for n, v in (status.get("stages") or {}).items() if v.get("compute_ms")}
     result = {"text": answer["text"], "tokens": answer["tokens"], "tok_s": _r(answer["tok_s"]),
               "ttft_ms": _r(answer["ttft_ms"]), "plan": plan, "memory": memory,
-              "speculation": answer.get("speculation")}  # fmt: skip
+              "speculation": answer.get("speculation"),
+              "prediction": predictions(plan, measured, answer["tok_s"])}  # fmt: skip
     if args.json:
         print(json.dumps(result))
     else:
         print(answer["text"])
         predicted = predicted_tok_s(plan)
-        stages = ", ".join(f"{n} {v['compute_ms']} ms" for n, v in status["stages"].items() if v.get("compute_ms") is not None)
+        stages = ", ".join(f"{n} {v['measured_ms']} ms (predicted {v['predicted_ms']})"
+                           for n, v in result["prediction"]["stages"].items() if v.get("measured_ms") is not None)
         edges = ", ".join(f"{e['from']}→{e['to']} {e.get('kind')}" for e in status.get("edges", []))
         console.print(f"demo: {answer['tokens']} tokens, {result['tok_s']} tok/s measured"
                       f"{f' (planner predicted {predicted:.1f})' if predicted else ''}, "

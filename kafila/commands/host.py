@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from kafila.commands import _options
 from kafila.commands.join import add_common, check_backend, common_config
 
 
@@ -14,26 +15,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         "print its code, wait for --expect members (or Enter), plan, send each member its "
         "weights, and serve until SIGINT/SIGTERM.",
     )
-    p.add_argument("--model", default="smollm2-135m", help="GGUF path or alias (default smollm2-135m)")
+    _options.add_model(p)
     p.add_argument("--expect", type=int, default=0, metavar="N",
                    help="session size, the host included; plan as soon as N are in")
-    p.add_argument("--context", type=int, default=None, metavar="N",
-                   help="positions per request, prompt and answer (default 2048, or the model's own "
-                        "context if shorter)")
-    p.add_argument("--concurrency", default="auto", metavar="N|auto",
-                   help="requests served at once, each with a KV slot on every member: N (1..64), or auto "
-                        "(default): as many as the members' memory holds at the context, at most 32")
+    _options.add_context(p)
+    _options.add_concurrency(p)
     p.add_argument("--max-queued", default="64", metavar="N",
                    help="requests that may wait for a slot (default 64); one more is answered HTTP 429 "
                         "with Retry-After")
-    p.add_argument("--speculate", choices=("off", "ngram", "draft", "origin"), default="off",
-                   help="speculative decoding: off, ngram (drafts looked up in the request's own prompt "
-                        "and output), draft (a draft model, --draft, at the head) or origin (n-gram drafts "
-                        "made at the member where each request was typed, carried to the head on its "
-                        "activations; the head's own n-grams where they are stale); drafts are verified "
-                        "in one trip round the ring, as many as pay (none when they do not)")
-    p.add_argument("--policy", choices=("kafila", "uniform", "memory"), default="kafila",
-                   help="how blocks are divided (default kafila: the planner)")
+    _options.add_speculate(p)
+    _options.add_policy(p)
     p.add_argument("--batch-rows", choices=("on", "off"), default="on",
                    help="batched decode rows (default on): decode steps of several requests that are "
                         "ready together go round the ring as one micro-batch, each stage running them as "
@@ -44,14 +35,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                    help="with --speculate ngram and several requests speculating at once, the head's live "
                         "DiP-SD optimiser chooses their draft lengths and micro-batches together "
                         "(default on); off: each request's draft length is chosen alone")
-    p.add_argument("--prompt-cache", choices=("on", "off"), default="on",
-                   help="prompt caching (default on): a finished request's KV stays on every member, "
-                        "and a prompt that starts the same way (the next turn of a conversation, a "
-                        "shared system prompt) feeds only the rest; off: every prompt is fed whole")
-    p.add_argument("--precision", choices=("serving", "f32"), default="serving",
-                   help="every stage's compute: serving (the backend's fast defaults: bf16 and a u8 KV "
-                        "cache where the CPU has them) or f32 (slower; greedy answers do not depend on "
-                        "how steps are batched, e.g. by --speculate)")
+    _options.add_prompt_cache(p, " on every member")
+    _options.add_precision(p)
+    _options.add_kquant(p)
     p.add_argument("--auto-replan", action="store_true",
                    help="add a machine that joins the serving session at once (a replan: requests in "
                         "flight pause and resume); without it, joiners are added when a member leaves")
@@ -73,9 +59,9 @@ def run(args: argparse.Namespace) -> int:
     from backends.gguf import open_model
     from kafila.commands.rendezvous import parse_host_port
     from kafila.models import resolve_model
-    from kafila.session.host import HostParticipant, session_context
-    from kafila.session.participant import stdin_is_terminal
-    from kafila.session.slots import parse_concurrency, parse_max_queued
+    from kafila.session.control.host import HostParticipant, session_context
+    from kafila.session.control.system import stdin_is_terminal
+    from kafila.session.ring.slots import parse_concurrency, parse_max_queued
 
     if args.expect < 0:
         raise BadInput("--expect N: N is the session size, the host included (1 or more)")
@@ -84,17 +70,119 @@ def run(args: argparse.Namespace) -> int:
     max_queued = parse_max_queued(args.max_queued)
     cfg = common_config(args, host=True)
     cfg = replace(cfg, model_path=resolve_model(args.model), expect=args.expect, context=args.context,
-                  concurrency=concurrency, max_queued=max_queued, batch_rows=args.batch_rows == "on", dipsd=args.dipsd == "on", prompt_cache=args.prompt_cache == "on", speculate=args.speculate, precision=args.precision, policy=args.policy, code_file=args.code_file, auto_replan=args.auto_replan, code_words=args.words,
+                  concurrency=concurrency, max_queued=max_queued, batch_rows=args.batch_rows == "on", dipsd=args.dipsd == "on", prompt_cache=args.prompt_cache == "on", speculate=args.speculate, precision=args.precision, kquant=args.kquant, policy=args.policy, code_file=args.code_file, auto_replan=args.auto_replan, code_words=args.words,
                   embedded_listen=parse_host_port(args.listen))  # fmt: skip
     index = open_model(cfg.model_path)  # a missing or bad model: one line, exit 2, before anything starts
     session_context(args.context, index.hparams.context_length, index.name)  # so is a --context it lacks
     if args.speculate == "draft" and not cfg.draft_path:
         raise BadInput("--speculate draft needs --draft GGUF (a small model of the same vocabulary)")
     if cfg.draft_path:
-        from kafila.session.draft import open_draft
+        from kafila.session.ring.speculation.draft import open_draft
 
         open_draft(cfg.draft_path, index)  # another vocabulary: one line, exit 2
     if args.expect == 0 and not stdin_is_terminal():
         raise BadInput("give --expect N (the session size, host included): standard input is not "
                        "a terminal, so nobody can press Enter to start planning")
-    return HostParticipant(cfg).run()
+    console = TerminalConsole()
+    host = HostParticipant(cfg, console.console, view=console)  # one console: lines print above its table
+    console.host = host
+    return host.run()
+
+
+class TerminalConsole:
+    """The host in a terminal (a HostView, kafila.session.control.host): the members in a live
+    table while it waits, a bar per member's weights while a plan forms, and Enter read from
+    standard input (plan now; while serving, replan with the machines that joined). Anywhere
+    else (scripts, CI: stdin not a terminal) it shows nothing and reads nothing."""
+
+    def __init__(self) -> None:
+        from rich.console import Console
+
+        from kafila.session.control.system import stdin_is_terminal
+
+        self.console = Console(stderr=True)
+        self.takes_enter = stdin_is_terminal()
+        self.host = None  # the HostParticipant Enter goes to
+        self._reading = False
+        self._live = None
+        self._bars = None
+        self._bar_ids: dict[str, int] = {}
+
+    def _read_enter(self) -> None:
+        """Once the host's loop runs: Enter calls host.enter()."""
+        import asyncio
+        import sys
+
+        if self._reading or not self.takes_enter or self.host is None:
+            return
+        self._reading = True
+        loop = asyncio.get_running_loop()
+
+        def on_enter() -> None:
+            if not sys.stdin.readline():  # the terminal went away: nobody presses Enter now
+                loop.remove_reader(sys.stdin.fileno())
+                self._reading = False
+                return
+            self.host.enter()
+
+        loop.add_reader(sys.stdin.fileno(), on_enter)
+
+    def waiting(self, rows: list[dict], title: str) -> None:
+        from rich.live import Live
+
+        from kafila.session.control.preview import members_table
+
+        self._read_enter()
+        if not (self.takes_enter and self.console.is_terminal):
+            return
+        if self._live is None:
+            self._live = Live(members_table(rows, title), console=self.console, auto_refresh=False)
+            self._live.start()
+        self._live.update(members_table(rows, title), refresh=True)
+
+    def waiting_done(self) -> None:
+        if self._live is not None:
+            self._live.stop()
+            self._live = None
+
+    def transfers(self, totals: dict[str, int]) -> None:
+        """A bar per member (MB/s, ETA) in a terminal, for as long as the plan forms."""
+        if not totals or not self.console.is_terminal:
+            return
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )  # fmt: skip
+
+        self._bars = Progress(TextColumn("weights to {task.description}"), BarColumn(), DownloadColumn(),
+                              TransferSpeedColumn(), TimeRemainingColumn(), console=self.console)  # fmt: skip
+        self._bar_ids = {name: self._bars.add_task(name, total=total) for name, total in totals.items()}
+        self._bars.start()
+
+    def transfer(self, name: str, done: int, total: int) -> None:
+        if self._bars is not None and name in self._bar_ids:
+            self._bars.update(self._bar_ids[name], completed=done, total=total)
+
+    def transfers_done(self) -> None:
+        if self._bars is not None:
+            self._bars.stop()
+            self._bars = None
+
+    def close(self) -> None:
+        import asyncio
+        import sys
+
+        self.waiting_done()
+        self.transfers_done()
+        if self._reading:
+            self._reading = False
+            try:
+                asyncio.get_running_loop().remove_reader(sys.stdin.fileno())
+            except (RuntimeError, ValueError, OSError) as exc:  # no loop, or stdin already closed
+                import logging
+
+                logging.getLogger(__name__).debug("Enter no longer read: %r", exc)

@@ -17,17 +17,17 @@ API_DEFAULT_PORTS = 20  # 8740..8759 when --api is not given
 
 
 def add_common(p: argparse.ArgumentParser) -> None:
-    from kafila.session.participant import DEFAULT_CACHE_DIR
+    from kafila.commands import _options
+    from kafila.session.control.config import DEFAULT_CACHE_DIR
 
     p.add_argument("--rendezvous", metavar="HOST:PORT", help="the rendezvous (default for join: 127.0.0.1:7473)")
     p.add_argument("--name", default=None, help="this member's name in the session (default: the host name)")
-    p.add_argument("--backend", default="openvino", help="shard runtime: openvino (default), mlx, reference")
+    _options.add_backend(p)
     p.add_argument("--api", default=None, metavar="HOST:PORT",
                    help="OpenAI-compatible API address (default 127.0.0.1:8740, or the next free port "
                    "up to 8759 when another member on this machine holds it; 'off' for none)")
     p.add_argument("--bind", default="0.0.0.0", metavar="IP", help="local address of the member's UDP socket")
-    p.add_argument("--latency-ms", type=float, default=0.0, metavar="L",
-                   help="delay every datagram this member sends by L ms (WAN emulation)")
+    _options.add_latency(p)
     p.add_argument("--cache-dir", default=DEFAULT_CACHE_DIR, help=f"where fetched weights live (default {DEFAULT_CACHE_DIR})")
     p.add_argument("--json-events", action="store_true", help="one JSON line per lifecycle event on stdout")
     p.add_argument("--weights-lane", choices=("auto", "quic"), default="auto",
@@ -36,16 +36,14 @@ def add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ring-lane", choices=("auto", "quic"), default="auto",
                    help="auto (default): ring frames to and from this member over TCP when the peer "
                    "is reachable, else the QUIC edge; quic: the QUIC edge only")
-    p.add_argument("--draft", metavar="GGUF", default=None,
-                   help="a small model of the same vocabulary this member drafts with when it is the "
-                        "head of a session started with --speculate draft")
+    _options.add_draft(p)
 
 
 def common_config(args: argparse.Namespace, host: bool):
     from backends.errors import BadInput
     from kafila.api import parse_hostport
     from kafila.commands.rendezvous import parse_host_port
-    from kafila.session.participant import SessionConfig
+    from kafila.session.control.config import SessionConfig
 
     if args.latency_ms < 0 or args.latency_ms > 10_000:
         raise BadInput("--latency-ms L: choose 0..10000")
@@ -103,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     from backends.errors import BadInput
     from kafila.net.code import parse_code
     from kafila.net.codefile import read_code
-    from kafila.session.participant import Participant
+    from kafila.session.control.participant import Participant
 
     if args.code not in (None, "-") and args.code_file:
         raise BadInput("give the code once: as CODE or with --code-file")

@@ -146,11 +146,26 @@ def _print_plan(fleet: Any, plan: Any) -> None:
             _fmt(edge.ms if edge else None, ".1f"),
         )
     console.print(table)
+    console.print(model_bytes_line(fleet.model))
     console.print(
         f"bottleneck {_fmt(plan.bottleneck_ms, '.2f')} ms, "
         f"utilisation {_fmt(_pct(plan.utilisation), '.0f')}%, "
         f"predicted {_fmt(plan.predicted_tok_s, '.1f')} tok/s"
     )
+
+
+def model_bytes_line(model: Any) -> str:
+    """What a block holds (memory, admission) beside what a token reads of it (time): the same
+    for a dense model; an MoE block holds every expert and a token reads k of them."""
+    held, read = model.block_bytes / 1e6, model.block_read_bytes / 1e6
+    line = f"{model.name}: a block holds {held:,.1f} MB"
+    if model.expert_count:
+        line += (f" (every one of {model.expert_count} experts), a token reads {read:,.1f} MB of it "
+                 f"(dense part + {model.experts_used} of {model.expert_count} experts), 4 rows "
+                 f"{model.read_bytes(4) / 1e6:,.1f} MB (the union)")  # fmt: skip
+    else:
+        line += f", a token reads all of it"
+    return line + f"; {model.blocks} blocks hold {model.blocks * held / 1e3:,.1f} GB"
 
 
 def _pct(value: float | None) -> float | None:

@@ -75,7 +75,7 @@ async def _serve(host: str, port: int, alternate_ip: str | None) -> int:
         await stop.wait()
     finally:
         for sig in (signal.SIGINT, signal.SIGTERM):
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(RuntimeError, ValueError):  # the loop is closing
                 loop.remove_signal_handler(sig)
         await service.close()
     print("rendezvous stopped", file=sys.stderr, flush=True)

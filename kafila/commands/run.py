@@ -7,21 +7,22 @@ import sys
 import time
 
 from backends.errors import BadInput
+from kafila.commands import _options
 
 DEFAULT_MAX_TOKENS = 128
+PROMPT_IDS_MAX_CHARS = 8 << 20  # --prompt-ids JSON text at most (a context of ~1M ids)
 
 
 def register(subparsers) -> None:
     p = subparsers.add_parser("run", help="run a model as S chained shards in this process",
                               description="Cut the model into S contiguous block ranges, chain them in this "
                                           "process and decode greedily, streaming tokens as they come.")
-    p.add_argument("--model", default="smollm2-135m", help="alias (see `kafila models`) or GGUF path")
+    _options.add_model(p)
     p.add_argument("--stages", type=int, default=1, help="number of shards (default 1)")
-    p.add_argument("--backend", default="openvino",
-                   help="openvino|reference|mlx, or one per stage as B1,B2,... (default openvino)")
-    p.add_argument("--precision", default="serving", choices=("serving", "f32"),
-                   help="serving: the backend's fast defaults; f32: f32 compute and KV")
-    p.add_argument("--max-tokens", type=int, default=DEFAULT_MAX_TOKENS, help="new tokens at most (default 128)")
+    _options.add_backend(p, per_stage=True)
+    _options.add_precision(p)
+    _options.add_kquant(p)
+    _options.add_max_tokens(p, DEFAULT_MAX_TOKENS)
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true",
                    help='print one line {"text", "tokens", "tok_s", "stages", "ids", "prompt_ids", "ttft_ms", '
@@ -29,7 +30,10 @@ def register(subparsers) -> None:
                         'prompt_ids the prompt\'s ids as fed (chat-templated unless --raw), ttft_ms the time '
                         'from the start of the prefill (the shards built) to the first token, memory this '
                         'process\'s RSS, peak RSS and PSS in bytes right after the last token')
-    p.add_argument("prompt", metavar="PROMPT")
+    p.add_argument("--prompt-ids", metavar="JSON",
+                   help="feed these token ids (a JSON list of ints) instead of PROMPT: no chat template, no "
+                        "tokenizer needed (a file whose tokenizer Kafila cannot read prints ids, not text)")
+    p.add_argument("prompt", metavar="PROMPT", nargs="?")
     p.set_defaults(handler=run)
 
 
@@ -38,7 +42,9 @@ def run(args) -> int:
     from kafila.engine.chain import LocalChain, parse_backends
     from kafila.models import StreamDecoder, load_tokenizer, resolve_model
 
-    if not args.prompt.strip():
+    if (args.prompt is None) == (args.prompt_ids is None):
+        raise BadInput("give either a PROMPT or --prompt-ids JSON (one of the two)")
+    if args.prompt is not None and not args.prompt.strip():
         raise BadInput("the prompt is empty: give some text to continue")
     if args.max_tokens < 1:
         raise BadInput(f"--max-tokens must be at least 1 (got {args.max_tokens})")
@@ -47,36 +53,44 @@ def run(args) -> int:
     parse_backends(args.backend, args.stages)  # reject a bad list before loading anything
     index = open_model(resolve_model(args.model))
     index.split_blocks(args.stages)  # --stages larger than the block count → BadInput
-    tokenizer = load_tokenizer(index)
-    text = args.prompt if args.raw else tokenizer.render_chat([{"role": "user", "content": args.prompt}])
-    ids = tokenizer.encode(text)
-    if not ids:
-        raise BadInput("the prompt encodes to no tokens")
+    if args.prompt_ids is not None:
+        ids = parse_prompt_ids(args.prompt_ids, index.hparams.vocab)
+        try:
+            tokenizer = load_tokenizer(index)
+        except BadInput:  # e.g. llama.cpp's random models: a dummy vocabulary; ids are still served
+            tokenizer = None
+    else:
+        tokenizer = load_tokenizer(index)
+        text = args.prompt if args.raw else tokenizer.render_chat([{"role": "user", "content": args.prompt}])
+        ids = tokenizer.encode(text)
+        if not ids:
+            raise BadInput("the prompt encodes to no tokens")
     if len(ids) + args.max_tokens > index.hparams.context_length:
         raise BadInput(f"prompt ({len(ids)} tokens) + --max-tokens exceeds the model's context of "
                        f"{index.hparams.context_length}")
 
-    chain = LocalChain.build(index.path, args.stages, args.backend, args.precision, index=index)
-    decoder = StreamDecoder(tokenizer)
+    chain = LocalChain.build(index.path, args.stages, args.backend, args.precision, index=index, kquant=args.kquant)
+    decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
+    eos = tokenizer.eos_ids if tokenizer is not None else ()
     tokens: list[int] = []
     first_at = None
     started = time.perf_counter()  # the prompt's prefill starts here (the build is done)
-    for token in chain.generate(ids, args.max_tokens, stop=tokenizer.eos_ids):
+    for token in chain.generate(ids, args.max_tokens, stop=eos):
         if first_at is None:
             first_at = time.perf_counter()
-        if token in tokenizer.eos_ids:
+        if token in eos:
             break
         tokens.append(token)
-        piece = decoder.push(token)
+        piece = decoder.push(token) if decoder is not None else f"{token} "
         if piece and not args.json:
             sys.stdout.write(piece)
             sys.stdout.flush()
     elapsed = time.perf_counter() - first_at if first_at is not None else 0.0
     tok_s = (len(tokens) - 1) / elapsed if len(tokens) > 1 and elapsed > 0 else 0.0  # decode rate
     if args.json:
-        from kafila.session.memory import process_memory
+        from kafila.session.ring.memory import process_memory
 
-        print(json.dumps({"text": tokenizer.decode(tokens), "tokens": len(tokens),
+        print(json.dumps({"text": tokenizer.decode(tokens) if tokenizer is not None else None, "tokens": len(tokens),
                           "tok_s": round(tok_s, 2), "stages": chain.stages,
                           "ids": tokens, "prompt_ids": list(ids),
                           "ttft_ms": None if first_at is None else round((first_at - started) * 1000, 1),
@@ -86,3 +100,19 @@ def run(args) -> int:
         sys.stdout.flush()
         print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s, {args.stages} stage(s): {args.backend}]", file=sys.stderr)
     return 0
+
+
+def parse_prompt_ids(raw: str, vocab: int) -> list[int]:
+    """--prompt-ids: a non-empty JSON list of token ids, each in 0..vocab − 1."""
+    if len(raw) > PROMPT_IDS_MAX_CHARS:
+        raise BadInput(f"--prompt-ids is over {PROMPT_IDS_MAX_CHARS} characters")
+    try:
+        ids = json.loads(raw)
+    except ValueError as exc:
+        raise BadInput(f"--prompt-ids is not JSON ({exc}): give a list of token ids like [1, 2, 3]") from None
+    if not isinstance(ids, list) or not ids or not all(type(i) is int for i in ids):
+        raise BadInput("--prompt-ids must be a non-empty JSON list of integers, like [1, 2, 3]")
+    bad = next((i for i in ids if not 0 <= i < vocab), None)
+    if bad is not None:
+        raise BadInput(f"--prompt-ids holds {bad}, outside the model's vocabulary 0..{vocab - 1}")
+    return ids

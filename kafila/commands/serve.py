@@ -13,7 +13,7 @@ import sys
 from backends.errors import EXIT_OK, BadInput
 from kafila.api import DEFAULT_API_HOST, DEFAULT_API_PORT, parse_hostport, start_api
 from kafila.engine.local import DEFAULT_MAX_SLOTS, LocalEngine
-from kafila.models import DEFAULT_MODEL
+from kafila.commands import _options
 
 
 def handle(args) -> int:
@@ -36,6 +36,7 @@ def handle(args) -> int:
         context=args.context,
         max_slots=args.slots,
         prompt_cache=args.prompt_cache == "on",
+        kquant=args.kquant,
     )
     try:
         return asyncio.run(serve(engine, host, port))
@@ -68,9 +69,7 @@ def register(subparsers) -> None:
         help="serve a model from this machine alone over the HTTP API",
         description="One process, the whole model, the same OpenAI-compatible API as a session member.",
     )
-    p.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"an alias or a GGUF path (default {DEFAULT_MODEL})"
-    )
+    _options.add_model(p)
     p.add_argument(
         "--stages",
         type=int,
@@ -78,18 +77,8 @@ def register(subparsers) -> None:
         metavar="S",
         help="shards chained in this process (default 1)",
     )
-    p.add_argument(
-        "--backend",
-        default="openvino",
-        metavar="B",
-        help="openvino, mlx or reference (default openvino)",
-    )
-    p.add_argument(
-        "--context",
-        type=int,
-        metavar="C",
-        help="the most tokens (prompt + answer) per request (default: the model's)",
-    )
+    _options.add_backend(p, metavar="B")
+    _options.add_context(p, "the model's own context")
     p.add_argument(
         "--slots",
         type=int,
@@ -97,17 +86,12 @@ def register(subparsers) -> None:
         metavar="N",
         help=f"requests generating at once (default {DEFAULT_MAX_SLOTS})",
     )
-    p.add_argument(
-        "--prompt-cache",
-        choices=("on", "off"),
-        default="on",
-        help="prompt caching (default on): a finished request's KV stays, and a prompt that starts "
-        "the same way (the next turn of a conversation) feeds only the rest; at most --slots are kept",
-    )
+    _options.add_prompt_cache(p, bound="; at most --slots are kept")
     p.add_argument(
         "--api",
         default=f"{DEFAULT_API_HOST}:{DEFAULT_API_PORT}",
         metavar="HOST:PORT",
         help=f"where to serve (default {DEFAULT_API_HOST}:{DEFAULT_API_PORT}; port 0: any free port)",
     )
+    _options.add_kquant(p)
     p.set_defaults(handler=handle)

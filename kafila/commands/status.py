@@ -19,7 +19,7 @@ from rich.text import Text
 
 from backends.errors import EXIT_OK, Refused
 from kafila.api import DEFAULT_API_HOST, DEFAULT_API_PORT, parse_hostport
-from kafila.session.preview import plan_summary, predicted_tok_s  # noqa: F401 (predicted_tok_s: re-exported)
+from kafila.session.control.preview import plan_summary, predicted_tok_s  # noqa: F401 (predicted_tok_s: re-exported)
 
 CONNECT_TIMEOUT_S = 5.0
 WATCH_EVERY_S = 1.0
@@ -52,6 +52,10 @@ def _f(v, digits: int = 1) -> str:
     return "–" if v is None else f"{v:.{digits}f}"
 
 
+def _pct(v) -> str:
+    return "–" if v is None else f"{100 * v:.0f} %"
+
+
 def _slowest(values: dict) -> str | None:
     known = {k: v for k, v in values.items() if v is not None}
     return max(known, key=known.get) if known else None
@@ -63,7 +67,7 @@ def transfer_line(t: dict) -> str:
     done, total = t.get("done_bytes") or 0, t.get("total_bytes") or 0
     pct = f" ({100 * done / total:.0f} %)" if total else ""
     rate = f", {t['mb_s']:.1f} MB/s" if t.get("mb_s") else ""
-    if t.get("lane") in ("tcp", "quic"):  # which lane carried them (kafila.session.bulk)
+    if t.get("lane") in ("tcp", "quic"):  # which lane carried them (kafila.session.weights.bulk)
         rate += " over TCP" if t["lane"] == "tcp" else " over QUIC"
     state = t.get("state")
     if state == "done":
@@ -98,9 +102,11 @@ def render(st: dict) -> Group:
     slow_pred = _slowest({n: (stages.get(n) or {}).get("predicted_ms") for n in ring})
     slow_meas = _slowest({n: (stages.get(n) or {}).get("compute_ms") for n in ring})
     t = Table(title="members (ring order)", title_justify="left")
-    for col in ("member", "backend", "NAT", "memory GB", "GB/s", "blocks", "predicted ms", "measured ms", "state"):
+    errors = ((st.get("prediction") or {}).get("stages")) or {}  # |predicted − measured| / measured
+    for col in ("member", "backend", "NAT", "memory GB", "GB/s", "blocks", "predicted ms", "measured ms", "off by",
+                "state"):  # fmt: skip
         t.add_column(col, justify="right" if col in ("memory GB", "GB/s", "blocks", "predicted ms",
-                                                     "measured ms") else "left")  # fmt: skip
+                                                     "measured ms", "off by") else "left")  # fmt: skip
     for name in ring + [n for n in members if n not in ring]:
         m = members.get(name) or {}
         stg = stages.get(name) or {}
@@ -109,7 +115,7 @@ def render(st: dict) -> Group:
         meas = _f(stg.get("compute_ms"), 2) + (" ◀" if name == slow_meas and len(ring) > 1 else "")
         t.add_row(label, m.get("backend") or "–", m.get("nat") or "–", _f(m.get("memory_gb")),
                   _f(m.get("bandwidth_gbps")), str(stg.get("blocks") or "–"), pred, meas,
-                  m.get("state") or "–")  # fmt: skip
+                  _pct((errors.get(name) or {}).get("error")), m.get("state") or "–")  # fmt: skip
     if ring:
         parts.append(t)
 
@@ -128,8 +134,10 @@ def render(st: dict) -> Group:
         parts.append(e_t)
 
     if plan:
+        tok = (st.get("prediction") or {}).get("tok_s") or {}
+        off = f" ({_pct(tok['error'])} off the prediction)" if tok.get("error") is not None else ""
         parts.append(Text(f"plan ({plan.get('policy')}, tier {plan.get('tier')}): {plan_summary(plan)}; "
-                          f"measured {_f(st.get('tok_s'))} tok/s, step {_f(st.get('step_ms'), 2)} ms, "
+                          f"measured {_f(st.get('tok_s'))} tok/s{off}, step {_f(st.get('step_ms'), 2)} ms, "
                           f"network {_f(st.get('network_ms'), 2)} ms"))  # fmt: skip
     req = st.get("requests")
     api = st.get("api") or {}

@@ -7,7 +7,7 @@ length, the logical position and a `valid` vector over physical positions. Each 
 `rewind(k)` masks the last k live positions out and moves the logical position back by k.
 Hidden states cross from stage to stage as float32 (so stages may run on different backends).
 A prompt is fed in chunks, the first of at most `chunk_tokens` positions and the rest smaller
-(`prefill`), the rule the ring's head uses (kafila.session.scheduler.prefill_chunk_tokens and
+(`prefill`), the rule the ring's head uses (kafila.session.ring.scheduler.prefill_chunk_tokens and
 later_chunk_tokens), so a long prompt never runs one unbounded batch through a stage; only the
 last chunk's hidden states are kept.
 """
@@ -46,7 +46,7 @@ class Cursor:
 
 def _chunk_tokens(index: ModelIndex) -> int:
     """Prefill positions per feed: the ring head's rule (a frame's worth at this hidden size)."""
-    from kafila.session.scheduler import prefill_chunk_tokens
+    from kafila.session.ring.scheduler import prefill_chunk_tokens
 
     return prefill_chunk_tokens(index.hparams.hidden)
 
@@ -74,14 +74,17 @@ class LocalChain:
     @classmethod
     def build(cls, model_path: str, stages: int, backend_names: str | Sequence[str] = "openvino",
               precision: str = "serving", index: ModelIndex | None = None,
-              chunk_tokens: int | None = None) -> LocalChain:
-        """Cut the model into `stages` near-equal block ranges, stage i on backend_names[i]."""
+              chunk_tokens: int | None = None, kquant: str = backends.DEFAULT_KQUANT) -> LocalChain:
+        """Cut the model into `stages` near-equal block ranges, stage i on backend_names[i];
+        `kquant`: the OpenVINO stages' K-quant form (backends.KQUANTS)."""
         index = index if index is not None else open_model(model_path)
         names = parse_backends(backend_names, stages)
         shards = []
         for i, ((first, last), name) in enumerate(zip(index.split_blocks(stages), names)):
             spec = ShardSpec(index.path, first, last, embed=i == 0, head=i == 0)
             extra = {"index": index} if name in ("openvino", "reference") else {}
+            if name == "openvino":
+                extra["kquant"] = kquant
             shards.append(backends.load_shard(name, spec, precision, **extra))
         return cls(shards, chunk_tokens if chunk_tokens is not None else _chunk_tokens(index))
 
@@ -122,7 +125,7 @@ class LocalChain:
     def prefill(self, cursor: Cursor, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """`feed` in chunks, as the ring's head does: the first of at most `chunk_tokens` positions,
         the rest of scheduler.later_chunk_tokens; the last chunk's hidden states."""
-        from kafila.session.scheduler import next_chunk
+        from kafila.session.ring.scheduler import next_chunk
 
         ids = np.asarray(tokens, dtype=np.int64)
         if len(ids) == 0:

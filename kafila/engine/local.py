@@ -23,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+import backends
 from backends.errors import BadInput
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.sampling import Sampler, sample_token  # noqa: F401 (sample_token: importable from here, as before)
@@ -76,6 +77,7 @@ class LocalEngine:
         backend: str = "openvino",
         context: int | None = None,
         precision: str = "serving",
+        kquant: str = backends.DEFAULT_KQUANT,
         **options,
     ) -> LocalEngine:
         """Load `model` (an alias or a GGUF path) as a chain of `stages` shards (slow: compiles)."""
@@ -91,7 +93,7 @@ class LocalEngine:
             raise BadInput(
                 f"--context {context} is more than the model's context of {limit} tokens"
             )
-        chain = LocalChain.build(path, stages, backend, precision, index=index)
+        chain = LocalChain.build(path, stages, backend, precision, index=index, kquant=kquant)
         name = model if model in ALIASES else os.path.splitext(os.path.basename(path))[0]
         return cls.over_chain(chain, tokenizer, name, context or limit, **options)
 
@@ -103,7 +105,9 @@ class LocalEngine:
         requests' KV kept for prompts that start the same way (prompt_cache.py)."""
         from kafila.engine.prompt_cache import ParkedCursors
 
-        cache = ParkedCursors(chain, options.get("max_slots", DEFAULT_MAX_SLOTS)) if prompt_cache else None
+        # a recurrent state (hybrid models) cannot be cut back to a shared prefix (yet): no prompt cache
+        hybrid = any(getattr(s.index.hparams, "hybrid", None) is not None for s in chain.shards if hasattr(s, "index"))
+        cache = ParkedCursors(chain, options.get("max_slots", DEFAULT_MAX_SLOTS)) if prompt_cache and not hybrid else None
         return cls(chain_source(chain, tokenizer.eos_ids, context_length, cache), tokenizer, model_name,
                    context_length, describe={"stages": chain.stages}, cache=cache, **options)  # fmt: skip
 

@@ -1,7 +1,7 @@
 """Prompt caching for one process (`kafila serve`): a finished request's cursor keeps its KV, and
 a prompt that starts the same way feeds only the rest.
 
-The same rules as a session's head (kafila/session/prefix.py, whose ParkedSlots decides): a
+The same rules as a session's head (kafila/session/ring/prefix.py, whose ParkedSlots decides): a
 prompt takes a parked cursor at once when it continues that cursor's request (the next turn of
 a conversation, or the same question asked again), else a new cursor while fewer than `most` are
 open, else the least recently parked one, keeping a long shared prefix or nothing. Taking a
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kafila.engine.chain import Cursor, LocalChain
-from kafila.session.prefix import ParkedSlots
+from kafila.session.ring.prefix import ParkedSlots
 
 
 class ParkedCursors:

@@ -13,16 +13,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
-from kafila.session.frames import Tokens
-from kafila.session.ring import RingNode
-from kafila.session.scheduler import SchedulerError
-from kafila.session.prefix import cached_of
-from kafila.session.speculate import SpecStats
-from kafila.session.streams import StreamClosed
+from kafila.session.wire.frames import Tokens
+from kafila.session.ring.node import RingNode
+from kafila.session.ring.scheduler import SchedulerError
+from kafila.session.ring.prefix import cached_of
+from kafila.session.ring.speculation.speculate import SpecStats
+from kafila.session.wire.streams import StreamClosed
+
+log = logging.getLogger(__name__)
 
 RESUME_WAIT_S = 120.0  # how long a request waits for the ring to come back after a break
 # The head's failure of a request can reach its origin (travelling the rest of a broken ring)
@@ -159,8 +162,12 @@ class RingEngine:
                     return
             finally:
                 if not done:
-                    with contextlib.suppress(Exception):
+                    try:
                         await node.cancel(req_id)
+                    except (StreamClosed, ConnectionError, OSError) as exc:  # the ring it ran on is gone
+                        log.debug("request %s not cancelled on the ring: %r", req_id, exc)
+                    except Exception as exc:  # noqa: BLE001 (a bug: said, and the request still ends)
+                        log.warning("request %s: cancelling it on the ring failed: %r", req_id, exc)
                 stats.extra["request_id"] = req_id
                 self.last_stats = stats
                 if stats.tok_s is not None:

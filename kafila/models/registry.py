@@ -1,4 +1,4 @@
-"""Model aliases: short names that resolve to GGUF files inside installed packages."""
+"""Model aliases (short names that resolve to GGUF files inside installed packages) and --model's resolution."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import os
 from dataclasses import dataclass
 
 from backends.errors import BadInput
+from kafila.models import stores
 
 
 @dataclass(frozen=True)
@@ -43,13 +44,24 @@ def alias_path(alias: Alias) -> str | None:
 
 
 def resolve_model(name: str) -> str:
-    """An alias or a path → the GGUF file's path (BadInput when neither)."""
+    """An alias, a store name (ollama:…, hf:…, lmstudio:…; kafila.models.stores) or a path → the
+    GGUF file's path (BadInput when none)."""
     alias = ALIASES.get(name)
     if alias is not None:
         path = alias_path(alias)
         if path is None:
             raise BadInput(f"model {name} is not installed: run `{alias.install}`")
         return path
-    if os.path.exists(name) or os.sep in name or name.endswith(".gguf"):
-        return name  # open_model reports a missing or bad file
-    raise BadInput(f"unknown model {name!r}: give a GGUF path or one of {', '.join(ALIASES)}")
+    path = stores.resolve_store(name) if stores.is_store_name(name) else None
+    if path is None and not os.path.exists(name) and name.endswith(".gguf"):
+        path = stores.lmstudio_file(name)  # PUBLISHER/REPO/FILE.gguf in LM Studio's folder
+    if path is None and (os.path.exists(name) or os.sep in name or name.endswith(".gguf")):
+        path = name  # open_model reports a missing or bad file
+    if path is None:
+        raise BadInput(f"unknown model {name!r}: give a GGUF path, ollama:NAME:TAG, hf:ORG/REPO/FILE.gguf, "
+                       f"a file in LM Studio's models folder or one of {', '.join(ALIASES)}")
+    part = stores.split_part(path)
+    if part is not None:  # weights are read as byte ranges of one file (index, transfer)
+        raise BadInput(f"{path} is part {part[0]} of a {part[1]}-part split GGUF, which Kafila does not open yet: "
+                       f"join the parts with `llama-gguf-split --merge FIRST-PART OUT.gguf`")
+    return path

@@ -2,7 +2,8 @@
 
 `tokenizer_from_metadata(md)` builds a `Tokenizer` from the `tokenizer.*` keys of a GGUF file:
 byte-level BPE (`tokenizer.ggml.model = "gpt2"`, with the pre-tokenizer `tokenizer.ggml.pre`
-names) or SentencePiece (`"llama"`); the algorithms are in `kafila.models.vocab`. Anything else
+names, or llama.cpp's 'default' one where that key is absent), SentencePiece (`"llama"`) or
+Gemma 4's BPE over SentencePiece-style text (`"gemma4"`); the algorithms are in `kafila.models.vocab`. Anything else
 is refused with BadInput rather than approximated. `load_tokenizer(index)` serves an opened
 model; `load_tokenizer_file(path)` reads only the metadata, so a vocabulary-only GGUF is enough.
 """
@@ -22,8 +23,9 @@ from backends.gguf.header import read_header
 from backends.memory import trim_heap
 from kafila.models import vocab as V
 
-SUPPORTED_MODELS = ("gpt2", "llama")  # byte-level BPE, SentencePiece
-DEFAULT_SPECIAL_IDS = {"llama": (1, 2), "gpt2": (11, 11)}  # llama.cpp's (bos, eos) when the keys are absent
+SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")  # byte-level BPE, SentencePiece, Gemma 4's BPE over "▁" text
+# llama.cpp's (bos, eos) when the keys are absent (gemma4: none)
+DEFAULT_SPECIAL_IDS = {"llama": (1, 2), "gpt2": (11, 11), "gemma4": (None, None)}
 
 
 @dataclass
@@ -31,7 +33,7 @@ class Tokenizer:
     """A GGUF vocabulary: encode/decode as llama.cpp does, chat template, end-of-generation ids."""
 
     model: V.BpeModel | V.SpmModel
-    kind: str  # tokenizer.ggml.model: "gpt2" or "llama"
+    kind: str  # tokenizer.ggml.model: "gpt2", "llama" or "gemma4"
     tokens: list[str] = field(repr=False)
     types: list[int] = field(repr=False)  # GGUF token types, after llama.cpp's by-text overrides
     specials: list[tuple[str, int, bool, bool]] = field(repr=False)  # (text, id, lstrip, rstrip), longest first
@@ -81,7 +83,7 @@ class Tokenizer:
             return bytes([int(text[3:5], 16)])
         if kind != V.TYPE_NORMAL:
             return b""  # unused/undefined tokens render as nothing
-        if self.kind == "llama":
+        if self.kind in ("llama", "gemma4"):  # "▁" stands for a space
             return text.replace(V.SPACE_ESCAPE, " ").encode()
         out = bytearray()
         for c in text:
@@ -203,7 +205,7 @@ def tokenizer_from_metadata(md: Mapping[str, object], name: str = "the model") -
         raise BadInput(f"{name} has no tokenizer (no tokenizer.ggml.model key)")
     if kind not in SUPPORTED_MODELS:
         raise BadInput(f"{name}: tokenizer model {kind!r} is not supported "
-                       f"(Kafila reads 'gpt2' byte-level BPE and 'llama' SentencePiece)")  # fmt: skip
+                       f"(Kafila reads 'gpt2' byte-level BPE, 'llama' SentencePiece and 'gemma4' BPE)")  # fmt: skip
     if "tokenizer.ggml.tokens" not in md:
         raise BadInput(f"{name} lacks tokenizer.ggml.tokens")
     tokens = [t if t else f"[EMPTY_{i}]" for i, t in enumerate(md["tokenizer.ggml.tokens"])]  # type: ignore[arg-type]
@@ -215,11 +217,10 @@ def tokenizer_from_metadata(md: Mapping[str, object], name: str = "the model") -
     token_to_id = {t: i for i, t in enumerate(tokens)}
 
     add_space_prefix = False
-    if kind == "gpt2":
-        pre_name = md.get("tokenizer.ggml.pre")
-        if pre_name is None:
-            raise BadInput(f"{name} has no pre-tokenizer (tokenizer.ggml.pre); llama.cpp would guess 'default' and "
-                           f"warn of degraded output; Kafila supports: {_supported_pre()}")  # fmt: skip
+    if kind in ("gpt2", "gemma4"):
+        # no tokenizer.ggml.pre: llama.cpp takes its 'default' pre-tokenizer (with a warning that
+        # output may degrade: the model's own was not recorded); gemma4 sets its own
+        pre_name = "gemma4" if kind == "gemma4" else md.get("tokenizer.ggml.pre", "default")
         pre = V.PRETOKENIZERS.get(str(pre_name))
         if pre is None:
             raise BadInput(f"{name}: pre-tokenizer {pre_name!r} is not supported; Kafila supports: {_supported_pre()}")
@@ -235,7 +236,7 @@ def tokenizer_from_metadata(md: Mapping[str, object], name: str = "the model") -
         model = V.SpmModel(token_to_id, scores)
         add_bos, add_eos, add_space_prefix = True, False, True
     add_space_prefix = bool(md.get("tokenizer.ggml.add_space_prefix", add_space_prefix))
-    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", add_bos))
+    add_bos = bool(md.get("tokenizer.ggml.add_bos_token", add_bos)) or kind == "gemma4"  # llama.cpp forces it (its PR 21500)
     add_eos = bool(md.get("tokenizer.ggml.add_eos_token", add_eos))
 
     def special_id(key: str, default: int | None) -> int | None:

@@ -99,6 +99,10 @@ class PreTokenizer:
     regexes: tuple[str, ...]
     ignore_merges: bool = False  # a piece that is itself a token is taken whole
     add_bos: bool = False  # BOS default when tokenizer.ggml.add_bos_token is absent
+    # Gemma 4's SentencePiece-style BPE: spaces become "▁", merges run on the raw characters (no
+    # GPT-2 byte map), a run of newlines that is a token is taken whole, and a symbol that is no
+    # token falls back to <0xXX> byte tokens
+    sentencepiece_style: bool = False
 
 
 _LLAMA3 = PreTokenizer((LLAMA3_RE,), ignore_merges=True, add_bos=True)
@@ -121,7 +125,10 @@ PRETOKENIZERS: dict[str, PreTokenizer] = {
                                     r"\p{N}")),
     "deepseek-llm": PreTokenizer((r"[\r\n]", DEEPSEEK_LLM_LETTERS, DEEPSEEK_LLM_PUNCTUATION, r"\s+\Z", CJK_RUNS,
                                   r"\p{N}+")),
-    "default": PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", GPT2_RE, r"\p{N}+", r"[0-9][0-9][0-9]")),
+    # llama.cpp's fallback when tokenizer.ggml.pre is absent too (GPT-2's regex without its last "|\s+")
+    "default": PreTokenizer((r"[\p{P}\$\+<=>\^~\|]+", GPT2_RE.removesuffix(r"|\s+"), r"\p{N}+", r"[0-9][0-9][0-9]")),
+    # set by tokenizer.ggml.model = "gemma4" (llama.cpp ignores the file's pre then)
+    "gemma4": PreTokenizer((r"[^\n]+|[\n]+",), add_bos=True, sentencepiece_style=True),
 }  # fmt: skip
 
 
@@ -241,6 +248,10 @@ class BpeModel:
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []
+        if self.pre.sentencepiece_style:
+            for word in split_words(text.replace(" ", SPACE_ESCAPE), self.pre.regexes):
+                ids.extend(self._word(word))
+            return ids
         for word in split_words(text, self.pre.regexes):
             ids.extend(self._word("".join(BYTE_TO_CHAR[b] for b in word.encode("utf-8"))))
         return ids
@@ -248,11 +259,16 @@ class BpeModel:
     def _encode_word(self, word: str) -> tuple[int, ...]:
         if self.pre.ignore_merges and word in self.token_to_id:
             return (self.token_to_id[word],)
+        if self.pre.sentencepiece_style and word.strip("\n") == "" and word in self.token_to_id:
+            return (self.token_to_id[word],)  # llama.cpp's Gemma 4 newline fix (its PR 21343)
         ids: list[int] = []
         for symbol in _merge(list(word), self.rank):
             token = self.token_to_id.get(symbol)
             if token is not None:
                 ids.append(token)
+            elif self.pre.sentencepiece_style:  # byte tokens <0xXX> of the symbol's UTF-8 bytes, where they exist
+                ids.extend(t for t in (self.token_to_id.get(f"<0x{b:02X}>") for b in symbol.encode("utf-8"))
+                           if t is not None)
             else:  # llama.cpp looks each byte of the symbol up alone; only ASCII ones can exist
                 ids.extend(self.token_to_id[c] for c in symbol if c < "\x80" and c in self.token_to_id)
         return tuple(ids)

@@ -47,6 +47,21 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 
+from kafila.net.admission_messages import (
+    MAX_REASON_CHARS,
+    Admission,
+    AdmissionMessage,
+    App,
+    Hello,
+    Membership,
+    Part,
+    Refuse,
+    Roster,
+    Welcome,
+    decode,
+    encode,
+    step,
+)
 from kafila.net.handshake import PAKE, SEALED, Pake, SealedChannel, reject
 from kafila.net.pieces import MAX_MEMBER_MESSAGE_BYTES, PIECE_BYTES, Assembler, split, unpack
 from kafila.net.roster import MemberInfo, MemberJoined, MemberLeft, Message, SessionEvent, distinct_name
@@ -57,7 +72,7 @@ log = logging.getLogger("kafila.net")
 
 PAKE_TIMEOUT_S = 10.0  # from our PAKE answer to the joiner's hello (one round trip, normally)
 QUEUE_MAX = 8  # joiners waiting for their turn (the rendezvous lets 4 be pending at once)
-OPEN, BUSY, CLOSED = "open", "busy", "closed"
+OPEN, BUSY, CLOSED = Admission.OPEN, Admission.BUSY, Admission.CLOSED
 CLOSED_REASON = ("someone tried a wrong code for this session; the host accepts no more joins "
                  "with this code: ask the host for a new one")  # fmt: skip
 
@@ -124,7 +139,7 @@ class HostAdmission:
         self._nameplate = nameplate
         self.pake_timeout_s = pake_timeout_s
         self.queue_max = queue_max
-        self.state = OPEN
+        self.state = Admission.OPEN
         self._current: _Current | None = None
         self._queue: collections.deque[tuple[int, bytes]] = collections.deque()
         self.answered = 0  # PAKEs this host answered (each at most one guess)
@@ -138,6 +153,10 @@ class HostAdmission:
     def is_waiting(self, rid: int) -> bool:
         """Whether rid is in admission (running its PAKE, or queued for it)."""
         return self.current == rid or any(r == rid for r, _ in self._queue)
+
+    def waiting_ids(self) -> list[int]:
+        """Every id in admission: the one running its PAKE, then the queue."""
+        return ([self._current.rid] if self._current else []) + [r for r, _ in self._queue]
 
     def next_deadline(self) -> float | None:
         return self._current.deadline if self._current else None
@@ -190,7 +209,7 @@ class HostAdmission:
             return self._drop(rid, exc.reason, now)
         channel = SealedChannel(key, is_host=True, nameplate=self._nameplate, rid=rid)
         self._current = _Current(rid, channel, now + self.pake_timeout_s)
-        self.state = BUSY
+        self.state = step(self.state, BUSY)
         self.answered += 1
         return [SendBody(rid, answer)]
 
@@ -202,7 +221,7 @@ class HostAdmission:
             if current.channel.opened:  # it decrypted: the right code, a malformed message
                 return [Drop(current.rid, f"a bad hello ({exc.reason})"), *self._next(now)]
             # a wrong guess (or a rendezvous that altered the hello): no more PAKEs for this code
-            self.state = CLOSED
+            self.state = step(self.state, CLOSED)
             self.failed_confirmations += 1
             actions: list[Action] = [
                 SendBody(current.rid, reject("the host could not verify your code; the nameplate is now closed")),
@@ -214,7 +233,7 @@ class HostAdmission:
             self.dropped += len(self._queue) + 1
             self._queue.clear()
             return actions
-        self.state = OPEN
+        self.state = step(self.state, OPEN)
         return [Confirmed(current.rid, current.channel, hello), *self._next(now)]
 
     def _drop(self, rid: int, reason: str, now: float) -> list[Action]:
@@ -228,7 +247,7 @@ class HostAdmission:
     def _next(self, now: float) -> list[Action]:
         if self.state == CLOSED:
             return []
-        self.state = OPEN
+        self.state = step(self.state, OPEN)
         actions: list[Action] = []
         while self._queue and self._current is None:  # a junk one is dropped: on to the next
             rid, body = self._queue.popleft()
@@ -241,24 +260,24 @@ def sealed_bodies(channel: SealedChannel, message: object, packed: bytes) -> lis
     pieces when larger than PIECE_BYTES (send them all before anything else: they never
     interleave with another message's, so the receiver needs no message ids)."""
     if len(packed) <= PIECE_BYTES:
-        return [channel.seal({"t": "app", "body": message})]
-    return [channel.seal(part) for part in split(packed)]
+        return [channel.seal(encode(App(message)))]
+    return [channel.seal(encode(part)) for part in split(packed)]
 
 
-def app_messages(pieces: Assembler, sender: str, sealed: dict) -> list[Message]:
-    """The application message an opened body completes, if any: an "app" whole, or the last
-    "part" of one in pieces (pieces.py; raises ProtocolError on a broken sequence)."""
-    if sealed.get("t") == "app":
+def app_messages(pieces: Assembler, sender: str, sealed: AdmissionMessage) -> list[Message]:
+    """The application message an opened body completes, if any: an App whole, or the last Part
+    of one in pieces (pieces.py; raises ProtocolError on a broken sequence)."""
+    if isinstance(sealed, App):
         pieces.whole()
-        return [Message(sender, sealed.get("body"))]
-    if sealed.get("t") == "part":
+        return [Message(sender, sealed.body)]
+    if isinstance(sealed, Part):
         packed = pieces.feed(sealed)
         if packed is not None:
             return [Message(sender, unpack(packed, pieces.max_bytes))]
     return []
 
 
-JOINING, MEMBER, DEPARTED, UNKNOWN = "joining", "member", "departed", "unknown"
+JOINING, MEMBER, DEPARTED, UNKNOWN = Membership.JOINING, Membership.MEMBER, Membership.DEPARTED, Membership.UNKNOWN
 
 
 class HostSession:
@@ -278,7 +297,7 @@ class HostSession:
         self.departed: set[int] = set()
         self._pieces: dict[int, Assembler] = {}  # rid -> its message in pieces
 
-    def state_of(self, rid: int) -> str:
+    def state_of(self, rid: int) -> Membership:
         if rid in self.departed:
             return DEPARTED
         if rid in self.channels:
@@ -297,7 +316,7 @@ class HostSession:
             sealed = channel.open(body)
             if rid not in self._pieces:  # members send little: a few small messages, bounded
                 self._pieces[rid] = Assembler(MAX_MEMBER_MESSAGE_BYTES)
-            return list(app_messages(self._pieces[rid], self.names.get(rid, str(rid)), sealed))
+            return list(app_messages(self._pieces[rid], self.names.get(rid, str(rid)), decode(sealed)))
         except ProtocolError as exc:
             return self.kick(rid, f"authentication failure: {exc.reason}")
 
@@ -307,6 +326,13 @@ class HostSession:
 
     def tick(self, now: float) -> list[Action]:
         return self._admitted(self.admission.tick(now))
+
+    def reopen(self, code: str, nameplate: int) -> list[Action]:
+        """A fresh code (joins use `nameplate` now: after a wrong guess, or the host asked): a new
+        admission with its own one guess; ids in the old one are dropped, members stay."""
+        old = self.admission
+        self.admission = HostAdmission(code, nameplate, pake_timeout_s=old.pake_timeout_s, queue_max=old.queue_max)
+        return [Drop(rid, "the host opened a new code") for rid in old.waiting_ids()]
 
     def kick(self, rid: int, reason: str) -> list[Action]:
         """Remove member rid: it hears why (plain: its channel may be what failed), the rest get
@@ -325,13 +351,13 @@ class HostSession:
 
     def _hello(self, confirmed: Confirmed) -> list[Action]:
         rid, channel, hello = confirmed.rid, confirmed.channel, confirmed.hello
-        member = hello.get("member")
         try:
-            if hello.get("t") != "hello" or not isinstance(member, dict):
+            message = decode(hello)
+            if not isinstance(message, Hello):
                 raise ProtocolError("malformed", "expected a hello with a member entry")
-            info = MemberInfo.from_wire({**member, "rid": rid})
+            info = MemberInfo.from_wire({**message.member, "rid": rid})
         except ProtocolError as exc:
-            refuse = channel.seal({"t": "refuse", "reason": f"bad hello: {exc.reason}"})
+            refuse = channel.seal(encode(Refuse(f"bad hello: {exc.reason}"[:MAX_REASON_CHARS])))
             return [SendBody(rid, refuse), Kick(rid, f"a bad hello ({exc.reason})")]
         name = distinct_name(info.name, self.roster)
         if name != info.name:
@@ -340,9 +366,9 @@ class HostSession:
         self.channels[rid] = channel
         self.names[rid] = name
         self.roster[name] = info
-        welcome = {"t": "welcome", "key": self.group_key, "name": name, "members": self._roster_wire(),
-                   "resume": resume_proof(self._resume_key, self.nameplate, rid), "embedded": self._embedded}
-        return [Admit(rid), SendBody(rid, channel.seal(welcome)), *self._broadcast(exclude=rid),
+        welcome = Welcome(self.group_key, name, self._roster_wire(), resume_proof(self._resume_key, self.nameplate, rid),
+                          self._embedded, self.nameplate)  # session: resume with it, whichever code it joined by
+        return [Admit(rid), SendBody(rid, channel.seal(encode(welcome))), *self._broadcast(exclude=rid),
                 MemberJoined(info)]
 
     def _gone(self, rid: int, reason: str) -> list[Action]:
@@ -360,5 +386,5 @@ class HostSession:
 
     def _broadcast(self, exclude: int | None = None) -> list[Action]:
         members = self._roster_wire()
-        return [SendBody(rid, channel.seal({"t": "roster", "members": members}))
+        return [SendBody(rid, channel.seal(encode(Roster(members))))
                 for rid, channel in self.channels.items() if rid != exclude and rid in self.names]

@@ -444,7 +444,7 @@ class Edge:
             writer.write_eof()
             self._mark_authed()
         except ProtocolError as exc:
-            with contextlib.suppress(Exception):
+            with contextlib.suppress(ConnectionError, OSError, RuntimeError):  # the peer may be gone already
                 writer.write(_frame({"ok": False, "error": exc.reason}))
             log.warning("edge from %s refused: %s", self.peer, exc.reason)
             await self._fail(exc.reason)

@@ -26,14 +26,14 @@ import logging
 from dataclasses import dataclass
 
 from kafila.net.admission import SendBody, app_messages
+from kafila.net.admission_messages import Hello, Joining, Refuse, Roster, Welcome, decode, encode, step
 from kafila.net.handshake import Pake, SealedChannel, rejection_reason
 from kafila.net.pieces import MAX_HOST_MESSAGE_BYTES, Assembler
 from kafila.net.roster import MemberInfo, MemberLeft, Message, RosterUpdated, valid_name
 from rendezvous.errors import ProtocolError
-from rendezvous.messages import RESUME_KEY_BYTES
 
 log = logging.getLogger("kafila.net")
-S_PAKE, S_HELLO, JOINED, FAILED, LEFT = "pake", "hello", "joined", "failed", "left"
+S_PAKE, S_HELLO, JOINED, FAILED, LEFT = Joining.PAKE, Joining.HELLO, Joining.JOINED, Joining.FAILED, Joining.LEFT
 HOST_RID = 0
 
 
@@ -46,6 +46,8 @@ class Welcomed:
     group_key: bytes
     resume_proof: bytes
     embedded: bool
+    session: int  # the session's nameplate (its id at the rendezvous, for resume): the code's, or
+    # the one the host opened first when this code is a fresh one
 
 
 @dataclass(frozen=True)
@@ -101,7 +103,7 @@ class Joiner:
 
     # transitions
     def _fail(self, reason: str) -> list[Action]:
-        self.state = FAILED
+        self.state = step(self.state, FAILED)
         return [Failed(reason)]
 
     def _answer(self, body: bytes) -> list[Action]:
@@ -114,8 +116,8 @@ class Joiner:
             return self._fail(f"session handshake failed: {exc.reason}")
         channel = SealedChannel(key, is_host=False, nameplate=self._nameplate, rid=self._rid)
         self.channel = self.channels[HOST_RID] = channel
-        self.state = S_HELLO
-        return [SendBody(HOST_RID, channel.seal({"t": "hello", "member": self._own.to_wire()}))]
+        self.state = step(self.state, S_HELLO)
+        return [SendBody(HOST_RID, channel.seal(encode(Hello(self._own.to_wire()))))]
 
     def _welcome(self, body: bytes) -> list[Action]:
         assert self.channel is not None
@@ -123,44 +125,40 @@ class Joiner:
         if reason is not None:  # the host could not open our hello: a different key
             return self._fail(f"wrong code: {reason}")
         try:
-            welcome = self.channel.open(body)
-            if welcome.get("t") == "refuse":
-                return self._fail(f"the host refused: {welcome.get('reason')}")
-            if welcome.get("t") != "welcome" or not isinstance(welcome.get("key"), bytes):
+            welcome = decode(self.channel.open(body))
+            if isinstance(welcome, Refuse):
+                return self._fail(f"the host refused: {welcome.reason}")
+            if not isinstance(welcome, Welcome):
                 raise ProtocolError("malformed", "expected the host's welcome")
-            name = welcome.get("name", self._own.name)  # ours, or `ours-2` when another has ours
+            name = welcome.name  # ours, or `ours-2` when another has ours
             if not valid_name(name):
                 raise ProtocolError("malformed", "bad name in the welcome")
-            self._set_roster(welcome.get("members"))
+            self._set_roster(welcome.members)
         except ProtocolError as exc:
             return self._fail(f"the host's reply failed authentication ({exc.reason}): wrong code, "
                               "or the rendezvous tampered with it")  # fmt: skip
-        proof = welcome.get("resume", b"")
-        proof = proof if isinstance(proof, bytes) and len(proof) == RESUME_KEY_BYTES else b""
-        self.name, self.group_key = name, welcome["key"]
-        self.state = JOINED
-        return [Welcomed(name, self.group_key, proof, welcome.get("embedded") is True)]
+        self.name, self.group_key = name, welcome.key
+        self.state = step(self.state, JOINED)
+        return [Welcomed(name, self.group_key, welcome.resume, welcome.embedded, welcome.session or self._nameplate)]
 
     def _joined(self, body: bytes) -> list[Action]:
         assert self.channel is not None
         refusal = rejection_reason(body)
         if refusal is not None:
             log.error("%s: the host removed us: %s", self.name, refusal)
-            self.state = LEFT
+            self.state = step(self.state, LEFT)
             return [MemberLeft(self.host_name, f"removed: {refusal}")]
         try:
-            sealed = self.channel.open(body)
-            if sealed.get("t") == "roster":
-                self._set_roster(sealed.get("members"))
+            sealed = decode(self.channel.open(body))
+            if isinstance(sealed, Roster):
+                self._set_roster(sealed.members)
                 return [RosterUpdated(dict(self.roster))]
             return list(app_messages(self._pieces, self.names.get(HOST_RID, str(HOST_RID)), sealed))
         except ProtocolError as exc:
-            self.state = LEFT
+            self.state = step(self.state, LEFT)
             return [MemberLeft(self.host_name, f"authentication failure: {exc.reason}"), Close(exc.reason)]
 
-    def _set_roster(self, members: object) -> None:
-        if not isinstance(members, list):
-            raise ProtocolError("malformed", "roster is not a list")
+    def _set_roster(self, members: list) -> None:
         roster = {}
         for item in members:
             info = MemberInfo.from_wire(item)

@@ -23,10 +23,11 @@ from kafila.net import admission as adm
 from kafila.net import joining
 from kafila.net.admission import HostAdmission, HostSession
 from kafila.net.certs import Identity
-from kafila.net.code import make_code, parse_code
+from kafila.net.code import parse_code
 from kafila.net.edge import Edge, quic_destination_cid
 from kafila.net.edge_table import EdgeTable
 from kafila.net.handshake import SealedChannel
+from kafila.net.host_codes import HostCodes
 from kafila.net.joining import Joiner
 from kafila.net.natcheck import RESTRICTIVE, NatReport, predict_edge_kind
 from kafila.net.pieces import MAX_HOST_MESSAGE_BYTES, MAX_MEMBER_MESSAGE_BYTES
@@ -34,6 +35,7 @@ from kafila.net.punch import edge_id_of
 from kafila.net.relay_link import RelayLink
 from kafila.net.roster import MemberInfo, MemberJoined, MemberLeft, RosterUpdated, SessionEvent, own_entry_problem
 from kafila.net.signaling import (
+    DROPPED,
     HOST_GONE,
     RESUME_WINDOW_S,
     SIGNAL_TIMEOUT_S,
@@ -64,7 +66,7 @@ class Member:
     """One participant. Build with `await Member.host(...)` or `await Member.join(...)`."""
 
     def __init__(self) -> None:
-        self.code: str | None = None
+        self.codes: HostCodes | None = None  # the host's: its current code, fresh after a wrong guess
         self.name = ""
         self.is_host = False
         self.nat: NatReport
@@ -78,7 +80,6 @@ class Member:
         self._bind_host = "0.0.0.0"
         self._core: HostSession | Joiner | None = None  # admission's machine: roster, channels, keys
         self.handler_errors = 0  # signaling messages whose handling failed (logged in one line)
-        self.code_void = False  # the host's: a wrong code was tried, so this code admits nobody now
         self._events: asyncio.Queue[SessionEvent] = asyncio.Queue()
         self._table = EdgeTable()  # which edge each datagram of our socket is for (edge_table.py)
         self._pending_edges: dict[int, collections.deque[asyncio.Future[bytes]]] = {}
@@ -153,7 +154,8 @@ class Member:
             opened = await self._signal.expect(m.Opened, what="no answer to opening the session")
             assert isinstance(opened, m.Opened)
             self.nameplate, self.rid, self._relay.token = opened.nameplate, 0, opened.relay_token
-            self.code = make_code(opened.nameplate, words=code_words)
+            self.codes = HostCodes(opened.nameplate, code_words,
+                                   lambda msg: None if self._closed else self._signal.send(msg))  # fmt: skip
             self._start_relay_binding()
             self.nat = await self._nat_task
             self._core = HostSession(self.code, self.nameplate, self._own_info(),
@@ -218,6 +220,9 @@ class Member:
         self._signal_ready.set()
 
     async def _join(self, nameplate: int, code: str) -> None:
+        # NAT first: a pending slot must begin its PAKE within seconds (limits.PAKE_START_S), and
+        # the host runs one PAKE at a time, so ours is confirmed one round trip later
+        self.nat = await self._nat_task
         self._signal.send(m.Join(nameplate))
         try:
             joined = await self._signal.expect(m.Joined, what="no answer to the join")
@@ -230,8 +235,6 @@ class Member:
         assert isinstance(joined, m.Joined)
         self.nameplate, self.rid, self._relay.token = nameplate, joined.rid, joined.relay_token
         self._start_relay_binding()
-        # NAT first: the host runs one PAKE at a time, so ours is confirmed one round trip later
-        self.nat = await self._nat_task
         joiner = self._core = Joiner(code, nameplate, self.rid, self._own_info())
         loop = asyncio.get_running_loop()
         self._execute(joiner.start(loop.time()))
@@ -301,7 +304,8 @@ class Member:
                 log.warning("%s: signaling lost: %s", self.name, failure)
                 if not self.is_host:
                     host = self._names.get(0, "host")
-                    gone = failure.startswith(HOST_GONE)  # not only signaling: the host itself
+                    # not only signaling: the host itself, or the session for this member
+                    gone = failure.startswith((HOST_GONE, DROPPED))
                     self._events.put_nowait(MemberLeft(host, failure if gone else f"signaling lost: {failure}"))
                 return
 
@@ -321,6 +325,8 @@ class Member:
         if isinstance(back, str):
             return back
         self._signaling_back(back)
+        if self.codes is not None:  # a restarted rendezvous forgot the nameplate of a fresh code
+            self.codes.resumed(self.nameplate)
         return None
 
     def _signaling_back(self, signal: Signal) -> None:
@@ -347,6 +353,12 @@ class Member:
             self._edge_allocated(message)
         elif isinstance(message, m.PeerLeft) and isinstance(self._core, HostSession):
             self._execute(self._core.left(message.rid, message.reason, now))
+        elif isinstance(message, m.Reopened) and isinstance(self._core, HostSession):
+            code = self.codes.reopened(message.nameplate) if self.codes else None
+            if code is not None:
+                self._execute(self._core.reopen(code, message.nameplate))
+        elif isinstance(message, m.Notice) and self.is_host:
+            log.warning("%s: rendezvous: %s", self.name, message.reason)
         elif isinstance(message, m.SessionClosed) and not self.is_host:
             self.signaling_up = self._resumable = False  # the rendezvous closes the connection next: expected
             self._events.put_nowait(MemberLeft(self._names.get(0, "host"), message.reason))
@@ -372,12 +384,11 @@ class Member:
                 self._signal.send(m.Kick(action.rid))
             elif isinstance(action, adm.Admit):
                 self._signal.send(m.Admit(action.rid))
-            elif isinstance(action, adm.CloseNameplate):
-                log.warning("%s: %s", self.name, action.reason)
-                self._signal.send(m.CloseNameplate())
-                self.code_void = True
+            elif isinstance(action, adm.CloseNameplate) and self.codes is not None:
+                self.codes.wrong_guess(self.name)  # a fresh code for the next joiner
             elif isinstance(action, joining.Welcomed):
                 self.name, self._resume_proof = action.name, action.resume_proof
+                self.nameplate = action.session  # resume names the session, whichever code we joined by
                 self._embedded_rendezvous = action.embedded
                 self._roster_changed.set()
             elif isinstance(action, joining.Failed):
@@ -392,6 +403,22 @@ class Member:
                 self._events.put_nowait(action)
 
     # public API
+    @property
+    def code(self) -> str | None:
+        """The host's current session code (a fresh one after a wrong guess or new_code())."""
+        return self.codes.code if self.codes is not None else None
+
+    @property
+    def code_void(self) -> bool:
+        """The host's: a wrong code was tried at the current code, so it admits nobody now."""
+        return self.codes is not None and self.codes.void
+
+    async def new_code(self) -> str:
+        """The host's: close the current code and open a fresh one (members stay); the new code."""
+        if self.codes is None:
+            raise Refused("only the host can open a new code")
+        return await self.codes.renew()
+
     def signaling(self) -> dict:
         """For /status: is signaling up now, how often it came back, the last outage."""
         return {"up": self.signaling_up and self._signal_ready.is_set(), "resumes": self.resumes,
@@ -434,6 +461,14 @@ class Member:
             self._signal.send(m.Send(info.peer_id, body))
         await self._signal.writer.drain()
 
+    def kick(self, name: str, reason: str) -> None:
+        """The host's: remove member `name` from the session now (it hears `reason`; the others get
+        the roster without it; MemberLeft follows). Unknown names are ignored."""
+        info = self._roster.get(name)
+        if not isinstance(self._core, HostSession) or info is None or info.peer_id == self.rid:
+            return
+        self._execute(self._core.kick(info.peer_id, reason))
+
     async def recv(self) -> SessionEvent:
         return await self._events.get()
 
@@ -471,9 +506,13 @@ class Member:
         """Leave the session cleanly (the host sees MemberLeft)."""
         if self._closed:
             return
-        with contextlib.suppress(Exception):
-            self._signal.send(m.Bye())
-            await asyncio.wait_for(self._signal.writer.drain(), 1.0)
+        signal = getattr(self, "_signal", None)
+        if signal is not None:
+            try:  # a goodbye is a courtesy: a rendezvous already gone hears of it from the socket
+                signal.send(m.Bye())
+                await asyncio.wait_for(signal.writer.drain(), 1.0)
+            except (ConnectionError, OSError, TimeoutError) as exc:
+                log.debug("%s: no goodbye to the rendezvous: %r", self.name, exc)
         await self._teardown()
 
     # edges
@@ -530,24 +569,30 @@ class Member:
     async def _teardown(self) -> None:
         self._closed = True
         for edge in list(self._edges.values()):
-            with contextlib.suppress(Exception):
+            try:
                 await edge.close()
+            except (ConnectionError, OSError, TimeoutError) as exc:  # already broken: it is gone either way
+                log.debug("%s: closing the edge to %s: %r", self.name, edge.peer, exc)
         current = asyncio.current_task()
         for task in list(self._tasks):
             if task is not current:
                 task.cancel()
-        for task in list(self._tasks):
-            if task is not current:
-                with contextlib.suppress(asyncio.CancelledError, Exception):
-                    await task
+        others = [task for task in self._tasks if task is not current]
+        if others:
+            await asyncio.wait(others)
+        for task in others:
+            if not task.cancelled() and task.exception() is not None:
+                log.warning("%s: %s had failed: %r", self.name, task.get_name(), task.exception())
         nat_task = getattr(self, "_nat_task", None)
         if nat_task is not None and not nat_task.done():
             nat_task.cancel()
         signal = getattr(self, "_signal", None)
         if signal is not None:
             signal.writer.close()
-            with contextlib.suppress(Exception):
+            try:
                 await asyncio.wait_for(signal.writer.wait_closed(), 1.0)
+            except (ConnectionError, OSError, TimeoutError) as exc:
+                log.debug("%s: signaling closed uncleanly: %r", self.name, exc)
         sock = getattr(self, "_sock", None)
         if sock is not None:
             sock.close()

@@ -3,7 +3,7 @@
 Theory of operation. An application message (a plan with its weight manifest: about 0.9 kB a
 block, so ~80 blocks already fill 64 KiB) is packed once with msgpack; when the packed bytes
 exceed PIECE_BYTES they are cut into n consecutive pieces, each sealed and sent as its own
-signaling message {"t": "part", "i": i, "n": n, "size": total, "data": bytes}. The sealed channel
+signaling message (admission_messages.Part: i, n, size, data). The sealed channel
 is ordered and numbered (handshake.SealedChannel), and the sender writes all pieces of one
 message before anything else, so the receiver needs no message ids: pieces 0..n-1 arrive in a
 row. The receiver (`Assembler`, one per sender) checks every piece against what the first one
@@ -22,6 +22,7 @@ import math
 
 import msgpack
 
+from kafila.net.admission_messages import Part
 from rendezvous.errors import ProtocolError
 
 # One piece's data. Small enough that a plan for 20 blocks already travels in pieces (the path
@@ -35,14 +36,10 @@ MAX_HOST_MESSAGE_BYTES = 1 << 20
 MAX_MEMBER_MESSAGE_BYTES = 64 * 1024  # what the host accepts from a member (ready, edge stats…)
 
 
-def split(packed: bytes) -> list[dict]:
-    """The sealed bodies of one packed message (one piece per PIECE_BYTES)."""
+def split(packed: bytes) -> list[Part]:
+    """The pieces of one packed message (one per PIECE_BYTES), each to be sealed on its own."""
     n = max(1, math.ceil(len(packed) / PIECE_BYTES))
-    return [
-        {"t": "part", "i": i, "n": n, "size": len(packed),
-         "data": packed[i * PIECE_BYTES : (i + 1) * PIECE_BYTES]}
-        for i in range(n)
-    ]  # fmt: skip
+    return [Part(i, n, len(packed), packed[i * PIECE_BYTES : (i + 1) * PIECE_BYTES]) for i in range(n)]
 
 
 def unpack(packed: bytes, max_bytes: int):
@@ -74,11 +71,10 @@ class Assembler:
             raise ProtocolError("malformed", f"a message arrived inside one of {self._n} pieces "
                                              f"(piece {len(self._parts)} was due): incomplete")  # fmt: skip
 
-    def feed(self, part: dict) -> bytes | None:
-        """One piece; the packed message when it was the last, else None."""
-        i, n, size, data = part.get("i"), part.get("n"), part.get("size"), part.get("data")
-        if not all(type(v) is int for v in (i, n, size)) or type(data) is not bytes:
-            raise ProtocolError("malformed", "a message piece needs integer i, n, size and bytes data")
+    def feed(self, part: Part) -> bytes | None:
+        """One piece (its types checked by admission_messages.decode); the packed message when it
+        was the last, else None."""
+        i, n, size, data = part.i, part.n, part.size, part.data
         if i == 0:
             self.whole()
             if size > self.max_bytes:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import msgpack
 
+from kafila.net.descriptor import descriptor_problem
 from kafila.net.natcheck import NatReport
 from rendezvous.errors import ProtocolError
 
@@ -48,6 +49,8 @@ class MemberInfo:
         name, descriptor, fp, rid, cands = (data.get(k) for k in ("name", "descriptor", "fp", "rid", "cand"))
         _need(valid_name(name), "bad name")
         _need(isinstance(descriptor, dict), "descriptor is not a map")
+        problem = descriptor_problem(descriptor)  # numbers the host plans with: checked at the door
+        _need(problem is None, str(problem))
         _need(isinstance(fp, str) and _FP_RE.match(fp) is not None, "bad fingerprint")
         _need(type(rid) is int and rid >= 0, "bad rid")
         _need(isinstance(cands, list) and len(cands) <= MAX_CANDIDATES, "bad candidates")
@@ -90,6 +93,8 @@ def own_entry_problem(name: object, descriptor: object) -> str | None:
         return f"member name {name!r}: use 1-64 letters, digits, . _ @ + -"
     if not isinstance(descriptor, dict):
         return "the member descriptor must be a dict"
+    if (problem := descriptor_problem(descriptor)) is not None:
+        return f"this machine's {problem}"
     try:
         packed = msgpack.packb(descriptor, use_bin_type=True)
     except (TypeError, ValueError) as exc:

@@ -29,6 +29,9 @@ RESUME_RETRY_S = 0.25
 RESUME_RETRY_MAX_S = 2.0
 RESUME_WINDOW_S = 120.0
 HOST_GONE = "the host's process is gone"
+# the rendezvous will not take us back: the host was told we left (its watchdog dropped a member
+# that froze past MEMBER_SILENT_S); such a member is out of the session, not cut off from it
+DROPPED = "dropped from the session"
 
 
 class Busy(Exception):
@@ -108,6 +111,8 @@ async def resume(address: Address, message: m.Resume, reason: str, *, name: str,
         except RendezvousRefused as exc:
             assert signal is not None
             signal.writer.close()
+            if exc.code == "left":
+                return f"{DROPPED}: {reason}; {exc}"
             if exc.code != "unknown-nameplate":  # anything else will not change by asking again
                 return f"{reason}; {exc}"
         except ConnectionRefusedError:

@@ -17,6 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from backends import DEFAULT_KQUANT
 from backends.errors import KafilaError, Refused
 from kafila.tooling.throttle import CpuQuota
 
@@ -93,6 +94,7 @@ class LocalSession:
     latency_ms: float = 0.0
     speculate: str = "off"  # kafila host --speculate: "off" | "ngram" | "draft" | "origin"
     precision: str = "serving"  # every stage's compute (kafila host --precision)
+    kquant: str = DEFAULT_KQUANT  # every OpenVINO stage's K-quant form (kafila host --kquant)
     draft: str | None = None  # a draft model every member gets (--speculate draft: the head runs it)
     throttle: dict[str, float] = field(default_factory=dict)
     weights_lane: dict[str, str] = field(default_factory=dict)  # name → "quic": no TCP lane (--weights-lane)
@@ -192,7 +194,7 @@ class LocalSession:
                 "--batch-rows", "on" if self.batch_rows else "off",
                 *(["--dipsd", "off"] if not self.dipsd else []),
                 *(["--prompt-cache", "off"] if not self.prompt_cache else []),
-                "--speculate", self.speculate, "--precision", self.precision,
+                "--speculate", self.speculate, "--precision", self.precision, "--kquant", self.kquant,
                 *(["--auto-replan"] if self.auto_replan else []),
             ], ports[1])  # fmt: skip
             self.code = self._wait(host, "code", deadline)["code"]

@@ -184,6 +184,9 @@ function drawFigures(st) {
   const s = st.session || {};
   $("model").textContent = s.model || "";
   $("me").textContent = s.name ? `member ${s.name}` + (s.host ? `, host ${s.host}` : "") : "";
+  const code = $("code");  // the host's current session code (loopback only; fresh after a wrong guess)
+  code.hidden = !st.code;
+  code.textContent = st.code ? `code ${st.code}` : "";
   const state = $("state");
   state.textContent = s.state || (st.ready ? "serving" : "–");
   state.className = "badge " + (s.state || (st.ready ? "serving" : ""));

@@ -1,0 +1,98 @@
+"""Hybrid models: gated delta-net (linear attention) layers beside gated full-attention layers.
+
+`qwen35` (Qwen3.5 dense) as llama.cpp 0.3.36 reads it (src/models/qwen35.cpp):
+- which blocks are recurrent: `attention.recurrent_layers` (bool per block) when present, else
+  every block i with (i + 1) % full_attention_interval ≠ 0 (default interval 4);
+- a delta-net block: attn_qkv [conv_dim, H] (q | k | v channels, conv_dim = 2·Hk·S + Hv·S),
+  attn_gate [Hv·S, H] (z), ssm_conv1d [conv_dim, conv_kernel], ssm_dt.bias [Hv], ssm_a [Hv]
+  (−exp(A_log), stored negated), ssm_beta / ssm_alpha [Hv, H], ssm_norm [S], ssm_out [H, Hv·S];
+  S = ssm.state_size is both the key and the value head size (llama.cpp asserts they are equal),
+  Hk = ssm.group_count, Hv = ssm.time_step_rank, Hv·S = ssm.inner_size;
+- a full-attention block: attn_q [nh·2D, H] (per head: D query rows then D output-gate rows),
+  attn_k/attn_v, q/k RMSNorm, attn_output; interleaved M-RoPE (IMROPE) over the first
+  rope.dimension_count dims with rope.dimension_sections;
+- every block: attn_norm, post_attention_norm (before the FFN), SwiGLU ffn_gate/up/down.
+Multi-token-prediction (nextn) blocks and experts are refused here (not yet served).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from backends.errors import BadInput
+
+HYBRID_ARCHITECTURES = ("qwen35",)
+COMMON_TENSORS = ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight",
+                  "ffn_down.weight")  # fmt: skip
+ATTENTION_TENSORS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q_norm.weight",
+                     "attn_k_norm.weight", "attn_output.weight")  # fmt: skip
+DELTA_NET_TENSORS = ("attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a",
+                     "ssm_beta.weight", "ssm_alpha.weight", "ssm_norm.weight", "ssm_out.weight")  # fmt: skip
+DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default for qwen35
+
+
+@dataclass(frozen=True)
+class HybridParams:
+    recurrent: tuple[bool, ...]  # per block: a gated delta-net layer (else gated full attention)
+    rope_dims: int  # RoPE rotates the first rope_dims of each head (NEOX halves), the rest pass
+    rope_sections: tuple[int, int, int, int]  # IMROPE sections (text: every section sees the position)
+    conv_kernel: int
+    k_heads: int  # Hk
+    v_heads: int  # Hv (a multiple of Hk; value head j reads key head j mod Hk, as llama.cpp tiles)
+    state: int  # S: key and value head size of the delta rule
+
+    @property
+    def conv_channels(self) -> int:
+        return (2 * self.k_heads + self.v_heads) * self.state
+
+    def state_bytes_per_request(self, block: int, bytes_per_value: int = 4) -> int:
+        """A recurrent block's per-request state: (conv_kernel − 1) × conv_channels for the
+        convolution plus Hv × S × S for the matrix state; 0 for an attention block."""
+        if not self.recurrent[block]:
+            return 0
+        return bytes_per_value * ((self.conv_kernel - 1) * self.conv_channels + self.v_heads * self.state ** 2)
+
+
+def hybrid_params(path: str, arch: str, hp, tensors: dict, n_blocks: int, head_dim: int) -> HybridParams:
+    """The hybrid part of a `qwen35` file, checked against its tensors (BadInput on a mismatch)."""
+    if int(hp("nextn_predict_layers", 0)):
+        raise BadInput(f"GGUF {path}: {arch} with multi-token-prediction (nextn) layers is not served yet")
+    if int(hp("expert_count", 0)):
+        raise BadInput(f"GGUF {path}: {arch} with experts is not served")
+    flags = hp("attention.recurrent_layers", []) or []
+    if flags:
+        recurrent = tuple(bool(f) for f in flags)
+    else:
+        interval = int(hp("full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL))
+        if interval < 1:
+            raise BadInput(f"GGUF {path}: {arch}.full_attention_interval {interval} is not positive")
+        recurrent = tuple((i + 1) % interval != 0 for i in range(n_blocks))
+    if len(recurrent) != n_blocks:
+        raise BadInput(f"GGUF {path}: {arch}.attention.recurrent_layers has {len(recurrent)} entries, "
+                       f"not block_count {n_blocks}")
+    sections = tuple(int(s) for s in (list(hp("rope.dimension_sections", [])) + [0, 0, 0, 0])[:4])
+    h = HybridParams(recurrent=recurrent, rope_dims=int(hp("rope.dimension_count", head_dim)),
+                     rope_sections=sections, conv_kernel=int(hp("ssm.conv_kernel")),
+                     k_heads=int(hp("ssm.group_count")), v_heads=int(hp("ssm.time_step_rank")),
+                     state=int(hp("ssm.state_size")))  # fmt: skip
+    inner = int(hp("ssm.inner_size"))
+    if h.k_heads < 1 or h.v_heads % h.k_heads or inner != h.v_heads * h.state:
+        raise BadInput(f"GGUF {path}: {arch} ssm heads {h.k_heads}/{h.v_heads} of {h.state} with inner size "
+                       f"{inner}: Kafila serves Hv a multiple of Hk and inner size Hv × state_size")
+    if not 0 < h.rope_dims <= head_dim or h.rope_dims % 2 or sum(sections) * 2 > h.rope_dims:
+        raise BadInput(f"GGUF {path}: {arch} RoPE over {h.rope_dims} of {head_dim} dims with sections "
+                       f"{sections} is not served")
+    for b in range(n_blocks):
+        names = COMMON_TENSORS + (DELTA_NET_TENSORS if recurrent[b] else ATTENTION_TENSORS)
+        missing = [n for n in names if f"blk.{b}.{n}" not in tensors]
+        if missing:
+            raise BadInput(f"GGUF {path} lacks tensor blk.{b}.{missing[0]} (a {arch} "
+                           f"{'delta-net' if recurrent[b] else 'attention'} block)")
+        extra = [n for n in tensors if n.startswith(f"blk.{b}.") and n[len(f"blk.{b}."):] not in names]
+        if extra:
+            raise BadInput(f"GGUF {path}: tensor {extra[0]} is not part of the {arch} model Kafila serves")
+        t = tensors[f"blk.{b}.ssm_conv1d.weight" if recurrent[b] else f"blk.{b}.attn_q.weight"]
+        want = (h.conv_channels, h.conv_kernel) if recurrent[b] else None
+        if want is not None and tuple(t.shape) != want:
+            raise BadInput(f"GGUF {path}: tensor {t.name} is {t.shape}, expected {want}")
+    return h

@@ -1,0 +1,122 @@
+"""Mixture-of-experts feed-forward in the stage graph, as llama.cpp's build_moe_ffn computes it.
+
+    x [T, H] → router logits = ffn_gate_inp · x [T, E] → softmax → top-k (values w [T, k], ids [T, k])
+    → (qwen3moe, Mixtral: w / max(Σw, 2^−14)) (× expert_weights_scale when set)
+    → Σ_j w_j · down_j(silu(gate_j · x) ⊙ up_j · x)          (+ qwen2moe's gated shared expert)
+
+Only the experts some row selected are read: the ids of all rows go through Unique (U ≤ min(E,
+T·k) experts, sorted), and each 3-D expert tensor's codes are Gathered by those ids before they
+are decompressed, so a decode step (T = 1) reads k of E experts' bytes, a batch of rows the
+union of theirs, and a long prompt chunk (U → E) every expert once. Each of the U experts is
+applied to all T rows ([U, T, ·] batched MatMuls) and the rows that did not pick it get weight 0:
+exact (a 0 weight times a finite value), at U/k times the decode FLOPs of a per-row dispatch —
+compute a bandwidth-bound decode step has to spare; a prompt's chunk computes E/k times its
+FFN work.
+
+Expert weights are kept as one byte per code (i8 / u8 [E, out, groups, group], f32 scales and
+offsets [E, out, groups, 1]): Gather needs whole bytes (a 4-bit type's experts take twice their
+file size in memory; F32/F16/BF16 experts are f32 [E, out, in]). Decompression is exact in f32:
+(q − bias)·scale (+ offset), as backends/gguf/quant.py's QuantBlocks computes it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+from backends.gguf.quant import CODE_BIAS, FLOAT_TYPES, split_blocks
+
+I64 = ov.Type.i64
+F32 = ov.Type.f32
+WEIGHTS_SUM_MIN = 6.103515625e-5  # llama.cpp clamps Σw below by the smallest normal f16
+# bench/moe.py's baseline: every expert read and applied at every step (the same answer)
+READ_ALL_EXPERTS = False
+
+
+def _i64(*values: int) -> ov.Node:
+    return ops.constant(np.array(values, dtype=np.int64))
+
+
+class Experts:
+    """One 3-D expert tensor [E, out, in] as constants, decompressed after a Gather by expert ids."""
+
+    def __init__(self, bank, name: str) -> None:
+        index = bank.index
+        t = index.tensors[name]
+        E, out, cols = t.shape
+        self.shape = (E, out, cols)
+        if t.qtype in FLOAT_TYPES:
+            self.dense = bank._const(index.dequantize(name, np.float32).reshape(E, out, cols))
+            return
+        self.dense = None
+        b = split_blocks(t.qtype, index.raw(name), E * out, cols)
+        groups, group = b.q.shape[1], b.q.shape[2]
+        q = b.q.reshape(E, out, groups, group)
+        self.codes = bank._const(q.astype(np.int8) if q.dtype == np.int8 else q)
+        self.bias = float(CODE_BIAS.get(t.qtype, 0))
+        self.scale = bank._const(b.scale.astype(np.float32).reshape(E, out, groups, 1))
+        self.offset = None if b.offset is None else bank._const(b.offset.astype(np.float32).reshape(E, out, groups, 1))
+
+    def take(self, ids: ov.Output) -> ov.Output:
+        """The weights of experts `ids` [U]: f32 [U, out, in]."""
+        E, out, cols = self.shape
+        axis = _i64(0)
+        if self.dense is not None:
+            return ops.gather(self.dense, ids, axis).output(0)
+        w = ops.convert(ops.gather(self.codes, ids, axis), F32)  # [U, out, groups, group]
+        if self.bias:
+            w = ops.subtract(w, ops.constant(np.float32(self.bias)))
+        w = ops.multiply(w, ops.gather(self.scale, ids, axis))
+        if self.offset is not None:
+            w = ops.add(w, ops.gather(self.offset, ids, axis))
+        return ops.reshape(w, _i64(-1, out, cols), False).output(0)  # [U, out, in]
+
+
+def route(logits: ov.Output, k: int, normalize: bool, scale: float) -> tuple[ov.Output, ov.Output]:
+    """Router logits [T, E] → (weights f32 [T, k], expert ids i64 [T, k]): softmax, then top-k."""
+    probs = ops.softmax(logits, -1)
+    top = ops.topk(probs, ops.constant(np.int64(k)), axis=-1, mode="max", sort="value", index_element_type=I64)
+    weights, ids = top.output(0), top.output(1)
+    if normalize:
+        total = ops.reduce_sum(weights, _i64(-1), keep_dims=True)  # [T, 1]
+        weights = ops.divide(weights, ops.maximum(total, ops.constant(np.float32(WEIGHTS_SUM_MIN))))
+    if scale not in (0.0, 1.0):
+        weights = ops.multiply(weights, ops.constant(np.float32(scale)))
+    return weights if isinstance(weights, ov.Output) else weights.output(0), ids
+
+
+def moe_ffn(bank, x: ov.Output, prefix: str, n_used: int, normalize: bool, scale: float) -> ov.Output:
+    """x [B, L, H] → the experts' weighted sum [B, L, H] (module docstring)."""
+    shape = ops.shape_of(x, I64)  # [3]
+    hidden = bank.index.hparams.hidden
+    xt = ops.reshape(x, _i64(-1, hidden), False).output(0)  # [T, H]
+    (logits,) = bank.project(xt, [(prefix + "ffn_gate_inp.weight", 0)])  # [T, E]
+    weights, ids = route(logits, n_used, normalize, scale)  # [T, k] ×2
+    n_experts = bank.index.tensors[prefix + "ffn_gate_inp.weight"].shape[0]
+    picked = ops.reshape(ids, _i64(-1), False)  # [T·k]
+    if READ_ALL_EXPERTS:  # every id once more: U = E (through Unique, so that nothing folds into constants)
+        picked = ops.concat([picked, _i64(*range(n_experts))], 0)
+    used = ops.unique(picked, sorted=True, index_element_type=I64).output(0)  # [U]
+    zeros = ops.broadcast(ops.constant(np.float32(0.0)),
+                          ops.concat([ops.gather(ops.shape_of(xt, I64), _i64(0), _i64(0)), _i64(n_experts)], 0))
+    dense_w = ops.scatter_elements_update(zeros, ids, weights, ops.constant(np.int64(1)))  # [T, E]
+    w_used = ops.transpose(ops.gather(dense_w, used, _i64(1)), _i64(1, 0))  # [U, T]
+    gate = Experts(bank, prefix + "ffn_gate_exps.weight").take(used)  # [U, F, H]
+    up = Experts(bank, prefix + "ffn_up_exps.weight").take(used)  # [U, F, H]
+    down = Experts(bank, prefix + "ffn_down_exps.weight").take(used)  # [U, H, F]
+    xu = ops.unsqueeze(xt, _i64(0))  # [1, T, H]
+    g = ops.matmul(xu, gate, False, True)  # [U, T, F]
+    u = ops.matmul(xu, up, False, True)  # [U, T, F]
+    d = ops.matmul(ops.multiply(ops.swish(g), u), down, False, True)  # [U, T, H]
+    out = ops.reduce_sum(ops.multiply(d, ops.unsqueeze(w_used, _i64(2))), _i64(0), keep_dims=False)  # [T, H]
+    return ops.reshape(out, shape, False).output(0)  # [B, L, H]
+
+
+def shared_expert(bank, x: ov.Output, prefix: str) -> ov.Output:
+    """qwen2moe's shared expert: sigmoid(ffn_gate_inp_shexp · x) · down(silu(gate · x) ⊙ up · x)."""
+    gate, up = bank.project(x, [(prefix + "ffn_gate_shexp.weight", 0), (prefix + "ffn_up_shexp.weight", 0)])
+    (down,) = bank.project(ops.multiply(ops.swish(gate), up).output(0), [(prefix + "ffn_down_shexp.weight", 0)])
+    gate_w = bank.vector(prefix + "ffn_gate_inp_shexp.weight")  # [H]
+    g = ops.sigmoid(ops.reduce_sum(ops.multiply(x, gate_w), _i64(-1), keep_dims=True))  # [B, L, 1]
+    return ops.multiply(down, g).output(0)

@@ -1,0 +1,84 @@
+"""The many-users bound: what a ring of stages on one machine could deliver, from batched-step
+costs measured in this process (bench.multiuser prints it beside what the session measured).
+
+For a plan whose stage s runs blocks [first_s, last_s) (the head's with the embedding and the
+lm_head), t_s(b) is one decode step of b rows through that stage, one `forward_batch` (rows of
+different cache lengths, bench.batch_rows.Rows), measured here, one process, one stage at a
+time. A ring of those stages on one machine computes one stage at a time (the core lock,
+kafila/session/ring/cores.py), so with N users split into g micro-batches of b = ⌈N/g⌉ rows:
+
+    C(b)     = Σ_s t_s(b)                      one micro-batch's compute round the ring
+    round(g) = max(g · C(b), C(b) + H)         the machine computes every batch once, and no
+                                               batch can start its next step before it is back
+    bound(N) = max over g = 1..N of  N / round(g)   tokens per second, decode only
+
+H is the network part of a trip: the head's measured `network_ms` (a trip's time less the
+stages' compute, /status) where it has one, else the ring edges' RTT/2 summed. Prefill, the
+HTTP streaming and the API processes are outside the bound (they cost the measured figure).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+
+import numpy as np
+
+STEPS = 3
+REPEATS = 3
+
+
+def stage_costs(model_path: str, stages: list[tuple[int, int]], rows: list[int], context: int = 64,
+                precision: str = "serving") -> list[dict[int, float]]:  # fmt: skip
+    """Per stage (the first is the head's: embedding and lm_head), {b: ms of one b-row decode step}."""
+    from backends import ShardSpec
+    from backends.gguf import open_model
+    from backends.openvino import OpenVINOShard
+    from bench.batch_rows import Rows
+
+    index = open_model(model_path)
+    out = []
+    for i, (first, last) in enumerate(stages):
+        shard = OpenVINOShard(ShardSpec(index.path, first, last, embed=i == 0, head=i == 0), precision, index=index)
+        costs = {}
+        for b in rows:
+            rng = np.random.default_rng(b)
+            r = Rows(shard, [rng.integers(0, 1000, context + 8 * j) for j in range(b)], index.hparams.hidden, rng)
+            try:
+                r.step_batched()  # the group's join and first-shape compile, outside the clock
+                times = []
+                for _ in range(REPEATS):
+                    import time
+
+                    t0 = time.perf_counter()
+                    for _ in range(STEPS):
+                        r.step_batched()
+                    times.append((time.perf_counter() - t0) / STEPS * 1000)
+                costs[b] = statistics.median(times)
+            finally:
+                r.close()
+        out.append(costs)
+        del shard
+    return out
+
+
+def ring_compute_ms(costs: list[dict[int, float]], b: int) -> float:
+    """C(b): one b-row micro-batch's compute through every stage (the measured row count at or
+    above b, else the largest measured scaled linearly)."""
+    total = 0.0
+    for c in costs:
+        above = [n for n in c if n >= b]
+        total += c[min(above)] if above else c[max(c)] * b / max(c)
+    return total
+
+
+def bound(costs: list[dict[int, float]], users: int, network_ms: float) -> dict:
+    """bound(N) and the micro-batch count g that gives it (see the module's docstring)."""
+    best = None
+    for g in range(1, users + 1):
+        b = math.ceil(users / g)
+        c = ring_compute_ms(costs, b)
+        rate = users / max(g * c, c + network_ms) * 1000
+        if best is None or rate > best["tok_s"]:
+            best = {"tok_s": rate, "groups": g, "rows": b, "compute_ms": c}
+    return best

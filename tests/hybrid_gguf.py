@@ -1,0 +1,90 @@
+"""A small random-weight F32 `qwen35` GGUF (Qwen3.5 dense: gated delta-net layers beside gated
+full-attention layers), written at test time for the llama.cpp comparison (tests/test_arch_hybrid.py).
+
+Shapes (llama.cpp's src/models/qwen35.cpp names): 4 blocks, hidden 64, full_attention_interval 2
+(blocks 1 and 3 attend, 0 and 2 are delta-net layers, so every split of 2 or 3 stages holds both
+kinds or a recurrent layer alone); attention: 4 query heads of 32 with a per-head output gate
+(attn_q rows [q | gate] per head), 2 KV heads, q/k RMSNorm, interleaved M-RoPE over the first 16
+dims (partial RoPE; sections [3, 3, 2, 0] cover all 8 frequencies); delta-net: 2 key heads and 4
+value heads (so each key head serves two value heads, llama.cpp's tiled mapping) of 16, causal
+conv kernel 4. The vocabulary is 512 ids with no tokenizer: prompts are token ids.
+"""
+
+from __future__ import annotations
+
+import os
+
+import gguf
+import numpy as np
+
+ARCH = "qwen35"
+SHAPE = dict(blocks=4, hidden=64, heads=4, kv_heads=2, head_dim=32, rope_dims=16, ffn=128,
+             interval=2, k_heads=2, v_heads=4, state=16, conv=4, vocab=512)  # fmt: skip
+SECTIONS = [3, 3, 2, 0]
+
+
+def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0) -> str:
+    s = SHAPE
+    rng = np.random.default_rng(seed)
+    w = gguf.GGUFWriter(str(path), ARCH)
+    w.add_name("kafila-test-qwen35")
+    w.add_block_count(s["blocks"])
+    w.add_context_length(4096)
+    w.add_embedding_length(s["hidden"])
+    w.add_feed_forward_length(s["ffn"])
+    w.add_head_count(s["heads"])
+    w.add_head_count_kv(s["kv_heads"])
+    w.add_key_length(s["head_dim"])
+    w.add_value_length(s["head_dim"])
+    w.add_rope_dimension_count(s["rope_dims"])
+    w.add_rope_dimension_sections(SECTIONS)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_uint32(f"{ARCH}.full_attention_interval", s["interval"])
+    w.add_ssm_conv_kernel(s["conv"])
+    w.add_ssm_inner_size(s["v_heads"] * s["state"])
+    w.add_ssm_state_size(s["state"])
+    w.add_ssm_time_step_rank(s["v_heads"])
+    w.add_ssm_group_count(s["k_heads"])
+    w.add_file_type(gguf.LlamaFileType.ALL_F32)
+    # llama.cpp's dummy tokenizer (its tests/test-llama-archs.cpp writes the same): ids only
+    w.add_tokenizer_model("test")
+    w.add_token_list([f"tok_{i}" for i in range(SHAPE["vocab"])])
+    w.add_token_scores([0.0] * SHAPE["vocab"])
+    H, D = s["hidden"], s["head_dim"]
+
+    def add(name: str, shape: tuple[int, ...], scale: float, mean: float = 0.0) -> None:
+        w.add_tensor(name, (mean + rng.standard_normal(shape) * scale).astype(np.float32))
+
+    add("token_embd.weight", (s["vocab"], H), 1.0)  # tied: also the lm_head
+    add("output_norm.weight", (H,), 0.1, 1.0)
+    key_dim, value_dim = s["k_heads"] * s["state"], s["v_heads"] * s["state"]
+    for b in range(s["blocks"]):
+        p = f"blk.{b}."
+        add(p + "attn_norm.weight", (H,), 0.1, 1.0)
+        add(p + "post_attention_norm.weight", (H,), 0.1, 1.0)
+        if (b + 1) % s["interval"] == 0:  # full attention
+            add(p + "attn_q.weight", (s["heads"] * D * 2, H), 0.25)
+            add(p + "attn_k.weight", (s["kv_heads"] * D, H), 0.25)
+            add(p + "attn_v.weight", (s["kv_heads"] * D, H), 0.3)
+            add(p + "attn_q_norm.weight", (D,), 0.5, 1.0)
+            add(p + "attn_k_norm.weight", (D,), 0.5, 1.0)
+            add(p + "attn_output.weight", (H, s["heads"] * D), 0.3)
+        else:  # gated delta net
+            add(p + "attn_qkv.weight", (2 * key_dim + value_dim, H), 0.3)
+            add(p + "attn_gate.weight", (value_dim, H), 0.3)
+            add(p + "ssm_conv1d.weight", (2 * key_dim + value_dim, s["conv"]), 0.5)
+            add(p + "ssm_dt.bias", (s["v_heads"],), 0.5, 1.0)
+            w.add_tensor(p + "ssm_a", -np.exp(rng.standard_normal(s["v_heads"]) * 0.5).astype(np.float32))
+            add(p + "ssm_beta.weight", (s["v_heads"], H), 0.3)
+            add(p + "ssm_alpha.weight", (s["v_heads"], H), 0.3)
+            add(p + "ssm_norm.weight", (s["state"],), 0.1, 1.0)
+            add(p + "ssm_out.weight", (H, value_dim), 0.3)
+        add(p + "ffn_gate.weight", (s["ffn"], H), 0.2)
+        add(p + "ffn_up.weight", (s["ffn"], H), 0.2)
+        add(p + "ffn_down.weight", (H, s["ffn"]), 0.2)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)

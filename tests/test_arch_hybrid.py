@@ -1,0 +1,153 @@
+"""Hybrid `qwen35` (Qwen3.5 dense: gated delta-net layers beside gated attention) on OpenVINO
+computes what llama.cpp computes from the same GGUF (issue 35).
+
+The file is tests/hybrid_gguf.py's small random model (llama.cpp's dummy tokenizer, token-id
+prompts). llama.cpp (llama-cpp-python 0.3.36, f32 KV) is the yardstick: Kafila's LocalChain at
+--precision f32, at 1 stage and split over 2 and 3 stages (a delta-net layer alone on a stage, an
+attention layer alone), feeds a prompt in several prefill chunks (so the conv and matrix states
+carry across chunks) and decodes 128 greedy ids, which must equal llama.cpp's.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backends import ShardSpec, load_shard, status
+from backends.errors import BadInput
+from backends.gguf import open_model
+from tests.hybrid_gguf import SHAPE, write_qwen35_gguf
+from tests.test_llamacpp_arch import check_against_llamacpp, kafila_greedy, needs_llamacpp
+
+N_TOKENS = 128
+CHUNK_TOKENS = 64  # the chain's first prefill chunk; later ones are smaller (scheduler.next_chunk)
+PROMPT_IDS = [int(i) for i in np.random.default_rng(1).integers(0, SHAPE["vocab"], 150)]
+needs_openvino = pytest.mark.skipif(not status("openvino").available, reason=status("openvino").reason)
+
+
+@pytest.fixture(scope="module")
+def qwen35(tmp_path_factory):
+    """(path, index, llama.cpp's ids, llama.cpp's logits) for the random qwen35 file."""
+    from tests.llamacpp_ref import greedy_run
+
+    path = write_qwen35_gguf(tmp_path_factory.mktemp("hybrid") / "qwen35.gguf")
+    ids, logits = greedy_run(path, PROMPT_IDS, N_TOKENS)
+    return path, open_model(path), ids, logits
+
+
+def test_index_reads_which_blocks_are_recurrent(tmp_path):
+    h = open_model(write_qwen35_gguf(tmp_path / "q.gguf")).hparams
+    assert h.arch == "qwen35" and h.hybrid is not None
+    assert h.hybrid.recurrent == (True, False, True, False)  # full_attention_interval 2
+    assert (h.hybrid.k_heads, h.hybrid.v_heads, h.hybrid.state, h.hybrid.conv_kernel) == (2, 4, 16, 4)
+    assert h.hybrid.rope_dims == 16 and h.head_dim == 32
+    # per request, per delta-net block: (K − 1) × C conv values + Hv × S × S matrix values, f32
+    assert h.hybrid.state_bytes_per_request(0) == 4 * (3 * (2 * 2 + 4) * 16 + 4 * 16 * 16)
+    assert h.hybrid.state_bytes_per_request(1) == 0
+
+
+def test_only_openvino_builds_hybrid_blocks(tmp_path):
+    path = write_qwen35_gguf(tmp_path / "q.gguf")
+    with pytest.raises(BadInput, match="openvino backend only"):
+        load_shard("reference", ShardSpec(path, 0, 4, True, True), "f32")
+
+
+@needs_llamacpp
+@needs_openvino
+@pytest.mark.parametrize("ranges", [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]],
+                         ids=["1-stage", "2-stages", "3-stages"])
+def test_openvino_chain_gives_llamacpps_greedy_ids(qwen35, ranges):
+    from kafila.engine.chain import LocalChain
+
+    path, index, ref_ids, _ = qwen35
+    assert len(set(ref_ids)) > N_TOKENS // 4, ref_ids  # the random model is not degenerate
+    shards = [load_shard("openvino", ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index) for a, b in ranges]
+    chain = LocalChain(shards, chunk_tokens=CHUNK_TOKENS)
+    assert len(PROMPT_IDS) > CHUNK_TOKENS
+    assert list(chain.generate(PROMPT_IDS, N_TOKENS)) == ref_ids
+
+
+@needs_llamacpp
+@needs_openvino
+def test_openvino_logits_match_llamacpps_step_by_step(qwen35):
+    """The whole prompt in one feed, then one id a step: logits within the suite's bound."""
+    path, index, ref_ids, ref_logits = qwen35
+    shard = load_shard("openvino", ShardSpec(path, 0, 4, True, True), "f32", index=index)
+    check_against_llamacpp(kafila_greedy(shard, PROMPT_IDS, 24), ref_ids[:24], ref_logits[:24])
+
+
+
+def _speculative_ids(chain, prompt: list[int], truth: list[int], n: int, k: int = 3) -> tuple[list[int], list[int]]:
+    """Greedy ids with k drafts a step, verified in one feed and the rejected ones cut off
+    (LocalChain.cut → each shard's trim, what a ring stage does when the head's next step builds
+    on fewer positions). Step s drafts s mod (k + 1) right ids (llama.cpp's) then wrong ones, so
+    every count of accepted drafts occurs. Returns (ids, accepted drafts per step)."""
+    cursor = chain.open()
+    ids: list[int] = [chain.next_token(chain.prefill(cursor, prompt))]
+    accepted: list[int] = []
+    step = 0
+    while len(ids) < n:
+        right = step % (k + 1)
+        drafts = [t if j < right else (t + 1) % SHAPE["vocab"] for j, t in enumerate(truth[len(ids): len(ids) + k])]
+        hidden = chain.feed(cursor, [ids[-1], *drafts])
+        picks = [int(i) for i in np.argmax(chain.logits(hidden), axis=-1)]  # after each fed position
+        j = 0
+        while j < len(drafts) and drafts[j] == picks[j]:
+            j += 1
+        rejected = len(drafts) - j
+        if rejected:
+            chain.cut(cursor, cursor.cache_len - rejected, cursor.logical - rejected)
+        ids += drafts[:j] + [picks[j]]
+        accepted.append(j)
+        step += 1
+    chain.close(cursor)
+    return ids[:n], accepted
+
+
+@needs_llamacpp
+@needs_openvino
+@pytest.mark.parametrize("ranges", [[(0, 4)], [(0, 1), (1, 3), (3, 4)]], ids=["1-stage", "3-stages"])
+def test_cutting_back_rejected_drafts_keeps_llamacpps_ids(qwen35, ranges):
+    """A verify step that accepts j of k drafts leaves every stage's recurrent state as if only
+    the accepted ones had been fed (backends/openvino/recurrent.py): the ids stay llama.cpp's."""
+    from kafila.engine.chain import LocalChain
+
+    path, index, ref_ids, _ = qwen35
+    shards = [load_shard("openvino", ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index) for a, b in ranges]
+    chain = LocalChain(shards, chunk_tokens=CHUNK_TOKENS)
+    ids, accepted = _speculative_ids(chain, PROMPT_IDS, ref_ids, 64)
+    assert set(accepted) == {0, 1, 2, 3}, accepted  # every kind of step ran, cuts included
+    assert ids == ref_ids[:64]
+
+
+def test_a_hybrid_slot_is_not_cut_back_before_its_last_step(tmp_path):
+    if not status("openvino").available:
+        pytest.skip(status("openvino").reason)
+    path = write_qwen35_gguf(tmp_path / "q.gguf")
+    shard = load_shard("openvino", ShardSpec(path, 0, 4, True, True), "f32")
+    slot = shard.open_slot()
+    shard.forward(slot, np.arange(6), np.arange(6), np.ones(6, np.int64))
+    shard.forward(slot, np.arange(6, 9), np.arange(6, 9), np.ones(9, np.int64))
+    with pytest.raises(ValueError, match="cut back only within its last step"):
+        shard.trim(slot, 5)  # a prompt-cache prefix: the recurrent state cannot go back there
+    shard.trim(slot, 7)  # inside the last step: fine
+    assert shard.forward(slot, np.array([1]), np.array([7]), np.ones(8, np.int64)).shape == (1, SHAPE["hidden"])
+
+
+def test_a_captured_hybrid_slot_restores_its_recurrent_state(tmp_path):
+    """capture/restore carries the conv and matrix states with the KV: the same next step."""
+    if not status("openvino").available:
+        pytest.skip(status("openvino").reason)
+    path = write_qwen35_gguf(tmp_path / "q.gguf")
+    shard = load_shard("openvino", ShardSpec(path, 0, 4, True, True), "f32")
+    a, b = shard.open_slot(), shard.open_slot()
+    shard.forward(a, np.arange(10, 20), np.arange(10), np.ones(10, np.int64))
+    names = set(shard.capture(a))
+    assert {"recurrent.0.conv", "recurrent.0.matrix", "past_key_values.1.key"} <= names
+    shard.restore(b, shard.capture(a))
+    step = (np.array([5]), np.array([10]), np.ones(11, np.int64))
+    after = shard.forward(a, *step)
+    np.testing.assert_array_equal(after, shard.forward(b, *step))
+    # without the history (a fresh slot, the same token at the same position) the step differs
+    fresh = shard.open_slot()
+    assert not np.allclose(shard.forward(fresh, step[0], step[1], np.ones(1, np.int64)), after)

@@ -1,0 +1,100 @@
+"""The cost model's terms beyond bandwidth (issue 37): a block's and the head's measured fixed
+cost, members sharing a machine priced as sharing it, the context memory holds, and the
+prediction beside the measurement as /status and `kafila demo --json` give it."""
+
+from __future__ import annotations
+
+import pytest
+
+from backends.errors import Refused
+from kafila.session.control.pricing import choose_context, predictions, probe_fields
+from planner import Plan, largest_context, make_plan, parse_fleet
+from tests.test_planner_support import GB, SMALL_MODEL, device, fleet
+
+
+def test_a_blocks_fixed_cost_and_the_heads_are_priced() -> None:
+    bare = parse_fleet(fleet(device("a", 100, 100.0), device("b", 100, 100.0)))
+    timed = parse_fleet(fleet(device("a", 100, 100.0, block_us=500.0, head_us=2000.0),
+                              device("b", 100, 100.0, block_us=500.0, head_us=2000.0)))  # fmt: skip
+    p0, p1 = make_plan(bare), make_plan(timed)
+    assert p0.blocks == p1.blocks
+    for i, n in enumerate(p1.blocks):  # each block 0.5 ms more, the head 2 ms more
+        assert p1.stage_ms[i] - p0.stage_ms[i] == pytest.approx(0.5 * n + (2.0 if i == 0 else 0.0))
+
+
+def test_head_reads_only_the_lm_head() -> None:
+    model = {**SMALL_MODEL, "head_bytes": 2 * GB, "head_read_bytes": 0.5 * GB}
+    plan = make_plan(parse_fleet(fleet(device("a", 100, 100.0, overhead_us=0.0), model=model)))
+    assert plan.stage_ms[0] == pytest.approx((10 * GB + 0.5 * GB) / 100e6)
+
+
+def test_members_of_one_machine_are_priced_as_sharing_it() -> None:
+    """Two members on machine X and one alone on Y, all alike: alone, each would get a third of the
+    blocks; sharing, X's two compute one at a time, so Y takes about half and the bottleneck is
+    X's sum."""
+    devices = [device("a", 100, 100.0, machine="X"), device("b", 100, 100.0, machine="X"),
+               device("c", 100, 100.0, machine="Y")]  # fmt: skip
+    model = {**SMALL_MODEL, "head_bytes": 0}
+    apart = [{k: v for k, v in d.items() if k != "machine"} for d in devices]
+    alone = make_plan(parse_fleet(fleet(*apart, model=model)))
+    shared = make_plan(parse_fleet(fleet(*devices, model=model)))
+    assert alone.machines is None and shared.machines == ("X", "X", "Y")
+    stages = dict(zip(shared.ring, shared.stage_ms, strict=True))
+    assert shared.bottleneck_ms == pytest.approx(max(stages["a"] + stages["b"], stages["c"]))
+    # the real bottleneck of the division made as if alone: machine X runs a's and b's blocks
+    per_ms = 1 * GB / 100e6
+    alone_x = sum(n for name, n in zip(alone.ring, alone.blocks, strict=True) if name in "ab") * per_ms
+    assert shared.bottleneck_ms < 0.8 * alone_x
+    assert dict(zip(shared.ring, shared.blocks, strict=True))["c"] > max(alone.blocks[2], 3)
+    back = Plan.from_json(shared.to_json())  # what the host sends each member
+    assert back.machines == shared.machines and back.bottleneck_ms == pytest.approx(shared.bottleneck_ms)
+
+
+def test_probe_fields_pass_what_was_measured() -> None:
+    d = {"bandwidth_gbps": 5.0, "overhead_us": None, "block_us": 80.0, "machine": "abc", "memory_gb": 3}
+    assert probe_fields(d) == {"bandwidth_gbps": 5.0, "block_us": 80.0, "machine": "abc"}
+
+
+KV_MODEL = {**SMALL_MODEL, "block_bytes": 0.1 * GB, "head_bytes": 0.1 * GB, "kv_bytes_per_token_per_block": 1e5}
+
+
+def _session(memory_gb: float) -> dict:
+    return fleet(device("a", memory_gb, 100.0), device("b", memory_gb, 100.0), model=KV_MODEL)
+
+
+def test_largest_context_is_the_edge_of_feasibility() -> None:
+    parsed = parse_fleet(_session(3.0))
+    most = largest_context(parsed, 1 << 20)
+    assert 0 < most < 1 << 20
+    from dataclasses import replace
+
+    assert make_plan(replace(parsed, context=most)).feasible
+    assert not make_plan(replace(parsed, context=most + 1)).feasible
+
+
+def test_default_context_is_the_models_capped_by_memory() -> None:
+    roomy, _ = choose_context(_session(100.0), None, 4096, "m", "kafila", None)
+    assert roomy == 4096  # the model's own: memory holds it
+    ctx, why = choose_context(_session(3.0), None, 1 << 20, "m", "kafila", None)
+    assert ctx < 1 << 20 and "memory holds" in why and str(ctx) in why
+    parsed = parse_fleet({**_session(3.0), "concurrency": 4})
+    assert ctx == largest_context(parsed, 1 << 20)  # room for 4 requests at once under auto
+
+
+def test_an_explicit_context_memory_cannot_hold_is_refused_with_the_largest_that_fits() -> None:
+    fits, _ = choose_context(_session(3.0), None, 1 << 20, "m", "kafila", 2)
+    with pytest.raises(Refused, match=rf"--context {fits + 1} does not fit .* the largest that fits is {fits}\b"):
+        choose_context(_session(3.0), fits + 1, 1 << 20, "m", "kafila", 2)
+    assert choose_context(_session(3.0), fits, 1 << 20, "m", "kafila", 2)[0] == fits
+
+
+def test_predictions_side_by_side() -> None:
+    plan = make_plan(parse_fleet(fleet(device("a", 100, 100.0), device("b", 100, 100.0)))).to_json()
+    a, b = plan["stage_ms"]["a"], plan["stage_ms"]["b"]
+    assert plan["head_ms"] == pytest.approx(2 * GB / 100e6)  # the head's lm_head bytes
+    a -= plan["head_ms"]  # the head's stage without its pick: what its member times
+    got = predictions(plan, {"a": a * 2, "b": b}, 1000.0 / (plan["stage_ms"]["a"] + b))
+    assert got["stages"]["a"]["error"] == pytest.approx(0.5) and got["stages"]["b"]["error"] == 0
+    assert got["tok_s"]["error"] == pytest.approx(0.0, abs=1e-3)
+    assert predictions(None, {}, None)["stages"] == {}
+    assert predictions(None, {}, None)["tok_s"] == {"predicted": None, "measured": None, "error": None}
