@@ -240,6 +240,7 @@ def test_pending_slots_go_in_arrival_order_with_a_pake_deadline_and_a_cap_per_ad
         rig.recv(c, m.Heartbeat())
     actions = rig.reg.tick(rig.now)
     assert {c for c, _ in squat} <= _closed(actions)
+    assert {e.code for c, _ in squat for e in _sends(actions, c)} == {"no-pake"}  # the joiner may try again
     [joined] = _sends(actions, legit)
     assert isinstance(joined, m.Joined)  # its turn came with the first freed slot
     [notice] = [n for n in _sends(actions, HOST) if isinstance(n, m.Notice)]

@@ -205,7 +205,7 @@ def test_a_join_gets_in_while_a_stranger_hogs_the_pending_slots(procs, tmp_path)
     finally:
         stop.set()
         thread.join(10)
-    assert counts.get("not-admitted", 0) >= 4 and counts.get("busy", 0) >= 1, counts  # dropped, capped
+    assert counts.get("no-pake", 0) >= 4 and counts.get("busy", 0) >= 1, counts  # dropped, capped
     for _ in range(50):  # the host hears of the refusals (once a minute, first at once)
         if "joins refused from 127.0.0." in stderr_of(host):
             break

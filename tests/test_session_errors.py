@@ -40,7 +40,8 @@ def procs():
 
 
 def wait_line(proc, timeout=60):
-    """The first stdout line (the host prints its code first)."""
+    """The first stdout line (the host prints its code first, a --json-events member its events);
+    stdout holds nothing else, so anything else fails here, with the process's stderr."""
     import selectors
 
     sel = selectors.DefaultSelector()
@@ -48,9 +49,11 @@ def wait_line(proc, timeout=60):
     if not sel.select(timeout):
         raise AssertionError("no output in time")
     line = proc.stdout.readline()
-    if not line:  # the process closed stdout: show why
+    if not line.strip():  # closed stdout (it exited), or printed a blank line: show why
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(10)
-        raise AssertionError(f"exited {proc.returncode} before a line: {proc.stderr.read()[-2000:]}")
+        raise AssertionError(f"rc {proc.returncode}, first line {line!r}; stderr: {proc.stderr.read()[-3000:]}")
     return line.strip()
 
 

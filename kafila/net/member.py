@@ -175,7 +175,8 @@ class Member:
         """Join the session behind `code`: PAKE with the host, then the roster.
 
         A rendezvous that is "busy" (several machines joining at the same moment: it admits a few
-        at a time) is asked again after a short random pause, for up to JOIN_BUSY_WAIT_S."""
+        at a time) is asked again after a short random pause, for up to JOIN_BUSY_WAIT_S; so is one
+        that dropped our pending id before our PAKE reached it ("no-pake": this machine was busy)."""
         nameplate, normalized = parse_code(code)
         deadline = asyncio.get_running_loop().time() + JOIN_BUSY_WAIT_S
         while True:
@@ -239,7 +240,12 @@ class Member:
         loop = asyncio.get_running_loop()
         self._execute(joiner.start(loop.time()))
         while joiner.state != joining.JOINED:  # each reply bounded by SIGNAL_TIMEOUT_S; Failed raises
-            deliver = await self._signal.expect(m.Deliver, what="no answer from the host")
+            try:
+                deliver = await self._signal.expect(m.Deliver, what="no answer from the host")
+            except RendezvousRefused as exc:
+                if exc.code == "no-pake":  # our PAKE reached it late (a busy machine): nothing was guessed
+                    raise Busy() from None
+                raise
             assert isinstance(deliver, m.Deliver)
             self._execute(joiner.receive(deliver.sender, deliver.body, loop.time()))
         self._start_background()

@@ -12,6 +12,7 @@ from backends.errors import KafilaError
 from kafila.net.signaling import DROPPED
 from kafila.session.control import lifecycle
 from kafila.session.control import messages as control
+from kafila.session.control.system import reserve_stdout
 
 log = logging.getLogger("kafila.session.control")
 # how a member hears it was removed: the host's plain refusal (joining.py), or the rendezvous
@@ -21,6 +22,7 @@ DROPPED_PREFIXES = ("removed: ", DROPPED)
 
 def run(driver) -> int:
     """`driver.lifecycle()` in a fresh event loop, its stage's API up first; 0 when stopped."""
+    reserve_stdout()  # the code and --json-events lines are the only things on stdout
     return asyncio.run(_main(driver))
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import sys
 
 from backends.errors import KafilaError
@@ -77,6 +78,16 @@ def stdin_is_terminal() -> bool:
         return sys.stdin.isatty()
     except (ValueError, OSError):
         return False
+
+
+def reserve_stdout() -> None:
+    """Keep standard output for the lines programs read (the host's code, --json-events) and send
+    what native libraries print on file descriptor 1 (OpenVINO, its thread pools) to stderr, so
+    no such print comes before a line or splits one. Python's sys.stdout keeps the real one."""
+    sys.stdout.flush()
+    private = os.dup(1)
+    os.dup2(2, 1)
+    sys.stdout = os.fdopen(private, "w", buffering=1, encoding="utf-8", errors="replace")
 
 
 def punched_host(edge) -> list[str]:
