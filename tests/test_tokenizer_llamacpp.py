@@ -359,32 +359,37 @@ def test_random_mixtures_match_llama_cpp(vocab_dir, name):
     assert not failures
 
 
-def test_default_pretokenizer_matches_llama_cpp(vocab_dir, tmp_path):
-    """No vocabulary llama.cpp ships names pre-tokenizer "default"; GPT-NeoX's vocabulary (which
-    names none) is rewritten to name it, and both sides tokenize the vectors and random mixtures."""
+@pytest.mark.parametrize("source,pre", [("gpt-neox", "default"), ("qwen2", "gpt-4o")])
+def test_pretokenizer_without_vectors_matches_llama_cpp(vocab_dir, tmp_path, source, pre):
+    """Pre-tokenizers no vocabulary llama.cpp ships uses: "default" (GPT-NeoX's vocabulary names
+    none) and "gpt-4o" (gpt-oss's o200k_harmony, Llama 4). A shipped vocabulary is rewritten to
+    name it, and both sides tokenize the vectors and random mixtures."""
     import random
 
     import gguf
 
     from kafila.models.tokenizer import load_tokenizer_file, read_tokenizer_metadata
 
-    md = read_tokenizer_metadata(str(llamacpp_files.vocab_file("gpt-neox")), prefixes=("tokenizer.",))
-    path = str(tmp_path / "neox-default.gguf")
+    md = read_tokenizer_metadata(str(llamacpp_files.vocab_file(source)), prefixes=("tokenizer.",))
+    path = str(tmp_path / f"{source}-{pre}.gguf")
     w = gguf.GGUFWriter(path, "gptneox")
     w.add_string("tokenizer.ggml.model", md["tokenizer.ggml.model"])
-    w.add_string("tokenizer.ggml.pre", "default")
+    w.add_string("tokenizer.ggml.pre", pre)
     for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.token_type", "tokenizer.ggml.merges"):
         w.add_array(key, md[key])
     for key in ("tokenizer.ggml.bos_token_id", "tokenizer.ggml.eos_token_id", "tokenizer.ggml.unknown_token_id"):
-        w.add_uint32(key, md[key])
+        if key in md:
+            w.add_uint32(key, md[key])
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.close()
 
     llm, tok = llama_cpp_vocab(path), load_tokenizer_file(path)
+    assert tok.model.pre is PRETOKENIZERS[pre]
     rng = random.Random(7)
     texts = [t for t, _ in llamacpp_files.vocab_cases("qwen2")]
     texts += ["".join(rng.choice(FUZZ_PIECES) for _ in range(rng.randint(0, 12))) for _ in range(150)]
+    texts += ["HTTPServer's ÑANDÚ niño ŞİŞLİ'LL x/y/\n\n  z", "ǅungla ǈa 12345 ⅷ"]  # case runs, title case
     try:
         failures = [(text, special) for text in texts for special in (False, True)
                     if tok.encode(text, add_special=False, parse_special=special)

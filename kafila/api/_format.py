@@ -66,11 +66,14 @@ class Shapes:
                 "system_fingerprint": None, "choices": choices}  # fmt: skip
 
     def complete(
-        self, text: str, finish: str, prompt_tokens: int, new_tokens: int, stats: GenerationStats
+        self, text: str, finish: str, prompt_tokens: int, new_tokens: int, stats: GenerationStats,
+        thinking: str = "",
     ) -> dict:
         if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": finish}  # fmt: skip
+            message = {"role": "assistant", "content": text}
+            if thinking:  # llama-server's field for a model's thinking (gpt-oss's analysis channel)
+                message["reasoning_content"] = thinking
+            choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
             body = self._envelope("chat.completion", [choice])
         else:
             choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish}
@@ -79,11 +82,14 @@ class Shapes:
         body["kafila"] = timings(stats)
         return body
 
-    def chunk(self, text: str | None, finish: str | None = None, first: bool = False) -> dict:
+    def chunk(self, text: str | None, finish: str | None = None, first: bool = False,
+              thinking: str = "") -> dict:  # fmt: skip
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
+            if thinking:
+                delta["reasoning_content"] = thinking
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             return self._envelope("chat.completion.chunk", [choice])
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}

@@ -212,17 +212,19 @@ class OllamaShapes:
         self.chat = chat
         self.model = model
 
-    def _text(self, text: str) -> dict:
+    def _text(self, text: str, thinking: str) -> dict:
+        """The text, and the model's thinking where it has any (Ollama's `thinking` field)."""
         if self.chat:
-            return {"message": {"role": "assistant", "content": text}}
-        return {"response": text}
+            message = {"role": "assistant", "content": text}
+            return {"message": message | {"thinking": thinking} if thinking else message}
+        return {"response": text} | ({"thinking": thinking} if thinking else {})
 
-    def chunk(self, text: str) -> dict:
-        return {"model": self.model, "created_at": created_at(), **self._text(text), "done": False}
+    def chunk(self, text: str, thinking: str = "") -> dict:
+        return {"model": self.model, "created_at": created_at(), **self._text(text, thinking), "done": False}
 
-    def final(self, text: str, done_reason: str, durations: dict | None) -> dict:
+    def final(self, text: str, done_reason: str, durations: dict | None, thinking: str = "") -> dict:
         """The last streamed object (text "") or the whole non-streamed answer."""
-        body = {"model": self.model, "created_at": created_at(), **self._text(text),
+        body = {"model": self.model, "created_at": created_at(), **self._text(text, thinking),
                 "done": True, "done_reason": done_reason}  # fmt: skip
         if durations:
             body.update(durations)

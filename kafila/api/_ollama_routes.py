@@ -92,7 +92,7 @@ class OllamaRoutes:
             ids = await asyncio.to_thread(chat_prompt_ids, server.engine.tokenizer(), list(params.messages))
         except BadInput as exc:
             raise bad("invalid_messages", str(exc), "messages") from None
-        return await self._run(request, shapes, ids, params.sampling)
+        return await self._run(request, shapes, ids, params.sampling, channels=True)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         server = self.server
@@ -112,16 +112,18 @@ class OllamaRoutes:
                 ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, generate_messages(params))
             except BadInput as exc:
                 raise bad("invalid_prompt", str(exc), "prompt") from None
-        return await self._run(request, shapes, ids, params.sampling)
+        return await self._run(request, shapes, ids, params.sampling, channels=not params.raw)
 
     # --- one generation --------------------------------------------------------------------------
 
     async def _run(
-        self, request: web.Request, shapes: OllamaShapes, ids: list[int], sampling: Sampling
-    ) -> web.StreamResponse:
+        self, request: web.Request, shapes: OllamaShapes, ids: list[int], sampling: Sampling,
+        channels: bool,
+    ) -> web.StreamResponse:  # fmt: skip
+        """One generation; `channels`: a chat template's answer (a harmony model's thinking apart)."""
         clock = Clock(time.perf_counter())
         default = self.server.limits.default_chat_max_tokens
-        async with self.server.generation(ids, sampling, default) as (gen, text, stats):
+        async with self.server.generation(ids, sampling, default, channels) as (gen, text, stats):
             if sampling.stream:
                 return await self._stream(request, shapes, gen, text, stats, clock, len(ids))
             tick = lambda: clock.token(time.perf_counter())  # noqa: E731
@@ -129,7 +131,8 @@ class OllamaRoutes:
             pieces = [piece async for piece in text_pieces(await anext(gen, _END), gen, text, tick)]
             tail, finish = text.end(stats)
             durations = clock.durations(len(ids), text.tokens, time.perf_counter(), stats.extra.get("cached_tokens"))
-            return _json(shapes.final("".join(pieces) + tail, finish, durations))
+            reply, thinking = ("".join(p[i] for p in pieces) for i in (0, 1))
+            return _json(shapes.final(reply + tail, finish, durations, thinking))
 
     async def _stream(
         self, request: web.Request, shapes: OllamaShapes, gen, text, stats, clock: Clock, n_prompt: int
@@ -140,8 +143,8 @@ class OllamaRoutes:
         resp = web.StreamResponse(headers={"Content-Type": NDJSON_TYPE, "Cache-Control": "no-cache"})
         await resp.prepare(request)
         try:
-            async for piece in text_pieces(token, gen, text, lambda: clock.token(time.perf_counter())):
-                await resp.write(_line(shapes.chunk(piece)))
+            async for reply, thinking in text_pieces(token, gen, text, lambda: clock.token(time.perf_counter())):
+                await resp.write(_line(shapes.chunk(reply, thinking)))
             tail, finish = text.end(stats)
             if tail:
                 await resp.write(_line(shapes.chunk(tail)))

@@ -27,6 +27,7 @@ from kafila.api._format import Shapes, model_card, model_list, sse
 from kafila.api._guard import content_type_refusal, own_names, refusal
 from kafila.api._limits import DEFAULT_API_HOST, DEFAULT_API_PORT, ApiLimits
 from kafila.api._names import ModelNames, names_for
+from kafila.api._harmony import Harmony
 from kafila.api._pieces import _END, text_pieces
 from kafila.api._stops import StopScanner
 from kafila.api._validate import (
@@ -59,29 +60,38 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
 
 
 class TextStream:
-    """Token ids → text pieces for one answer: UTF-8-safe decoding, EOS and stop sequences."""
+    """Token ids → text pieces for one answer: UTF-8-safe decoding, EOS and stop sequences; with
+    `channels` and a harmony tokenizer (gpt-oss), its thinking apart from its reply (_harmony.py)."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer, stops: tuple[str, ...], channels: bool = False) -> None:
         self.decoder = StreamDecoder(tokenizer)
+        self.thinking = StreamDecoder(tokenizer)
+        self.harmony = Harmony.of(tokenizer) if channels else None
         self.scanner = StopScanner(stops)
         self.eos_ids = tokenizer.eos_ids
-        self.tokens = 0  # new tokens received, EOS excluded
+        self.tokens = 0  # new tokens received, EOS excluded (thinking included, as OpenAI counts)
         self.finish: str | None = None  # "stop" once an EOS or a stop sequence arrived
 
-    def push(self, token: int) -> str:
+    def push(self, token: int) -> tuple[str, str]:
+        """(reply text, thinking text) that this token completes; stop sequences end the reply."""
         if token in self.eos_ids:
             self.finish = "stop"
-            return ""
+            return "", ""
         self.tokens += 1
-        piece = self.scanner.feed(self.decoder.push(token))
+        routed = [("content", token)] if self.harmony is None else self.harmony.feed(token)
+        reply = "".join(self.decoder.push(t) for where, t in routed if where == "content")
+        thinking = "".join(self.thinking.push(t) for where, t in routed if where == "reasoning")
+        piece = self.scanner.feed(reply) if reply else ""
         if self.scanner.stopped:
             self.finish = "stop"
-        return piece
+        return piece, thinking
 
     def end(self, stats: GenerationStats) -> tuple[str, str]:
         """The held-back tail and the finish reason once the generation is over."""
         finish = self.finish or ("stop" if stats.finish_reason == "stop" else "length")
-        return self.scanner.flush(), finish
+        held = self.harmony.flush() if self.harmony is not None else []
+        reply = self.scanner.feed("".join(self.decoder.push(t) for t in held)) if held else ""
+        return reply + self.scanner.flush(), finish
 
 
 def _json(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -378,7 +388,7 @@ class ApiServer:
             )
 
     @contextlib.asynccontextmanager
-    async def generation(self, ids: list[int], sampling: Sampling, default: int):
+    async def generation(self, ids: list[int], sampling: Sampling, default: int, channels: bool = False):
         """Admit one generation (bounds, slots) → (token iterator, TextStream, stats); on exit,
         however it ends, the engine stops its work on the request and frees its slot."""
         if not ids:
@@ -396,7 +406,7 @@ class ApiServer:
             speculate=sampling.speculate,
         )  # fmt: skip
         stats = GenerationStats(prompt_tokens=len(ids))
-        text = TextStream(self.engine.tokenizer(), sampling.stop)
+        text = TextStream(self.engine.tokenizer(), sampling.stop, channels)
         self.inflight += 1
         gen = self.engine.generate(job, stats)
         try:
@@ -408,7 +418,7 @@ class ApiServer:
     async def _generate(
         self, request: web.Request, shapes: Shapes, ids: list[int], sampling: Sampling, default: int
     ) -> web.StreamResponse:
-        async with self.generation(ids, sampling, default) as (gen, text, stats):
+        async with self.generation(ids, sampling, default, channels=shapes.chat) as (gen, text, stats):
             if sampling.stream:
                 return await self._stream(
                     request, shapes, gen, text, stats, len(ids), sampling.include_usage
@@ -421,7 +431,8 @@ class ApiServer:
         # EngineError goes to the middleware with its status
         pieces = [piece async for piece in text_pieces(await anext(gen, _END), gen, text)]
         tail, finish = text.end(stats)
-        return _json(shapes.complete("".join(pieces) + tail, finish, n_prompt, text.tokens, stats))
+        reply, thinking = ("".join(p[i] for p in pieces) for i in (0, 1))
+        return _json(shapes.complete(reply + tail, finish, n_prompt, text.tokens, stats, thinking))
 
     async def _stream(
         self, request: web.Request, shapes: Shapes, gen, text: TextStream, stats: GenerationStats,
@@ -435,8 +446,8 @@ class ApiServer:
         try:
             if shapes.chat:
                 await resp.write(sse(shapes.chunk(None, first=True)))
-            async for piece in text_pieces(token, gen, text):
-                await resp.write(sse(shapes.chunk(piece)))
+            async for reply, thinking in text_pieces(token, gen, text):
+                await resp.write(sse(shapes.chunk(reply, thinking=thinking)))
             tail, finish = text.end(stats)
             await resp.write(sse(shapes.chunk(tail or None, finish)))
             if include_usage:
