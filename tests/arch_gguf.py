@@ -18,8 +18,15 @@ Kinds of the families (tests/test_arch_families.py; 3 blocks):
 - "qwen2moe":     Qwen2's biases, 8 experts of FFN 32, top 2 (not renormalised), a gated shared expert,
                   an untied output.weight (llama.cpp requires one).
 - "mixtral":      Llama with 4 experts of FFN 128 (llama.cpp: feed_forward_length), top 2 (Mixtral's layout).
-The llama kinds copy the tokenizer of llama.cpp's ggml-vocab-llama-bpe.gguf (Llama 3, 128256
-tokens), the qwen kinds ggml-vocab-qwen2.gguf's (151936 tokens): the embedding is 33–39 MB.
+- "gpt-oss":      gpt-oss: q/k/v and attention-output biases, a sink per head, post_attention_norm as the
+                  FFN's norm, 8 experts of FFN 32 with biases and a biased router, top 2 (softmax over
+                  the 2), swiglu_oai; sliding window 8 on the even blocks (the default pattern, period 2);
+                  YaRN factor 4 over an original context of 64 (below the 104 positions the tests
+                  reach); an untied output.weight (llama.cpp requires one). `gpt_oss_parts` drops the
+                  sinks (written as −1e30: exp(sink) = 0 in f32) or YaRN, for the tests that show both bite.
+The llama kinds and gpt-oss copy the tokenizer of llama.cpp's ggml-vocab-llama-bpe.gguf (Llama 3,
+128256 tokens: llama.cpp 0.3.36 ships no o200k vocabulary file), the qwen kinds ggml-vocab-qwen2.gguf's
+(151936 tokens): the embedding is 33–39 MB.
 
 Weights are scaled so that attention is far from uniform (RoPE matters) and the greedy ids vary.
 """
@@ -36,10 +43,16 @@ import numpy as np
 from tests.llamacpp_files import vocab_file
 
 KINDS = ("llama", "llama3", "llama-linear", "qwen2", "qwen3")
-FAMILY_KINDS = ("gemma3", "qwen3moe", "qwen2moe", "mixtral")
+FAMILY_KINDS = ("gemma3", "qwen3moe", "qwen2moe", "mixtral", "gpt-oss")
 ARCH_OF = {"mixtral": "llama"}
-EXPERTS = {"qwen3moe": (8, 2, 32), "qwen2moe": (8, 2, 32), "mixtral": (4, 2, 128)}  # E, k, expert FFN
+EXPERTS = {"qwen3moe": (8, 2, 32), "qwen2moe": (8, 2, 32), "mixtral": (4, 2, 128), "gpt-oss": (8, 2, 32)}  # E, k, F
 GEMMA3_WINDOW = 8
+GPT_OSS_WINDOW = 8
+GPT_OSS_PARTS = ("sinks", "yarn")
+GPT_OSS_YARN_FACTOR = 4.0
+GPT_OSS_YARN_ORIGINAL_CONTEXT = 64
+NO_SINK = -1e30  # a sink logit whose exp is 0 in f32: as if the head had none
+BIASED_QKV_KINDS = ("qwen2", "qwen2moe", "gpt-oss")
 ROPE_BASE = 10000.0
 LLAMA3_ROPE = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position": 256}
 
@@ -89,13 +102,15 @@ def write_arch_gguf(path: str | os.PathLike, kind: str, *, blocks: int = 2, hidd
                     kv_heads: int = 2, ffn: int = 128, seed: int = 0, arch: str | None = None,
                     tiny_vocab: int = 0, extra_kv: dict | None = None,
                     extra_tensors: dict[str, tuple[int, ...]] | None = None,
-                    experts: tuple[int, int, int] | None = None) -> str:
+                    experts: tuple[int, int, int] | None = None,
+                    gpt_oss_parts: tuple[str, ...] = GPT_OSS_PARTS) -> str:
     """A random F32 GGUF of `kind` (see the module docstring).
 
     For the refusal tests: `arch` overrides general.architecture, `tiny_vocab` > 0 writes that many
     embedding rows and no tokenizer (milliseconds instead of seconds), `extra_kv` adds
     {key: (value, GGUFValueType)} and `extra_tensors` adds {name: shape} random F32 tensors;
-    `experts` (E, k, expert FFN) overrides a MoE kind's (bench/moe.py).
+    `experts` (E, k, expert FFN) overrides a MoE kind's (bench/moe.py); `gpt_oss_parts` are the
+    parts a gpt-oss file has of ("sinks", "yarn").
     """
     if kind not in KINDS + FAMILY_KINDS:
         raise ValueError(f"unknown kind {kind!r}: choose from {KINDS + FAMILY_KINDS}")
@@ -120,6 +135,12 @@ def write_arch_gguf(path: str | os.PathLike, kind: str, *, blocks: int = 2, hidd
         w.add_sliding_window(GEMMA3_WINDOW)
         w.add_uint32(f"{arch}.attention.sliding_window_pattern", 2)
         w.add_float32(f"{arch}.final_logit_softcapping", 30.0)
+    if kind == "gpt-oss":
+        w.add_sliding_window(GPT_OSS_WINDOW)
+        if "yarn" in gpt_oss_parts:
+            w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+            w.add_rope_scaling_factor(GPT_OSS_YARN_FACTOR)
+            w.add_rope_scaling_orig_ctx_len(GPT_OSS_YARN_ORIGINAL_CONTEXT)
     experts = experts or EXPERTS.get(kind)
     if experts:
         n_exp, n_used, exp_ffn = experts
@@ -131,18 +152,19 @@ def write_arch_gguf(path: str | os.PathLike, kind: str, *, blocks: int = 2, hidd
     if kind == "llama-linear":
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         w.add_rope_scaling_factor(4.0)
-    w.add_layer_norm_rms_eps(1e-5 if arch == "llama" else 1e-6)
+    w.add_layer_norm_rms_eps(1e-5 if arch in ("llama", "gpt-oss") else 1e-6)
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
     for key, (value, vtype) in (extra_kv or {}).items():
         w.add_key_value(key, value, vtype)
     vocab = tiny_vocab or _copy_tokenizer(w, "qwen2" if kind.startswith("qwen") else "llama-bpe")
+    untied = kind in ("qwen2moe", "gpt-oss")
 
     def add(name: str, shape: tuple[int, ...], scale: float, mean: float = 0.0) -> None:
         w.add_tensor(name, (mean + rng.standard_normal(shape) * scale).astype(np.float32))
 
     add("token_embd.weight", (vocab, hidden), 0.125 if kind == "gemma3" else 1.0)  # tied: also the lm_head
     add("output_norm.weight", (hidden,), 0.1, 1.0)
-    if kind == "qwen2moe":
+    if untied:
         add("output.weight", (vocab, hidden), 1.0)
     if kind == "llama3":
         w.add_tensor("rope_freqs.weight", llama3_rope_factors(head_dim, ROPE_BASE, **LLAMA3_ROPE))
@@ -153,7 +175,7 @@ def write_arch_gguf(path: str | os.PathLike, kind: str, *, blocks: int = 2, hidd
         add(p + "attn_q.weight", (q_rows, hidden), 0.25)
         add(p + "attn_k.weight", (kv_rows, hidden), 0.25)
         add(p + "attn_v.weight", (kv_rows, hidden), 0.3)
-        if kind in ("qwen2", "qwen2moe"):
+        if kind in BIASED_QKV_KINDS:
             add(p + "attn_q.bias", (q_rows,), 0.5)
             add(p + "attn_k.bias", (kv_rows,), 0.5)
             add(p + "attn_v.bias", (kv_rows,), 0.5)
@@ -161,7 +183,11 @@ def write_arch_gguf(path: str | os.PathLike, kind: str, *, blocks: int = 2, hidd
             add(p + "attn_q_norm.weight", (head_dim,), 0.5, 1.0)
             add(p + "attn_k_norm.weight", (head_dim,), 0.5, 1.0)
         add(p + "attn_output.weight", (hidden, q_rows), 0.3)
-        add(p + "ffn_norm.weight", (hidden,), 0.1, 1.0)
+        if kind == "gpt-oss":
+            add(p + "attn_output.bias", (hidden,), 0.3)
+            sinks = (1.0 + rng.standard_normal(heads)).astype(np.float32)  # drawn either way: same other weights
+            w.add_tensor(p + "attn_sinks.weight", sinks if "sinks" in gpt_oss_parts else np.full(heads, NO_SINK, np.float32))
+        add(p + ("post_attention_norm.weight" if kind == "gpt-oss" else "ffn_norm.weight"), (hidden,), 0.1, 1.0)
         if kind == "gemma3":
             add(p + "post_attention_norm.weight", (hidden,), 0.1, 1.0)
             add(p + "post_ffw_norm.weight", (hidden,), 0.1, 1.0)
@@ -171,6 +197,11 @@ def write_arch_gguf(path: str | os.PathLike, kind: str, *, blocks: int = 2, hidd
             add(p + "ffn_gate_exps.weight", (n_exp, exp_ffn, hidden), 0.3)
             add(p + "ffn_up_exps.weight", (n_exp, exp_ffn, hidden), 0.3)
             add(p + "ffn_down_exps.weight", (n_exp, hidden, exp_ffn), 0.3)
+            if kind == "gpt-oss":
+                add(p + "ffn_gate_inp.bias", (n_exp,), 0.5)
+                add(p + "ffn_gate_exps.bias", (n_exp, exp_ffn), 0.5)
+                add(p + "ffn_up_exps.bias", (n_exp, exp_ffn), 0.5)
+                add(p + "ffn_down_exps.bias", (n_exp, hidden), 0.3)
             if kind == "qwen2moe":
                 add(p + "ffn_gate_inp_shexp.weight", (hidden,), 0.3)
                 add(p + "ffn_gate_shexp.weight", (ffn, hidden), 0.2)

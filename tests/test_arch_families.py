@@ -1,8 +1,9 @@
-"""Gemma 3 and the mixture-of-experts families on OpenVINO compute what llama.cpp computes.
+"""Gemma 3, gpt-oss and the mixture-of-experts families on OpenVINO compute what llama.cpp computes.
 
 Small random F32 files (tests/arch_gguf.py's FAMILY_KINDS, 4 blocks, real tokenizers): Gemma 3
 with a sliding window of 8 on blocks 0 and 2, soft-capped logits; qwen3moe, qwen2moe (shared
-expert) and a Mixtral-layout llama. A 40-id prompt then 64 greedy ids (positions far past the
+expert), a Mixtral-layout llama, and gpt-oss (sinks, YaRN, window 8 on blocks 0 and 2, biased
+experts; also with its experts in MXFP4 from llama.cpp's quantizer). A 40-id prompt then 64 greedy ids (positions far past the
 window) from llama.cpp (f32 weights and KV) are the yardstick for the OpenVINO shard at f32, as
 one stage and as three stages cut unevenly (blocks 0–1, 2, 3), and for `kafila run --prompt-ids`.
 The real Gemma 3 270M file (its window 512) is checked the same way by an opt-in test.
@@ -19,7 +20,7 @@ import pytest
 
 from backends import ShardSpec, load_shard, status
 from backends.errors import BadInput
-from tests.arch_gguf import FAMILY_KINDS, write_arch_gguf
+from tests.arch_gguf import FAMILY_KINDS, GPT_OSS_YARN_FACTOR, GPT_OSS_YARN_ORIGINAL_CONTEXT, write_arch_gguf
 from tests.test_llamacpp_arch import _Chain, check_against_llamacpp, kafila_greedy, needs_llamacpp
 
 PROMPT_IDS = [int(i) for i in np.random.default_rng(1).integers(0, 100_000, 40)]
@@ -76,10 +77,25 @@ def test_the_sliding_window_changes_llamacpps_answer(family_model):
 
 
 @needs_llamacpp
+def test_gpt_oss_sinks_yarn_and_window_change_llamacpps_answer(family_model):
+    """None of gpt-oss's parts is inert on this file: without the sinks, without YaRN, or with the
+    window on every layer (llama.cpp refuses a gpt-oss file with none windowed), llama.cpp answers
+    otherwise."""
+    from gguf import GGUFValueType as T
+
+    full = family_model("gpt-oss")[2]
+    assert family_model("gpt-oss", gpt_oss_parts=("yarn",))[2] != full  # sinks exp(−1e30) = 0
+    assert family_model("gpt-oss", gpt_oss_parts=("sinks",))[2] != full  # no rope.scaling keys
+    everywhere = {"gpt-oss.attention.sliding_window_pattern": (0, T.UINT32)}  # period 0: every layer
+    assert family_model("gpt-oss", extra_kv=everywhere)[2] != full
+
+
+@needs_llamacpp
 @needs_openvino
-def test_run_prompt_ids_gives_llamacpps_ids(family_model):
+@pytest.mark.parametrize("kind", ["qwen3moe", "gpt-oss"])
+def test_run_prompt_ids_gives_llamacpps_ids(family_model, kind):
     """`kafila run --prompt-ids` over 3 stages at f32 answers llama.cpp's ids (up to an EOS)."""
-    path, _, ref_ids, _ = family_model("qwen3moe")
+    path, _, ref_ids, _ = family_model(kind)
     proc = subprocess.run([sys.executable, "-m", "kafila", "run", "--model", path, "--stages", "3",
                            "--precision", "f32", "--max-tokens", "24", "--json",
                            "--prompt-ids", json.dumps(PROMPT_IDS)],
@@ -118,6 +134,67 @@ def test_family_hyperparameters(tmp_path):
     assert (g.family.embed_scale, g.family.logit_softcap, g.qk_norm, g.rope_neox) == (8.0, 30.0, True, True)
     q = open_model(write_arch_gguf(tmp_path / "q.gguf", "qwen2moe", tiny_vocab=256)).hparams.family
     assert (q.n_experts, q.n_experts_used, q.experts_renorm, q.shared_expert) == (8, 2, False, True)
+    o = open_model(write_arch_gguf(tmp_path / "o.gguf", "gpt-oss", tiny_vocab=256, blocks=BLOCKS)).hparams
+    f = o.family
+    assert (f.swa_layers, f.sliding_window, f.rope_base_swa, o.rope_scale, o.rope_neox) == (
+        (True, False, True, False), 8, 10000.0, 1.0, True)
+    assert (f.yarn.freq_scale, f.yarn.n_ctx_orig, f.yarn.beta_fast, f.yarn.beta_slow, f.yarn.attn_factor) == (
+        1 / GPT_OSS_YARN_FACTOR, GPT_OSS_YARN_ORIGINAL_CONTEXT, 32.0, 1.0, 1.0)
+    assert (f.n_experts, f.n_experts_used, f.experts_gating, f.experts_renorm, f.expert_biases, f.ffn_act) == (
+        8, 2, "softmax_weight", False, True, "swiglu_oai")
+    assert (f.attn_sinks, f.attn_out_bias, f.ffn_norm, o.tied_embeddings) == (
+        True, True, "post_attention_norm.weight", False)
+
+
+def test_yarn_bites_within_the_test_files_positions():
+    """YaRN on the gpt-oss test file (head size 16, base 10000, original context 64): pairs 0–2
+    ramp from the original angle to the interpolated one, pairs 3–7 are interpolated (÷4), and
+    cos/sin are × 1 + 0.1·ln 4."""
+    from backends.gguf.families import Yarn
+    from backends.openvino.attention import yarn_magnitude, yarn_multipliers
+
+    yarn = Yarn(freq_scale=1 / GPT_OSS_YARN_FACTOR, n_ctx_orig=GPT_OSS_YARN_ORIGINAL_CONTEXT)
+    np.testing.assert_allclose(yarn_multipliers(yarn, 16, 10000.0), [1, 0.75, 0.5] + [0.25] * 5)
+    assert yarn_magnitude(yarn) == pytest.approx(1 + 0.1 * np.log(4))
+
+
+def test_gpt_oss_headers_llamacpp_refuses_are_refused_in_one_line(tmp_path):
+    """A gpt-oss header missing a key llama.cpp requires, or with no windowed layer (llama.cpp
+    asserts one), is one BadInput naming what is wrong (qwen3 and qwen3moe files relabelled)."""
+    from gguf import GGUFValueType as T
+
+    from backends.gguf import open_model
+
+    cases = [("qwen3", {}, "lacks gpt-oss.expert_count"),
+             ("qwen3moe", {}, "lacks gpt-oss.attention.sliding_window"),
+             ("qwen3moe", {"gpt-oss.attention.sliding_window": (8, T.UINT32),
+                           "gpt-oss.attention.sliding_window_pattern": (1, T.UINT32)}, "no windowed layer")]  # fmt: skip
+    for i, (kind, extra, needle) in enumerate(cases):
+        path = write_arch_gguf(tmp_path / f"m{i}.gguf", kind, tiny_vocab=256, arch="gpt-oss", extra_kv=extra)
+        with pytest.raises(BadInput, match=needle) as info:
+            open_model(path)
+        assert "\n" not in str(info.value)
+
+
+def test_inspect_says_gpt_oss_is_served(tmp_path):
+    path = write_arch_gguf(tmp_path / "o.gguf", "gpt-oss", tiny_vocab=256)
+    proc = subprocess.run([sys.executable, "-m", "kafila", "inspect", "--json", path],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    out = json.loads(proc.stdout)
+    assert (out["architecture"], out["served"]) == ("gpt-oss", True), out.get("why_not")
+
+
+def test_gpt_oss_experts_are_priced_as_moe(tmp_path):
+    """The planner's figures from a gpt-oss header: k of E experts read a token, each expert's
+    bytes its gate/up/down weights and their bias rows."""
+    from backends.gguf.header import read_header
+    from kafila.session.control.pricing import reads_from
+
+    header = read_header(write_arch_gguf(tmp_path / "o.gguf", "gpt-oss", tiny_vocab=256))
+    got = reads_from(header.metadata, {t.name: t.n_bytes for t in header.tensors})
+    E, F, H = 8, 32, 64
+    assert (got["expert_count"], got["experts_used"]) == (E, 2)
+    assert got["expert_bytes"] == (3 * F * H + 2 * F + H) * 4  # f32 weights and biases of one expert
 
 
 @pytest.mark.slow
@@ -145,7 +222,7 @@ def test_real_gemma3_270m_past_its_window(tmp_path):
 
 
 @needs_openvino
-@pytest.mark.parametrize("kind", ["gemma3", "qwen3moe"])
+@pytest.mark.parametrize("kind", ["gemma3", "qwen3moe", "gpt-oss"])
 def test_batched_rows_and_a_rewind_match_solo(tmp_path, kind):
     """Rows of different lengths in one inference (two users, drafts) give each slot's solo
     answer: the window is counted in each row's own logical positions (padding and a rewound
@@ -198,5 +275,25 @@ def test_llamacpp_quantized_qwen3moe_matches_llamacpp(tmp_path, ftype):
     experts = {t.qtype for n, t in index.tensors.items() if "_exps." in n}
     assert experts - {"F32"} and "F32" not in experts, Counter(t.qtype for t in index.tensors.values())
     ref_ids, ref_logits = greedy_run(write_f32_copy(path, str(tmp_path / "deq.gguf")), PROMPT_IDS, N_TOKENS)
+    for ranges in ([(0, BLOCKS)], UNEVEN):
+        check_against_llamacpp(kafila_greedy(_shards(path, index, ranges), PROMPT_IDS, N_TOKENS), ref_ids, ref_logits)
+
+
+@needs_llamacpp
+@needs_openvino
+def test_llamacpp_mxfp4_gpt_oss_matches_llamacpp(tmp_path):
+    """The gpt-oss file quantized by llama.cpp's own quantizer as MXFP4_MOE (experts MXFP4, the
+    other matrices Q8_0, norms, biases and sinks F32: how gpt-oss files ship) answers llama.cpp's
+    64 greedy ids on its exactly dequantized weights, at 1 stage and 3 uneven stages."""
+    from backends.gguf import open_model
+    from tests.llamacpp_ref import greedy_run, quantize
+    from tests.test_llamacpp_quant import write_f32_copy
+
+    src = write_arch_gguf(tmp_path / "f32.gguf", "gpt-oss", blocks=BLOCKS)
+    path = quantize(src, str(tmp_path / "mxfp4.gguf"), "MXFP4_MOE")
+    index = open_model(path)
+    assert {t.qtype for n, t in index.tensors.items() if n.endswith("_exps.weight")} == {"MXFP4"}
+    ref_ids, ref_logits = greedy_run(write_f32_copy(path, str(tmp_path / "deq.gguf")), PROMPT_IDS, N_TOKENS)
+    assert len(set(ref_ids)) > 4, ref_ids
     for ranges in ([(0, BLOCKS)], UNEVEN):
         check_against_llamacpp(kafila_greedy(_shards(path, index, ranges), PROMPT_IDS, N_TOKENS), ref_ids, ref_logits)

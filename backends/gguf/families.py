@@ -20,6 +20,27 @@ the FFN is ffn_gate_inp [E, H] (router) and 3-D ffn_gate_exps / ffn_up_exps [E, 
 ffn_down_exps [E, H, F]; softmax over the E router logits, the top `expert_used_count`, their
 weights renormalised to sum 1 for qwen3moe and llama (not qwen2moe), × expert_weights_scale when
 set; qwen2moe adds a shared expert (ffn_{gate,up,down}_shexp) gated by sigmoid(ffn_gate_inp_shexp · x).
+
+gpt-oss (`gpt-oss`, llama.cpp's LLM_ARCH_OPENAI_MOE, src/models/openai-moe.cpp), as llama.cpp computes it:
+- RMSNorm (attn_norm) → q/k/v (biases optional, as on llama) → NEOX RoPE with YaRN → attention
+  with q·k scale 1/sqrt(head size) and a learnt sink per head (attn_sinks [heads]: one more logit
+  in each query's softmax denominator, with no value) → attn_output + its bias → residual;
+- RMSNorm with `post_attention_norm` (the FFN's input norm: the file has no ffn_norm) → MoE →
+  residual; output_norm, an untied output.weight;
+- sliding window `attention.sliding_window` (required) on the layers of pattern period 2 by
+  default (layer l windowed unless l % 2 = 1: the even layers; a bool per layer when the pattern
+  is an array), windowed layers rotate with `rope.freq_base_swa` (default: rope.freq_base) and
+  the same scaling as the full ones;
+- YaRN when `rope.scaling.type` is yarn: the factor s = `rope.scaling.factor` (freq_scale 1/s),
+  original context `rope.scaling.original_context_length` (default context_length), beta_fast 32
+  and beta_slow 1 (llama.cpp's context defaults: it reads no beta keys for this architecture),
+  ext_factor 1; frequency i mixes the interpolated θ/s and the original θ by a ramp over the
+  pair index between the correction dims, and cos/sin are × (1 + 0.1·ln s) (s > 1) ×
+  `rope.scaling.attn_factor` (default 1);
+- MoE: router ffn_gate_inp + its bias; the top `expert_used_count` of the raw logits, softmax over
+  those k only (SOFTMAX_WEIGHT), not renormalised nor scaled (expert_weights_scale is not read);
+  each expert's gate/up/down add their bias rows (ffn_{gate,up,down}_exps.bias [E, rows]);
+  activation swiglu_oai: x = min(gate, 7), y = clamp(up, −7, 7), x·sigmoid(1.702·x)·(y + 1).
 """
 
 from __future__ import annotations
@@ -38,6 +59,27 @@ DENSE_FFN_TENSORS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
 MOE_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 SHARED_EXPERT_TENSORS = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
                          "ffn_down_shexp.weight")  # fmt: skip
+GPT_OSS = "gpt-oss"
+GPT_OSS_DEFAULT_SWA_PERIOD = 2
+GPT_OSS_TENSORS = ("attn_output.bias", "attn_sinks.weight", "ffn_gate_inp.bias", "ffn_gate_exps.bias",
+                   "ffn_up_exps.bias", "ffn_down_exps.bias")  # fmt: skip
+# llama_context_params' YaRN defaults (llama-cpp-python passes the same): gpt-oss reads no beta keys
+YARN_BETA_FAST = 32.0
+YARN_BETA_SLOW = 1.0
+SWIGLU_OAI_ALPHA = 1.702  # build_moe_ffn's constants for LLM_FFN_SWIGLU_OAI_MOE
+SWIGLU_OAI_LIMIT = 7.0
+
+
+@dataclass(frozen=True)
+class Yarn:
+    """YaRN RoPE scaling as llama.cpp applies it with ext_factor 1 (backends/openvino/attention.py
+    turns it into per-frequency multipliers and a cos/sin magnitude)."""
+
+    freq_scale: float  # 1 / rope.scaling.factor (1 when no factor)
+    n_ctx_orig: int  # rope.scaling.original_context_length (default: context_length)
+    attn_factor: float = 1.0  # rope.scaling.attn_factor
+    beta_fast: float = YARN_BETA_FAST
+    beta_slow: float = YARN_BETA_SLOW
 
 
 @dataclass(frozen=True)
@@ -57,6 +99,14 @@ class Family:
     experts_renorm: bool = False  # the k weights divided by their sum
     experts_scale: float = 0.0  # the k weights × this (0 or 1: unscaled)
     shared_expert: bool = False  # qwen2moe's gated shared expert
+    ffn_norm: str = "ffn_norm.weight"  # the FFN's input RMSNorm (gpt-oss: post_attention_norm.weight)
+    swa_rope_scaled: bool = False  # windowed layers take the file's RoPE scaling too (else scale 1)
+    yarn: Yarn | None = None  # YaRN RoPE scaling of every layer
+    attn_out_bias: bool = False  # attn_output.bias added after the output projection
+    attn_sinks: bool = False  # attn_sinks.weight [heads]: an extra softmax logit per head, no value
+    experts_gating: str = "softmax"  # "softmax": over all E, then top-k; "softmax_weight": top-k of
+    #                                  the raw logits, softmax over those k
+    expert_biases: bool = False  # ffn_gate_inp.bias, ffn_{gate,up,down}_exps.bias [E, rows]
 
     def windowed(self, block: int) -> bool:
         return bool(self.swa_layers) and self.swa_layers[block]
@@ -64,6 +114,8 @@ class Family:
 
 def family_of(path: str, arch: str, hp, n_blocks: int, hidden: int, n_heads: int, head_dim: int) -> Family:
     """The family's parts for `arch` (Llama's for llama/qwen2/qwen3)."""
+    if arch == GPT_OSS:
+        return _gpt_oss(path, hp, n_blocks)
     experts = int(hp("expert_count", 0))
     if experts:
         used = int(hp("expert_used_count", 0))
@@ -79,17 +131,7 @@ def family_of(path: str, arch: str, hp, n_blocks: int, hidden: int, n_heads: int
     if arch != "gemma3":
         return Family()
     window = int(hp("attention.sliding_window", 0))
-    swa: tuple[bool, ...] = ()
-    if window > 0:
-        pattern = hp("attention.sliding_window_pattern", GEMMA3_DEFAULT_SWA_PERIOD)
-        if isinstance(pattern, list):
-            if len(pattern) != n_blocks:
-                raise BadInput(f"GGUF {path}: {arch}.attention.sliding_window_pattern has {len(pattern)} "
-                               f"entries for {n_blocks} blocks")
-            swa = tuple(bool(x) for x in pattern)
-        else:
-            period = int(pattern)
-            swa = tuple(period == 0 or b % period < period - 1 for b in range(n_blocks))
+    swa = _swa_layers(path, arch, hp, n_blocks, GEMMA3_DEFAULT_SWA_PERIOD) if window > 0 else ()
     scale = hidden / n_heads if n_blocks == GEMMA3_27B_BLOCKS else head_dim
     return Family(
         ffn_act="gelu_tanh",
@@ -103,11 +145,64 @@ def family_of(path: str, arch: str, hp, n_blocks: int, hidden: int, n_heads: int
     )
 
 
+def _swa_layers(path: str, arch: str, hp, n_blocks: int, default_period: int) -> tuple[bool, ...]:
+    """Which blocks are windowed, as llama.cpp's load_swa_pattern reads it: a bool per block, or a
+    period P (layer l windowed unless l % P = P − 1; P = 0: every layer)."""
+    pattern = hp("attention.sliding_window_pattern", default_period)
+    if isinstance(pattern, list):
+        if len(pattern) != n_blocks:
+            raise BadInput(f"GGUF {path}: {arch}.attention.sliding_window_pattern has {len(pattern)} "
+                           f"entries for {n_blocks} blocks")
+        return tuple(bool(x) for x in pattern)
+    period = int(pattern)
+    return tuple(period == 0 or b % period < period - 1 for b in range(n_blocks))
+
+
+def _gpt_oss(path: str, hp, n_blocks: int) -> Family:
+    """gpt-oss's parts (module docstring), each key read as llama.cpp reads it; the keys llama.cpp
+    requires are required here too (hp raises BadInput naming the missing one)."""
+    experts, used = int(hp("expert_count")), int(hp("expert_used_count"))
+    if not 0 < used <= experts:
+        raise BadInput(f"GGUF {path}: {GPT_OSS}.expert_used_count {used} is not in 1..{experts}")
+    hp("expert_feed_forward_length")  # llama.cpp refuses the file without it (the tensors give F)
+    window = int(hp("attention.sliding_window"))
+    if window < 1:
+        raise BadInput(f"GGUF {path}: {GPT_OSS}.attention.sliding_window {window} is not positive")
+    swa = _swa_layers(path, GPT_OSS, hp, n_blocks, GPT_OSS_DEFAULT_SWA_PERIOD)
+    if not any(swa):  # llama.cpp's windowed KV cache asserts one (is_swa_any)
+        raise BadInput(f"GGUF {path}: {GPT_OSS}.attention.sliding_window_pattern leaves no windowed layer")
+    yarn = None
+    if str(hp("rope.scaling.type", "linear")) == "yarn":
+        factor = float(hp("rope.scaling.factor", 0.0)) or float(hp("rope.scale_linear", 0.0))
+        yarn = Yarn(freq_scale=1.0 / factor if factor else 1.0,
+                    n_ctx_orig=int(hp("rope.scaling.original_context_length", hp("context_length"))),
+                    attn_factor=float(hp("rope.scaling.attn_factor", 1.0)))  # fmt: skip
+    return Family(
+        ffn_act="swiglu_oai",
+        sliding_window=window,
+        swa_layers=swa,
+        rope_base_swa=float(hp("rope.freq_base_swa", hp("rope.freq_base", 10000.0))),
+        n_experts=experts,
+        n_experts_used=used,
+        ffn_norm="post_attention_norm.weight",
+        swa_rope_scaled=True,
+        yarn=yarn,
+        attn_out_bias=True,
+        attn_sinks=True,
+        experts_gating="softmax_weight",
+        expert_biases=True,
+    )
+
+
 def ffn_tensors(arch: str, family: Family) -> tuple[str, ...]:
-    """The block tensors a family has besides attention's and the two norms (all required)."""
+    """The block tensors a family has besides attention's projections and attn_norm: the FFN's
+    input norm, the FFN's and the family's own (all required)."""
+    norm = (family.ffn_norm,)
+    if arch == GPT_OSS:
+        return norm + MOE_TENSORS + GPT_OSS_TENSORS
     if family.n_experts:
-        return MOE_TENSORS + (SHARED_EXPERT_TENSORS if family.shared_expert else ())
-    return DENSE_FFN_TENSORS + (GEMMA3_BLOCK_TENSORS if arch == "gemma3" else ())
+        return norm + MOE_TENSORS + (SHARED_EXPERT_TENSORS if family.shared_expert else ())
+    return norm + DENSE_FFN_TENSORS + (GEMMA3_BLOCK_TENSORS if arch == "gemma3" else ())
 
 
 def require_llama_blocks(h, backend: str) -> None:

@@ -17,27 +17,27 @@ from functools import cached_property
 import numpy as np
 
 from backends.errors import BadInput
-from backends.gguf.families import Family, family_of, ffn_tensors
+from backends.gguf.families import GPT_OSS, Family, family_of, ffn_tensors
 from backends.gguf.header import read_header
 from backends.gguf.hybrid import HYBRID_ARCHITECTURES, HybridParams, hybrid_params
 from backends.gguf.quant import BLOCK_WEIGHTS, FLOAT_TYPES, QuantBlocks, bf16_to_f32, split_blocks
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", *HYBRID_ARCHITECTURES)
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", GPT_OSS,
+                           *HYBRID_ARCHITECTURES)  # fmt: skip
 SUPPORTED_TYPES = (*FLOAT_TYPES, *BLOCK_WEIGHTS)  # every type backends/gguf/quant.py reads exactly
 GGUF_MAGIC = b"GGUF"
 BLOCK_TENSOR = re.compile(r"^blk\.(\d+)\.(.+)$")
 HEAD_TENSORS = ("token_embd.weight", "output_norm.weight", "output.weight")
 BLOCK_TENSOR_NAMES = (
     "attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
-    "ffn_norm.weight",
-)  # fmt: skip; and the FFN's (families.ffn_tensors)
+)  # fmt: skip; and the FFN's with its norm (families.ffn_tensors)
 OPTIONAL_BLOCK_TENSORS = ("attn_q.bias", "attn_k.bias", "attn_v.bias")  # Qwen2 (llama.cpp allows them on llama too)
 QK_NORM_TENSORS = ("attn_q_norm.weight", "attn_k_norm.weight")  # Qwen3, Gemma 3: per-head RMSNorm of q and k
 QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "qwen3moe")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"  # llama3 per-dimension frequency factors (llama only)
 # RoPE as llama.cpp applies it per architecture (llama_model_rope_type): llama rotates pairs
 # (2i, 2i+1) of GGUF's permuted q/k rows ("normal"); qwen2/qwen3 rotate halves (i, i + D/2), "neox".
-NEOX_ROPE_ARCHITECTURES = ("qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", *HYBRID_ARCHITECTURES)
+NEOX_ROPE_ARCHITECTURES = ("qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", GPT_OSS, *HYBRID_ARCHITECTURES)
 HASH_CHUNK_BYTES = 8 << 20
 
 
@@ -340,11 +340,14 @@ def _head_dim(path: str, arch: str, hp, hidden: int, n_heads: int) -> int:
 
 def _rope_scale(path: str, arch: str, hp) -> float:
     """The position scale llama.cpp applies (freq_scale): 1/factor for linear scaling (its default
-    type when a factor is given), 1 for none; other scaling types are refused, never ignored."""
+    type when a factor is given), 1 for none; gpt-oss's YaRN is the family's (Family.yarn: 1
+    here); other scaling types are refused, never ignored."""
     kind = str(hp("rope.scaling.type", "linear"))
+    if kind == "yarn" and arch == GPT_OSS:
+        return 1.0
     if kind not in ("linear", "none"):
         raise BadInput(f"GGUF {path}: {arch}.rope.scaling.type {kind!r} is not served "
-                       "(Kafila implements linear RoPE scaling and none)")
+                       f"(Kafila implements linear RoPE scaling and none; yarn on {GPT_OSS})")
     attn_factor = float(hp("rope.scaling.attn_factor", 1.0))
     if attn_factor != 1.0:
         raise BadInput(f"GGUF {path}: {arch}.rope.scaling.attn_factor {attn_factor} is not served (only 1)")
@@ -390,6 +393,20 @@ def _check_arch(path: str, arch: str, hp, tensors: dict[str, TensorInfo], h: Hyp
             t = tensors[f"blk.{b}.{n}"]
             if t.shape[0] != E or len(t.shape) != (2 if n == "ffn_gate_inp.weight" else 3):
                 raise BadInput(f"GGUF {path}: tensor {t.name} has shape {t.shape}, expected {E} experts first")
+        if arch == GPT_OSS:
+            _check_gpt_oss_shapes(path, tensors, h, b)
     t = tensors.get(ROPE_FREQS_TENSOR)
     if t is not None and (t.shape != (D // 2,) or t.qtype != "F32"):
         raise BadInput(f"GGUF {path}: {ROPE_FREQS_TENSOR} is {t.qtype} {t.shape}, expected F32 ({D // 2},)")
+
+
+def _check_gpt_oss_shapes(path: str, tensors: dict[str, TensorInfo], h: Hyperparams, b: int) -> None:
+    """The shapes llama.cpp's gpt-oss loader requires of block b's sinks and biases."""
+    p, E = f"blk.{b}.", h.family.n_experts
+    F = tensors[p + "ffn_gate_exps.weight"].shape[1]
+    want = {"attn_sinks.weight": (h.n_heads,), "attn_output.bias": (h.hidden,), "ffn_gate_inp.bias": (E,),
+            "ffn_gate_exps.bias": (E, F), "ffn_up_exps.bias": (E, F), "ffn_down_exps.bias": (E, h.hidden)}  # fmt: skip
+    for n, shape in want.items():
+        t = tensors[p + n]
+        if t.shape != shape:
+            raise BadInput(f"GGUF {path}: tensor {t.name} has shape {t.shape}, expected {shape}")

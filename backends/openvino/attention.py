@@ -7,15 +7,29 @@ LLAMA_SWA_TYPE_STANDARD). A key's logical position is its rank among the visible
 its row (cumulative sum of attention_mask − 1): every slot's visible positions are its tokens
 at logical positions 0, 1, 2, … in physical order (a prompt is fed from 0; a cut keeps a
 prefix; a row group copies a slot's live positions in order; padding is masked out).
+
+Attention sinks (gpt-oss): each head h has a learnt logit s_h that joins every query's softmax
+denominator and brings no value: p_j = exp(z_j) / (Σ_k exp(z_k) + exp(s_h)) (llama.cpp's
+ggml_soft_max_add_sinks). The graph keeps ScaledDotProductAttention and appends one key of zeros
+(its score q·0 = 0) whose mask entry is s_h and whose value is zeros: exactly that denominator.
+
+YaRN (gpt-oss's RoPE scaling, ggml's rope_yarn with ext_factor 1): frequency pair i keeps the
+original angle θ_i below the low correction dim, takes the interpolated θ_i·freq_scale above the
+high one, and mixes the two linearly between; cos and sin are scaled by a magnitude.
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
+from backends.gguf.families import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, Yarn
+
 I64 = ov.Type.i64
+F32 = ov.Type.f32
 LOWEST_F32 = np.finfo(np.float32).min
 
 
@@ -43,3 +57,62 @@ def softcap(logits: ov.Output, cap: float) -> ov.Output:
     """cap·tanh(logits / cap) (Gemma's final logit soft-capping)."""
     scaled = ops.multiply(logits, ops.constant(np.float32(1.0 / cap)))
     return ops.multiply(ops.tanh(scaled), ops.constant(np.float32(cap))).output(0)
+
+
+def attention_with_sinks(q: ov.Output, k: ov.Output, v: ov.Output, mask: ov.Output, scale: float,
+                         sinks: ov.Node, n_heads: int) -> ov.Output:
+    """Attention whose softmax denominators also hold exp(sinks[h]) (module docstring): q [B, nh, L, D],
+    k, v [B, nh, S, D], mask f32 [B, 1, L, S], sinks f32 [nh] → [B, nh, L, D]."""
+    kv_shape = ops.shape_of(k, I64)  # [4]
+    zeros_shape = ops.concat([ops.gather(kv_shape, _i64(0, 1), _i64(0)), _i64(1),
+                              ops.gather(kv_shape, _i64(3), _i64(0))], 0)  # fmt: skip
+    zero_row = ops.broadcast(ops.constant(np.float32(0.0)), zeros_shape)  # [B, nh, 1, D]
+    k = ops.concat([k, zero_row], 2)  # [B, nh, S + 1, D]
+    v = ops.concat([v, zero_row], 2)  # [B, nh, S + 1, D]
+    m_shape = ops.shape_of(mask, I64)  # [4]: B, 1, L, S
+    batch, rows = ops.gather(m_shape, _i64(0), _i64(0)), ops.gather(m_shape, _i64(2), _i64(0))
+    per_head = ops.concat([batch, _i64(n_heads), rows, ops.gather(m_shape, _i64(3), _i64(0))], 0)
+    full = ops.broadcast(mask, per_head)  # [B, nh, L, S]
+    sink_col = ops.broadcast(ops.reshape(sinks, _i64(1, n_heads, 1, 1), False),
+                             ops.concat([batch, _i64(n_heads), rows, _i64(1)], 0))  # [B, nh, L, 1]
+    mask = ops.concat([full, sink_col], 3)  # [B, nh, L, S + 1]
+    return ops.scaled_dot_product_attention(q, k, v, mask, ops.constant(np.float32(scale))).output(0)
+
+
+def yarn_multipliers(yarn: Yarn, head_dim: int, base: float) -> np.ndarray:
+    """[D/2]: frequency pair i's angle × this under YaRN: 1 below the low correction dim,
+    freq_scale above the high one, a linear ramp over the pair index between."""
+    low, high = _yarn_correction_dims(yarn, head_dim, base)
+    i = np.arange(head_dim // 2, dtype=np.float64)
+    extrapolated = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)  # 1: keeps θ_i
+    return yarn.freq_scale * (1.0 - extrapolated) + extrapolated
+
+
+def _yarn_correction_dims(yarn: Yarn, head_dim: int, base: float) -> tuple[float, float]:
+    """The pair indices where the ramp starts and ends: D·ln(n_ctx_orig / (2π·β)) / (2·ln base) for
+    β = beta_fast (floored, ≥ 0) and beta_slow (ceiled, ≤ D − 1), in f32 as ggml computes them
+    (a floor or ceil can turn on the last bit)."""
+    f = np.float32
+
+    def dim(beta: float) -> np.float32:
+        ratio = f(yarn.n_ctx_orig) / (f(beta) * f(2.0) * f(math.pi))
+        return f(head_dim) * np.log(ratio, dtype=np.float32) / (f(2.0) * np.log(f(base), dtype=np.float32))
+
+    return max(0.0, float(np.floor(dim(yarn.beta_fast)))), min(head_dim - 1.0, float(np.ceil(dim(yarn.beta_slow))))
+
+
+def yarn_magnitude(yarn: Yarn) -> float:
+    """cos and sin × this: mscale(s)·rope.scaling.attn_factor, s = 1 / freq_scale, mscale(s) =
+    1 + 0.1·ln s for s > 1, else 1. (llama.cpp's context sets attn_factor = mscale(s) / (1 + 0.1·ln s)
+    · rope.scaling.attn_factor, and ggml's rope multiplies that by 1 + 0.1·ln s again.)"""
+    s = 1.0 / yarn.freq_scale
+    return (1.0 + 0.1 * math.log(s) if s > 1.0 else 1.0) * yarn.attn_factor
+
+
+def swiglu_oai(gate: ov.Output, up: ov.Output) -> ov.Output:
+    """gpt-oss's expert activation (ggml_swiglu_oai): x = min(gate, 7), y = clamp(up, −7, 7),
+    x·sigmoid(1.702·x)·(y + 1)."""
+    x = ops.minimum(gate, ops.constant(np.float32(SWIGLU_OAI_LIMIT)))
+    y = ops.clamp(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    glu = ops.multiply(x, ops.sigmoid(ops.multiply(x, ops.constant(np.float32(SWIGLU_OAI_ALPHA)))))
+    return ops.multiply(glu, ops.add(y, ops.constant(np.float32(1.0)))).output(0)

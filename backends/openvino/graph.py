@@ -26,6 +26,9 @@ Families (backends/gguf/families.py) change parts of the block: Gemma 3 scales t
 normalizes the attention and FFN outputs before their residual adds, uses GeGLU, its own q·k
 scale and soft-capped logits, and its windowed layers take a second mask and RoPE table
 (backends/openvino/attention.py); MoE families replace the FFN by backends/openvino/moe.py's.
+gpt-oss adds the attention output's bias and per-head sinks, YaRN-scaled RoPE tables (the windowed
+layers' too), normalizes the FFN's input with post_attention_norm, and routes its biased experts
+by a softmax over the top k (moe.py).
 """
 
 from __future__ import annotations
@@ -36,7 +39,9 @@ import openvino.opset13 as ops
 import openvino.opset6 as ops6
 
 from backends.gguf import ModelIndex
-from backends.openvino.attention import gelu_tanh, softcap, window_mask
+from backends.gguf.families import Yarn
+from backends.openvino.attention import (attention_with_sinks, gelu_tanh, softcap, window_mask, yarn_magnitude,
+                                         yarn_multipliers)  # fmt: skip
 from backends.openvino.moe import moe_ffn, shared_expert
 from backends.openvino.weights import F32, WeightBank
 
@@ -55,18 +60,25 @@ def rms_norm(x: ov.Output, weight: ov.Node, eps: float) -> ov.Output:
 
 
 def rope_tables(position_ids: ov.Output, head_dim: int, base: float, scale: float = 1.0,
-                factors: np.ndarray | None = None) -> tuple[ov.Output, ov.Output]:
+                factors: np.ndarray | None = None, yarn: Yarn | None = None) -> tuple[ov.Output, ov.Output]:
     """cos, sin [B, 1, L, D] for rotate_half RoPE at the given logical positions; frequency i is
-    scale·base^(−2i/D) / factors[i] (linear scaling, llama3 rope_freqs)."""
+    scale·base^(−2i/D) / factors[i] (linear scaling, llama3 rope_freqs), × YaRN's multiplier i,
+    cos and sin × YaRN's magnitude (attention.py)."""
     inv_freq = scale / (base ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))  # [D/2]
     if factors is not None:
         inv_freq = inv_freq / np.asarray(factors, np.float64)
+    if yarn is not None:
+        inv_freq = inv_freq * yarn_multipliers(yarn, head_dim, base)
     inv_freq = ops.constant(inv_freq.astype(np.float32).reshape(1, 1, -1))  # [1, 1, D/2]
     pos = ops.unsqueeze(ops.convert(position_ids, F32), _i64(2))  # [B, L, 1]
     freqs = ops.multiply(pos, inv_freq)  # [B, L, D/2]
     emb = ops.concat([freqs, freqs], axis=-1)  # [B, L, D]
     emb = ops.unsqueeze(emb, _i64(1))  # [B, 1, L, D]
-    return ops.cos(emb).output(0), ops.sin(emb).output(0)
+    cos, sin = ops.cos(emb).output(0), ops.sin(emb).output(0)
+    if yarn is not None and yarn_magnitude(yarn) != 1.0:
+        magnitude = ops.constant(np.float32(yarn_magnitude(yarn)))
+        cos, sin = ops.multiply(cos, magnitude).output(0), ops.multiply(sin, magnitude).output(0)
+    return cos, sin
 
 
 def apply_rope(x: ov.Output, cos: ov.Output, sin: ov.Output, head_dim: int) -> ov.Output:
@@ -139,16 +151,21 @@ class StageBuilder:
         if nh != nkv:
             k_all, v_all = self._repeat_kv(k_all), self._repeat_kv(v_all)  # [B, nh, S, D]
         scale = fam.attn_scale or 1.0 / np.sqrt(D)
-        attn = ops.scaled_dot_product_attention(q, k_all, v_all, mask, ops.constant(np.float32(scale)))
+        if fam.attn_sinks:  # gpt-oss: a learnt logit per head in each softmax denominator
+            attn = attention_with_sinks(q, k_all, v_all, mask, scale, self.w.vector(p + "attn_sinks.weight"), nh)
+        else:
+            attn = ops.scaled_dot_product_attention(q, k_all, v_all, mask, ops.constant(np.float32(scale)))
         attn = ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, nh * D), True)  # [B, L, nh·D]
         (o,) = self.w.project(attn.output(0), [(p + "attn_output.weight", 0)])  # [B, L, H]
+        if fam.attn_out_bias:
+            o = ops.add(o, self.w.vector(p + "attn_output.bias"))
         if fam.post_norms:  # Gemma: the attention's output normalized before the residual add
             o = rms_norm(o, self.w.vector(p + "post_attention_norm.weight"), h.rms_eps)
         x = ops.add(x, o).output(0)
 
-        y = rms_norm(x, self.w.vector(p + "ffn_norm.weight"), h.rms_eps)
+        y = rms_norm(x, self.w.vector(p + fam.ffn_norm), h.rms_eps)
         if fam.n_experts:  # mixture of experts (backends/openvino/moe.py)
-            down = moe_ffn(self.w, y, p, fam.n_experts_used, fam.experts_renorm, fam.experts_scale)
+            down = moe_ffn(self.w, y, p, fam)
             if fam.shared_expert:
                 down = ops.add(down, shared_expert(self.w, y, p)).output(0)
             return ops.add(x, down).output(0)  # [B, L, H]
@@ -205,10 +222,11 @@ class StageBuilder:
         mask = causal_mask(attention_mask.output(0), new_len)  # [B, 1, L, S]
         h, fam = self.h, self.h.family
         factors = self.index.dequantize("rope_freqs.weight", np.float64) if h.rope_freq_factors else None
-        rope = {False: rope_tables(position_ids.output(0), h.head_dim, h.rope_base, h.rope_scale, factors)}
+        rope = {False: rope_tables(position_ids.output(0), h.head_dim, h.rope_base, h.rope_scale, factors, fam.yarn)}
         masks = {False: mask}
-        if any(fam.windowed(b) for b in range(first, last)):  # windowed layers: own RoPE base, scale 1
-            rope[True] = rope_tables(position_ids.output(0), h.head_dim, fam.rope_base_swa)
+        if any(fam.windowed(b) for b in range(first, last)):  # windowed layers: own RoPE base (Gemma: scale 1)
+            swa_scale = h.rope_scale if fam.swa_rope_scaled else 1.0
+            rope[True] = rope_tables(position_ids.output(0), h.head_dim, fam.rope_base_swa, swa_scale, yarn=fam.yarn)
             masks[True] = window_mask(mask, attention_mask.output(0), position_ids.output(0), fam.sliding_window)
         if first == 0 and fam.embed_scale != 1.0:  # Gemma: the embedding's rows × sqrt(hidden)
             x = ops.multiply(x, ops.constant(np.float32(fam.embed_scale))).output(0)

@@ -4,6 +4,10 @@
     → (qwen3moe, Mixtral: w / max(Σw, 2^−14)) (× expert_weights_scale when set)
     → Σ_j w_j · down_j(silu(gate_j · x) ⊙ up_j · x)          (+ qwen2moe's gated shared expert)
 
+gpt-oss: logits + ffn_gate_inp.bias → top-k of the logits → w = softmax over those k; each expert's
+gate, up and down add their bias rows (Gathered by the same expert ids as the weights), and the
+activation is swiglu_oai(gate_j · x + bg_j, up_j · x + bu_j) (backends/openvino/attention.py).
+
 Only the experts some row selected are read: the ids of all rows go through Unique (U ≤ min(E,
 T·k) experts, sorted), and each 3-D expert tensor's codes are Gathered by those ids before they
 are decompressed, so a decode step (T = 1) reads k of E experts' bytes, a batch of rows the
@@ -25,7 +29,9 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
+from backends.gguf.families import Family
 from backends.gguf.quant import CODE_BIAS, FLOAT_TYPES, split_blocks
+from backends.openvino.attention import swiglu_oai
 
 I64 = ov.Type.i64
 F32 = ov.Type.f32
@@ -73,11 +79,15 @@ class Experts:
         return ops.reshape(w, _i64(-1, out, cols), False).output(0)  # [U, out, in]
 
 
-def route(logits: ov.Output, k: int, normalize: bool, scale: float) -> tuple[ov.Output, ov.Output]:
-    """Router logits [T, E] → (weights f32 [T, k], expert ids i64 [T, k]): softmax, then top-k."""
-    probs = ops.softmax(logits, -1)
+def route(logits: ov.Output, k: int, normalize: bool, scale: float,
+          gating: str = "softmax") -> tuple[ov.Output, ov.Output]:
+    """Router logits [T, E] → (weights f32 [T, k], expert ids i64 [T, k]): softmax, then top-k;
+    gating "softmax_weight" (gpt-oss): top-k of the logits, then softmax over those k."""
+    probs = ops.softmax(logits, -1) if gating == "softmax" else logits
     top = ops.topk(probs, ops.constant(np.int64(k)), axis=-1, mode="max", sort="value", index_element_type=I64)
     weights, ids = top.output(0), top.output(1)
+    if gating == "softmax_weight":
+        weights = ops.softmax(weights, -1).output(0)
     if normalize:
         total = ops.reduce_sum(weights, _i64(-1), keep_dims=True)  # [T, 1]
         weights = ops.divide(weights, ops.maximum(total, ops.constant(np.float32(WEIGHTS_SUM_MIN))))
@@ -86,13 +96,16 @@ def route(logits: ov.Output, k: int, normalize: bool, scale: float) -> tuple[ov.
     return weights if isinstance(weights, ov.Output) else weights.output(0), ids
 
 
-def moe_ffn(bank, x: ov.Output, prefix: str, n_used: int, normalize: bool, scale: float) -> ov.Output:
+def moe_ffn(bank, x: ov.Output, prefix: str, fam: Family) -> ov.Output:
     """x [B, L, H] → the experts' weighted sum [B, L, H] (module docstring)."""
     shape = ops.shape_of(x, I64)  # [3]
     hidden = bank.index.hparams.hidden
     xt = ops.reshape(x, _i64(-1, hidden), False).output(0)  # [T, H]
     (logits,) = bank.project(xt, [(prefix + "ffn_gate_inp.weight", 0)])  # [T, E]
-    weights, ids = route(logits, n_used, normalize, scale)  # [T, k] ×2
+    if fam.expert_biases:
+        logits = ops.add(logits, bank.vector(prefix + "ffn_gate_inp.bias")).output(0)
+    weights, ids = route(logits, fam.n_experts_used, fam.experts_renorm, fam.experts_scale,
+                         fam.experts_gating)  # [T, k] ×2  # fmt: skip
     n_experts = bank.index.tensors[prefix + "ffn_gate_inp.weight"].shape[0]
     picked = ops.reshape(ids, _i64(-1), False)  # [T·k]
     if READ_ALL_EXPERTS:  # every id once more: U = E (through Unique, so that nothing folds into constants)
@@ -108,9 +121,21 @@ def moe_ffn(bank, x: ov.Output, prefix: str, n_used: int, normalize: bool, scale
     xu = ops.unsqueeze(xt, _i64(0))  # [1, T, H]
     g = ops.matmul(xu, gate, False, True)  # [U, T, F]
     u = ops.matmul(xu, up, False, True)  # [U, T, F]
-    d = ops.matmul(ops.multiply(ops.swish(g), u), down, False, True)  # [U, T, H]
+    if fam.expert_biases:
+        g = _plus_rows(bank, g, prefix + "ffn_gate_exps.bias", used)
+        u = _plus_rows(bank, u, prefix + "ffn_up_exps.bias", used)
+    act = swiglu_oai(g, u) if fam.ffn_act == "swiglu_oai" else ops.multiply(ops.swish(g), u)
+    d = ops.matmul(act, down, False, True)  # [U, T, H]
+    if fam.expert_biases:
+        d = _plus_rows(bank, d, prefix + "ffn_down_exps.bias", used)
     out = ops.reduce_sum(ops.multiply(d, ops.unsqueeze(w_used, _i64(2))), _i64(0), keep_dims=False)  # [T, H]
     return ops.reshape(out, shape, False).output(0)  # [B, L, H]
+
+
+def _plus_rows(bank, y: ov.Output, name: str, used: ov.Output) -> ov.Output:
+    """y [U, T, n] + the bias rows [E, n] of experts `used` [U] (only those rows are read)."""
+    rows = ops.gather(bank._const(bank.index.dequantize(name, np.float32)), used, _i64(0))  # [U, n]
+    return ops.add(y, ops.unsqueeze(rows, _i64(1))).output(0)  # [U, T, n]
 
 
 def shared_expert(bank, x: ov.Output, prefix: str) -> ov.Output:
