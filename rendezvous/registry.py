@@ -278,8 +278,7 @@ class Registry:
                 actions += self._drop(state, "not admitted in time", "not admitted")
             elif state.session is not None and not state.admitted and not state.began \
                     and now - state.joined_at > PAKE_START_S:
-                # its own code: a joiner whose machine was too busy to begin in time may simply try again
-                actions.append(SendTo(state.conn, m.Error("no-pake", f"no PAKE within {PAKE_START_S:g} s")))
+                actions.append(SendTo(state.conn, m.Error("no-pake", f"no PAKE within {PAKE_START_S:g} s")))  # may retry
                 actions += self._drop(state, "no PAKE in time", "no PAKE in time")
         for session in list(self._sessions.values()):
             actions += self._next_in_line(session, now)

@@ -124,3 +124,16 @@ def test_ollama_chat_returns_thinking(served):
     with urllib.request.urlopen(req, timeout=30) as resp:
         message = json.load(resp)["message"]
     assert (message["content"], message["thinking"]) == (REPLY, THINKING)
+
+
+def test_kafila_chat_shows_the_thinking_then_the_reply_and_keeps_only_the_reply(served):
+    import io
+
+    from kafila.commands.chat import ApiClient, Chat, run_chat
+
+    host, port = served.removeprefix("http://").rsplit(":", 1)
+    chat = Chat(ApiClient(host, int(port)), "gpt-oss", None, 200)
+    out = io.StringIO()
+    assert run_chat(chat, iter(["What is the capital of France?\n"]), out, io.StringIO(), interactive=False) == 0
+    assert out.getvalue() == f"thinking: {THINKING}\n{REPLY}\n"
+    assert chat.history[-1] == {"role": "assistant", "content": REPLY}

@@ -19,6 +19,7 @@ from kafila.api import DEFAULT_API_HOST, DEFAULT_API_PORT, parse_hostport
 CONNECT_TIMEOUT_S = 10.0
 READ_TIMEOUT_S = 600.0  # a long queue or a slow ring: the first token may take a while
 MAX_ERROR_BODY_BYTES = 64 * 1024
+THINKING_FIELD = "reasoning_content"  # where a thinking model's thinking comes (gpt-oss's analysis channel)
 
 
 class ChatError(Exception):
@@ -76,8 +77,9 @@ class ApiClient:
 
     def stream_chat(
         self, model: str, messages: list[dict], max_tokens: int | None
-    ) -> Iterator[str]:
-        """The answer's text pieces as they arrive; closing the iterator hangs up."""
+    ) -> Iterator[tuple[str, str]]:
+        """The answer's pieces as they arrive, each (field, text): field "content", or
+        "reasoning_content" for a thinking model's thinking; closing the iterator hangs up."""
         body: dict = {"model": model, "messages": messages, "stream": True}
         if max_tokens is not None:
             body["max_tokens"] = max_tokens
@@ -90,9 +92,10 @@ class ApiClient:
                 if "error" in chunk:
                     raise ChatError(chunk["error"].get("message", "the answer failed"))
                 for choice in chunk.get("choices", []):
-                    piece = (choice.get("delta") or {}).get("content")
-                    if piece:
-                        yield piece
+                    delta = choice.get("delta") or {}
+                    for field in THINKING_FIELD, "content":
+                        if delta.get(field):
+                            yield field, delta[field]
             raise ChatError(f"the Kafila API at {self.url} ended the answer early")
         except (OSError, http.client.HTTPException, ValueError) as exc:
             raise ChatError(f"the connection to {self.url} broke mid-answer ({exc})") from None
@@ -129,19 +132,26 @@ class Chat:
         self.history = list(self.start)
 
     def turn(self, prompt: str, out: TextIO) -> str:
-        """Ask `prompt`, write the answer as it streams; the history keeps only whole turns."""
+        """Ask `prompt`, write the answer as it streams (a thinking model's thinking first, dim in
+        a terminal, under "thinking:"); the history keeps only whole turns and only the replies."""
         messages = [*self.history, {"role": "user", "content": prompt}]
-        pieces = []
+        pieces: list[str] = []
+        shown = ""  # the field written last
+        dim, plain = ("\x1b[2m", "\x1b[0m") if out.isatty() else ("", "")
         stream = self.client.stream_chat(self.model, messages, self.max_tokens)
         try:
-            for piece in stream:
-                pieces.append(piece)
-                out.write(piece)
+            for field, piece in stream:
+                if field == THINKING_FIELD:
+                    out.write(("" if shown == THINKING_FIELD else f"{dim}thinking: ") + piece)
+                else:
+                    out.write(("\n" + plain if shown == THINKING_FIELD else "") + piece)
+                    pieces.append(piece)
+                shown = field
                 out.flush()
         finally:
             stream.close()  # on Ctrl-C: hang up, so the server frees the slot
-            if pieces:
-                out.write("\n")
+            if shown:
+                out.write((plain if shown == THINKING_FIELD else "") + "\n")
                 out.flush()
         answer = "".join(pieces)
         self.history = [*messages, {"role": "assistant", "content": answer}]

@@ -40,7 +40,6 @@ from kafila.net.signaling import (
     RESUME_WINDOW_S,
     SIGNAL_TIMEOUT_S,
     Busy,
-    RendezvousRefused,
     Signal,
     local_candidates,
     resume,
@@ -227,10 +226,6 @@ class Member:
         self._signal.send(m.Join(nameplate))
         try:
             joined = await self._signal.expect(m.Joined, what="no answer to the join")
-        except RendezvousRefused as exc:
-            if exc.code == "busy":
-                raise Busy() from None
-            raise Refused(f"cannot join {code.split('-')[0]}-...: {exc} (check the code)") from None
         except Refused as exc:
             raise Refused(f"cannot join {code.split('-')[0]}-...: {exc} (check the code)") from None
         assert isinstance(joined, m.Joined)
@@ -240,12 +235,7 @@ class Member:
         loop = asyncio.get_running_loop()
         self._execute(joiner.start(loop.time()))
         while joiner.state != joining.JOINED:  # each reply bounded by SIGNAL_TIMEOUT_S; Failed raises
-            try:
-                deliver = await self._signal.expect(m.Deliver, what="no answer from the host")
-            except RendezvousRefused as exc:
-                if exc.code == "no-pake":  # our PAKE reached it late (a busy machine): nothing was guessed
-                    raise Busy() from None
-                raise
+            deliver = await self._signal.expect(m.Deliver, what="no answer from the host")
             assert isinstance(deliver, m.Deliver)
             self._execute(joiner.receive(deliver.sender, deliver.body, loop.time()))
         self._start_background()

@@ -38,6 +38,11 @@ class Busy(Exception):
     """The rendezvous asked this joiner to come back in a moment (Member.join retries)."""
 
 
+# a join the rendezvous could not take now, nothing spent: full for a moment, or our PAKE came
+# after its 3 s (a busy machine); the joiner asks again (Member.join)
+TRY_AGAIN_CODES = ("busy", "no-pake")
+
+
 class RendezvousRefused(Refused):
     """The rendezvous answered with an Error; `code` says which (e.g. "busy": try again)."""
 
@@ -86,6 +91,8 @@ class Signal:
                 wanted = what or f"no {' or '.join(k.__name__ for k in kinds)}"
                 raise Refused(f"{wanted} came through the rendezvous{at} within {SIGNAL_TIMEOUT_S:g} s") from None
             if isinstance(message, m.Error):
+                if message.code in TRY_AGAIN_CODES:
+                    raise Busy()
                 raise RendezvousRefused(message.code, f"rendezvous refused: {message.reason}")
             if isinstance(message, m.Heartbeat):
                 continue

@@ -320,8 +320,9 @@ async function send(prompt) {
   const log = $("log");
   log.append(el("div", {class: "msg user"}, prompt));
   const out = el("div", {class: "msg assistant", "data-done": "false", "data-chunks": "0"});
+  const thinking = el("span", {class: "thinking meta"});  // a thinking model's thinking (reasoning_content)
   const text = el("span", {class: "text"});
-  out.append(text);
+  out.append(thinking, text);
   log.append(out);
   log.scrollTop = log.scrollHeight;
   const messages = history.concat([{role: "user", content: prompt}]);
@@ -355,9 +356,11 @@ async function send(prompt) {
           const chunk = JSON.parse(data);
           if (chunk.error) throw new Error(chunk.error.message);
           for (const c of chunk.choices || []) {
+            const thought = c.delta && c.delta.reasoning_content;
+            if (thought) thinking.textContent += thought;
             const piece = c.delta && c.delta.content;
-            if (piece) {
-              text.textContent += piece;
+            if (thought || piece) {
+              text.textContent += piece || "";
               chunks += 1;
               first = first ?? performance.now();
               out.dataset.chunks = String(chunks);
