@@ -45,14 +45,16 @@ def drain(s) -> list[dict]:
     return out
 
 
-def ask_all(s, origins: list[str], prompts: list[str], max_tokens: int) -> tuple[list[threading.Thread], list]:
+def ask_all(s, origins: list[str], prompts: list, max_tokens: int, raw: bool = False) -> tuple[list[threading.Thread], list]:
+    """Every prompt at once, each at its origin, on threads; `raw`: prompts are completions'
+    prompts (text or token ids), not chat messages."""
     from kafila.tooling.launch import stream_chat
 
     results: list = [None] * len(prompts)
 
     def one(i: int) -> None:
         try:
-            results[i] = stream_chat(s.api(origins[i]), prompts[i], max_tokens, timeout_s=300)
+            results[i] = stream_chat(s.api(origins[i]), prompts[i], max_tokens, timeout_s=300, raw=raw)
         except Exception as exc:  # the test reports it with the others
             results[i] = {"error": str(exc)}
 
@@ -100,10 +102,11 @@ def not_mid_answer(results: list, pieces: list[tuple[int, int]]) -> list[str]:
     return problems
 
 
-def leave_round(s, victim: str, origins: list[str], prompts: list[str], max_tokens: int, sig: int) -> dict:
+def leave_round(s, victim: str, origins: list[str], prompts: list, max_tokens: int, sig: int,
+                raw: bool = False) -> dict:  # fmt: skip
     """Ask every prompt at once, make `victim` leave with `sig` mid-generation, wait for every
     answer; returns the answers and the timings."""
-    threads, results = ask_all(s, origins, prompts, max_tokens)
+    threads, results = ask_all(s, origins, prompts, max_tokens, raw)
     wait_decoding(s, len(prompts))
     drain(s)
     t_leave, pc_leave = time.monotonic(), time.perf_counter()
