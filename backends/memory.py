@@ -58,6 +58,15 @@ RESIDENT_BYTES_PER_WEIGHT: dict[str, dict[str, float]] = {
     "reference": {},  # every type: float64
 }
 REFERENCE_BYTES_PER_WEIGHT = 8.0
+# OpenVINO's mixture-of-experts tensors (`*_exps.weight`, backends/openvino/moe.py's Experts):
+# Gathered by expert before they are decompressed, so not the FullyConnected forms above: u4 / i4
+# codes for the integer 4-bit types, one byte a code for the rest, f32 scales (and offsets)
+EXPERT_BYTES_PER_WEIGHT: dict[str, dict[str, float]] = {
+    "openvino": {"Q4_0": 0.625, "Q4_1": 0.75, "Q4_K": 0.75, "Q2_K": 1.0, "Q3_K": 0.75, "Q5_0": 1.125,
+                 "Q5_1": 1.25, "Q5_K": 1.25, "Q6_K": 1.25, "Q8_0": 1.125, "IQ4_NL": 1.125, "IQ4_XS": 1.125,
+                 "MXFP4": 1.125},  # fmt: skip
+}
+EXPERT_TENSOR_SUFFIX = "_exps.weight"
 
 PROCESS_BYTES: dict[str, float] = {"openvino": 165e6, "mlx": 165e6, "reference": 165e6}
 ANCHOR_BYTES: dict[str, float] = {"openvino": 55e6, "mlx": 55e6, "reference": 55e6}
@@ -128,11 +137,13 @@ def bytes_per_weight(backend: str, qtype: str) -> float:
 
 
 def resident_bytes(backend: str, tensors) -> float:
-    """Resident bytes of `tensors` (TensorInfo: .qtype, .shape) on `backend`."""
+    """Resident bytes of `tensors` (TensorInfo: .name, .qtype, .shape) on `backend`."""
+    experts = EXPERT_BYTES_PER_WEIGHT.get(backend, {})
     total = 0.0
     for t in tensors:
         n = 1
         for d in t.shape:
             n *= int(d)
-        total += n * bytes_per_weight(backend, t.qtype)
+        expert = getattr(t, "name", "").endswith(EXPERT_TENSOR_SUFFIX) and t.qtype in experts
+        total += n * (experts[t.qtype] if expert else bytes_per_weight(backend, t.qtype))
     return total

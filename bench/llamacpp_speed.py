@@ -156,11 +156,20 @@ def write_aligned_f16(dst: str, tokenizer_source, seed: int = 0) -> str:
     return dst
 
 
+# mixture-of-experts files (tests/arch_gguf.py's kinds, random weights, real tokenizers): every
+# expert row 1024 or 256 wide, so llama.cpp's quantizer gives the experts their K-quant / MXFP4
+MOE_FILES = {"qwen3moe": ("qwen3moe", "Q4_K_M"), "gpt-oss": ("gpt-oss", "MXFP4_MOE")}
+MOE_SHAPE = {"blocks": 12, "hidden": 1024, "heads": 16, "kv_heads": 4, "experts": (32, 4, 256)}
+
+
 def q4_k_m_file(which: str, threads: int) -> str:
-    """The benchmark's GGUF: built once into the cache for `smollm2` / `aligned`, else a path."""
+    """The benchmark's GGUF: built once into the cache for `smollm2` / `aligned` / the MoE kinds
+    (MOE_FILES: qwen3moe as Q4_K_M, gpt-oss as MXFP4_MOE), else a path."""
     from backends.gguf import open_model
     from kafila.models import resolve_model
 
+    if which in MOE_FILES:
+        return moe_file(which, threads)
     if which not in ("smollm2", "aligned"):
         return which
     source = open_model(resolve_model("smollm2-135m"))
@@ -175,6 +184,21 @@ def q4_k_m_file(which: str, threads: int) -> str:
         return llama_quantize(str(f16), str(dst), threads=threads)
     finally:
         f16.unlink()
+
+
+def moe_file(which: str, threads: int) -> str:
+    from tests.arch_gguf import write_arch_gguf
+
+    kind, ftype = MOE_FILES[which]
+    dst = cache_dir() / f"{which}.{ftype}.gguf"
+    if not dst.exists():
+        f32 = cache_dir() / f"{which}.F32.gguf"
+        write_arch_gguf(str(f32), kind, **MOE_SHAPE)
+        try:
+            llama_quantize(str(f32), str(dst), ftype, threads=threads)
+        finally:
+            f32.unlink()
+    return str(dst)
 
 
 # --- the two rows ------------------------------------------------------------------------------
@@ -268,7 +292,7 @@ def measure(path: str, info: dict, prompt: list[int], threads: int, args) -> Non
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="bench.llamacpp_speed", description=__doc__.splitlines()[0])
     parser.add_argument("--file", default="smollm2,aligned",
-                        help="comma-separated: smollm2 | aligned | a GGUF path (default smollm2,aligned)")
+                        help="comma-separated: smollm2 | aligned | qwen3moe | gpt-oss | a GGUF path (default smollm2,aligned)")
     parser.add_argument("--threads", default=str(os.cpu_count() or 1),
                         help="comma-separated thread counts, each used by both (default: all cores)")
     parser.add_argument("--tokens", type=int, default=NEW_TOKENS)
@@ -289,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
         print("llama.cpp:", llama_cpp.__version__, llama_cpp.llama_print_system_info().decode().strip(), flush=True)
     # The prompt from the default model's tokenizer: every file here carries SmolLM2's vocabulary.
     tok = load_tokenizer(open_model(resolve_model("smollm2-135m")))
-    prompt = tok.encode(tok.render_chat([{"role": "user", "content": PROMPT}]))
+    # a file without a chat template (the MoE kinds' llama-bpe vocabulary): the plain prompt
+    prompt = tok.encode(tok.render_chat([{"role": "user", "content": PROMPT}]) if tok.chat_template else PROMPT)
     threads = [int(t) for t in args.threads.split(",")]
     print(f"{args.tokens} new tokens; {args.warmups} warm-ups, {args.repeats} rounds; threads {threads}")
     for which in args.file.split(","):

@@ -17,12 +17,11 @@ exact (a 0 weight times a finite value), at U/k times the decode FLOPs of a per-
 compute a bandwidth-bound decode step has to spare; a prompt's chunk computes E/k times its
 FFN work.
 
-Expert weights are kept as codes and f32 scales and offsets [E, out, groups, 1]: two codes a
-byte for the types whose codes take at most 16 values (Q4_0, Q4_1, Q4_K, Q2_K, Q3_K, IQ4_NL,
-IQ4_XS, MXFP4: u8 [E, out, groups, group / 2], unpacked after the Gather), one byte a code for
-the others (i8 / u8 [E, out, groups, group]); F32/F16/BF16 experts are f32 [E, out, in].
-Decompression is exact in f32: (q − bias)·scale (+ offset), as backends/gguf/quant.py's
-QuantBlocks computes it.
+Expert weights are kept as codes and f32 scales and offsets [E, out, groups, 1]: u4 / i4 codes
+[E, out, groups, group] for Q4_0, Q4_1, Q4_K, Q2_K and Q3_K (two a byte), one byte a code for
+the others (i8 / u8; MXFP4 and IQ4 as their tables' values); F32/F16/BF16 experts are f32
+[E, out, in]. Decompression is exact in f32: (q − bias)·scale (+ offset), as
+backends/gguf/quant.py's QuantBlocks computes it.
 """
 
 from __future__ import annotations
@@ -30,21 +29,19 @@ from __future__ import annotations
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
-import openvino.opset15 as ops15
 
 from backends.gguf.families import Family
-from backends.gguf.quant import CODE_BIAS, FLOAT_TYPES, KVALUES_IQ4NL, KVALUES_MXFP4, split_blocks
+from backends.gguf.quant import CODE_BIAS, FLOAT_TYPES, split_blocks
 from backends.openvino.attention import swiglu_oai
+from backends.openvino.lowbit import pack_i4
 
 I64 = ov.Type.i64
 F32 = ov.Type.f32
 WEIGHTS_SUM_MIN = 6.103515625e-5  # llama.cpp clamps Σw below by the smallest normal f16
 # bench/moe.py's baseline: every expert read and applied at every step (the same answer)
 READ_ALL_EXPERTS = False
-# the values a type's codes take, where they are at most 16 (Experts keeps two codes a byte)
-NIBBLE_TABLES = {"Q4_0": np.arange(16), "Q4_1": np.arange(16), "Q4_K": np.arange(16), "Q2_K": np.arange(4),
-                 "Q3_K": np.arange(-4, 4), "IQ4_NL": KVALUES_IQ4NL, "IQ4_XS": KVALUES_IQ4NL,
-                 "MXFP4": KVALUES_MXFP4}  # fmt: skip
+# the integer 4-bit types' codes as OpenVINO keeps them (Q2_K's 0..3 and Q3_K's −4..3 fit too)
+FOUR_BIT = {"Q4_0": ov.Type.u4, "Q4_1": ov.Type.u4, "Q4_K": ov.Type.u4, "Q2_K": ov.Type.u4, "Q3_K": ov.Type.i4}
 
 
 def _i64(*values: int) -> ov.Node:
@@ -54,18 +51,18 @@ def _i64(*values: int) -> ov.Node:
 class Experts:
     """One 3-D expert tensor [E, out, in] as constants, decompressed after a Gather by expert ids.
 
-    A type whose codes take at most 16 values (NIBBLE_TABLES) keeps two codes a byte, each the
-    index of its value in the type's table, and the table: Gather moves whole bytes, so an
-    expert's bytes stay contiguous, and the unpacking (two nibbles, then the table) is exact.
-    MXFP4 experts then hold 0.5 + 4/32 bytes a weight, as backends/memory.py prices them, where one
-    byte a code held 1.125: gpt-oss's experts, nearly all its weights, in 1.3× the file, not 2.1×."""
+    The integer 4-bit types keep their codes as OpenVINO u4 / i4 constants (FOUR_BIT, two codes a
+    byte), which Gather takes by whole experts and Convert decompresses at the plugin's speed (the
+    same decode time as one byte a code; a nibble unpacking written as graph arithmetic took 3.5×).
+    The other types keep one byte a code, MXFP4 and IQ4 as their table's values: OpenVINO
+    2026.4's Gather on f4e2m1 returns wrong values and can crash the process, and a table lookup
+    after the Gather took 4× the decode time (backends/memory.py prices experts as held here)."""
 
     def __init__(self, bank, name: str) -> None:
         index = bank.index
         t = index.tensors[name]
         E, out, cols = t.shape
         self.shape = (E, out, cols)
-        self.table = None
         if t.qtype in FLOAT_TYPES:
             self.dense = bank._const(index.dequantize(name, np.float32).reshape(E, out, cols))
             return
@@ -73,14 +70,13 @@ class Experts:
         b = split_blocks(t.qtype, index.raw(name), E * out, cols)
         groups, group = b.q.shape[1], b.q.shape[2]
         q = b.q.reshape(E, out, groups, group)
-        table = NIBBLE_TABLES.get(t.qtype)
-        if table is not None and group % 2 == 0:
-            self.codes = bank._const(pack_nibbles(q, table))  # u8 [E, out, groups, group / 2]
-            self.table = bank._const(table.astype(np.float32))
+        scale = b.scale.astype(np.float32).reshape(E, out, groups, 1)
+        if t.qtype in FOUR_BIT:
+            self.codes = bank._const(pack_i4(q), FOUR_BIT[t.qtype], q.shape)
         else:
             self.codes = bank._const(q.astype(np.int8) if q.dtype == np.int8 else q)
         self.bias = float(CODE_BIAS.get(t.qtype, 0))
-        self.scale = bank._const(b.scale.astype(np.float32).reshape(E, out, groups, 1))
+        self.scale = bank._const(scale)
         self.offset = None if b.offset is None else bank._const(b.offset.astype(np.float32).reshape(E, out, groups, 1))
 
     def take(self, ids: ov.Output) -> ov.Output:
@@ -89,30 +85,13 @@ class Experts:
         axis = _i64(0)
         if self.dense is not None:
             return ops.gather(self.dense, ids, axis).output(0)
-        codes = ops.gather(self.codes, ids, axis)
-        if self.table is not None:  # [U, out, groups, group / 2] → the values [U, out, groups, group]
-            low = ops15.bitwise_and(codes, ops.constant(np.uint8(0x0F)))
-            high = ops15.bitwise_right_shift(codes, ops.constant(np.uint8(4)))
-            w = ops.gather(self.table, ops.concat([low, high], -1), _i64(0))
-        else:
-            w = ops.convert(codes, F32)  # [U, out, groups, group]
+        w = ops.convert(ops.gather(self.codes, ids, axis), F32)  # [U, out, groups, group]
         if self.bias:
             w = ops.subtract(w, ops.constant(np.float32(self.bias)))
         w = ops.multiply(w, ops.gather(self.scale, ids, axis))
         if self.offset is not None:
             w = ops.add(w, ops.gather(self.offset, ids, axis))
         return ops.reshape(w, _i64(-1, out, cols), False).output(0)  # [U, out, in]
-
-
-def pack_nibbles(q: np.ndarray, table: np.ndarray) -> np.ndarray:
-    """Codes [..., group] (each a value of `table`) → uint8 [..., group / 2]: the index of code j
-    in the low nibble of byte j, of code j + group / 2 in its high nibble (GGML's own order)."""
-    index = np.zeros(256, np.uint8)
-    for i in range(len(table) - 1, -1, -1):  # a value listed twice (MXFP4's ±0) takes its first index
-        index[int(table[i]) & 0xFF] = i
-    idx = index[q.astype(np.int16) & 0xFF]
-    half = q.shape[-1] // 2
-    return idx[..., :half] | (idx[..., half:] << 4)
 
 
 def route(logits: ov.Output, k: int, normalize: bool, scale: float,
