@@ -7,17 +7,40 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+from typing import Any
 
 from backends.errors import KafilaError
 from kafila.net.signaling import DROPPED
 from kafila.session.control import lifecycle
 from kafila.session.control import messages as control
+from kafila.session.control.config import SessionConfig
 from kafila.session.control.system import reserve_stdout
 
 log = logging.getLogger("kafila.session.control")
 # how a member hears it was removed: the host's plain refusal (joining.py), or the rendezvous
 # refusing to take it back after its watchdog dropped it (signaling.DROPPED)
 DROPPED_PREFIXES = ("removed: ", DROPPED)
+
+
+class Driver:
+    """What the host's and a member's drivers share (host.HostParticipant, participant.Participant):
+    their stage's configuration, network and /status, and `run`."""
+
+    stage: Any  # a stage.Stage, set by the driver's constructor
+
+    @property
+    def cfg(self) -> SessionConfig:
+        return self.stage.cfg
+
+    @property
+    def net(self):
+        return self.stage.net
+
+    def status(self) -> dict:
+        return self.stage.status()
+
+    def run(self) -> int:
+        return run(self)
 
 
 def run(driver) -> int:

@@ -84,7 +84,7 @@ class HostView:
         """The host is leaving."""
 
 
-class HostParticipant:
+class HostParticipant(driving.Driver):
     """The host of a session (`kafila host`)."""
 
     def __init__(self, cfg: SessionConfig, console: Console | None = None, view: HostView | None = None) -> None:
@@ -108,20 +108,6 @@ class HostParticipant:
         self.session: dict = {}
         self._context_asked: int | None = cfg.context  # None: the model's own, capped by memory at each plan
         self._context_why: str | None = None  # the last context note said, said again only when it changes
-
-    @property
-    def cfg(self) -> SessionConfig:
-        return self.stage.cfg
-
-    @property
-    def net(self):
-        return self.stage.net
-
-    def status(self) -> dict:
-        return self.stage.status()
-
-    def run(self) -> int:
-        return driving.run(self)
 
     def enter(self) -> None:
         """A person pressed Enter at the host: plan now while waiting for the members, replan

@@ -49,7 +49,7 @@ from kafila.session.control.stage import STATUS_EVERY_S, Role, Stage, role_of
 from kafila.session.control.system import cancel_and_wait
 
 
-class Participant:
+class Participant(driving.Driver):
     """A member of a session (`kafila join`)."""
 
     def __init__(self, cfg: SessionConfig, console: Console | None = None) -> None:
@@ -58,20 +58,6 @@ class Participant:
                            act=self._act, on_ring_broke=self._ring_broke)  # fmt: skip
         self.code = ""  # the session code (the command sets it)
         self.leaving = False  # SIGINT/SIGTERM: the lifecycle is being cancelled
-
-    @property
-    def cfg(self) -> SessionConfig:
-        return self.stage.cfg
-
-    @property
-    def net(self):
-        return self.stage.net
-
-    def status(self) -> dict:
-        return self.stage.status()
-
-    def run(self) -> int:
-        return driving.run(self)
 
     async def close(self) -> None:
         await self.stage.close()
