@@ -174,8 +174,7 @@ class Member:
         """Join the session behind `code`: PAKE with the host, then the roster.
 
         A rendezvous that is "busy" (several machines joining at the same moment: it admits a few
-        at a time) is asked again after a short random pause, for up to JOIN_BUSY_WAIT_S; so is one
-        that dropped our pending id before our PAKE reached it ("no-pake": this machine was busy)."""
+        at a time) is asked again after a short random pause, for up to JOIN_BUSY_WAIT_S."""
         nameplate, normalized = parse_code(code)
         deadline = asyncio.get_running_loop().time() + JOIN_BUSY_WAIT_S
         while True:

@@ -38,9 +38,10 @@ class Busy(Exception):
     """The rendezvous asked this joiner to come back in a moment (Member.join retries)."""
 
 
-# a join the rendezvous could not take now, nothing spent: full for a moment, or our PAKE came
-# after its 3 s (a busy machine); the joiner asks again (Member.join)
-TRY_AGAIN_CODES = ("busy", "no-pake")
+# a join the rendezvous could not take now, nothing spent: the joiner asks again (Member.join).
+# "no-pake" (our PAKE came after its 3 s) is not retried: with it retried, two full-suite session
+# tests hung forming (cause not found), so it ends the join as before
+TRY_AGAIN_CODES = ("busy",)
 
 
 class RendezvousRefused(Refused):
