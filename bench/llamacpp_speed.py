@@ -37,17 +37,16 @@ import contextlib
 import ctypes
 import json
 import os
-import platform
 import statistics
 import time
 from pathlib import Path
+
+from bench._report import cpu
 
 NEW_TOKENS = 128
 WARMUPS = 2
 REPEATS = 5
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
-ISA_FLAGS = ("sse4_2", "avx", "avx2", "fma", "f16c", "avx_vnni", "avx512f", "avx512bw", "avx512vl",
-             "avx512_vnni", "avx512_bf16", "amx_tile", "amx_bf16", "amx_int8")  # fmt: skip
 KAFILA = "kafila OpenVINO 1-stage"
 LLAMACPP = "llama.cpp (llama-cpp-python)"
 ALIGNED = dict(blocks=30, hidden=768, heads=12, kv_heads=4, ffn=2048)  # every row a multiple of 256
@@ -61,18 +60,9 @@ def cache_dir() -> Path:
 
 
 def machine() -> str:
-    """CPU model, core count and the ISA flags that matter to these kernels."""
-    model, flags = platform.processor() or "?", set()
-    with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key.strip() == "model name":
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    isa = " ".join(f for f in ISA_FLAGS if f in flags) or "?"
+    """CPU model, core count and the ISA flags that matter to these kernels, and the load now."""
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    return f"CPU: {model}, {os.cpu_count()} logical cores; ISA: {isa}; load average {load}"
+    return f"{cpu()}; load average {load}"
 
 
 # --- the Q4_K_M file ---------------------------------------------------------------------------
