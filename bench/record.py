@@ -38,9 +38,8 @@ SECTIONS = [
    "is the lm_head, half the bytes) and gpt-oss as MXFP4_MOE. Kafila Gathers the k experts a token picked and "
    "decompresses them to f32 before its matmuls (backends/openvino/moe.py), where llama.cpp's MoE kernels "
    "multiply the quantized blocks directly: 0.23-0.29x, against 0.60x on a dense file. The greedy ids part "
-   "from the first token: 12 random blocks amplify rounding (llama.cpp's Q8_K activations) and flip top-k "
-   "choices at near-ties (at f32 the 12-block gpt-oss file differs from llama.cpp by 1.4 logits at hidden 256, "
-   "0.02 with every expert used, 0.004 with top-1); at the tests' shapes both kinds give llama.cpp's ids "
+   "from the first token on these 12-block random files (not explained yet; top-k choices flipping at "
+   "near-ties is the suspect); at the tests' shapes both kinds give llama.cpp's ids at f32 "
    "(tests/test_arch_families.py)."),
   ("Speed against openvino_genai",
    "Does Kafila's own graph run the model as fast as OpenVINO's own LLM pipeline on the same GGUF?",
