@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib
 import logging
 import os
@@ -58,6 +59,8 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse itself exits 2 with one line on bad arguments
+    # a crash in native code (OpenVINO, MLX) prints where each thread was, not nothing
+    faulthandler.enable()
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",

@@ -291,6 +291,10 @@ class _ProbeWeights:
                     "token_embd": hp.vocab, "output": hp.vocab}  # fmt: skip
         self.rng = np.random.default_rng(0)
         self.weight_bytes = 0  # what one block's matrices hold, as stored
+        # the packed codes' buffers: a u4 Constant points into its numpy array without a copy, so
+        # the array must outlive the compiled model (freed early, the CPU plugin read unmapped
+        # memory while compiling: a member died silently in its probe, now and then)
+        self.keep: list[np.ndarray] = []
 
     def vector(self, name: str, unpermute_heads: int = 0) -> Any:
         import openvino.opset13 as ops
@@ -320,7 +324,9 @@ class _ProbeWeights:
         codes = self.rng.integers(0, 16, (rows, groups, Q4_GROUP), dtype=np.uint8)
         scale = np.full((rows, groups, 1), 0.01, np.float32)
         zero = np.full((rows, groups, 1), 8.0, np.float32)
-        q = ops.constant(ov.Tensor(pack_u4(codes), codes.shape, ov.Type.u4))
+        packed = pack_u4(codes)
+        self.keep.append(packed)
+        q = ops.constant(ov.Tensor(packed, codes.shape, ov.Type.u4))
         self.weight_bytes += rows * cols // 2 + 2 * rows * groups * 4
         return WeightBank.packed_linear(y, Packed(q, ops.constant(scale), ops.constant(zero), None, rows, cols))
 
@@ -365,6 +371,7 @@ def _step_timer(blocks: int, shape: dict = BLOCK_PROBE_SHAPE, packed: bool = Fal
         feed(1)
         return 1.0
 
+    step.buffers = builder.w.keep  # type: ignore[attr-defined]  # the constants' memory lives as long as the request
     return step, builder.w.weight_bytes
 
 

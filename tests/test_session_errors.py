@@ -187,3 +187,36 @@ def test_a_busy_api_port_fails_before_joining(procs):
                         "--api", f"127.0.0.1:{port}")
         rc, err = finish(p)
     assert rc == 2 and "--api" in err and "Traceback" not in err, err
+
+
+@pytest.mark.timeout(600)
+def test_a_member_that_dies_while_the_session_forms_ends_the_start_with_its_log(tmp_path):
+    """`kafila demo` and the session tests start members with LocalSession: one that dies before
+    the session forms (it crashed in its probe, say) ends start() naming it, with its log, instead
+    of leaving it waiting for the host, which waits for that member, until the deadline."""
+    import threading
+
+    from backends.errors import Refused
+    from kafila.tooling.launch import LocalSession
+
+    s = LocalSession(members=3, cache_root=str(tmp_path / "cache"), log_dir=str(tmp_path))
+    outcome: list[BaseException | None] = []
+
+    def start():
+        try:
+            s.start(timeout_s=540)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001  (what the test asserts on)
+            outcome.append(exc)
+
+    t = threading.Thread(target=start, daemon=True)
+    t.start()
+    while not any(p.name == "m2" for p in s.procs) and t.is_alive():
+        time.sleep(0.05)
+    m2 = next(p for p in s.procs if p.name == "m2")
+    os.killpg(m2.popen.pid, signal.SIGKILL)  # as a segfault would: no word from it
+    t.join()
+    exc = outcome[0]
+    assert isinstance(exc, Refused), exc
+    assert "m2 exited with -9 while the session formed" in str(exc), exc
+    assert all(p.popen.poll() is not None for p in s.procs)  # start() stopped the rest

@@ -153,7 +153,10 @@ class LocalSession:
         self.procs.append(proc)
         return proc
 
-    def _wait(self, proc: Proc, kind: str, deadline: float) -> dict:
+    def _wait(self, proc: Proc, kind: str, deadline: float, forming: bool = False) -> dict:
+        """`proc`'s next `kind` event. `forming`: every process started is still forming the
+        session, so any of them exiting ends the wait (the host waits for all its members; a
+        member that died, in its probe say, would leave it waiting until the deadline)."""
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
@@ -161,6 +164,10 @@ class LocalSession:
             try:
                 ev = proc.events.get(timeout=min(left, 0.5))
             except queue.Empty:
+                gone = next((p for p in self.procs if forming and p is not proc and p.popen.poll() is not None), None)
+                if gone is not None:
+                    raise Refused(f"{gone.name} exited with {gone.popen.returncode} while the session formed; "
+                                  f"its log ends:\n{gone.stderr_tail()}")  # fmt: skip
                 continue
             if ev.get("event") == "plan":
                 self.plan = ev.get("plan")
@@ -201,7 +208,7 @@ class LocalSession:
             for name, port in zip(self.names[1:], ports[2:]):
                 self._spawn(name, ["join", self.code, "--rendezvous", f"127.0.0.1:{self.rendezvous_port}"], port)
             for proc in self.procs:
-                proc.api = self._wait(proc, "serving", deadline)["api"]
+                proc.api = self._wait(proc, "serving", deadline, forming=True)["api"]
         except BaseException:
             self.stop()
             raise
