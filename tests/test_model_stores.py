@@ -135,7 +135,7 @@ def test_hf_hub_cache_wins_over_hf_home(in_stores, monkeypatch, tmp_path):
     ("hf:kafila-test/Tiny-GGUF/missing.gguf", ["not in the Hugging Face cache", "models--kafila-test--Tiny-GGUF"]),
     ("hf:kafila-test/Tiny-GGUF", ["give hf:ORG/REPO/FILE.gguf"]),
     ("lmstudio:kafila-test/Tiny-GGUF/missing.gguf", ["not in LM Studio's models folder", ".lmstudio/models"]),
-    ("Model-00001-of-00003.gguf", ["part 1 of a 3-part split GGUF", "llama-gguf-split --merge"]),
+    ("Model-00001-of-00003.gguf", ["part Model-00001-of-00003.gguf of the split GGUF", "3 of 3 parts missing"]),
 ])  # fmt: skip
 def test_a_name_not_found_says_where_it_looked(in_stores, name, needles):
     with pytest.raises(BadInput) as err:

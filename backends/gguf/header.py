@@ -68,6 +68,7 @@ class GGUFHeader:
     metadata: dict[str, object]  # the keys kept (all unless read_header was given `keep`)
     tensors: tuple[TensorEntry, ...]  # in file order; empty when read_header was told not to read them
     data_offset: int  # where the data section starts
+    kv_spans: tuple[tuple[str, int, int], ...] = ()  # every key's [start, end) bytes, key and value
 
 
 class _Damaged(Exception):
@@ -110,7 +111,9 @@ def _parse(buf: mmap.mmap, path: str, size: int, keep: Callable[[str], bool] | N
     metadata: dict[str, object] = {}
     seen: set[str] = set()
     alignment = DEFAULT_ALIGNMENT
+    spans: list[tuple[str, int, int]] = []
     for _ in range(n_kv):
+        start = reader.at
         key = reader.string(strict=True)
         if key in seen:
             raise _Damaged(f"duplicate key {key}")
@@ -124,13 +127,15 @@ def _parse(buf: mmap.mmap, path: str, size: int, keep: Callable[[str], bool] | N
                 raise _Damaged(f"general.alignment {alignment} is not a power of two")
             if keep is None or keep(key):
                 metadata[key] = alignment
+            spans.append((key, start, reader.at))
             continue
         wanted = keep is None or keep(key)
         value = reader.value(kind, wanted)
         if wanted:
             metadata[key] = value
+        spans.append((key, start, reader.at))
     if not want_tensors:
-        return GGUFHeader(path, size, version, metadata, (), 0)
+        return GGUFHeader(path, size, version, metadata, (), 0, tuple(spans))
 
     import gguf  # ggml's type names and block sizes (the import is light next to the reading)
 
@@ -168,7 +173,7 @@ def _parse(buf: mmap.mmap, path: str, size: int, keep: Callable[[str], bool] | N
             n_elements *= d
         entries.append(TensorEntry(name, qtype.name, tuple(int(d) for d in dims), data_offset + rel_offset,
                                    n_elements // block_weights * block_bytes))
-    return GGUFHeader(path, size, version, metadata, tuple(entries), data_offset)
+    return GGUFHeader(path, size, version, metadata, tuple(entries), data_offset, tuple(spans))
 
 
 class _Reader:

@@ -241,6 +241,10 @@ def open_model(path: str) -> ModelIndex:
     # BadInput when missing, not a GGUF, damaged or truncated
     header = read_header(path, lambda key: key not in VOCABULARY_KEYS)
     file_bytes, metadata = header.file_bytes, header.metadata
+    parts, part = metadata.get("split.count", 1), metadata.get("split.no", 0)
+    if isinstance(parts, int) and isinstance(part, int) and parts > 1:  # one part holds some tensors only
+        raise BadInput(f"{path} is part {part + 1} of a {parts}-part split GGUF: give the first part as the "
+                       "model (--model PREFIX-00001-of-…gguf) and Kafila joins the parts")
     arch = metadata.get("general.architecture")
     if arch not in SUPPORTED_ARCHITECTURES:
         raise BadInput(

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 from dataclasses import dataclass
 
 from backends.errors import BadInput
+from backends.gguf.split import join_parts, split_part
 from kafila.models import stores
 
 
@@ -60,8 +62,11 @@ def resolve_model(name: str) -> str:
     if path is None:
         raise BadInput(f"unknown model {name!r}: give a GGUF path, ollama:NAME:TAG, hf:ORG/REPO/FILE.gguf, "
                        f"a file in LM Studio's models folder or one of {', '.join(ALIASES)}")
-    part = stores.split_part(path)
-    if part is not None:  # weights are read as byte ranges of one file (index, transfer)
-        raise BadInput(f"{path} is part {part[0]} of a {part[1]}-part split GGUF, which Kafila does not open yet: "
-                       f"join the parts with `llama-gguf-split --merge FIRST-PART OUT.gguf`")
+    if split_part(path) is not None:  # weights are read as byte ranges of one file (index, transfer)
+        return join_parts(path, joined_dir(), say=lambda line: print(f"kafila: {line}", file=sys.stderr, flush=True))
     return path
+
+
+def joined_dir() -> str:
+    """Where split GGUFs are joined into one file (backends/gguf/split.py)."""
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "kafila", "joined")

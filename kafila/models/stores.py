@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backends.errors import BadInput
+from backends.gguf.split import split_part
 
 OLLAMA_HOST = "registry.ollama.ai"
 OLLAMA_MODEL_MEDIA_TYPE = "application/vnd.ollama.image.model"
@@ -230,15 +231,6 @@ def _list_lmstudio() -> list[Found]:
     return out
 
 
-SPLIT_PART = re.compile(r"-(\d{5})-of-(\d{5})\.gguf$")  # llama.cpp's gguf-split: PREFIX-%05d-of-%05d.gguf
-
-
-def split_part(path: str) -> tuple[int, int] | None:
-    """(part, count) of a gguf-split file name, or None."""
-    m = SPLIT_PART.search(path)
-    return (int(m.group(1)), int(m.group(2))) if m else None
-
-
 def _later_split_part(filename: str) -> bool:
-    part = split_part(filename)
+    part = split_part(os.path.basename(filename))
     return part is not None and part[0] > 1
