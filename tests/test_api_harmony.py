@@ -137,3 +137,25 @@ def test_kafila_chat_shows_the_thinking_then_the_reply_and_keeps_only_the_reply(
     assert run_chat(chat, iter(["What is the capital of France?\n"]), out, io.StringIO(), interactive=False) == 0
     assert out.getvalue() == f"thinking: {THINKING}\n{REPLY}\n"
     assert chat.history[-1] == {"role": "assistant", "content": REPLY}
+
+
+def test_kafila_run_shows_the_thinking_then_the_reply(harmony_tokenizer):
+    """`kafila run`'s answer (kafila/commands/run.py Answer) splits as `kafila chat` does; raw
+    (--raw, --prompt-ids) it is what the tokens spell."""
+    import io
+
+    from kafila.commands.run import Answer
+
+    out = io.StringIO()
+    answer = Answer(harmony_tokenizer, channels=True, out=out)
+    ids = _answer_ids(harmony_tokenizer)
+    for token in ids[:-1]:  # the loop stops before the EOS (<|return|>)
+        answer.push(token)
+    answer.close()
+    assert out.getvalue() == f"thinking: {THINKING}\n{REPLY}\n"
+    assert (answer.text(), answer.thinking(), answer.tokens) == (REPLY, THINKING, ids[:-1])
+    raw = Answer(harmony_tokenizer, channels=False, out=None)
+    for token in ids[:-1]:
+        raw.push(token)
+    raw.close()
+    assert raw.thinking() is None and raw.text() == harmony_tokenizer.decode(ids[:-1])

@@ -62,7 +62,8 @@ def test_json_on_synthetic_model_mixed_backends(synthetic_model):
                   "--max-tokens", "6", "--raw", "--json", "abc")
     assert proc.returncode == 0, proc.stderr
     out = json.loads(proc.stdout)
-    assert set(out) == {"text", "tokens", "tok_s", "stages", "ids", "prompt_ids", "ttft_ms", "memory"}
+    assert set(out) == {"text", "thinking", "tokens", "tok_s", "stages", "ids", "prompt_ids", "ttft_ms", "memory"}
+    assert out["thinking"] is None  # only a harmony model thinks apart (tests/test_api_harmony.py)
     assert out["memory"]["peak_rss_bytes"] >= out["memory"]["rss_bytes"] > 0
     assert len(out["ids"]) == out["tokens"]  # EOS ends the decode and is not among the ids
     assert out["prompt_ids"] == [257]  # "abc" fed raw: merged into one token by the vocab's two merges

@@ -22,6 +22,33 @@ MAX_ERROR_BODY_BYTES = 64 * 1024
 THINKING_FIELD = "reasoning_content"  # where a thinking model's thinking comes (gpt-oss's analysis channel)
 
 
+class AnswerWriter:
+    """An answer as it streams to a person: a thinking model's thinking first, dim in a terminal,
+    under "thinking:", then the reply from a new line (`kafila chat`, `kafila run`)."""
+
+    def __init__(self, out: TextIO) -> None:
+        self.out = out
+        self.shown = ""  # the field written last
+        self.dim, self.plain = ("\x1b[2m", "\x1b[0m") if out.isatty() else ("", "")
+
+    def write(self, field: str, piece: str) -> None:
+        """`piece` of `field` (THINKING_FIELD, or anything else for the reply)."""
+        if not piece:
+            return
+        if field == THINKING_FIELD:
+            self.out.write(("" if self.shown == THINKING_FIELD else f"{self.dim}thinking: ") + piece)
+        else:
+            self.out.write(("\n" + self.plain if self.shown == THINKING_FIELD else "") + piece)
+        self.shown = field
+        self.out.flush()
+
+    def close(self) -> None:
+        """The answer's end: back to plain text, on a new line."""
+        if self.shown:
+            self.out.write((self.plain if self.shown == THINKING_FIELD else "") + "\n")
+            self.out.flush()
+
+
 class ChatError(Exception):
     """One line for the person: the API is unreachable, refused the request or failed."""
 
@@ -136,23 +163,16 @@ class Chat:
         a terminal, under "thinking:"); the history keeps only whole turns and only the replies."""
         messages = [*self.history, {"role": "user", "content": prompt}]
         pieces: list[str] = []
-        shown = ""  # the field written last
-        dim, plain = ("\x1b[2m", "\x1b[0m") if out.isatty() else ("", "")
+        writer = AnswerWriter(out)
         stream = self.client.stream_chat(self.model, messages, self.max_tokens)
         try:
             for field, piece in stream:
-                if field == THINKING_FIELD:
-                    out.write(("" if shown == THINKING_FIELD else f"{dim}thinking: ") + piece)
-                else:
-                    out.write(("\n" + plain if shown == THINKING_FIELD else "") + piece)
+                writer.write(field, piece)
+                if field != THINKING_FIELD:
                     pieces.append(piece)
-                shown = field
-                out.flush()
         finally:
             stream.close()  # on Ctrl-C: hang up, so the server frees the slot
-            if shown:
-                out.write((plain if shown == THINKING_FIELD else "") + "\n")
-                out.flush()
+            writer.close()
         answer = "".join(pieces)
         self.history = [*messages, {"role": "assistant", "content": answer}]
         return answer

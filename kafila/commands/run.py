@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 import time
+from typing import TextIO
 
 from backends.errors import BadInput
 from kafila.commands import _options
@@ -25,8 +26,9 @@ def register(subparsers) -> None:
     _options.add_max_tokens(p, DEFAULT_MAX_TOKENS)
     p.add_argument("--raw", action="store_true", help="feed the prompt as is, without the chat template")
     p.add_argument("--json", action="store_true",
-                   help='print one line {"text", "tokens", "tok_s", "stages", "ids", "prompt_ids", "ttft_ms", '
-                        '"memory"} instead of streaming: ids are the generated token ids (EOS not included), '
+                   help='print one line {"text", "thinking", "tokens", "tok_s", "stages", "ids", "prompt_ids", "ttft_ms", '
+                        '"memory"} instead of streaming: thinking is a harmony model\'s (gpt-oss) analysis channel '
+                        '(null for others; text is then the reply alone), ids the generated token ids (EOS not included), '
                         'prompt_ids the prompt\'s ids as fed (chat-templated unless --raw), ttft_ms the time '
                         'from the start of the prefill (the shards built) to the first token, memory this '
                         'process\'s RSS, peak RSS and PSS in bytes right after the last token')
@@ -40,7 +42,7 @@ def register(subparsers) -> None:
 def run(args) -> int:
     from backends.gguf import open_model
     from kafila.engine.chain import LocalChain, parse_backends
-    from kafila.models import StreamDecoder, load_tokenizer, resolve_model
+    from kafila.models import load_tokenizer, resolve_model
 
     if (args.prompt is None) == (args.prompt_ids is None):
         raise BadInput("give either a PROMPT or --prompt-ids JSON (one of the two)")
@@ -70,9 +72,9 @@ def run(args) -> int:
                        f"{index.hparams.context_length}")
 
     chain = LocalChain.build(index.path, args.stages, args.backend, args.precision, index=index, kquant=args.kquant)
-    decoder = StreamDecoder(tokenizer) if tokenizer is not None else None
     eos = tokenizer.eos_ids if tokenizer is not None else ()
-    tokens: list[int] = []
+    # a chat-templated prompt's answer: a harmony model's (gpt-oss) thinking apart from its reply
+    answer = Answer(tokenizer, channels=args.prompt_ids is None and not args.raw, out=None if args.json else sys.stdout)
     first_at = None
     started = time.perf_counter()  # the prompt's prefill starts here (the build is done)
     for token in chain.generate(ids, args.max_tokens, stop=eos):
@@ -80,26 +82,66 @@ def run(args) -> int:
             first_at = time.perf_counter()
         if token in eos:
             break
-        tokens.append(token)
-        piece = decoder.push(token) if decoder is not None else f"{token} "
-        if piece and not args.json:
-            sys.stdout.write(piece)
-            sys.stdout.flush()
+        answer.push(token)
+    answer.close()
+    tokens = answer.tokens
     elapsed = time.perf_counter() - first_at if first_at is not None else 0.0
     tok_s = (len(tokens) - 1) / elapsed if len(tokens) > 1 and elapsed > 0 else 0.0  # decode rate
     if args.json:
         from kafila.session.ring.memory import process_memory
 
-        print(json.dumps({"text": tokenizer.decode(tokens) if tokenizer is not None else None, "tokens": len(tokens),
+        print(json.dumps({"text": answer.text(), "thinking": answer.thinking(), "tokens": len(tokens),
                           "tok_s": round(tok_s, 2), "stages": chain.stages,
                           "ids": tokens, "prompt_ids": list(ids),
                           "ttft_ms": None if first_at is None else round((first_at - started) * 1000, 1),
                           "memory": process_memory()}))
     else:
-        sys.stdout.write("\n")
-        sys.stdout.flush()
         print(f"[{len(tokens)} tokens, {tok_s:.1f} tok/s, {args.stages} stage(s): {args.backend}]", file=sys.stderr)
     return 0
+
+
+class Answer:
+    """The generated ids, and their text as it streams to `out` (None: kept only): decoded safely
+    across UTF-8 pieces; with `channels` and a harmony tokenizer, thinking apart from the reply
+    (as `kafila chat` shows it); ids themselves when there is no tokenizer."""
+
+    def __init__(self, tokenizer, channels: bool, out: TextIO | None) -> None:
+        from kafila.api import TextStream
+        from kafila.commands.chat import THINKING_FIELD, AnswerWriter
+
+        self.tokens: list[int] = []
+        self.stream = TextStream(tokenizer, (), channels) if tokenizer is not None else None
+        self.writer = AnswerWriter(out) if out is not None else None
+        self.thinking_field = THINKING_FIELD
+        self.reply: list[str] = []
+        self.thought: list[str] = []
+
+    def push(self, token: int) -> None:
+        self.tokens.append(token)
+        reply, thinking = self.stream.push(token) if self.stream is not None else (f"{token} ", "")
+        self._show(reply, thinking)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            from kafila.engine import GenerationStats
+
+            self._show(self.stream.end(GenerationStats())[0], "")
+        if self.writer is not None:
+            self.writer.close()
+
+    def text(self) -> str | None:
+        return "".join(self.reply) if self.stream is not None else None
+
+    def thinking(self) -> str | None:
+        """The thinking (a harmony model's analysis channel), or None when there was none."""
+        return "".join(self.thought) or None
+
+    def _show(self, reply: str, thinking: str) -> None:
+        self.thought.append(thinking)
+        self.reply.append(reply)
+        if self.writer is not None:
+            self.writer.write(self.thinking_field, thinking)
+            self.writer.write("content", reply)
 
 
 def parse_prompt_ids(raw: str, vocab: int) -> list[int]:
