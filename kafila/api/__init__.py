@@ -2,7 +2,8 @@
 
 from kafila.api._errors import ApiError, error_body
 from kafila.api._limits import DEFAULT_API_HOST, DEFAULT_API_PORT, ApiLimits
-from kafila.api._server import ApiServer, TextStream, chat_prompt_ids, parse_hostport, start_api
+from kafila.api._server import ApiServer, parse_hostport, start_api
+from kafila.api._text import TextStream, chat_prompt_ids
 from kafila.api._stops import StopScanner
 
 __all__ = [

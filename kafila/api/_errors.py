@@ -40,3 +40,8 @@ def error_body(status: int, code: str, message: str, param: str | None = None) -
             "param": param,
         }
     }
+
+
+def bad(code: str, message: str, param: str | None = None) -> ApiError:
+    """A 400: the request is wrong in `param`."""
+    return ApiError(400, code, message, param)

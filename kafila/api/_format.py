@@ -67,12 +67,14 @@ class Shapes:
 
     def complete(
         self, text: str, finish: str, prompt_tokens: int, new_tokens: int, stats: GenerationStats,
-        thinking: str = "",
+        thinking: str = "", tool_calls: list[dict] | None = None,
     ) -> dict:
         if self.chat:
-            message = {"role": "assistant", "content": text}
+            message = {"role": "assistant", "content": text or (None if tool_calls else text)}
             if thinking:  # llama-server's field for a model's thinking (gpt-oss's analysis channel)
                 message["reasoning_content"] = thinking
+            if tool_calls:
+                message["tool_calls"] = tool_calls
             choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": finish}
             body = self._envelope("chat.completion", [choice])
         else:
@@ -83,13 +85,15 @@ class Shapes:
         return body
 
     def chunk(self, text: str | None, finish: str | None = None, first: bool = False,
-              thinking: str = "") -> dict:  # fmt: skip
+              thinking: str = "", tool_calls: list[dict] | None = None) -> dict:  # fmt: skip
         if self.chat:
             delta: dict = {"role": "assistant", "content": ""} if first else {}
             if text:
                 delta["content"] = text
             if thinking:
                 delta["reasoning_content"] = thinking
+            if tool_calls:  # whole calls, in the last chunk (a delta may carry a call at once)
+                delta["tool_calls"] = [{"index": i, **c} for i, c in enumerate(tool_calls)]
             choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
             return self._envelope("chat.completion.chunk", [choice])
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}

@@ -7,7 +7,8 @@ A harmony model answers in messages, each a header and a body:
 The chat template's generation prompt ends with `<|start|>assistant`, so the first header begins
 at the channel. As llama-server returns it, the analysis channel's text is the reply's
 `reasoning_content` (Ollama: `thinking`) and the other channels' text (final, and commentary
-meant for the user) its `content`; markers and headers are neither. Tokens are routed by id, not
+meant for the user) its `content`; markers and headers are neither. A commentary message addressed
+`to=functions.NAME` is a tool call: its body goes to _tools.py. Tokens are routed by id, not
 by text: the markers are control tokens that decoding drops. `<|return|>` and `<|call|>` end the
 generation (the tokenizer's end-of-generation set); `<|end|>` only ends a message.
 """
@@ -29,6 +30,7 @@ class Harmony:
         self._piece = piece  # token id -> its text (for a header's channel name)
         self._header: list[int] | None = []  # the tokens of the header being read; None: in a body
         self.channel = ""
+        self.recipient = ""  # the function a commentary message calls ("to=functions.NAME"), or ""
 
     @classmethod
     def of(cls, tokenizer) -> Harmony | None:
@@ -42,19 +44,22 @@ class Harmony:
         ids = self.ids
         if token == ids[MESSAGE]:
             self.channel = self._channel_name()
+            self.recipient = self._recipient()
             self._header = None
             return []
         if token in (ids[END], ids[START]):
             self._header = []  # the next message's header
             return []
         if self._header is None:
+            if self.recipient:
+                return [("tool", token)]
             return [("reasoning" if self.channel == THINKING_CHANNEL else "content", token)]
         self._header.append(token)
         if len(self._header) <= MAX_HEADER_TOKENS:
             return []
         # not a header after all (a model that left harmony): its text is the reply's
         held = [t for t in self._header if t not in ids.values()]
-        self._header, self.channel = None, ""
+        self._header, self.channel, self.recipient = None, "", ""
         return [("content", t) for t in held]
 
     def flush(self) -> list[int]:
@@ -72,3 +77,11 @@ class Harmony:
         after = header[header.index(self.ids[CHANNEL]) + 1:]
         words = "".join(self._piece(t) for t in after if t not in self.ids.values()).split()
         return words[0] if words else ""
+
+    def _recipient(self) -> str:
+        """The function the header addresses (`to=functions.NAME`, before or after the channel)."""
+        from kafila.api._tools import HARMONY_RECIPIENT
+
+        text = "".join(self._piece(t) for t in self._header or () if t not in self.ids.values())
+        m = HARMONY_RECIPIENT.search(text)
+        return m.group(1) if m else ""

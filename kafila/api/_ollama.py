@@ -4,18 +4,21 @@ Requests → typed, bounded parameters (the same `Sampling` as the OpenAI routes
 which the server sends as Ollama's `{"error": "..."}`. Field names as Ollama's API has them:
 `options.{temperature, top_p, seed, num_predict, stop}` are honoured; other options (`top_k`,
 `num_ctx`, `repeat_penalty`, …) and `keep_alive` change nothing here and are ignored; what the
-ring cannot do (`format`, `tools`, `images`, `think`, `suffix`, a custom `template`, `context`) is
-refused with a 400 that says so. As on the OpenAI routes, the default temperature is 0 (greedy;
-Ollama's own default is 0.8) so answers reproduce. Durations in responses are nanoseconds.
+ring cannot do (`format`, `images`, `think`, `suffix`, a custom `template`, `context`) is refused
+with a 400 that says so; `tools` reach the model as on the OpenAI routes (_tools.py). As there,
+the default temperature is 0 (greedy; Ollama's own default is 0.8) so answers reproduce.
+Durations in responses are nanoseconds.
 """
 
 from __future__ import annotations
 
+import json
 import time
 from dataclasses import dataclass
 
 from kafila.api._errors import ApiError
 from kafila.api._limits import ApiLimits
+from kafila.api._tools import parse_message_calls, parse_tools
 from kafila.api._validate import (
     MAX_SEED,
     Sampling,
@@ -37,6 +40,7 @@ class OllamaChat:
     model: str
     messages: tuple[dict, ...]  # each {"role", "content": str}; empty: only "load" the model
     sampling: Sampling
+    tools: tuple[dict, ...] = ()  # the tools offered (_tools.parse_tools)
 
 
 @dataclass(frozen=True)
@@ -112,7 +116,7 @@ def _options(body: dict, limits: ApiLimits) -> Sampling:
 
 def parse_chat(body: dict, limits: ApiLimits) -> OllamaChat:
     model = _model(body)
-    _refuse(body, ("format", "tools"))
+    _refuse(body, ("format",))
     messages = body.get("messages")
     if messages is None:
         messages = []
@@ -136,12 +140,19 @@ def parse_chat(body: dict, limits: ApiLimits) -> OllamaChat:
         if m.get("images"):
             raise bad("unsupported", "images are not supported: this model reads text only", "images")
         chars += len(content)
-        out.append({"role": role, "content": content})
+        message = {"role": role, "content": content}
+        calls = parse_message_calls(m, i)
+        if calls is not None:
+            message["tool_calls"] = calls
+            chars += sum(len(json.dumps(c["function"]["arguments"])) for c in calls)
+        if role == "tool" and isinstance(m.get("tool_name"), str):
+            message["name"] = m["tool_name"][:256]
+        out.append(message)
     if chars > limits.max_content_chars:
         raise bad("content_too_long",
                   f"the messages hold {chars} characters; at most {limits.max_content_chars}",
                   "messages")  # fmt: skip
-    return OllamaChat(model, tuple(out), _options(body, limits))
+    return OllamaChat(model, tuple(out), _options(body, limits), parse_tools({"tools": body.get("tools")}))
 
 
 def parse_generate(body: dict, limits: ApiLimits) -> OllamaGenerate:
@@ -212,19 +223,28 @@ class OllamaShapes:
         self.chat = chat
         self.model = model
 
-    def _text(self, text: str, thinking: str) -> dict:
-        """The text, and the model's thinking where it has any (Ollama's `thinking` field)."""
+    def _text(self, text: str, thinking: str, tool_calls: list[dict] | None = None) -> dict:
+        """The text, and the model's thinking where it has any (Ollama's `thinking` field), and
+        its calls (Ollama's tool_calls: arguments as an object, no id)."""
         if self.chat:
-            message = {"role": "assistant", "content": text}
-            return {"message": message | {"thinking": thinking} if thinking else message}
+            message = {"role": "assistant", "content": text} | ({"thinking": thinking} if thinking else {})
+            if tool_calls:
+                message["tool_calls"] = [{"function": {"name": c["function"]["name"],
+                                                       "arguments": json.loads(c["function"]["arguments"])}}
+                                         for c in tool_calls]  # fmt: skip
+            return {"message": message}
         return {"response": text} | ({"thinking": thinking} if thinking else {})
 
-    def chunk(self, text: str, thinking: str = "") -> dict:
-        return {"model": self.model, "created_at": created_at(), **self._text(text, thinking), "done": False}
+    def chunk(self, text: str, thinking: str = "", tool_calls: list[dict] | None = None) -> dict:
+        return {"model": self.model, "created_at": created_at(), **self._text(text, thinking, tool_calls),
+                "done": False}  # fmt: skip
 
-    def final(self, text: str, done_reason: str, durations: dict | None, thinking: str = "") -> dict:
-        """The last streamed object (text "") or the whole non-streamed answer."""
-        body = {"model": self.model, "created_at": created_at(), **self._text(text, thinking),
+    def final(self, text: str, done_reason: str, durations: dict | None, thinking: str = "",
+              tool_calls: list[dict] | None = None) -> dict:  # fmt: skip
+        """The last streamed object (text "") or the whole non-streamed answer; a call ends an
+        answer as "stop" (Ollama has no "tool_calls" reason)."""
+        done_reason = "stop" if done_reason == "tool_calls" else done_reason
+        body = {"model": self.model, "created_at": created_at(), **self._text(text, thinking, tool_calls),
                 "done": True, "done_reason": done_reason}  # fmt: skip
         if durations:
             body.update(durations)

