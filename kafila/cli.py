@@ -55,12 +55,21 @@ def import_openvino_without_telemetry() -> None:
             os.environ["CI"] = previous
 
 
+def _enable_faulthandler() -> None:
+    """A crash in native code (OpenVINO, MLX) prints where each thread was, not nothing. Only
+    where stderr is a real file (not when main() runs under a harness that captures it)."""
+    try:
+        sys.stderr.fileno()
+    except (AttributeError, OSError, ValueError):
+        return
+    faulthandler.enable()
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = build_parser()
     args = parser.parse_args(argv)  # argparse itself exits 2 with one line on bad arguments
-    # a crash in native code (OpenVINO, MLX) prints where each thread was, not nothing
-    faulthandler.enable()
+    _enable_faulthandler()
     logging.basicConfig(
         level=logging.DEBUG if args.debug else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
