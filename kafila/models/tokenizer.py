@@ -23,6 +23,10 @@ from backends.gguf.header import read_header
 from backends.memory import trim_heap
 from kafila.models import vocab as V
 
+# A file without a chat template (base models): llama-server's fallback, ChatML, not a made-up form
+CHATML_TEMPLATE = ("{%- for message in messages -%}{{- '<|im_start|>' + message.role + '\\n' + message.content "
+                   "+ '<|im_end|>\\n' -}}{%- endfor -%}{%- if add_generation_prompt -%}"
+                   "{{- '<|im_start|>assistant\\n' -}}{%- endif -%}")  # fmt: skip
 SUPPORTED_MODELS = ("gpt2", "llama", "gemma4")  # byte-level BPE, SentencePiece, Gemma 4's BPE over "▁" text
 # llama.cpp's (bos, eos) when the keys are absent (gemma4: none)
 DEFAULT_SPECIAL_IDS = {"llama": (1, 2), "gpt2": (11, 11), "gemma4": (None, None)}
@@ -124,10 +128,8 @@ class Tokenizer:
         """The chat template applied to `messages` ([{"role", "content"}]); `extra` reaches the
         template as variables (`tools`, `enable_thinking`, …). A leading BOS text is dropped when
         encode adds BOS itself (llama.cpp does the same), so the prompt never starts with two."""
-        if not self.chat_template:
-            return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         try:
-            template = _chat_environment().from_string(self.chat_template)
+            template = _chat_environment().from_string(self.chat_template or CHATML_TEMPLATE)
             text = template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
