@@ -1,7 +1,8 @@
 """llama.cpp's own files for the external-reference tests, obtained at test time (never committed).
 
 The llama-cpp-python sdist carries llama.cpp's tokenizer test vectors under
-`vendor/llama.cpp/models/ggml-vocab-*.gguf` with `.inp` / `.out` files. `vocab_dir()` downloads that
+`vendor/llama.cpp/models/ggml-vocab-*.gguf` with `.inp` / `.out` files, and real models' chat
+templates under `vendor/llama.cpp/models/templates/`. `vocab_dir()` downloads that
 sdist once with pip (the same pinned version the test extra installs) into a cache directory and
 extracts only those files; later runs reuse them.
 """
@@ -16,6 +17,7 @@ from pathlib import Path
 
 LLAMA_CPP_PYTHON_VERSION = "0.3.36"  # keep equal to the pin in pyproject.toml's test extra
 VOCAB_PREFIX = "vendor/llama.cpp/models/ggml-vocab-"
+TEMPLATES_PREFIX = "vendor/llama.cpp/models/templates/"
 
 
 def cache_root() -> Path:
@@ -43,8 +45,18 @@ def _sdist(root: Path) -> Path:
 
 def vocab_dir() -> Path:
     """A directory holding llama.cpp's ggml-vocab-*.gguf files and their .inp/.out test vectors."""
+    return _extracted("models", VOCAB_PREFIX)
+
+
+def templates_dir() -> Path:
+    """A directory holding llama.cpp's chat templates of real models (models/templates/*.jinja)."""
+    return _extracted("templates", TEMPLATES_PREFIX)
+
+
+def _extracted(name: str, prefix: str) -> Path:
+    """The sdist's files under `prefix`, extracted once into cache_root()/name."""
     root = cache_root()
-    out = root / "models"
+    out = root / name
     done = out / ".complete"
     if done.exists():
         return out
@@ -53,7 +65,7 @@ def vocab_dir() -> Path:
     with tarfile.open(sdist) as tar:
         for member in tar.getmembers():
             _, _, inner = member.name.partition("/")
-            if member.isfile() and inner.startswith(VOCAB_PREFIX):
+            if member.isfile() and inner.startswith(prefix):
                 target = out / os.path.basename(inner)
                 with tar.extractfile(member) as src, open(target, "wb") as dst:  # type: ignore[union-attr]
                     dst.write(src.read())

@@ -70,3 +70,48 @@ def test_chat_prompts_are_llamacpps(name):
     server = Jinja2ChatFormatter(tokenizer.chat_template, tokenizer.eos_token, tokenizer.bos_token)
     for messages in CONVERSATIONS:
         assert tokenizer.render_chat(messages) == prompt_text(tokenizer, server(messages=messages).prompt)
+
+
+WEATHER = {"type": "function", "function": {
+    "name": "get_weather", "description": "The current weather in a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}  # fmt: skip
+WITH_TOOLS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "name": "get_weather", "content": '{"sky": "clear"}'},
+    {"role": "user", "content": "Thanks"},
+]  # fmt: skip
+
+
+def test_llamacpps_real_templates_render_as_llama_cpp_python_renders_them():
+    """Every real model's template llama.cpp keeps (models/templates: Llama 3.x, Qwen 2.5/3/3.5,
+    gpt-oss, Gemma 2/4, DeepSeek, Mistral, Granite, …): a conversation with a system message, and
+    one with a tool call, its result and the tools offered, render as llama-cpp-python's server
+    formatter renders them; where that one fails, Kafila fails in one line (BadInput), never with
+    another error (which the API would turn into a 500)."""
+    from llama_cpp.llama_chat_format import Jinja2ChatFormatter
+
+    from backends.errors import BadInput
+    from kafila.models.tokenizer import read_tokenizer_metadata, tokenizer_from_metadata
+    from tests import llamacpp_files
+
+    md = dict(read_tokenizer_metadata(str(llamacpp_files.vocab_file("qwen2")), prefixes=("tokenizer.",)))
+    agreed, paths = 0, sorted(llamacpp_files.templates_dir().glob("*.jinja"))
+    assert len(paths) >= 60
+    for path in paths:
+        template = path.read_text(encoding="utf-8")
+        tokenizer = tokenizer_from_metadata(dict(md, **{"tokenizer.chat_template": template}), path.stem)
+        reference = Jinja2ChatFormatter(template, tokenizer.eos_token, tokenizer.bos_token)
+        for messages, extra in ((CONVERSATIONS[-1], {}), (WITH_TOOLS, {"tools": [WEATHER]})):
+            try:
+                theirs = prompt_text(tokenizer, reference(messages=messages, **extra).prompt)
+            except Exception:  # noqa: BLE001  (the reference cannot render it: ours may or may not)
+                try:
+                    tokenizer.render_chat(messages, **extra)
+                except BadInput:
+                    pass
+                continue
+            assert tokenizer.render_chat(messages, **extra) == theirs, (path.name, extra)
+            agreed += 1
+    assert agreed >= 120, agreed  # of 2 × 70: the few left are templates the reference cannot render

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import jinja2
+import jinja2.ext
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 from backends.errors import BadInput
@@ -139,6 +140,9 @@ class Tokenizer:
             )
         except jinja2.TemplateError as exc:
             raise BadInput(f"the model's chat template failed: {exc}") from None
+        except (TypeError, ValueError, KeyError, IndexError, AttributeError, RecursionError) as exc:
+            # the template's own Python-level operations on these messages (a dict added to a string, …)
+            raise BadInput(f"the model's chat template failed on these messages: {type(exc).__name__}: {exc}") from None
         if self.add_bos and self.bos_token and text.startswith(self.bos_token):
             text = text[len(self.bos_token):]
         return text
@@ -161,10 +165,21 @@ def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=F
     return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
 
 
+class _Generation(jinja2.ext.Extension):
+    """Hugging Face's `{% generation %}…{% endgeneration %}` (it marks the assistant's tokens for
+    training masks): its body, as is."""
+
+    tags = {"generation"}
+
+    def parse(self, parser):
+        next(parser.stream)
+        return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
 def _chat_environment() -> ImmutableSandboxedEnvironment:
     """The sandbox chat templates run in, with what Hugging Face's renderer provides."""
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])  # fmt: skip
+                                        extensions=["jinja2.ext.loopcontrols", _Generation])  # fmt: skip
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
     env.filters["tojson"] = _tojson
