@@ -84,6 +84,7 @@ WITH_TOOLS = [
 ]  # fmt: skip
 
 
+@pytest.mark.slow
 def test_llamacpps_real_templates_render_as_llama_cpp_python_renders_them():
     """Every real model's template llama.cpp keeps (models/templates: Llama 3.x, Qwen 2.5/3/3.5,
     gpt-oss, Gemma 2/4, DeepSeek, Mistral, Granite, …): a conversation with a system message, and
