@@ -25,9 +25,11 @@ def tool_calls_for(tokenizer, tools: tuple[dict, ...]) -> ToolCalls | None:
         return None
     fmt = tool_format(tokenizer)
     if fmt is None:
-        raise bad("unsupported", "this model's chat template shows no tools to the model (Kafila reads "
-                  "gpt-oss's harmony calls and the <tool_call> form of Qwen 2.5/3 templates)", "tools")  # fmt: skip
-    return ToolCalls(fmt, frozenset(t["function"]["name"] for t in tools))
+        raise bad("unsupported", "this model's chat template takes tools in no form Kafila reads (it reads "
+                  "gpt-oss's harmony calls, the <tool_call> forms of Qwen 2.5/3/3.5 templates and Llama 3.x's "
+                  "JSON)", "tools")  # fmt: skip
+    return ToolCalls(fmt, frozenset(t["function"]["name"] for t in tools),
+                     {t["function"]["name"]: t["function"]["parameters"] for t in tools})
 
 
 class TextStream:

@@ -9,7 +9,9 @@ the reply and returned as `tool_calls`, with finish_reason "tool_calls". Two for
   JSON, ended by `<|call|>` (an end of generation: one call an answer). _harmony.py routes its
   tokens here by their header.
 - Hermes (Qwen 2.5, Qwen 3 and the templates that copy them): `<tool_call>{"name": …,
-  "arguments": {…}}</tool_call>` in the reply's text, any number of them.
+  "arguments": {…}}</tool_call>` in the reply's text, any number of them; inside the tags also
+  Qwen3-Coder's and Qwen 3.5's XML, `<function=NAME><parameter=KEY>value</parameter></function>`.
+- JSON (Llama 3.x): a reply that is one `{"name": …, "parameters": {…}}` (after `<|python_tag|>`).
 
 A template that shows no tools in either form is refused with a 400 that says so: a model never
 told of the tools would answer as if there were none. Text that only looks like a call (JSON that
@@ -25,6 +27,9 @@ import uuid
 from kafila.api._errors import bad
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
+PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's opening of a call
+XML_FUNCTION = re.compile(r"<function=([A-Za-z0-9_.\-]{1,64})>(.*)</function>", re.DOTALL)
+XML_PARAMETER = re.compile(r"<parameter=([^>\n]{1,128})>(.*?)</parameter>", re.DOTALL)
 HARMONY_RECIPIENT = re.compile(r"to=functions\.([A-Za-z0-9_.\-]+)")
 TOOL_NAME = re.compile(r"[A-Za-z0-9_.\-]{1,64}")
 MAX_TOOLS = 128
@@ -32,7 +37,8 @@ MAX_CALL_CHARS = 64 << 10  # one call's text: past it, the text is the reply's (
 
 
 def tool_format(tokenizer) -> str | None:
-    """"harmony", "hermes", or None when the model's chat template takes no tools Kafila reads."""
+    """"harmony", "hermes" (`<tool_call>` around JSON or Qwen3's XML), "json" (Llama 3.x: the reply
+    is one JSON call), or None when the model's chat template takes no tools Kafila reads."""
     from kafila.api._harmony import Harmony
 
     if Harmony.of(tokenizer) is not None:
@@ -40,6 +46,8 @@ def tool_format(tokenizer) -> str | None:
     template = tokenizer.chat_template or ""
     if "tools" in template and HERMES_OPEN in template:
         return "hermes"
+    if "tools" in template and '"parameters"' in template:
+        return "json"
     return None
 
 
@@ -121,15 +129,16 @@ class ToolCalls:
     reply, or a reply that is one JSON call (`{"name": …, "arguments": …}`, bare or in a ```json
     fence: small models answer so), held whole until the answer ends."""
 
-    def __init__(self, fmt: str, names: frozenset[str]) -> None:
+    def __init__(self, fmt: str, names: frozenset[str], schemas: dict[str, dict] | None = None) -> None:
         self.fmt, self.names = fmt, names
+        self.schemas = schemas or {}  # name → its parameters' JSON Schema (XML values are typed by it)
         self.calls: list[dict] = []
         self._held = ""  # reply text not passed on yet: a call's, or what may open one
         self._whole = None  # the reply opens as JSON (True: held whole), as text (False), not yet known
         self._harmony: dict[str, list[str]] = {}
 
     def reply(self, text: str) -> str:
-        if self.fmt != "hermes":
+        if self.fmt not in ("hermes", "json"):
             return text
         self._held += text
         if self._whole is None:
@@ -140,6 +149,9 @@ class ToolCalls:
             if len(self._held) <= MAX_CALL_CHARS:
                 return ""
             self._whole = False  # too long for a call: the model's text
+        if self.fmt == "json":  # no tags in this form: the text as it came
+            out, self._held = self._held, ""
+            return out
         return self._tagged()
 
     def harmony(self, name: str, text: str) -> None:
@@ -187,7 +199,10 @@ class ToolCalls:
         return "".join(out)
 
     def _take_hermes(self, body: str) -> bool:
-        call = _json_object(body.strip())
+        body = body.strip()
+        if body.startswith(PYTHON_TAG):
+            body = body[len(PYTHON_TAG):].strip()
+        call = _json_object(body) if not body.startswith("<function=") else self._xml_call(body)
         if call is None or call.get("name") not in self.names:
             return False
         args = call.get("arguments", call.get("parameters", {}))
@@ -199,6 +214,27 @@ class ToolCalls:
         return True
 
 
+    def _xml_call(self, body: str) -> dict | None:
+        """`<function=NAME><parameter=KEY>value</parameter>…</function>` as {"name", "arguments"}:
+        a value is JSON where its schema says it is not a string and it parses, else the text."""
+        m = XML_FUNCTION.fullmatch(body)
+        if m is None:
+            return None
+        name, inner = m.group(1), m.group(2)
+        props = (self.schemas.get(name) or {}).get("properties") or {}
+        args = {}
+        for key, value in XML_PARAMETER.findall(inner):
+            value = value.removeprefix("\n").removesuffix("\n")
+            kind = (props.get(key) or {}).get("type") if isinstance(props.get(key), dict) else None
+            if kind != "string":
+                try:
+                    value = json.loads(value)
+                except ValueError:
+                    pass
+            args[key] = value
+        return {"name": name, "arguments": args}
+
+
 FENCE = re.compile(r"^\s*```(?:json|xml)?\s*\n(.*?)\n?\s*```\s*$", re.DOTALL)
 
 
@@ -206,8 +242,10 @@ def _opens_call(lead: str) -> bool | None:
     """Whether a reply beginning `lead` may be one JSON call (None: not known yet)."""
     if not lead:
         return None
-    if lead.startswith("{"):
+    if lead.startswith("{") or lead.startswith(PYTHON_TAG):
         return True
+    if PYTHON_TAG.startswith(lead):
+        return None
     if not lead.startswith("`"):
         return False
     line, newline, rest = lead.partition("\n")
