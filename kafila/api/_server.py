@@ -28,6 +28,7 @@ from kafila.api._guard import content_type_refusal, own_names, refusal
 from kafila.api._limits import DEFAULT_API_HOST, DEFAULT_API_PORT, ApiLimits
 from kafila.api._names import ModelNames, names_for
 from kafila.api._text import TextStream, chat_prompt_ids, tool_calls_for
+from kafila.api._think import think_mode
 from kafila.api._tools import ToolCalls
 from kafila.api._pieces import _END, text_pieces
 from kafila.api._validate import (
@@ -369,7 +370,9 @@ class ApiServer:
             speculate=sampling.speculate,
         )  # fmt: skip
         stats = GenerationStats(prompt_tokens=len(ids))
-        text = TextStream(self.engine.tokenizer(), sampling.stop, channels, tools)
+        tokenizer = self.engine.tokenizer()
+        think = think_mode(tokenizer, ids) if channels else None  # a chat's <think> block apart
+        text = TextStream(tokenizer, sampling.stop, channels, tools, think)
         self.inflight += 1
         gen = self.engine.generate(job, stats)
         try:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from kafila.api._harmony import Harmony
 from kafila.api._stops import StopScanner
+from kafila.api._think import ThinkSplit
 from kafila.api._tools import ToolCalls, tool_format
 from kafila.api._validate import bad
 from kafila.engine import GenerationStats
@@ -34,13 +35,16 @@ def tool_calls_for(tokenizer, tools: tuple[dict, ...]) -> ToolCalls | None:
 
 class TextStream:
     """Token ids → text pieces for one answer: UTF-8-safe decoding, EOS and stop sequences; with
-    `channels` and a harmony tokenizer (gpt-oss), its thinking apart from its reply (_harmony.py)."""
+    `channels` and a harmony tokenizer (gpt-oss), its thinking apart from its reply (_harmony.py);
+    with `think` (think_mode), a leading <think> block apart (_think.py)."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...], channels: bool = False, tools: ToolCalls | None = None) -> None:
+    def __init__(self, tokenizer, stops: tuple[str, ...], channels: bool = False, tools: ToolCalls | None = None,
+                 think: str | None = None) -> None:  # fmt: skip
         self.decoder = StreamDecoder(tokenizer)
         self.thinking = StreamDecoder(tokenizer)
         self.called = StreamDecoder(tokenizer)  # a harmony call's arguments
         self.harmony = Harmony.of(tokenizer) if channels else None
+        self.think = ThinkSplit(think) if think and self.harmony is None else None
         self.tools = tools  # the calls in the reply, when the request offered tools (_tools.py)
         self.tool_calls: list[dict] = []
         self.scanner = StopScanner(stops)
@@ -60,6 +64,9 @@ class TextStream:
             routed = [("content" if where == "tool" else where, t) for where, t in routed]
         reply = "".join(self.decoder.push(t) for where, t in routed if where == "content")
         thinking = "".join(self.thinking.push(t) for where, t in routed if where == "reasoning")
+        if self.think is not None and reply:
+            reply, thought = self.think.feed(reply)
+            thinking += thought
         if tools is not None:
             called = "".join(self.called.push(t) for where, t in routed if where == "tool")
             if called and self.harmony is not None:
@@ -75,6 +82,8 @@ class TextStream:
         finish = self.finish or ("stop" if stats.finish_reason == "stop" else "length")
         held = self.harmony.flush() if self.harmony is not None else []
         text = "".join(self.decoder.push(t) for t in held)
+        if self.think is not None:  # a block never closed: its thinking went out as it came
+            text = self.think.finish()[0] + text
         if self.tools is not None:
             text = self.tools.reply(text) if text else ""
             rest, self.tool_calls = self.tools.finish()

@@ -274,7 +274,7 @@ def _json_object(text: str) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-def _partial_suffix(text: str, marker: str) -> int:
+def _partial_suffix(text: str, marker: str) -> int:  # also _think.py's
     """The length of the longest end of `text` that begins `marker` (held: the marker may follow)."""
     for n in range(min(len(text), len(marker) - 1), 0, -1):
         if marker.startswith(text[-n:]):

@@ -74,7 +74,8 @@ def run(args) -> int:
     chain = LocalChain.build(index.path, args.stages, args.backend, args.precision, index=index, kquant=args.kquant)
     eos = tokenizer.eos_ids if tokenizer is not None else ()
     # a chat-templated prompt's answer: a harmony model's (gpt-oss) thinking apart from its reply
-    answer = Answer(tokenizer, channels=args.prompt_ids is None and not args.raw, out=None if args.json else sys.stdout)
+    channels = args.prompt_ids is None and not args.raw
+    answer = Answer(tokenizer, channels, out=None if args.json else sys.stdout, prompt_ids=ids)
     first_at = None
     started = time.perf_counter()  # the prompt's prefill starts here (the build is done)
     for token in chain.generate(ids, args.max_tokens, stop=eos):
@@ -102,15 +103,17 @@ def run(args) -> int:
 
 class Answer:
     """The generated ids, and their text as it streams to `out` (None: kept only): decoded safely
-    across UTF-8 pieces; with `channels` and a harmony tokenizer, thinking apart from the reply
-    (as `kafila chat` shows it); ids themselves when there is no tokenizer."""
+    across UTF-8 pieces; with `channels`, a harmony model's or a leading <think> block's thinking
+    apart from the reply (as `kafila chat` shows it); ids themselves when there is no tokenizer."""
 
-    def __init__(self, tokenizer, channels: bool, out: TextIO | None) -> None:
+    def __init__(self, tokenizer, channels: bool, out: TextIO | None, prompt_ids: list[int] = ()) -> None:
         from kafila.api import TextStream
+        from kafila.api._think import think_mode
         from kafila.commands.chat import THINKING_FIELD, AnswerWriter
 
         self.tokens: list[int] = []
-        self.stream = TextStream(tokenizer, (), channels) if tokenizer is not None else None
+        think = think_mode(tokenizer, list(prompt_ids)) if channels and tokenizer is not None else None
+        self.stream = TextStream(tokenizer, (), channels, think=think) if tokenizer is not None else None
         self.writer = AnswerWriter(out) if out is not None else None
         self.thinking_field = THINKING_FIELD
         self.reply: list[str] = []
