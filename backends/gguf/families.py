@@ -45,6 +45,7 @@ gpt-oss (`gpt-oss`, llama.cpp's LLM_ARCH_OPENAI_MOE, src/models/openai-moe.cpp),
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -205,10 +206,15 @@ def ffn_tensors(arch: str, family: Family) -> tuple[str, ...]:
     return norm + DENSE_FFN_TENSORS + (GEMMA3_BLOCK_TENSORS if arch == "gemma3" else ())
 
 
-def require_llama_blocks(h, backend: str) -> None:
-    """BadInput unless the model's blocks are Llama's (llama, qwen2, qwen3 without experts): the
-    backends that have not learnt the families' parts refuse them rather than compute them wrong."""
-    if h.family != Family():
+def require_llama_blocks(h, backend: str, experts: bool = False) -> None:
+    """BadInput unless the model's blocks are Llama's (llama, qwen2, qwen3), or with `experts`
+    also Llama's with a softmax-gated mixture of experts (qwen3moe, qwen2moe, Mixtral's layout):
+    the backends that have not learnt the families' parts refuse them rather than compute them wrong."""
+    f = h.family
+    if experts and f.n_experts and f.experts_gating == "softmax" and not f.expert_biases:
+        f = dataclasses.replace(f, n_experts=0, n_experts_used=0, experts_renorm=False, experts_scale=0.0,
+                                shared_expert=False)  # fmt: skip
+    if f != Family():
         kind = f"{h.arch} with {h.family.n_experts} experts" if h.family.n_experts else h.arch
-        raise BadInput(f"backend {backend} does not serve {kind} (it serves dense llama, qwen2, qwen3); "
-                       "use --backend openvino")
+        serves = "dense llama, qwen2, qwen3" + (", qwen3moe, qwen2moe and Mixtral-layout llama" if experts else "")
+        raise BadInput(f"backend {backend} does not serve {kind} (it serves {serves}); use --backend openvino")

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import mlx.core as mx
 import numpy as np
 
-from backends.mlx.weights import BlockWeights
+from backends.mlx.weights import BlockWeights, MoEWeights
 
 CACHE_STEP = 256  # the KV buffers grow in steps of this many positions (as mlx-lm's KVCache)
 
@@ -45,6 +45,9 @@ class Dims:
     rope_traditional: bool = True  # pairs (2i, 2i+1) (llama); False: halves (i, i + D/2) (qwen)
     rope_scale: float = 1.0  # positions × rope_scale (linear scaling)
     rope_freqs: mx.array | None = None  # [D/2] base^(2i/D)·factor_i when the model has rope_freqs
+    experts_used: int = 0  # k: experts a token goes through (MoE blocks)
+    experts_renorm: bool = False  # the k weights divided by their sum (qwen3moe, Mixtral)
+    experts_scale: float = 0.0  # the k weights × this (0 or 1: unscaled)
 
 
 class SlotCache:
@@ -219,10 +222,38 @@ def _attend(
 
 
 def _finish(x: mx.array, o: mx.array, w: BlockWeights, dims: Dims) -> mx.array:
-    """o_proj → residual → RMSNorm → SwiGLU → residual: [1, n, hidden]."""
+    """o_proj → residual → RMSNorm → SwiGLU (or the experts') → residual: [1, n, hidden]."""
     x = x + w.o(o)  # [1, n, hidden]
     h = mx.fast.rms_norm(x, w.ffn_norm, dims.rms_eps)
+    if w.moe is not None:
+        return x + experts_ffn(h, w.moe, dims)
     return x + w.down(nn_silu(w.gate(h)) * w.up(h))  # [1, n, hidden]
+
+
+def experts_ffn(h: mx.array, m: MoEWeights, dims: Dims) -> mx.array:
+    """The mixture of experts as llama.cpp's build_moe_ffn computes it for these families: softmax
+    over the E router logits, the top k, their weights renormalised and scaled as the family says;
+    each token through its k experts' SwiGLU only; qwen2moe adds its shared expert gated by
+    sigmoid(gate_inp_shexp · h). h [1, n, hidden] → [1, n, hidden]."""
+    _, n, hidden = h.shape
+    t = h.reshape(n, hidden)  # [T, H]
+    probs = mx.softmax(m.router(t).astype(mx.float32), axis=-1)  # [T, E]
+    k = dims.experts_used
+    ids = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # [T, k]: the k most probable
+    weights = mx.take_along_axis(probs, ids, axis=-1)  # [T, k]
+    if dims.experts_renorm:
+        weights = weights / weights.sum(axis=-1, keepdims=True)
+    if dims.experts_scale not in (0.0, 1.0):
+        weights = weights * dims.experts_scale
+    xe = t.reshape(n, 1, 1, hidden)  # [T, 1, 1, H]
+    act = nn_silu(m.gate(xe, ids)) * m.up(xe, ids)  # [T, k, 1, F]
+    y = m.down(act, ids).squeeze(-2)  # [T, k, H]
+    out = (y * weights[..., None].astype(y.dtype)).sum(axis=1)  # [T, H]
+    if m.shared is not None:
+        gate, up, down = m.shared
+        gated = mx.sigmoid(m.shared_gate(t)).reshape(n, 1)  # [T, 1] (the gate is one row, stored [H] or [1, H])
+        out = out + gated * down(nn_silu(gate(t)) * up(t))  # [T, H]
+    return out.reshape(1, n, hidden)
 
 
 def nn_silu(x: mx.array) -> mx.array:

@@ -47,7 +47,7 @@ class MLXShard(HeadOps):
     ):
         index = index if index is not None else open_model(spec.model_path)
         hp = index.hparams
-        require_llama_blocks(hp, "mlx")
+        require_llama_blocks(hp, "mlx", experts=True)
         if not 0 <= spec.first <= spec.last <= hp.n_blocks:
             raise BadInput(
                 f"block range [{spec.first}, {spec.last}) is outside the model's {hp.n_blocks} blocks"
@@ -66,6 +66,8 @@ class MLXShard(HeadOps):
         self.dims = Dims(
             hp.hidden, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.rope_base, hp.rms_eps,
             rope_traditional=not hp.rope_neox, rope_scale=hp.rope_scale, rope_freqs=freqs,
+            experts_used=hp.family.n_experts_used, experts_renorm=hp.family.experts_renorm,
+            experts_scale=hp.family.experts_scale,
         )  # fmt: skip
         self.weights = load_shard_weights(
             index.path, spec.first, spec.last, spec.embed, spec.head, f32=precision == "f32"

@@ -38,7 +38,7 @@ import mlx.core as mx
 import numpy as np
 
 from backends.gguf import ModelIndex, open_model
-from backends.gguf.quant import FLOAT_TYPES, QuantBlocks
+from backends.gguf.quant import FLOAT_TYPES, QuantBlocks, split_blocks
 
 GROUP_SIZE = 32  # MLX's group of every quantized matrix (Q6_K's 16 are padded to it)
 PAD_GROUP = 16  # Q6_K's, Q2_K's and Q3_K's group
@@ -57,18 +57,12 @@ class Linear:
     bits: int = 0  # bits per code; 0 when dense
     padded: bool = False  # Q6_K: in' = 2·in, each 16 inputs followed by 16 zero columns
 
-    def _pad(self, x: mx.array) -> mx.array:
-        """[..., in] → [..., 2·in]: 16 zeros after every 16 inputs."""
-        groups = x.reshape(*x.shape[:-1], -1, PAD_GROUP)  # [..., in/16, 16]
-        groups = mx.concatenate([groups, mx.zeros_like(groups)], axis=-1)  # [..., in/16, 32]
-        return groups.reshape(*x.shape[:-1], -1)
-
     def __call__(self, x: mx.array) -> mx.array:
         if self.scales is None:
             y = x @ self.weight.T
         else:
             y = mx.quantized_matmul(
-                self._pad(x) if self.padded else x, self.weight, self.scales, self.biases,
+                pad16(x) if self.padded else x, self.weight, self.scales, self.biases,
                 transpose=True, group_size=GROUP_SIZE, bits=self.bits,
             )  # fmt: skip
         return y if self.bias is None else y + self.bias
@@ -84,6 +78,13 @@ class Linear:
         if self.padded:  # [n, 2·in] → [n, in]
             w = w.reshape(w.shape[0], -1, GROUP_SIZE)[..., :PAD_GROUP].reshape(w.shape[0], -1)
         return w
+
+
+def pad16(x: mx.array) -> mx.array:
+    """[..., in] → [..., 2·in]: 16 zeros after every 16 inputs (the padded groups' inputs)."""
+    groups = x.reshape(*x.shape[:-1], -1, PAD_GROUP)  # [..., in/16, 16]
+    groups = mx.concatenate([groups, mx.zeros_like(groups)], axis=-1)  # [..., in/16, 32]
+    return groups.reshape(*x.shape[:-1], -1)
 
 
 def pack_codes(q: np.ndarray, bits: int) -> np.ndarray:
@@ -124,6 +125,42 @@ def affine(b: QuantBlocks, f32: bool) -> tuple[np.ndarray, np.ndarray, np.ndarra
 
 
 @dataclass(frozen=True)
+class Experts:
+    """A block's E expert matrices of one kind (GGUF's 3-D `ffn_*_exps`), as Linear holds one:
+    quantized per expert (weight uint32 [E, out, in'·bits/32], scales and biases [E, out, in'/32])
+    or dense [E, out, in]. `__call__` multiplies each token by its k chosen experts only
+    (mx.gather_qmm / gather_mm: the other experts' weights are not read)."""
+
+    weight: mx.array
+    scales: mx.array | None
+    biases: mx.array | None
+    bits: int = 0
+    padded: bool = False
+
+    def __call__(self, x: mx.array, ids: mx.array) -> mx.array:
+        """x [T, 1, 1, in] (or [T, k, 1, in]), ids [T, k] → [T, k, 1, out]."""
+        if self.scales is None:
+            return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=ids)
+        if self.padded:
+            x = pad16(x)
+        return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=ids, transpose=True,
+                             group_size=GROUP_SIZE, bits=self.bits)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class MoEWeights:
+    """A mixture-of-experts FFN (qwen3moe, qwen2moe, Mixtral-layout llama; families.py): the
+    router [E, hidden] and the experts, and qwen2moe's shared expert with its gate [1, hidden]."""
+
+    router: Linear
+    gate: Experts  # hidden → F, per expert
+    up: Experts
+    down: Experts  # F → hidden
+    shared: tuple[Linear, Linear, Linear] | None = None  # gate, up, down of the shared expert
+    shared_gate: Linear | None = None
+
+
+@dataclass(frozen=True)
 class BlockWeights:
     attn_norm: mx.array  # [hidden]
     q: Linear  # hidden → n_heads·head_dim, rows in GGUF (interleaved-RoPE) order
@@ -131,11 +168,12 @@ class BlockWeights:
     v: Linear  # hidden → n_kv_heads·head_dim
     o: Linear  # n_heads·head_dim → hidden
     ffn_norm: mx.array  # [hidden]
-    gate: Linear  # hidden → ffn
-    up: Linear  # hidden → ffn
-    down: Linear  # ffn → hidden
+    gate: Linear | None  # hidden → ffn (None: the block's FFN is `moe`)
+    up: Linear | None  # hidden → ffn
+    down: Linear | None  # ffn → hidden
     q_norm: mx.array | None = None  # [head_dim], Qwen3: RMSNorm of each q head before RoPE
     k_norm: mx.array | None = None  # [head_dim], likewise for k
+    moe: MoEWeights | None = None
 
 
 @dataclass(frozen=True)
@@ -175,6 +213,31 @@ def load_shard_weights(
                                 bias, bits, padded)
         return made[name]
 
+    def experts(name: str) -> Experts:
+        t = tensors[name]
+        E, out, cols = t.shape
+        if t.qtype in FLOAT_TYPES:
+            return Experts(mx.array(index.dequantize(name, np.float32).reshape(E, out, cols)), None, None)
+        b = split_blocks(t.qtype, index.raw(name), E * out, cols)
+        codes, scales, biases, bits, padded = affine(b, f32)
+        packed = pack_codes(codes, bits)
+        return Experts(mx.array(packed.reshape(E, out, -1)), mx.array(scales.reshape(E, out, -1)),
+                       mx.array(biases.reshape(E, out, -1)), bits, padded)  # fmt: skip
+
+    def moe(b: int) -> MoEWeights | None:
+        p = f"blk.{b}."
+        if f"{p}ffn_gate_exps.weight" not in tensors:
+            return None
+        shared = None
+        if f"{p}ffn_gate_shexp.weight" in tensors:
+            shared = (linear(f"{p}ffn_gate_shexp"), linear(f"{p}ffn_up_shexp"), linear(f"{p}ffn_down_shexp"))
+        return MoEWeights(linear(f"{p}ffn_gate_inp"), experts(f"{p}ffn_gate_exps.weight"),
+                          experts(f"{p}ffn_up_exps.weight"), experts(f"{p}ffn_down_exps.weight"), shared,
+                          linear(f"{p}ffn_gate_inp_shexp") if shared else None)  # fmt: skip
+
+    def dense(b: int, kind: str) -> Linear | None:
+        return linear(f"blk.{b}.ffn_{kind}") if f"blk.{b}.ffn_{kind}.weight" in tensors else None
+
     blocks = tuple(
         BlockWeights(
             attn_norm=vec(f"blk.{b}.attn_norm.weight"),
@@ -183,11 +246,12 @@ def load_shard_weights(
             v=linear(f"blk.{b}.attn_v"),
             o=linear(f"blk.{b}.attn_output"),
             ffn_norm=vec(f"blk.{b}.ffn_norm.weight"),
-            gate=linear(f"blk.{b}.ffn_gate"),
-            up=linear(f"blk.{b}.ffn_up"),
-            down=linear(f"blk.{b}.ffn_down"),
+            gate=dense(b, "gate"),
+            up=dense(b, "up"),
+            down=dense(b, "down"),
             q_norm=vec(f"blk.{b}.attn_q_norm.weight") if f"blk.{b}.attn_q_norm.weight" in tensors else None,
             k_norm=vec(f"blk.{b}.attn_k_norm.weight") if f"blk.{b}.attn_k_norm.weight" in tensors else None,
+            moe=moe(b),
         )
         for b in range(first, last)
     )
@@ -217,6 +281,11 @@ def _arrays(weights: ShardWeights) -> list[mx.array]:
         out += [a for a in (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm) if a is not None]
         for lin in (b.q, b.k, b.v, b.o, b.gate, b.up, b.down):
             add_linear(lin)
+        if b.moe is not None:
+            for lin in (b.moe.router, b.moe.shared_gate, *(b.moe.shared or ())):
+                add_linear(lin)
+            for e in (b.moe.gate, b.moe.up, b.moe.down):
+                out.extend(a for a in (e.weight, e.scales, e.biases) if a is not None)
     add_linear(weights.embedding)
     add_linear(weights.lm_head)
     if weights.output_norm is not None:
