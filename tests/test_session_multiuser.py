@@ -140,7 +140,11 @@ def test_eight_concurrent_requests_from_three_members_get_their_solo_answers(ses
     # batched decode rows: several requests' steps in one forward (and never when off)
     assert (seen["rows"] > 1) == session.batch_rows, seen
     assert seen["fitted"] == session.batch_rows, seen  # and the head's fit of a batch's cost showed
-    for name in session.names:  # no slot left behind on any stage
+    for name in session.names:  # no slot left behind on any stage (a stage frees its slot when the
+        # request's end reaches it, just after the client has the last token: a moment's grace)
+        deadline = time.monotonic() + 10
+        while own_stage(session, name)["active"] and time.monotonic() < deadline:
+            time.sleep(0.1)
         assert own_stage(session, name)["active"] == 0, name
 
 
