@@ -38,7 +38,7 @@ def split_part(path: str) -> tuple[int, int] | None:
 
 
 def part_paths(first: str) -> list[str]:
-    """Every part's path, from the first part's."""
+    """Every part's path, from any part's (the first's, as a rule)."""
     m = SPLIT_NAME.match(first)
     if m is None:
         raise BadInput(f"{first} is not named as a part of a split GGUF (PREFIX-00001-of-0000N.gguf)")
@@ -61,7 +61,7 @@ def join_parts(first: str, cache_dir: str, say: Callable[[str], None] = lambda l
         raise BadInput(f"{first} is not named as a part of a split GGUF (PREFIX-00001-of-0000N.gguf)")
     if part[0] != 1:
         raise BadInput(f"{first} is part {part[0]} of a {part[1]}-part split GGUF: give the first part, "
-                       f"{os.path.basename(part_paths(_first_of(first))[0])}")  # fmt: skip
+                       f"{os.path.basename(part_paths(first)[0])}")  # fmt: skip
     if not 1 <= part[1] <= MAX_PARTS:
         raise BadInput(f"{first}: a split GGUF of {part[1]} parts (Kafila joins 1..{MAX_PARTS})")
     paths = part_paths(first)
@@ -95,12 +95,6 @@ def join_parts(first: str, cache_dir: str, say: Callable[[str], None] = lambda l
     with open(note, "w") as f:
         json.dump(sources, f)
     return out
-
-
-def _first_of(path: str) -> str:
-    m = SPLIT_NAME.match(path)
-    assert m is not None, path
-    return f"{m.group(1)}-00001-of-{m.group(3)}.gguf"
 
 
 def _identity(path: str) -> list:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from kafila.api._errors import ApiError
 from kafila.api._limits import ApiLimits
-from kafila.api._tools import parse_message_calls, parse_tools
+from kafila.api._tools import add_message_calls, parse_tools
 from kafila.api._validate import (
     MAX_SEED,
     Sampling,
@@ -141,10 +141,7 @@ def parse_chat(body: dict, limits: ApiLimits) -> OllamaChat:
             raise bad("unsupported", "images are not supported: this model reads text only", "images")
         chars += len(content)
         message = {"role": role, "content": content}
-        calls = parse_message_calls(m, i)
-        if calls is not None:
-            message["tool_calls"] = calls
-            chars += sum(len(json.dumps(c["function"]["arguments"])) for c in calls)
+        chars += add_message_calls(message, m, i)
         if role == "tool" and isinstance(m.get("tool_name"), str):
             message["name"] = m["tool_name"][:256]
         out.append(message)

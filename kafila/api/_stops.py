@@ -25,7 +25,7 @@ class StopScanner:
         if cut >= 0:
             self.stopped, self.held = True, ""
             return buffer[:cut]
-        keep = self._longest_partial(buffer)
+        keep = partial_suffix(buffer, self.stops)
         self.held = buffer[len(buffer) - keep :] if keep else ""
         return buffer[: len(buffer) - keep]
 
@@ -33,12 +33,14 @@ class StopScanner:
         held, self.held = self.held, ""
         return "" if self.stopped else held
 
-    def _longest_partial(self, buffer: str) -> int:
-        """The longest suffix of `buffer` that is a proper prefix of some stop sequence."""
-        best = 0
-        for stop in self.stops:
-            for k in range(min(len(stop) - 1, len(buffer)), best, -1):
-                if buffer.endswith(stop[:k]):
-                    best = k
-                    break
-        return best
+
+def partial_suffix(text: str, markers: tuple[str, ...]) -> int:
+    """The length of the longest end of `text` that is a proper beginning of one of `markers`
+    (held back: the marker may follow). Stop sequences here; tool-call and thinking tags too."""
+    best = 0
+    for marker in markers:
+        for k in range(min(len(marker) - 1, len(text)), best, -1):
+            if text.endswith(marker[:k]):
+                best = k
+                break
+    return best

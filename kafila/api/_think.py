@@ -11,7 +11,7 @@ block never closed (the answer ran out of tokens) is all thinking.
 
 from __future__ import annotations
 
-from kafila.api._tools import _partial_suffix
+from kafila.api._stops import partial_suffix
 
 OPEN, CLOSE = "<think>", "</think>"
 
@@ -59,7 +59,7 @@ class ThinkSplit:
                     self.held, self.state, self._lead = self.held[end + len(CLOSE):], "after", True
                     continue
                 # what may begin the closing tag, and whitespace before it, waits: it may end the block
-                body = self.held[: len(self.held) - _partial_suffix(self.held, CLOSE)].rstrip()
+                body = self.held[: len(self.held) - partial_suffix(self.held, (CLOSE,))].rstrip()
                 keep = len(self.held) - len(body)
                 thinking.append(self.held[: len(self.held) - keep])
                 self.held = self.held[len(self.held) - keep:]

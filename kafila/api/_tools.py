@@ -25,6 +25,7 @@ import re
 import uuid
 
 from kafila.api._errors import bad
+from kafila.api._stops import partial_suffix
 
 HERMES_OPEN, HERMES_CLOSE = "<tool_call>", "</tool_call>"
 PYTHON_TAG = "<|python_tag|>"  # Llama 3.1's opening of a call
@@ -116,6 +117,16 @@ def parse_message_calls(message: dict, index: int) -> list[dict] | None:
     return out
 
 
+def add_message_calls(message: dict, body: dict, index: int) -> int:
+    """An assistant message's calls (parse_message_calls) put into `message`, the parsed form a
+    template reads; the characters their arguments hold (they count toward the request's bound)."""
+    calls = parse_message_calls(body, index)
+    if calls is None:
+        return 0
+    message["tool_calls"] = calls
+    return sum(len(json.dumps(c["function"]["arguments"])) for c in calls)
+
+
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
@@ -181,7 +192,7 @@ class ToolCalls:
         while True:
             start = self._held.find(HERMES_OPEN)
             if start < 0:
-                keep = _partial_suffix(self._held, HERMES_OPEN)
+                keep = partial_suffix(self._held, (HERMES_OPEN,))
                 out.append(self._held[: len(self._held) - keep])
                 self._held = self._held[len(self._held) - keep:]
                 break
@@ -272,11 +283,3 @@ def _json_object(text: str) -> dict | None:
     except ValueError:
         return None
     return value if isinstance(value, dict) else None
-
-
-def _partial_suffix(text: str, marker: str) -> int:  # also _think.py's
-    """The length of the longest end of `text` that begins `marker` (held: the marker may follow)."""
-    for n in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-n:]):
-            return n
-    return 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from kafila.api._errors import ApiError, bad
 from kafila.api._limits import ApiLimits
-from kafila.api._tools import parse_message_calls, parse_tools
+from kafila.api._tools import add_message_calls, parse_tools
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_SEED = 2**63
@@ -245,10 +245,7 @@ def parse_chat(body: dict, limits: ApiLimits) -> ChatParams:
         content = _content(m, i)
         chars += len(content)
         message = {"role": "system" if role == "developer" else role, "content": content}
-        calls = parse_message_calls(m, i)
-        if calls is not None:
-            message["tool_calls"] = calls
-            chars += sum(len(json.dumps(c["function"]["arguments"])) for c in calls)
+        chars += add_message_calls(message, m, i)
         for key in ("tool_call_id", "name"):  # a tool's result names the call it answers
             if role == "tool" and isinstance(m.get(key), str):
                 message[key] = m[key][:256]

@@ -11,6 +11,7 @@ model; `load_tokenizer_file(path)` reads only the metadata, so a vocabulary-only
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -130,7 +131,7 @@ class Tokenizer:
         template as variables (`tools`, `enable_thinking`, …). A leading BOS text is dropped when
         encode adds BOS itself (llama.cpp does the same), so the prompt never starts with two."""
         try:
-            template = _chat_environment().from_string(self.chat_template or CHATML_TEMPLATE)
+            template = _compiled(self.chat_template or CHATML_TEMPLATE)
             text = template.render(
                 messages=messages,
                 add_generation_prompt=add_generation_prompt,
@@ -174,6 +175,12 @@ class _Generation(jinja2.ext.Extension):
     def parse(self, parser):
         next(parser.stream)
         return parser.parse_statements(("name:endgeneration",), drop_needle=True)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(template: str) -> jinja2.Template:
+    """A chat template compiled once (every request renders the same model's template)."""
+    return _chat_environment().from_string(template)
 
 
 def _chat_environment() -> ImmutableSandboxedEnvironment:
