@@ -20,9 +20,13 @@ _BACKENDS = {
 NAMES = tuple(_BACKENDS)
 PRECISIONS = ("serving", "f32")  # serving: the backend's fast defaults; f32: f32 compute and KV
 # The OpenVINO stage's form of K-quant (Q4_K, Q5_K) matrices (backends/openvino/weights.py): exact
-# (the file's weights to f32 rounding) or fast (integer zero points, the CPU plugin's fused kernel)
-KQUANTS = ("exact", "fast")
-DEFAULT_KQUANT = "exact"
+# (the file's weights to f32 rounding), fast (integer zero points, the CPU plugin's fused kernel)
+# or ggml (every quantized matrix by ggml's own kernels, llama.cpp's arithmetic:
+# backends/openvino/ggml_kernels.py)
+# auto, the default: ggml at serving precision where its kernels build here, else exact (and
+# always exact at --precision f32, whose yardstick is the file's exact weights): bench.kquant_speed
+KQUANTS = ("auto", "exact", "fast", "ggml")
+DEFAULT_KQUANT = "auto"
 
 
 @dataclass(frozen=True)

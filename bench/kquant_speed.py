@@ -40,7 +40,7 @@ import numpy as np
 
 from bench.llamacpp_speed import machine
 
-ROWS = ("kafila-exact", "kafila-fast", "genai", "llamacpp")
+ROWS = ("kafila-exact", "kafila-fast", "kafila-ggml", "genai", "llamacpp")
 LLAMACPP = "llamacpp"
 FRONTEND_NOTE = ("openvino GGUF frontend: converts the file, not measured: its stateless model's "
                  "cache update (ScatterUpdate on axis 2 of cache [1,S,2,128]) refused the cache "

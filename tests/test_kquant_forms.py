@@ -132,7 +132,7 @@ def test_the_session_carries_the_hosts_kquant():
 @pytest.mark.parametrize("command", ["serve", "host", "demo"])
 def test_every_stage_building_command_offers_kquant(command):
     proc = kafila(command, "--help", timeout=60)
-    assert proc.returncode == 0 and "--kquant {exact,fast}" in proc.stdout, proc.stdout
+    assert proc.returncode == 0 and "--kquant {auto,exact,fast,ggml}" in proc.stdout, proc.stdout
 
 
 @needs_openvino

@@ -29,6 +29,7 @@ import openvino as ov
 from backends import memory
 from backends.base import HeadOps, ShardSpec
 from backends.gguf import ModelIndex, open_model
+from backends.openvino import ggml_kernels
 from backends.openvino import rows as rowmod
 from backends.openvino.graph import StageBuilder
 from backends.openvino.recurrent import RecurrentSteps
@@ -115,6 +116,7 @@ class OpenVINOShard(HeadOps):
         self.precision = precision
         self.index = index if index is not None else open_model(spec.model_path)
         self.index.check_range(spec.first, spec.last)
+        kquant = ggml_kernels.resolve(kquant, precision)
         cfg = dict(CONFIGS[precision]) if config is None else dict(config)
         if config is None and precision == "serving" and kquant == "fast":
             cfg.update(FAST_KQUANT_CONFIG)

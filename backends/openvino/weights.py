@@ -68,6 +68,8 @@ from backends import DEFAULT_KQUANT, KQUANTS
 from backends.errors import BadInput
 from backends.gguf import ModelIndex
 from backends.gguf.quant import FLOAT_TYPES, QuantBlocks, split_blocks
+from backends.openvino import ggml_kernels
+from backends.openvino.ggml_kernels import GGML_QTYPES
 from backends.openvino.lowbit import LOWBIT_TYPES, lowbit_forms
 
 F32 = ov.Type.f32
@@ -205,8 +207,10 @@ class WeightBank:
     def __init__(self, index: ModelIndex, spill: bool = False, kquant: str = DEFAULT_KQUANT) -> None:
         if kquant not in KQUANTS:
             raise BadInput(f"unknown --kquant {kquant!r} (choose from {', '.join(KQUANTS)})")
+        if kquant == "ggml":
+            ggml_kernels.require()
         self.index = index
-        self.kquant = kquant  # the K-quants' form: "exact", or "fast" (integer zero points)
+        self.kquant = kquant  # the K-quants' form: "exact", "fast" (integer zero points) or "ggml"
         self.keep: list[np.ndarray] = []  # numpy buffers the constants point into
         self.spill = SpillFile() if spill else None  # or a file holding them (see SpillFile)
         self._shared: dict[str, Packed | ov.Node] = {}  # one buffer per whole tensor, shared by models
@@ -267,7 +271,9 @@ class WeightBank:
             while j < len(parts) and kinds[j] == kinds[i]:
                 j += 1
             run = parts[i:j]  # parts[i:j] share a type: one matrix
-            if len(run) == 1 and not run[0][1]:
+            if self.kquant == "ggml" and kinds[i] in GGML_QTYPES:
+                y = self._ggml_linear(x, run)
+            elif len(run) == 1 and not run[0][1]:
                 whole = self._whole(run[0][0])
                 y = self.packed_linear(x, whole) if isinstance(whole, Packed) else linear(x, whole.output(0))
             elif kinds[i] == "float":
@@ -287,6 +293,19 @@ class WeightBank:
                 outs.extend(ops.variadic_split(y, ops.constant(np.int64(-1)), sizes).outputs())
             i = j
         return outs
+
+    def _ggml_linear(self, x: ov.Output, run: list[tuple[str, int]]) -> ov.Output:
+        """x through the matrices `run` (one block type) as one GgmlMatMul on the file's own
+        blocks: rows are whole blocks, so un-permuting and concatenating move bytes, not values."""
+        infos = [self.index.tensors[name] for name, _ in run]
+        parts = []
+        for (name, heads), t in zip(run, infos):
+            # [rows, row bytes]: the file's pages, mapped copy-on-write (OpenVINO wants a writable
+            # buffer to share; nothing writes it)
+            raw = np.memmap(self.index.path, np.uint8, "c", t.offset, (t.shape[0], t.n_bytes // t.shape[0]))
+            parts.append(unpermute_rows(raw, heads) if heads else raw)
+        raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        return ggml_kernels.matmul(x, raw, infos[0].qtype, raw.shape[0], infos[0].shape[1], self.keep)
 
     def quantized_linear(self, x: ov.Output, b: QuantBlocks) -> ov.Output:
         """x [..., in] @ w[out, in]ᵀ for GGML blocks b, exactly (see the module docstring)."""

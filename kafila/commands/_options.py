@@ -39,11 +39,12 @@ def add_kquant(p: argparse.ArgumentParser) -> None:
     from backends import DEFAULT_KQUANT, KQUANTS
 
     p.add_argument("--kquant", choices=KQUANTS, default=DEFAULT_KQUANT,
-                   help=f"how OpenVINO stages hold Q4_K/Q5_K matrices (default {DEFAULT_KQUANT}): exact (the "
-                        "file's weights to f32 rounding; same greedy tokens as llama.cpp at --precision f32) "
-                        "or fast (each group's offset rounded to an integer zero point, as openvino_genai "
-                        "does: the CPU plugin's fused kernel, each weight off by at most half its group's "
-                        "scale; bench/kquant_quality.py measures what it changes)")  # fmt: skip
+                   help=f"how OpenVINO stages compute quantized matrices (default {DEFAULT_KQUANT}): ggml "
+                        "(ggml's own CPU kernels on the file's blocks: llama.cpp's arithmetic and speed; "
+                        "built at install, needs llama-cpp-python and a C++ compiler), exact (the file's "
+                        "weights to f32 rounding: llama.cpp's greedy tokens at --precision f32), fast "
+                        "(Q4_K/Q5_K offsets rounded to integer zero points, as openvino_genai does), or "
+                        "auto (ggml at serving precision where it builds, else exact)")  # fmt: skip
 
 
 def add_speculate(p: argparse.ArgumentParser) -> None:

@@ -1,0 +1,209 @@
+"""ggml's own CPU matmul kernels inside an OpenVINO graph: `--kquant ggml` (issue 36 item 3).
+
+A quantized matrix becomes one `GgmlMatMul` node (backends/openvino/ggml_op/ggml_matmul.cpp): its
+weights are the GGUF file's own blocks (u8 bytes, mapped from the file, no copy and no repacking),
+and each step quantizes x to the type's vec_dot type with ggml's `from_float` (Q8_K for the
+K-quants) and runs ggml's `vec_dot` over every row, threaded over the CPU plugin's pool. That is
+the arithmetic llama.cpp's CPU mul_mat runs (the same functions of the same library), so a stage
+computes at llama.cpp's speed per matrix and with llama.cpp's activation rounding.
+
+Which ggml: llama-cpp-python's (`llama_cpp/lib/libggml-cpu.so`, `libggml-base.so`). It is the
+maintained, pip-installable build of ggml that the suite already uses as its reference; pip builds
+it on install for the machine's own ISA (GGML_NATIVE), the kernels llama.cpp would pick here. Its
+wheel carries no headers, so the same release's `ggml/include` comes from its sdist (pip download,
+cached). The op is compiled once per (source, OpenVINO, llama-cpp-python) with the wheel's
+OpenVINOConfig.cmake into ~/.cache/kafila/ops/ (`python -m backends.openvino.ggml_kernels` does it
+ahead, as scripts/bootstrap.sh runs it); where that cannot happen (no compiler, no cmake, no
+llama-cpp-python) `--kquant ggml` fails in one line that says why, and `exact` is the fallback.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+import tarfile
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+from backends.errors import BadInput
+
+SOURCE_DIR = Path(__file__).with_name("ggml_op")
+# GGUF block types with a ggml CPU dot product; F16/BF16/F32 matrices keep their f32 form.
+GGML_QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
+               "IQ4_NL", "IQ4_XS", "MXFP4")  # fmt: skip
+BUILD_TIMEOUT_S = 900
+
+
+class KernelsMissing(BadInput):
+    """The ggml kernels cannot be had here (the message says why and what to do)."""
+
+
+def type_id(qtype: str) -> int:
+    """ggml's enum value of a GGUF block type (gguf-py mirrors ggml.h's enum ggml_type)."""
+    from gguf import GGMLQuantizationType
+
+    return int(GGMLQuantizationType[qtype].value)
+
+
+def _ggml_lib() -> tuple[Path, str]:
+    """(the directory holding libggml-cpu.so and libggml-base.so, their release): $KAFILA_GGML_LIB
+    names another ggml build of llama-cpp-python's release (its headers are that release's)."""
+    try:
+        import llama_cpp
+    except ImportError as exc:
+        raise KernelsMissing(f"--kquant ggml needs llama-cpp-python's ggml ({exc}); "
+                             "pip install llama-cpp-python, or use --kquant exact") from None  # fmt: skip
+    lib = Path(os.environ.get("KAFILA_GGML_LIB") or Path(llama_cpp.__file__).parent / "lib")
+    if not (lib / "libggml-cpu.so").exists():
+        raise KernelsMissing(f"no libggml-cpu.so in {lib}: this llama-cpp-python has no CPU ggml; use --kquant exact")
+    return lib, llama_cpp.__version__
+
+
+def build_dirs() -> list[Path]:
+    """Where the built op is looked for, in order, and built into (the first writable): beside
+    this module (inside the installed package or the checkout: found by every process of that
+    install whatever its $HOME or $XDG_CACHE_HOME), else the user's cache."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return [SOURCE_DIR.with_name("ggml_op_build"), Path(base) / "kafila" / "ops"]
+
+
+def _key(version: str, lib: Path) -> str:
+    import openvino
+
+    h = hashlib.sha256()
+    for f in sorted(SOURCE_DIR.iterdir()):
+        h.update(f.name.encode() + f.read_bytes())
+    h.update(f"{openvino.__version__} {version} {sys.platform} {lib}".encode())
+    return h.hexdigest()[:16]
+
+
+def _headers(version: str, work: Path) -> Path:
+    """ggml/include of llama-cpp-python `version`'s sdist (pip download: cached by pip)."""
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--no-binary", ":all:",
+                    f"llama-cpp-python=={version}", "-d", str(work)],
+                   check=True, timeout=BUILD_TIMEOUT_S, capture_output=True)  # fmt: skip
+    sdist = next(work.glob("llama_cpp_python-*.tar.gz"))
+    include = work / "include"
+    include.mkdir()
+    with tarfile.open(sdist) as tar:
+        for m in tar.getmembers():
+            inner = m.name.partition("/")[2]
+            if inner.startswith("vendor/llama.cpp/ggml/include/") and m.isfile() and inner.endswith(".h"):
+                m.name = os.path.basename(inner)
+                tar.extract(m, include, filter="data")
+    return include
+
+
+def build(quiet: bool = True) -> Path:
+    """Compile the op for this OpenVINO and llama-cpp-python (once); returns the library's path."""
+    lib, version = _ggml_lib()
+    key = _key(version, lib)
+    for d in build_dirs():
+        if (d / key / "libkafila_ggml.so").exists():
+            return d / key / "libkafila_ggml.so"
+    out = next((d for d in build_dirs() if _writable(d)), build_dirs()[-1]) / key / "libkafila_ggml.so"
+    for tool in ("cmake", "c++"):
+        if shutil.which(tool) is None:
+            raise KernelsMissing(f"building the ggml op needs {tool} (apt-get install cmake g++); or use --kquant exact")
+    import openvino.utils
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="kafila-ggml-op-") as tmp:
+        work = Path(tmp)
+        try:
+            include = _headers(version, work)
+            run = functools.partial(subprocess.run, check=True, timeout=BUILD_TIMEOUT_S, capture_output=quiet)
+            run(["cmake", "-S", str(SOURCE_DIR), "-B", str(work / "build"), "-DCMAKE_BUILD_TYPE=Release",
+                 f"-DOpenVINO_DIR={openvino.utils.get_cmake_path()}", f"-DGGML_INCLUDE={include}", f"-DGGML_LIB={lib}"])  # fmt: skip
+            run(["cmake", "--build", str(work / "build"), "-j", str(os.cpu_count() or 1)])
+        except (OSError, subprocess.SubprocessError, StopIteration) as exc:
+            detail = getattr(exc, "stderr", b"") or b""
+            tail = detail.decode(errors="replace").strip().splitlines()[-1:] if detail else [str(exc)]
+            raise KernelsMissing(f"could not build the ggml op ({tail[0] if tail else exc}); use --kquant exact") from None
+        built = work / "build" / "libkafila_ggml.so"
+        partial = out.with_suffix(".tmp")
+        shutil.copyfile(built, partial)
+        os.replace(partial, out)  # whole or absent: a build cut short leaves nothing half-written
+    for old in out.parent.parent.iterdir():  # builds for an older source or release
+        if old != out.parent and (old / out.name).exists():
+            shutil.rmtree(old, ignore_errors=True)
+    return out
+
+
+def _writable(d: Path) -> bool:
+    try:
+        d.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return False
+    return os.access(d, os.W_OK)
+
+
+@functools.lru_cache(maxsize=1)
+def _factory():
+    from openvino.utils.node_factory import NodeFactory
+
+    from backends.openvino.shard import core
+
+    path = str(build())
+    core().add_extension(path)  # compile_model must know the op too
+    factory = NodeFactory()
+    factory.add_extension(path)
+    return factory
+
+
+def require() -> None:
+    """Raises KernelsMissing (one line: why, and what to do) unless `--kquant ggml` works here."""
+    _factory()
+
+
+def available() -> tuple[bool, str]:
+    """(True, "") where `--kquant ggml` works here; else (False, why)."""
+    try:
+        require()
+    except KernelsMissing as exc:
+        return False, str(exc)
+    return True, ""
+
+
+def resolve(kquant: str, precision: str) -> str:
+    """The form an OpenVINO stage builds for `--kquant kquant` at `precision` (see backends.KQUANTS)."""
+    if kquant != "auto":
+        return kquant
+    if precision != "serving":
+        return "exact"
+    ok, why = available()
+    if not ok:
+        _say_once(f"kafila: K-quant matrices in the exact form: {why.removesuffix('; use --kquant exact')}")
+    return "ggml" if ok else "exact"
+
+
+@functools.lru_cache(maxsize=None)
+def _say_once(line: str) -> None:
+    print(line, file=sys.stderr)
+
+
+def matmul(x, weights: np.ndarray, qtype: str, rows: int, cols: int, keep: list):
+    """x [..., cols] @ W[rows, cols]ᵀ → [..., rows], W as the file's blocks `weights` (uint8, any
+    shape holding rows × row bytes); `keep` holds the buffer while the model lives."""
+    import openvino as ov
+    flat = np.ascontiguousarray(weights).reshape(-1)
+    keep.append(flat)
+    w = ov.op.Constant(ov.Tensor(flat, shared_memory=True))
+    node = _factory().create("GgmlMatMul", [x, w.output(0)], {"type": type_id(qtype), "rows": rows, "cols": cols})
+    return node.output(0)
+
+
+def main() -> int:
+    """Build ahead (scripts/bootstrap.sh): prints the library, or why not (exit 1)."""
+    try:
+        print(build(quiet=False))
+    except KernelsMissing as exc:
+        print(f"kafila: {exc}", file=sys.stderr)
+        return 1
+    return 0

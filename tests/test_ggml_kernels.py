@@ -1,0 +1,180 @@
+"""`--kquant ggml`: quantized matrices computed by ggml's own CPU kernels inside the OpenVINO stage
+(backends/openvino/ggml_kernels.py, the GgmlMatMul op), the serving default where it builds.
+
+The yardstick is llama.cpp itself on the same quantized file: with the same functions of the same
+library (llama-cpp-python's libggml-cpu), the logits llama.cpp gives for a token equal Kafila's to
+float rounding wherever the rest of the graph is the same arithmetic (the first two positions: no
+softmax over three or more keys yet). Beyond that, llama.cpp's activation rounding (Q8_K) turns
+1e-7 differences in attention into different roundings, as it does between llama.cpp's own builds.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backends import DEFAULT_KQUANT, KQUANTS, ShardSpec, status
+from backends.gguf import open_model
+from tests.synthetic_gguf import write_llama_gguf
+from tests.test_kquants import SMALL, random_raw
+from tests.test_llamacpp_arch import kafila_greedy, needs_llamacpp
+from tests.test_run_cli import assert_bad_input, kafila
+
+needs_openvino = pytest.mark.skipif(not status("openvino").available, reason=status("openvino").reason)
+
+
+def _ggml_available() -> str:
+    if not status("openvino").available:
+        return status("openvino").reason
+    from backends.openvino import ggml_kernels
+
+    return ggml_kernels.available()[1]
+
+
+needs_ggml = pytest.mark.skipif(bool(_ggml_available()), reason=_ggml_available() or "available")
+
+
+@pytest.fixture(scope="module")
+def k_quant_file(tmp_path_factory):
+    """A Q4_K_M file quantized by llama.cpp's own quantizer (Q4_K, Q6_K, Q5_K... as it chooses)."""
+    from tests.llamacpp_ref import quantize
+
+    root = tmp_path_factory.mktemp("ggml")
+    src = write_llama_gguf(root / "f32.gguf", blocks=3, hidden=256, heads=4, kv_heads=2, ffn=512,
+                           qtype="F32", embed_qtype="F32", tied=False, seed=5)  # fmt: skip
+    return quantize(src, str(root / "q4km.gguf"), "Q4_K_M")
+
+
+def _op(qtype: str, raw: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from backends.openvino import ggml_kernels
+    from backends.openvino.shard import SERVING_CONFIG, core
+
+    keep: list = []
+    x_in = ops.parameter([-1, cols], ov.Type.f32)
+    y = ggml_kernels.matmul(x_in.output(0), raw.copy(), qtype, rows, cols, keep)
+    compiled = core().compile_model(ov.Model([ops.result(y)], [x_in]), "CPU", SERVING_CONFIG)
+    return compiled.create_infer_request().infer({0: x})[0].copy()
+
+
+def ggml_reference(qtype: str, raw: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+    """x @ Wᵀ as llama.cpp's CPU mul_mat computes it, called straight from its libggml-cpu
+    (ctypes): each row of x through the vec_dot type's from_float, then vec_dot per weight row."""
+    import ctypes as C
+
+    import llama_cpp  # noqa: F401  (loads libggml-base and libggml-cpu)
+
+    from backends.openvino.ggml_kernels import _ggml_lib, type_id
+
+    lib_dir = _ggml_lib()[0]
+    cpu, base = C.CDLL(str(lib_dir / "libggml-cpu.so")), C.CDLL(str(lib_dir / "libggml-base.so"))
+
+    class Traits(C.Structure):
+        _fields_ = [("from_float", C.c_void_p), ("vec_dot", C.c_void_p), ("vec_dot_type", C.c_int), ("nrows", C.c_int64)]
+
+    cpu.ggml_get_type_traits_cpu.restype = C.POINTER(Traits)
+    base.ggml_row_size.restype, base.ggml_row_size.argtypes = C.c_size_t, [C.c_int, C.c_int64]
+    cpu.ggml_cpu_init()
+    w = cpu.ggml_get_type_traits_cpu(type_id(qtype)).contents
+    act = cpu.ggml_get_type_traits_cpu(w.vec_dot_type).contents
+    from_float = C.CFUNCTYPE(None, C.POINTER(C.c_float), C.c_void_p, C.c_int64)(act.from_float)
+    vec_dot = C.CFUNCTYPE(None, C.c_int, C.POINTER(C.c_float), C.c_size_t, C.c_void_p, C.c_size_t,
+                          C.c_void_p, C.c_size_t, C.c_int)(w.vec_dot)  # fmt: skip
+    raw = np.ascontiguousarray(raw, np.uint8).reshape(rows, -1)
+    q = np.zeros(base.ggml_row_size(w.vec_dot_type, cols), np.uint8)
+    y = np.zeros((len(x), rows), np.float32)
+    for i, row in enumerate(np.ascontiguousarray(x, np.float32)):
+        from_float(row.ctypes.data_as(C.POINTER(C.c_float)), q.ctypes.data, cols)
+        for r in range(rows):
+            out = y[i, r:].ctypes.data_as(C.POINTER(C.c_float))
+            vec_dot(cols, out, 0, raw[r].ctypes.data, 0, q.ctypes.data, 0, 1)
+    return y
+
+
+@needs_ggml
+@needs_llamacpp
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_the_op_computes_what_ggmls_own_kernels_compute(qtype):
+    """Bit for bit what llama.cpp's libggml-cpu gives, called directly, for one row of x and for
+    five at once (prefill and batched users read what a decode step reads); and within the
+    activations' 8-bit rounding of the exact product, which it is not."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    rows, cols = 40, 512
+    raw = random_raw(qtype, rows, cols, seed=2)
+    x = np.random.default_rng(4).normal(0.2, 1, (5, cols)).astype(np.float32)
+    batched = _op(qtype, raw, rows, cols, x)
+    assert np.array_equal(batched, ggml_reference(qtype, raw, rows, cols, x))
+    assert np.array_equal(batched[2:3], _op(qtype, raw, rows, cols, x[2:3]))
+    exact = x.astype(np.float64) @ dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols).astype(np.float64).T
+    assert np.abs(batched - exact).max() < 0.02 * np.abs(exact).max(), qtype
+    assert not np.array_equal(batched, exact.astype(np.float32))  # the activations were rounded
+
+
+@needs_ggml
+@needs_llamacpp
+def test_the_default_model_answers_with_llamacpps_logits(tmp_path):
+    """The real default model (Q4_1 blocks, a Q8_0 head), at --precision f32 (llama.cpp's f32 KV
+    cache, as the reference runs): greedy ids equal llama.cpp's on the same file; the first
+    positions' logits are llama.cpp's to float rounding (0.0 on an AVX-512 EPYC),
+    where the exact form is off by llama.cpp's activation rounding (0.7). Later positions: 1e-7
+    differences elsewhere in the graph (softmax, norms) flip an activation's 8-bit rounding now
+    and then, as between two llama.cpp builds, so only the ids are held there."""
+    from backends.openvino.shard import OpenVINOShard
+    from tests.default_model import MODEL
+    from tests.llamacpp_ref import greedy_run
+
+    if MODEL is None:
+        pytest.skip("the default model is not installed")
+    index = open_model(MODEL)
+    prompt, n = [1234], 8
+    ref_ids, ref_logits = greedy_run(MODEL, prompt, n)
+    spec = ShardSpec(index.path, 0, index.hparams.n_blocks, embed=True, head=True)
+    first = {}
+    for kquant in ("ggml", "exact"):
+        ids, logits = kafila_greedy(OpenVINOShard(spec, "f32", index=index, kquant=kquant), prompt, n)
+        first[kquant] = float(np.abs(logits[:2] - ref_logits[:2]).max())
+        if kquant == "ggml":
+            assert ids == ref_ids
+    assert first["ggml"] < first["exact"] / 10, first
+
+
+@needs_ggml
+def test_a_split_chain_computes_what_one_stage_computes(k_quant_file):
+    """1 stage and 3 uneven stages at serving precision give the same 24 ids (the op is the same
+    per row wherever the rows are), and the default (auto) is the ggml form there."""
+    from kafila.engine.chain import LocalChain
+
+    index = open_model(k_quant_file)
+    prompt = [int(i) for i in np.random.default_rng(7).integers(3, 200, 20)]
+    one = list(LocalChain.build(k_quant_file, 1, "openvino", "serving", index=index).generate(prompt, 24))
+    three = LocalChain.build(k_quant_file, 3, "openvino", "serving", index=index)
+    assert all(s._bank.kquant == "ggml" for s in three.shards)
+    assert list(three.generate(prompt, 24)) == one
+
+
+@needs_openvino
+def test_auto_is_exact_at_f32_and_ggml_only_where_it_builds(monkeypatch):
+    from backends.openvino import ggml_kernels
+
+    assert DEFAULT_KQUANT == "auto" and "ggml" in KQUANTS
+    assert ggml_kernels.resolve("auto", "f32") == "exact"
+    assert ggml_kernels.resolve("fast", "serving") == "fast"
+
+    def missing():
+        raise ggml_kernels.KernelsMissing("no libggml-cpu.so in /nowhere: use --kquant exact")
+
+    monkeypatch.setattr(ggml_kernels, "require", missing)
+    assert ggml_kernels.resolve("auto", "serving") == "exact"
+
+
+@needs_openvino
+def test_kquant_ggml_without_a_ggml_build_is_refused_in_one_line(tmp_path, monkeypatch):
+    path = write_llama_gguf(tmp_path / "m.gguf", blocks=2, **SMALL, qtype="Q4_K", embed_qtype="Q4_K")
+    monkeypatch.setenv("KAFILA_GGML_LIB", str(tmp_path))  # a directory without libggml-cpu.so
+    assert_bad_input(kafila("run", "--model", path, "--kquant", "ggml", "Hello"), "libggml-cpu.so", "--kquant exact")
+    auto = kafila("run", "--model", path, "--max-tokens", "2", "--raw", "Hello")  # auto: exact, said once
+    assert auto.returncode == 0 and auto.stderr.count("exact form") == 1, auto.stderr
