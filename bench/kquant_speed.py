@@ -2,7 +2,7 @@
 weight form), openvino_genai's GGUF reader and llama.cpp, on the same threads (issue 36).
 
     .venv/bin/python -m bench.kquant_speed [--file qwen1.5b|llama-3-8b|PATH] [--threads 2]
-        [--prompt-tokens 512] [--tokens 32] [--rounds 2] [--rows kafila-exact,kafila-fast,genai,llamacpp]
+        [--prompt-tokens 512] [--tokens 32] [--rounds 2] [--rows kafila-exact,kafila-fast,kafila-ggml,genai,llamacpp]
 
 Every row is built first, then `--rounds` rounds each run every row once in turn (A B C D A B C D),
 so load from elsewhere on a shared machine falls on all alike; a ratio is the median over rounds
@@ -12,11 +12,14 @@ with EOS ignored. Prefill tok/s = prompt tokens / (time to the first token); dec
 tokens after the first / (time from the first to the last).
 
 Rows, each at its serving defaults:
-- `kafila-exact`, `kafila-fast`: Kafila's 1-stage OpenVINO chain, `precision="serving"`, weight
-  form `--kquant exact|fast` (backends/openvino/weights.py).
+- `kafila-exact`, `kafila-fast`, `kafila-ggml`: Kafila's 1-stage OpenVINO chain,
+  `precision="serving"`, weight form `--kquant exact|fast|ggml` (backends/openvino/weights.py).
 - `genai`: openvino_genai.LLMPipeline(file, "CPU"): its own GGUF reader (Q4_K: u4 + integer zero
   point, group 32), the CPU plugin's defaults; times from its PerfMetrics (TTFT, TPOT).
-- `llamacpp`: llama-cpp-python, n_batch 512, f16 KV cache; `eval(prompt)` then `eval([token])`.
+- `llamacpp`: llama-cpp-python in a process of its own (its OpenMP defaults), n_batch 512, f16 KV
+  cache, its default repacked weights; `eval(prompt)` then `eval([token])`.
+- `kafila-ggml`: `--kquant ggml`, ggml's kernels inside the OpenVINO stage (the serving default
+  where the op builds: backends/openvino/ggml_kernels.py).
 The openvino wheel's own GGUF frontend (`FrontEndManager().load_by_framework("gguf")`) converts
 the file, but its model (explicit cache inputs written by ScatterUpdate) is not driven here: the
 row is listed as not measured, with the reason (see `frontend_note`).
@@ -122,14 +125,35 @@ def genai_row(path: str, threads: int, prompt_len: int, tokens: int):
 
 
 def llamacpp_row(path: str, threads: int, prompt_len: int, tokens: int):
+    """llama.cpp in a process of its own, with its own OpenMP defaults (threads that spin between
+    ops): Kafila's processes make OpenMP passive (backends/openvino/ggml_kernels.py), which
+    would slow llama.cpp's many small ops if it shared this process."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")
+    here, there = ctx.Pipe()
+    ctx.Process(target=_llamacpp_server, args=(there, path, threads, prompt_len, tokens), daemon=True).start()
+
+    def run(prompt: list[int], n: int):
+        here.send((prompt, n))
+        return here.recv()
+
+    return run
+
+
+def _llamacpp_server(conn, path: str, threads: int, prompt_len: int, tokens: int) -> None:
+    os.environ.pop("OMP_WAIT_POLICY", None)
     import llama_cpp
 
     with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
         llm = llama_cpp.Llama(model_path=path, n_ctx=prompt_len + tokens + 8, n_batch=512, n_ubatch=512,
                               n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
     n_vocab = llm.n_vocab()
-
-    def run(prompt: list[int], n: int):
+    while True:
+        try:
+            prompt, n = conn.recv()
+        except EOFError:
+            return
         llm.reset()
         start = time.perf_counter()
         stamps, ids = [], []
@@ -140,9 +164,7 @@ def llamacpp_row(path: str, threads: int, prompt_len: int, tokens: int):
             stamps.append(time.perf_counter())
             if len(ids) < n:
                 llm.eval([ids[-1]])
-        return stamps[0] - start, (len(stamps) - 1) / (stamps[-1] - stamps[0]), ids
-
-    return run
+        conn.send((stamps[0] - start, (len(stamps) - 1) / (stamps[-1] - stamps[0]), ids))
 
 
 def build(name: str, path: str, threads: int, prompt_len: int, tokens: int):
@@ -170,6 +192,8 @@ def main(argv: list[str] | None = None) -> int:
 
     import_openvino_without_telemetry()
     import openvino as ov
+
+    import backends.openvino.ggml_kernels  # noqa: F401  (OpenMP passive, before llama_cpp loads it)
 
     path = gguf_path(args.file)
     print(machine())

@@ -45,7 +45,7 @@ def k_quant_file(tmp_path_factory):
     return quantize(src, str(root / "q4km.gguf"), "Q4_K_M")
 
 
-def _op(qtype: str, raw: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+def _op(qtype: str, raw: np.ndarray, rows: int, cols: int, x: np.ndarray, repack: bool = False) -> np.ndarray:
     import openvino as ov
     import openvino.opset13 as ops
 
@@ -54,7 +54,7 @@ def _op(qtype: str, raw: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.
 
     keep: list = []
     x_in = ops.parameter([-1, cols], ov.Type.f32)
-    y = ggml_kernels.matmul(x_in.output(0), raw.copy(), qtype, rows, cols, keep)
+    y = ggml_kernels.matmul(x_in.output(0), raw.copy(), qtype, rows, cols, keep, repack=repack)
     compiled = core().compile_model(ov.Model([ops.result(y)], [x_in]), "CPU", SERVING_CONFIG)
     return compiled.create_infer_request().infer({0: x})[0].copy()
 
@@ -97,9 +97,10 @@ def ggml_reference(qtype: str, raw: np.ndarray, rows: int, cols: int, x: np.ndar
 @needs_llamacpp
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
 def test_the_op_computes_what_ggmls_own_kernels_compute(qtype):
-    """Bit for bit what llama.cpp's libggml-cpu gives, called directly, for one row of x and for
-    five at once (prefill and batched users read what a decode step reads); and within the
-    activations' 8-bit rounding of the exact product, which it is not."""
+    """Rows as the file holds them: bit for bit what llama.cpp's libggml-cpu gives, called
+    directly, for one row of x and for five at once (prefill and batched users read what a decode
+    step reads); within the activations' 8-bit rounding of the exact product, which it is not.
+    Repacked (the default): that answer to float rounding."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -112,6 +113,10 @@ def test_the_op_computes_what_ggmls_own_kernels_compute(qtype):
     exact = x.astype(np.float64) @ dequantize(raw, GGMLQuantizationType[qtype]).reshape(rows, cols).astype(np.float64).T
     assert np.abs(batched - exact).max() < 0.02 * np.abs(exact).max(), qtype
     assert not np.array_equal(batched, exact.astype(np.float32))  # the activations were rounded
+    # llama.cpp's default, repacked rows and its GEMM kernels (where this CPU has them for the
+    # type): the same integer dot products summed in another order
+    repacked = _op(qtype, raw, rows, cols, x, repack=True)
+    assert np.abs(repacked - batched).max() <= 1e-5 * np.abs(batched).max(), qtype
 
 
 @needs_ggml

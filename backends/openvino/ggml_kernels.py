@@ -33,6 +33,12 @@ import numpy as np
 
 from backends.errors import BadInput
 
+# ggml runs its threads with OpenMP; by default an OpenMP team spins for a while after each
+# matmul, on the cores the CPU plugin's next ops want: on 2 cores decode ran at 0.06× llama.cpp
+# spinning and 1.0× passive. Read once, when libgomp loads (with llama_cpp or the op): so here,
+# before either, unless the person set it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 SOURCE_DIR = Path(__file__).with_name("ggml_op")
 # GGUF block types with a ggml CPU dot product; F16/BF16/F32 matrices keep their f32 form.
 GGML_QTYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K",
@@ -188,14 +194,17 @@ def _say_once(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def matmul(x, weights: np.ndarray, qtype: str, rows: int, cols: int, keep: list):
+def matmul(x, weights: np.ndarray, qtype: str, rows: int, cols: int, keep: list, repack: bool = True):
     """x [..., cols] @ W[rows, cols]ᵀ → [..., rows], W as the file's blocks `weights` (uint8, any
-    shape holding rows × row bytes); `keep` holds the buffer while the model lives."""
+    shape holding rows × row bytes); `keep` holds the buffer while the model lives. repack: in
+    llama.cpp's repacked layout and its GEMM/GEMV kernels where ggml has them for the type on this
+    CPU (llama.cpp's default; a copy of the matrix made at the first step), else every row by
+    vec_dot on the blocks as they are."""
     import openvino as ov
     flat = np.ascontiguousarray(weights).reshape(-1)
     keep.append(flat)
     w = ov.op.Constant(ov.Tensor(flat, shared_memory=True))
-    node = _factory().create("GgmlMatMul", [x, w.output(0)], {"type": type_id(qtype), "rows": rows, "cols": cols})
+    node = _factory().create("GgmlMatMul", [x, w.output(0)], {"type": type_id(qtype), "rows": rows, "cols": cols, "repack": repack})
     return node.output(0)
 
 

@@ -213,12 +213,17 @@ class WeightBank:
         self.kquant = kquant  # the K-quants' form: "exact", "fast" (integer zero points) or "ggml"
         self.keep: list[np.ndarray] = []  # numpy buffers the constants point into
         self.spill = SpillFile() if spill else None  # or a file holding them (see SpillFile)
+        self.file_maps: list[np.memmap] = []  # the GGUF's pages under ggml op weights
         self._shared: dict[str, Packed | ov.Node] = {}  # one buffer per whole tensor, shared by models
 
     def release_pages(self) -> None:
-        """With a spill file: drop the constants' pages from the resident set (safe at any time)."""
+        """With a spill file: drop the constants' pages from the resident set (safe at any time);
+        and the file pages the ggml op's matrices were read from (it holds its repacked copy;
+        a private mapping never written comes back from the file if read again)."""
         if self.spill is not None:
             self.spill.release()
+        for m in self.file_maps:
+            m._mmap.madvise(mmap.MADV_DONTNEED)
 
     def _const(self, array: np.ndarray, element_type: ov.Type | None = None, shape=None,
                spilled: bool = False) -> ov.Node:
@@ -303,8 +308,11 @@ class WeightBank:
             # [rows, row bytes]: the file's pages, mapped copy-on-write (OpenVINO wants a writable
             # buffer to share; nothing writes it)
             raw = np.memmap(self.index.path, np.uint8, "c", t.offset, (t.shape[0], t.n_bytes // t.shape[0]))
+            self.file_maps.append(raw)
             parts.append(unpermute_rows(raw, heads) if heads else raw)
         raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        if len(parts) > 1 and self.spill is not None:  # droppable pages, as the file's (release_pages)
+            raw = self.spill.put(raw)
         return ggml_kernels.matmul(x, raw, infos[0].qtype, raw.shape[0], infos[0].shape[1], self.keep)
 
     def quantized_linear(self, x: ov.Output, b: QuantBlocks) -> ov.Output:

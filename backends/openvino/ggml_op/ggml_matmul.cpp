@@ -6,11 +6,16 @@
 // evaluate() once per inference on one thread with the tensors in place; the rows are divided
 // over the plugin's own thread pool here (ov::parallel_for).
 #include <algorithm>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <vector>
 
+#include <mutex>
+
 #include "ggml.h"
+#include "ggml-alloc.h"
+#include "ggml-backend.h"
 #include "ggml-cpu.h"
 #include "openvino/core/extension.hpp"
 #include "openvino/core/op_extension.hpp"
@@ -19,13 +24,61 @@
 
 namespace kafila {
 
+// ggml's own log (a line per repacked tensor at debug level) would go to the member's stderr:
+// warnings and errors only.
+static void log_warnings(enum ggml_log_level level, const char* text, void*) {
+    if (level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
+}
+
+// llama.cpp's CPU_REPACK buffer type (its default for weights): the ggml CPU device's extra buffer
+// types, asked for by name through the registry, as llama.cpp asks; null where this ggml has none.
+static ggml_backend_buffer_type_t repack_buffer_type() {
+    static ggml_backend_buffer_type_t found = [] {
+        ggml_backend_reg_t reg = ggml_backend_cpu_reg();
+        auto get = reinterpret_cast<ggml_backend_dev_get_extra_bufts_t>(
+            ggml_backend_reg_get_proc_address(reg, "ggml_backend_dev_get_extra_bufts"));
+        if (get == nullptr) return static_cast<ggml_backend_buffer_type_t>(nullptr);
+        for (auto* t = get(ggml_backend_reg_dev_get(reg, 0)); t != nullptr && *t != nullptr; ++t) {
+            if (std::strcmp(ggml_backend_buft_name(*t), "CPU_REPACK") == 0) return *t;
+        }
+        return static_cast<ggml_backend_buffer_type_t>(nullptr);
+    }();
+    return found;
+}
+
+// A weight matrix in llama.cpp's repacked layout (interleaved rows for its GEMM/GEMV kernels),
+// made once from the file's blocks; empty where ggml has no repacked form of the type or shape.
+struct Repacked {
+    ggml_context* ctx = nullptr;
+    ggml_backend_buffer_t buffer = nullptr;
+    ggml_tensor* w = nullptr;
+
+    Repacked(int64_t type, int64_t rows, int64_t cols, const uint8_t* data, size_t bytes) {
+        ggml_backend_buffer_type_t buft = repack_buffer_type();
+        if (buft == nullptr) return;
+        ctx = ggml_init({ggml_tensor_overhead(), nullptr, true});
+        w = ggml_new_tensor_2d(ctx, static_cast<ggml_type>(type), cols, rows);
+        buffer = ggml_backend_alloc_ctx_tensors_from_buft(ctx, buft);  // sets w->extra: its repacking
+        if (buffer == nullptr || w->extra == nullptr) {
+            w = nullptr;
+            return;
+        }
+        ggml_backend_tensor_set(w, data, 0, bytes);  // repacks
+    }
+    ~Repacked() {
+        if (buffer != nullptr) ggml_backend_buffer_free(buffer);
+        if (ctx != nullptr) ggml_free(ctx);
+    }
+};
+
 class GgmlMatMul : public ov::op::Op {
 public:
     OPENVINO_OP("GgmlMatMul", "kafila");
 
     GgmlMatMul() = default;
-    GgmlMatMul(const ov::Output<ov::Node>& x, const ov::Output<ov::Node>& w, int64_t type, int64_t rows, int64_t cols)
-        : Op({x, w}), m_type(type), m_rows(rows), m_cols(cols) {
+    GgmlMatMul(const ov::Output<ov::Node>& x, const ov::Output<ov::Node>& w, int64_t type, int64_t rows, int64_t cols,
+               bool repack = true)
+        : Op({x, w}), m_repack(repack), m_type(type), m_rows(rows), m_cols(cols) {
         constructor_validate_and_infer_types();
     }
 
@@ -50,13 +103,14 @@ public:
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
         check_new_args_count(this, args);
-        return std::make_shared<GgmlMatMul>(args.at(0), args.at(1), m_type, m_rows, m_cols);
+        return std::make_shared<GgmlMatMul>(args.at(0), args.at(1), m_type, m_rows, m_cols, m_repack);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
         visitor.on_attribute("type", m_type);
         visitor.on_attribute("rows", m_rows);
         visitor.on_attribute("cols", m_cols);
+        visitor.on_attribute("repack", m_repack);
         return true;
     }
 
@@ -73,6 +127,13 @@ public:
         const float* x = inputs[0].data<const float>();
         const auto* w = static_cast<const uint8_t*>(inputs[1].data());
         float* y = outputs[0].data<float>();
+        std::call_once(m_repack_once, [&] {
+            if (m_repack) m_repacked = std::make_shared<Repacked>(m_type, m_rows, m_cols, w, m_rows * row_bytes());
+        });
+        if (m_repacked && m_repacked->w != nullptr) {
+            mul_mat_repacked(x, y, n_x);
+            return true;
+        }
         const size_t w_bytes = row_bytes();
         const size_t q_bytes = ggml_row_size(act_type, m_cols);
         // The activations in the dot product's type: as llama.cpp quantizes src1 (from_float, or a
@@ -110,14 +171,37 @@ public:
     }
 
 private:
+    // y = x · Wᵀ by ggml's own mul_mat on the repacked weights: a one-node ggml graph over the
+    // tensors in place, computed by ggml's threads (as many as this stage's OpenVINO threads).
+    void mul_mat_repacked(const float* x, float* y, size_t n_x) const {
+        const size_t meta = 4 * ggml_tensor_overhead() + ggml_graph_overhead_custom(4, false);
+        thread_local std::vector<uint8_t> meta_buf, work;
+        meta_buf.resize(meta);
+        ggml_context* ctx = ggml_init({meta, meta_buf.data(), true});
+        ggml_tensor* xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, m_cols, static_cast<int64_t>(n_x));
+        xt->data = const_cast<float*>(x);
+        ggml_tensor* yt = ggml_mul_mat(ctx, m_repacked->w, xt);
+        yt->data = y;
+        ggml_cgraph* graph = ggml_new_graph_custom(ctx, 4, false);
+        ggml_build_forward_expand(graph, yt);
+        ggml_cplan plan = ggml_graph_plan(graph, std::max(1, parallel_get_max_threads()), nullptr);
+        work.resize(plan.work_size);
+        plan.work_data = work.data();
+        ggml_graph_compute(graph, &plan);
+        ggml_free(ctx);
+    }
+
     const ggml_type_traits_cpu* type_traits() const {
-        static const bool ready = (ggml_cpu_init(), true);  // ggml's f16 tables, once per process
+        static const bool ready = (ggml_log_set(log_warnings, nullptr), ggml_cpu_init(), true);  // once per process
         (void)ready;
         if (m_type < 0 || m_type >= GGML_TYPE_COUNT) return nullptr;
         return ggml_get_type_traits_cpu(static_cast<ggml_type>(m_type));
     }
     size_t row_bytes() const { return ggml_row_size(static_cast<ggml_type>(m_type), m_cols); }
 
+    bool m_repack = true;  // llama.cpp's repacked layout where ggml has one (its default)
+    mutable std::once_flag m_repack_once;
+    mutable std::shared_ptr<Repacked> m_repacked;
     int64_t m_type = 0;
     int64_t m_rows = 0;
     int64_t m_cols = 0;
