@@ -276,6 +276,7 @@ WIDE_PROBE_DEEP = 3
 BLOCK_PROBE_RUN_S = 0.1
 BLOCK_PROBE_RUNS = 3
 Q4_GROUP = 32  # weights a 4-bit group shares its scale and zero point with
+Q4_K_BLOCK_BYTES = 144  # a Q4_K super-block: 256 weights
 
 
 class _ProbeWeights:
@@ -318,7 +319,11 @@ class _ProbeWeights:
         import openvino as ov
         import openvino.opset13 as ops
 
+        from backends.openvino import ggml_kernels
         from backends.openvino.weights import Packed, WeightBank, pack_u4
+
+        if ggml_kernels.resolve("auto", "serving") == "ggml":  # what a stage serves with here
+            return self._ggml_linear(y, rows, cols)
 
         groups = cols // Q4_GROUP
         codes = self.rng.integers(0, 16, (rows, groups, Q4_GROUP), dtype=np.uint8)
@@ -329,6 +334,16 @@ class _ProbeWeights:
         q = ops.constant(ov.Tensor(packed, codes.shape, ov.Type.u4))
         self.weight_bytes += rows * cols // 2 + 2 * rows * groups * 4
         return WeightBank.packed_linear(y, Packed(q, ops.constant(scale), ops.constant(zero), None, rows, cols))
+
+
+    def _ggml_linear(self, y: Any, rows: int, cols: int) -> Any:
+        """Random Q4_K blocks (small positive d and dmin) through the ggml op, as stages serve."""
+        from backends.openvino import ggml_kernels
+
+        raw = self.rng.integers(0, 256, (rows, cols // 256, Q4_K_BLOCK_BYTES), dtype=np.uint8)
+        raw[..., 0:4] = np.array([0.01, 0.001], np.float16).view(np.uint8)  # d, dmin
+        self.weight_bytes += raw.nbytes
+        return ggml_kernels.matmul(y, raw, "Q4_K", rows, cols, self.keep)
 
 
 def _probe_builder(blocks: int, shape: dict, packed: bool = False) -> Any:

@@ -183,3 +183,62 @@ def test_kquant_ggml_without_a_ggml_build_is_refused_in_one_line(tmp_path, monke
     assert_bad_input(kafila("run", "--model", path, "--kquant", "ggml", "Hello"), "libggml-cpu.so", "--kquant exact")
     auto = kafila("run", "--model", path, "--max-tokens", "2", "--raw", "Hello")  # auto: exact, said once
     assert auto.returncode == 0 and auto.stderr.count("exact form") == 1, auto.stderr
+
+
+@needs_ggml
+@needs_llamacpp
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q6_K"])
+def test_expert_rows_are_ggmls_products_of_each_rows_own_experts(qtype):
+    """GgmlMatMulId (llama.cpp's mul_mat_id): row t, slot j is x[t] (or x[t, j]) through expert
+    ids[t, j], bit for bit what libggml-cpu's own kernels give for that expert's matrix."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from backends.openvino import ggml_kernels
+    from backends.openvino.shard import SERVING_CONFIG, core
+
+    experts, rows, cols, T, k = 4, 24, 512, 3, 2
+    raw = random_raw(qtype, experts * rows, cols, seed=6)
+    ids = np.array([[2, 0], [3, 2], [2, 1]], np.int64)
+    rng = np.random.default_rng(8)
+    for x in (rng.normal(0, 1, (T, 1, cols)), rng.normal(0, 1, (T, k, cols))):
+        x = x.astype(np.float32)
+        keep: list = []
+        x_in = ops.parameter([-1, x.shape[1], cols], ov.Type.f32)
+        ids_in = ops.parameter([-1, k], ov.Type.i64)
+        y = ggml_kernels.matmul_id(x_in.output(0), ids_in.output(0), raw.copy(), qtype, experts, rows, cols, keep)
+        model = ov.Model([ops.result(y)], [x_in, ids_in])
+        got = core().compile_model(model, "CPU", SERVING_CONFIG).create_infer_request().infer({0: x, 1: ids})[0]
+        assert got.shape == (T, k, rows)
+        per_expert = raw.reshape(experts, rows, -1)
+        for t in range(T):
+            for j in range(k):
+                want = ggml_reference(qtype, per_expert[ids[t, j]], rows, cols, x[t, j if x.shape[1] == k else 0][None])
+                assert np.array_equal(got[t, j], want[0]), (t, j)
+
+
+@needs_ggml
+@needs_llamacpp
+@pytest.mark.parametrize("kind, ftype", [("qwen3moe", "Q4_K_M"), ("gpt-oss", "MXFP4_MOE")])
+def test_moe_files_get_llamacpps_logits_from_the_expert_op(tmp_path, kind, ftype):
+    """qwen3moe (Q4_K/Q6_K/... experts) and gpt-oss (MXFP4 experts, biases) quantized by llama.cpp:
+    with --kquant ggml (f32 KV, as the reference runs) the first positions' logits are llama.cpp's
+    own on the same file to float rounding, 10× nearer than the exact form's; greedy ids equal."""
+    from backends.openvino.shard import OpenVINOShard
+    from tests.arch_gguf import write_arch_gguf
+    from tests.llamacpp_ref import greedy_run, quantize
+
+    options = {"hidden": 256, "ffn": 512, "experts": (8, 2, 256)} if kind == "qwen3moe" else {}
+    src = write_arch_gguf(tmp_path / "f32.gguf", kind, blocks=4, **options)
+    path = quantize(src, str(tmp_path / "q.gguf"), ftype)
+    index = open_model(path)
+    prompt, n = [7], 8
+    ref_ids, ref_logits = greedy_run(path, prompt, n)
+    spec = ShardSpec(index.path, 0, index.hparams.n_blocks, embed=True, head=True)
+    first = {}
+    for kquant in ("ggml", "exact"):
+        ids, logits = kafila_greedy(OpenVINOShard(spec, "f32", index=index, kquant=kquant), prompt, n)
+        first[kquant] = float(np.abs(logits[:2] - ref_logits[:2]).max())
+        if kquant == "ggml":
+            assert ids == ref_ids
+    assert first["ggml"] < first["exact"] / 10, first

@@ -1,11 +1,17 @@
 """ggml's own CPU matmul kernels inside an OpenVINO graph: `--kquant ggml` (issue 36 item 3).
 
-A quantized matrix becomes one `GgmlMatMul` node (backends/openvino/ggml_op/ggml_matmul.cpp): its
-weights are the GGUF file's own blocks (u8 bytes, mapped from the file, no copy and no repacking),
-and each step quantizes x to the type's vec_dot type with ggml's `from_float` (Q8_K for the
-K-quants) and runs ggml's `vec_dot` over every row, threaded over the CPU plugin's pool. That is
-the arithmetic llama.cpp's CPU mul_mat runs (the same functions of the same library), so a stage
-computes at llama.cpp's speed per matrix and with llama.cpp's activation rounding.
+A quantized matrix becomes one `GgmlMatMul` node (backends/openvino/ggml_op/ggml_matmul.cpp) over
+the GGUF file's own blocks (u8 bytes mapped from the file). At its first step the op repacks them
+into llama.cpp's own interleaved layout where ggml has one for the type on this CPU (its CPU_REPACK
+buffer type, llama.cpp's default: Q4_0, Q4_K, IQ4_NL, ... on AVX2/AVX-512) and from then on runs
+ggml's mul_mat on it (a one-node ggml graph on the tensors in place: ggml quantizes x to Q8_K /
+Q8_0 and runs its GEMV/GEMM kernels on its own threads, as many as the stage's). Other types are
+computed row by row with ggml's `vec_dot` on the blocks as they are, after `from_float`, over the
+CPU plugin's threads. Either way that is the arithmetic llama.cpp's CPU backend runs (the same
+functions of the same library): llama.cpp's speed per matrix and its activation rounding. The
+file pages (and the spill file's concatenated q/k/v, gate/up) are dropped from the resident set
+after the first step (WeightBank.release_pages): the repacked copy is what stays, less than the
+exact form holds (bench.kquant_speed, docs/BENCHMARKS.md).
 
 Which ggml: llama-cpp-python's (`llama_cpp/lib/libggml-cpu.so`, `libggml-base.so`). It is the
 maintained, pip-installable build of ggml that the suite already uses as its reference; pip builds
@@ -216,3 +222,17 @@ def main() -> int:
         print(f"kafila: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def matmul_id(x, ids, weights: np.ndarray, qtype: str, experts: int, rows: int, cols: int, keep: list):
+    """Mixture-of-experts rows, as llama.cpp's mul_mat_id: x [T, 1 | k, cols], ids [T, k] (i64) →
+    [T, k, rows], y[t, j] = x[t, j or 0] · W[ids[t, j]]ᵀ for W [experts, rows, cols] held as the
+    file's blocks `weights`: only the picked experts' bytes are read."""
+    import openvino as ov
+
+    flat = np.ascontiguousarray(weights).reshape(-1)
+    keep.append(flat)
+    w = ov.op.Constant(ov.Tensor(flat, shared_memory=True))
+    attrs = {"type": type_id(qtype), "experts": experts, "rows": rows, "cols": cols}
+    return _factory().create("GgmlMatMulId", [x, ids, w.output(0)], attrs).output(0)
+

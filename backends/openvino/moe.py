@@ -121,6 +121,8 @@ def moe_ffn(bank, x: ov.Output, prefix: str, fam: Family) -> ov.Output:
         logits = ops.add(logits, bank.vector(prefix + "ffn_gate_inp.bias")).output(0)
     weights, ids = route(logits, fam.n_experts_used, fam.experts_renorm, fam.experts_scale,
                          fam.experts_gating)  # [T, k] ×2  # fmt: skip
+    if _ggml_experts(bank, prefix):
+        return ops.reshape(_ggml_moe(bank, xt, weights, ids, prefix, fam), shape, False).output(0)
     n_experts = bank.index.tensors[prefix + "ffn_gate_inp.weight"].shape[0]
     picked = ops.reshape(ids, _i64(-1), False)  # [T·k]
     if READ_ALL_EXPERTS:  # every id once more: U = E (through Unique, so that nothing folds into constants)
@@ -145,6 +147,45 @@ def moe_ffn(bank, x: ov.Output, prefix: str, fam: Family) -> ov.Output:
         d = _plus_rows(bank, d, prefix + "ffn_down_exps.bias", used)
     out = ops.reduce_sum(ops.multiply(d, ops.unsqueeze(w_used, _i64(2))), _i64(0), keep_dims=False)  # [T, H]
     return ops.reshape(out, shape, False).output(0)  # [B, L, H]
+
+
+EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+def _ggml_experts(bank, prefix: str) -> bool:
+    """Whether this block's experts run on ggml's kernels (--kquant ggml and block types)."""
+    from backends.openvino.ggml_kernels import GGML_QTYPES
+
+    return bank.kquant == "ggml" and all(bank.index.tensors[prefix + n].qtype in GGML_QTYPES for n in EXPERT_TENSORS)
+
+
+def _ggml_moe(bank, xt: ov.Output, weights: ov.Output, ids: ov.Output, prefix: str, fam: Family) -> ov.Output:
+    """The experts' weighted sum [T, H] by ggml's mul_mat_id arithmetic (GgmlMatMulId): each row
+    through its own k experts only, read from the file's blocks."""
+    from backends.openvino import ggml_kernels
+
+    def experts(x: ov.Output, name: str) -> ov.Output:  # x [T, 1 | k, in] → [T, k, out]
+        t = bank.index.tensors[prefix + name]
+        E, out, cols = t.shape
+        raw = np.memmap(bank.index.path, np.uint8, "c", t.offset, (t.n_bytes,))
+        return ggml_kernels.matmul_id(x, ids, raw, t.qtype, E, out, cols, bank.keep)
+
+    xk = ops.unsqueeze(xt, _i64(1)).output(0)  # [T, 1, H]
+    g, u = experts(xk, "ffn_gate_exps.weight"), experts(xk, "ffn_up_exps.weight")  # [T, k, F]
+    if fam.expert_biases:
+        g = _plus_picked(bank, g, prefix + "ffn_gate_exps.bias", ids)
+        u = _plus_picked(bank, u, prefix + "ffn_up_exps.bias", ids)
+    act = swiglu_oai(g, u) if fam.ffn_act == "swiglu_oai" else ops.multiply(ops.swish(g), u)
+    d = experts(act.output(0) if isinstance(act, ov.Node) else act, "ffn_down_exps.weight")  # [T, k, H]
+    if fam.expert_biases:
+        d = _plus_picked(bank, d, prefix + "ffn_down_exps.bias", ids)
+    return ops.reduce_sum(ops.multiply(d, ops.unsqueeze(weights, _i64(2))), _i64(1), keep_dims=False).output(0)
+
+
+def _plus_picked(bank, y: ov.Output, name: str, ids: ov.Output) -> ov.Output:
+    """y [T, k, n] + the bias rows [E, n] of each row's picked experts ids [T, k]."""
+    rows = ops.gather(bank._const(bank.index.dequantize(name, np.float32)), ids, _i64(0))  # [T, k, n]
+    return ops.add(y, rows).output(0)
 
 
 def _plus_rows(bank, y: ov.Output, name: str, used: ov.Output) -> ov.Output:

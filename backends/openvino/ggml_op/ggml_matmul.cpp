@@ -30,6 +30,12 @@ static void log_warnings(enum ggml_log_level level, const char* text, void*) {
     if (level == GGML_LOG_LEVEL_WARN || level == GGML_LOG_LEVEL_ERROR) std::fputs(text, stderr);
 }
 
+// ggml's log and its CPU tables (f16 conversions), once per process, before any kernel runs.
+static void ggml_ready() {
+    static const bool ready = (ggml_log_set(log_warnings, nullptr), ggml_cpu_init(), true);
+    (void)ready;
+}
+
 // llama.cpp's CPU_REPACK buffer type (its default for weights): the ggml CPU device's extra buffer
 // types, asked for by name through the registry, as llama.cpp asks; null where this ggml has none.
 static ggml_backend_buffer_type_t repack_buffer_type() {
@@ -192,8 +198,7 @@ private:
     }
 
     const ggml_type_traits_cpu* type_traits() const {
-        static const bool ready = (ggml_log_set(log_warnings, nullptr), ggml_cpu_init(), true);  // once per process
-        (void)ready;
+        ggml_ready();
         if (m_type < 0 || m_type >= GGML_TYPE_COUNT) return nullptr;
         return ggml_get_type_traits_cpu(static_cast<ggml_type>(m_type));
     }
@@ -207,6 +212,120 @@ private:
     int64_t m_cols = 0;
 };
 
+// GgmlMatMulId: mixture-of-experts rows, as llama.cpp's mul_mat_id: y[t, j] = x[t, j or 0] · W[ids[t, j]]ᵀ
+// for W [experts, rows, cols] in a GGUF block type, read from the file's blocks. Only the experts
+// some row picked are read, each once for all the rows that picked it; every product is ggml's
+// vec_dot on the x row quantized by from_float, over the CPU plugin's threads.
+class GgmlMatMulId : public ov::op::Op {
+public:
+    OPENVINO_OP("GgmlMatMulId", "kafila");
+
+    GgmlMatMulId() = default;
+    GgmlMatMulId(const ov::Output<ov::Node>& x, const ov::Output<ov::Node>& ids, const ov::Output<ov::Node>& w,
+                 int64_t type, int64_t experts, int64_t rows, int64_t cols)
+        : Op({x, ids, w}), m_type(type), m_experts(experts), m_rows(rows), m_cols(cols) {
+        constructor_validate_and_infer_types();
+    }
+
+    void validate_and_infer_types() override {
+        ggml_ready();
+        const auto* traits = ggml_get_type_traits_cpu(static_cast<ggml_type>(m_type));
+        NODE_VALIDATION_CHECK(this, m_type >= 0 && m_type < GGML_TYPE_COUNT && traits->vec_dot != nullptr,
+                              "ggml type ", m_type, " has no CPU dot product");
+        NODE_VALIDATION_CHECK(this, get_input_element_type(0) == ov::element::f32, "x must be f32");
+        // (the CPU plugin runs i64 as i32)
+        NODE_VALIDATION_CHECK(this, get_input_element_type(1) == ov::element::i64 || get_input_element_type(1) == ov::element::i32,
+                              "ids must be integers");
+        NODE_VALIDATION_CHECK(this, get_input_element_type(2) == ov::element::u8, "weights must be u8 bytes");
+        const auto& x = get_input_partial_shape(0);
+        const auto& ids = get_input_partial_shape(1);
+        NODE_VALIDATION_CHECK(this, x.rank().compatible(3) && ids.rank().compatible(2), "x [T, 1|k, cols], ids [T, k]");
+        const auto& w = get_input_partial_shape(2);
+        NODE_VALIDATION_CHECK(this, w.is_static() && ov::shape_size(w.to_shape()) == m_experts * m_rows * row_bytes(),
+                              "weights hold ", w, " bytes, not ", m_experts, " × ", m_rows, " rows of ", row_bytes());
+        set_output_type(0, ov::element::f32, ov::PartialShape{ids[0], ids[1], m_rows});
+    }
+
+    std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+        check_new_args_count(this, args);
+        return std::make_shared<GgmlMatMulId>(args.at(0), args.at(1), args.at(2), m_type, m_experts, m_rows, m_cols);
+    }
+
+    bool visit_attributes(ov::AttributeVisitor& visitor) override {
+        visitor.on_attribute("type", m_type);
+        visitor.on_attribute("experts", m_experts);
+        visitor.on_attribute("rows", m_rows);
+        visitor.on_attribute("cols", m_cols);
+        return true;
+    }
+
+    bool has_evaluate() const override { return true; }
+
+    bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
+        const auto* traits = ggml_get_type_traits_cpu(static_cast<ggml_type>(m_type));
+        const auto act_type = traits->vec_dot_type;
+        const auto* act = ggml_get_type_traits_cpu(act_type);
+        const ov::Shape xs = inputs[0].get_shape(), is = inputs[1].get_shape();
+        const size_t T = is[0], k = is[1], X = xs[1];
+        OPENVINO_ASSERT(xs[0] == T && (X == 1 || X == k) && xs[2] == static_cast<size_t>(m_cols), "GgmlMatMulId: x ", xs, " for ids ", is);
+        outputs[0].set_shape({T, k, static_cast<size_t>(m_rows)});
+        const float* x = inputs[0].data<const float>();
+        const bool wide = inputs[1].get_element_type() == ov::element::i64;
+        const auto id = [&](size_t p) -> int64_t {
+            return wide ? inputs[1].data<const int64_t>()[p] : inputs[1].data<const int32_t>()[p];
+        };
+        const auto* w = static_cast<const uint8_t*>(inputs[2].data());
+        float* y = outputs[0].data<float>();
+        const size_t w_bytes = row_bytes(), q_bytes = ggml_row_size(act_type, m_cols);
+        thread_local std::vector<uint8_t> buffer;
+        buffer.resize(T * X * q_bytes);
+        uint8_t* const quantized = buffer.data();
+        ov::parallel_for(T * X, [&](size_t i) {
+            if (act->from_float != nullptr) {
+                act->from_float(x + i * m_cols, quantized + i * q_bytes, m_cols);
+            } else {
+                std::memcpy(quantized + i * q_bytes, x + i * m_cols, q_bytes);
+            }
+        });
+        // Which (row of ids, slot) pairs each expert serves.
+        std::vector<std::vector<uint32_t>> users(m_experts);
+        for (size_t p = 0; p < T * k; ++p) {
+            const int64_t e = id(p);
+            OPENVINO_ASSERT(e >= 0 && e < m_experts, "GgmlMatMulId: expert id ", e, " of ", m_experts);
+            users[e].push_back(static_cast<uint32_t>(p));
+        }
+        constexpr size_t kRowTile = 32;
+        std::vector<std::pair<int64_t, size_t>> tasks;  // (expert, first row)
+        for (int64_t e = 0; e < m_experts; ++e) {
+            if (users[e].empty()) continue;
+            for (size_t r = 0; r < static_cast<size_t>(m_rows); r += kRowTile) tasks.emplace_back(e, r);
+        }
+        ov::parallel_for(tasks.size(), [&](size_t t) {
+            const auto [e, r0] = tasks[t];
+            const size_t r1 = std::min<size_t>(m_rows, r0 + kRowTile);
+            for (size_t r = r0; r < r1; ++r) {
+                const uint8_t* wr = w + (static_cast<size_t>(e) * m_rows + r) * w_bytes;
+                for (const uint32_t p : users[e]) {
+                    const size_t xi = (p / k) * X + (X == 1 ? 0 : p % k);
+                    traits->vec_dot(static_cast<int>(m_cols), y + p * m_rows + r, 0, wr, 0, quantized + xi * q_bytes, 0, 1);
+                }
+            }
+        });
+        return true;
+    }
+
+private:
+    size_t row_bytes() const { return ggml_row_size(static_cast<ggml_type>(m_type), m_cols); }
+
+    int64_t m_type = 0;
+    int64_t m_experts = 0;
+    int64_t m_rows = 0;
+    int64_t m_cols = 0;
+};
+
 }  // namespace kafila
 
-OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({std::make_shared<ov::OpExtension<kafila::GgmlMatMul>>()}));
+OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
+    std::make_shared<ov::OpExtension<kafila::GgmlMatMul>>(),
+    std::make_shared<ov::OpExtension<kafila::GgmlMatMulId>>(),
+}));
