@@ -119,6 +119,25 @@ def test_the_op_computes_what_ggmls_own_kernels_compute(qtype):
     assert np.abs(repacked - batched).max() <= 1e-5 * np.abs(batched).max(), qtype
 
 
+def _first_positions_are_llamacpps(path: str, prompt: list[int], n: int = 8) -> None:
+    """At --precision f32 (llama.cpp's f32 KV, as the reference runs) with --kquant ggml: greedy
+    ids equal llama.cpp's on the same file, and the first two positions' logits are 10× nearer
+    llama.cpp's than the exact form's."""
+    from backends.openvino.shard import OpenVINOShard
+    from tests.llamacpp_ref import greedy_run
+
+    index = open_model(path)
+    ref_ids, ref_logits = greedy_run(path, prompt, n)
+    spec = ShardSpec(index.path, 0, index.hparams.n_blocks, embed=True, head=True)
+    first = {}
+    for kquant in ("ggml", "exact"):
+        ids, logits = kafila_greedy(OpenVINOShard(spec, "f32", index=index, kquant=kquant), prompt, n)
+        first[kquant] = float(np.abs(logits[:2] - ref_logits[:2]).max())
+        if kquant == "ggml":
+            assert ids == ref_ids
+    assert first["ggml"] < first["exact"] / 10, first
+
+
 @needs_ggml
 @needs_llamacpp
 def test_the_default_model_answers_with_llamacpps_logits(tmp_path):
@@ -128,23 +147,11 @@ def test_the_default_model_answers_with_llamacpps_logits(tmp_path):
     where the exact form is off by llama.cpp's activation rounding (0.7). Later positions: 1e-7
     differences elsewhere in the graph (softmax, norms) flip an activation's 8-bit rounding now
     and then, as between two llama.cpp builds, so only the ids are held there."""
-    from backends.openvino.shard import OpenVINOShard
     from tests.default_model import MODEL
-    from tests.llamacpp_ref import greedy_run
 
     if MODEL is None:
         pytest.skip("the default model is not installed")
-    index = open_model(MODEL)
-    prompt, n = [1234], 8
-    ref_ids, ref_logits = greedy_run(MODEL, prompt, n)
-    spec = ShardSpec(index.path, 0, index.hparams.n_blocks, embed=True, head=True)
-    first = {}
-    for kquant in ("ggml", "exact"):
-        ids, logits = kafila_greedy(OpenVINOShard(spec, "f32", index=index, kquant=kquant), prompt, n)
-        first[kquant] = float(np.abs(logits[:2] - ref_logits[:2]).max())
-        if kquant == "ggml":
-            assert ids == ref_ids
-    assert first["ggml"] < first["exact"] / 10, first
+    _first_positions_are_llamacpps(MODEL, [1234])
 
 
 @needs_ggml
@@ -224,21 +231,10 @@ def test_moe_files_get_llamacpps_logits_from_the_expert_op(tmp_path, kind, ftype
     """qwen3moe (Q4_K/Q6_K/... experts) and gpt-oss (MXFP4 experts, biases) quantized by llama.cpp:
     with --kquant ggml (f32 KV, as the reference runs) the first positions' logits are llama.cpp's
     own on the same file to float rounding, 10× nearer than the exact form's; greedy ids equal."""
-    from backends.openvino.shard import OpenVINOShard
     from tests.arch_gguf import write_arch_gguf
-    from tests.llamacpp_ref import greedy_run, quantize
+    from tests.llamacpp_ref import quantize
 
     options = {"hidden": 256, "ffn": 512, "experts": (8, 2, 256)} if kind == "qwen3moe" else {}
     src = write_arch_gguf(tmp_path / "f32.gguf", kind, blocks=4, **options)
     path = quantize(src, str(tmp_path / "q.gguf"), ftype)
-    index = open_model(path)
-    prompt, n = [7], 8
-    ref_ids, ref_logits = greedy_run(path, prompt, n)
-    spec = ShardSpec(index.path, 0, index.hparams.n_blocks, embed=True, head=True)
-    first = {}
-    for kquant in ("ggml", "exact"):
-        ids, logits = kafila_greedy(OpenVINOShard(spec, "f32", index=index, kquant=kquant), prompt, n)
-        first[kquant] = float(np.abs(logits[:2] - ref_logits[:2]).max())
-        if kquant == "ggml":
-            assert ids == ref_ids
-    assert first["ggml"] < first["exact"] / 10, first
+    _first_positions_are_llamacpps(path, [7])

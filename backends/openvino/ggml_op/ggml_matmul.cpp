@@ -36,6 +36,26 @@ static void ggml_ready() {
     (void)ready;
 }
 
+// n rows of x in the dot product's type `act_type`, as llama.cpp quantizes src1 (from_float, or a
+// copy where the vec_dot type is f32 itself), in the calling thread's buffer, over the plugin's
+// threads. (A thread_local buffer named inside the lambda would be each worker's own: its address
+// is taken here, on the calling thread.)
+static const uint8_t* quantize_rows(const float* x, size_t n, int64_t cols, ggml_type act_type) {
+    const auto* act = ggml_get_type_traits_cpu(act_type);
+    const size_t q_bytes = ggml_row_size(act_type, cols);
+    thread_local std::vector<uint8_t> buffer;
+    buffer.resize(n * q_bytes);
+    uint8_t* const out = buffer.data();
+    ov::parallel_for(n, [&](size_t i) {
+        if (act->from_float != nullptr) {
+            act->from_float(x + i * cols, out + i * q_bytes, cols);
+        } else {
+            std::memcpy(out + i * q_bytes, x + i * cols, q_bytes);
+        }
+    });
+    return out;
+}
+
 // llama.cpp's CPU_REPACK buffer type (its default for weights): the ggml CPU device's extra buffer
 // types, asked for by name through the registry, as llama.cpp asks; null where this ggml has none.
 static ggml_backend_buffer_type_t repack_buffer_type() {
@@ -125,7 +145,6 @@ public:
     bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
         const auto* traits = type_traits();
         const auto act_type = traits->vec_dot_type;
-        const auto* act = ggml_get_type_traits_cpu(act_type);
         ov::Shape shape = inputs[0].get_shape();
         const size_t n_x = ov::shape_size(shape) / m_cols;
         shape.back() = m_rows;
@@ -142,25 +161,11 @@ public:
         }
         const size_t w_bytes = row_bytes();
         const size_t q_bytes = ggml_row_size(act_type, m_cols);
-        // The activations in the dot product's type: as llama.cpp quantizes src1 (from_float, or a
-        // copy where the vec_dot type is f32 itself).
-        // (A thread_local buffer named inside the lambdas below would be each worker's own: take
-        // its address here, on the calling thread.)
-        thread_local std::vector<uint8_t> buffer;
-        buffer.resize(n_x * q_bytes);
-        uint8_t* const quantized = buffer.data();
-        ov::parallel_for(n_x, [&](size_t i) {
-            if (act->from_float != nullptr) {
-                act->from_float(x + i * m_cols, quantized + i * q_bytes, m_cols);
-            } else {
-                std::memcpy(quantized + i * q_bytes, x + i * m_cols, q_bytes);
-            }
-        });
+        const uint8_t* q = quantize_rows(x, n_x, m_cols, act_type);
         // Tiles of kRowTile weight rows × kXTile rows of x, so both stay in cache while every
         // pair's dot product runs (prefill and batched rows read each weight row once per tile).
         constexpr size_t kRowTile = 32, kXTile = 16;
         const size_t tasks = (m_rows + kRowTile - 1) / kRowTile;
-        const uint8_t* q = quantized;
         ov::parallel_for(tasks, [&](size_t t) {
             const size_t r0 = t * kRowTile, r1 = std::min<size_t>(m_rows, r0 + kRowTile);
             for (size_t i0 = 0; i0 < n_x; i0 += kXTile) {
@@ -264,7 +269,6 @@ public:
     bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
         const auto* traits = ggml_get_type_traits_cpu(static_cast<ggml_type>(m_type));
         const auto act_type = traits->vec_dot_type;
-        const auto* act = ggml_get_type_traits_cpu(act_type);
         const ov::Shape xs = inputs[0].get_shape(), is = inputs[1].get_shape();
         const size_t T = is[0], k = is[1], X = xs[1];
         OPENVINO_ASSERT(xs[0] == T && (X == 1 || X == k) && xs[2] == static_cast<size_t>(m_cols), "GgmlMatMulId: x ", xs, " for ids ", is);
@@ -277,16 +281,7 @@ public:
         const auto* w = static_cast<const uint8_t*>(inputs[2].data());
         float* y = outputs[0].data<float>();
         const size_t w_bytes = row_bytes(), q_bytes = ggml_row_size(act_type, m_cols);
-        thread_local std::vector<uint8_t> buffer;
-        buffer.resize(T * X * q_bytes);
-        uint8_t* const quantized = buffer.data();
-        ov::parallel_for(T * X, [&](size_t i) {
-            if (act->from_float != nullptr) {
-                act->from_float(x + i * m_cols, quantized + i * q_bytes, m_cols);
-            } else {
-                std::memcpy(quantized + i * q_bytes, x + i * m_cols, q_bytes);
-            }
-        });
+        const uint8_t* quantized = quantize_rows(x, T * X, m_cols, act_type);
         // Which (row of ids, slot) pairs each expert serves.
         std::vector<std::vector<uint32_t>> users(m_experts);
         for (size_t p = 0; p < T * k; ++p) {
