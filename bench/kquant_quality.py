@@ -13,9 +13,10 @@ the next-token distribution at each continuation position with the reference's:
 - top-1 agreement: the share of positions whose argmax equals the reference's;
 - with `--free-running`, greedy: positions of each row's own greedy continuation that equal the
   reference's before the first difference, summed over prompts (a decode per row and prompt).
-Rows: Kafila fast at f32 (the weight form's cost alone), Kafila exact and fast at serving
-precision (bf16 where the CPU has it, dynamic int8 activations), and llama.cpp (llama-cpp-python,
-f32 KV cache): its Q8_K activation rounding is its own distance from the exact values.
+Rows: Kafila fast at f32 (the weight form's cost alone), Kafila exact, fast and ggml (ggml's own
+kernels: llama.cpp's arithmetic, the serving default where it builds) at serving precision, and
+llama.cpp (llama-cpp-python, f32 KV cache): its Q8_K activation rounding is its own distance from
+the exact values; the ggml row should sit beside it.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ PROMPTS = (
     "List three uses of the Rust borrow checker.",
     "Write a SQL query that counts orders per customer.",
 )
-ROWS = ("kafila fast f32", "kafila exact serving", "kafila fast serving", "llama.cpp")
+ROWS = ("kafila fast f32", "kafila exact serving", "kafila fast serving", "kafila ggml serving", "llama.cpp")
 
 
 def kafila_chain(path: str, precision: str, kquant: str, threads: int):
@@ -119,7 +120,8 @@ def main(argv: list[str] | None = None) -> int:
     ref = kafila_chain(path, "f32", "exact", args.threads)
     chains = {"kafila fast f32": kafila_chain(path, "f32", "fast", args.threads),
               "kafila exact serving": kafila_chain(path, "serving", "exact", args.threads),
-              "kafila fast serving": kafila_chain(path, "serving", "fast", args.threads)}  # fmt: skip
+              "kafila fast serving": kafila_chain(path, "serving", "fast", args.threads),
+              "kafila ggml serving": kafila_chain(path, "serving", "ggml", args.threads)}  # fmt: skip
     llm = llamacpp(path, args.threads, max(len(p) for p in prompts) + args.tokens + 8)
     n_vocab = llm.n_vocab()
     kls: dict[str, list[np.ndarray]] = {r: [] for r in ROWS}
