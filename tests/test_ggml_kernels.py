@@ -238,3 +238,19 @@ def test_moe_files_get_llamacpps_logits_from_the_expert_op(tmp_path, kind, ftype
     src = write_arch_gguf(tmp_path / "f32.gguf", kind, blocks=4, **options)
     path = quantize(src, str(tmp_path / "q.gguf"), ftype)
     _first_positions_are_llamacpps(path, [7])
+
+
+@needs_ggml
+def test_a_machine_without_a_compiler_serves_in_the_exact_form_and_says_why_once(tmp_path, monkeypatch):
+    """No op built for this ggml yet (another path to it: another key) and no cmake or compiler on
+    PATH: `kafila run` at the defaults answers (exact form) and says why in one line."""
+    from backends.openvino.ggml_kernels import _ggml_lib
+
+    path = write_llama_gguf(tmp_path / "m.gguf", blocks=2, **SMALL, qtype="Q4_K", embed_qtype="Q4_K")
+    (tmp_path / "ggml").symlink_to(_ggml_lib()[0], target_is_directory=True)
+    monkeypatch.setenv("KAFILA_GGML_LIB", str(tmp_path / "ggml"))
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    proc = kafila("run", "--model", path, "--max-tokens", "2", "--raw", "Hello")
+    assert proc.returncode == 0, proc.stderr
+    said = [line for line in proc.stderr.splitlines() if "exact form" in line]
+    assert len(said) == 1 and "needs cmake" in said[0] and "Traceback" not in proc.stderr, proc.stderr
