@@ -83,22 +83,23 @@ def synthetic_index(synthetic_model):
 
 @pytest.fixture(scope="session")
 def chain_factory(default_index):
-    """chain_factory(backend, stages, precision="serving") → a LocalChain on the default model,
+    """chain_factory(backend, stages, precision="serving", kquant=auto) → a LocalChain on the default model,
     compiled once per test session. An unavailable mlx skips with its install hint; any other
     backend is a dependency, so its absence fails."""
-    from backends import status
+    from backends import DEFAULT_KQUANT, status
     from kafila.engine.chain import LocalChain
 
     built: dict = {}
 
-    def make(backend: str, stages: int, precision: str = "serving"):
+    def make(backend: str, stages: int, precision: str = "serving", kquant: str = DEFAULT_KQUANT):
         for name in backend.split(","):
             st = status(name)
             if not st.available:
                 (pytest.skip if name == "mlx" else pytest.fail)(st.reason)
-        key = (backend, stages, precision)
+        key = (backend, stages, precision, kquant)
         if key not in built:
-            built[key] = LocalChain.build(default_index.path, stages, backend, precision, index=default_index)
+            built[key] = LocalChain.build(default_index.path, stages, backend, precision, index=default_index,
+                                          kquant=kquant)  # fmt: skip
         return built[key]
 
     return make

@@ -1,6 +1,7 @@
-"""The compiled OpenVINO shards run as intended: 4-bit FullyConnected layers, stateful SDPA fed
+"""The compiled OpenVINO shards run as intended: in the exact form 4-bit FullyConnected layers and
+an 8-bit lm_head, in the ggml form (the serving default) one ggml op per matrix; stateful SDPA fed
 by the KV memory (the ReadValue → Gather(beam_idx) → Concat → Assign chain fused away), no
-per-layer KV Concat left, an 8-bit lm_head. Read from compiled.get_runtime_model()."""
+per-layer KV Concat left. Read from compiled.get_runtime_model()."""
 
 from __future__ import annotations
 
@@ -21,16 +22,22 @@ def precision(node) -> str:
 
 @pytest.fixture(scope="module")
 def chain(chain_factory):
-    return chain_factory("openvino", 3)
+    return chain_factory("openvino", 3, kquant="exact")
 
 
-def test_stage_runtime_models_are_fused(chain):
-    for shard in chain.shards:
+@pytest.mark.parametrize("kquant", ["exact", "auto"])
+def test_stage_runtime_models_are_fused(chain_factory, kquant):
+    from backends.openvino import ggml_kernels
+
+    form = ggml_kernels.resolve(kquant, "serving")
+    for shard in chain_factory("openvino", 3, kquant=kquant).shards:
         blocks = shard.spec.last - shard.spec.first
         ops = list(shard.runtime_model().get_ordered_ops())
         kinds = Counter(layer_type(o) for o in ops)
         fc4 = [o for o in ops if layer_type(o) == "FullyConnected" and precision(o) in ("i4", "u4")]
-        assert len(fc4) == 4 * blocks, kinds  # qkv, o, gate+up, down per block, weights still 4-bit
+        ggml = [o for o in ops if layer_type(o) == "Reference" and "GgmlMatMul" in o.get_friendly_name()]
+        # qkv, o, gate+up, down per block: weights still 4-bit, or ggml's op on the file's blocks
+        assert (len(fc4), len(ggml)) == ((4 * blocks, 0) if form == "exact" else (0, 4 * blocks)), kinds
         sdpa = [o for o in ops if layer_type(o) == "ScaledDotProductAttention"]
         assert len(sdpa) == blocks
         for node in sdpa:  # stateful: past K/V come straight from memory, new K/V go back to it
@@ -65,7 +72,7 @@ def test_single_stage_folds_the_head(chain_factory, default_tokenizer):
     token as the separate head graph."""
     import numpy as np
 
-    one = chain_factory("openvino", 1)
+    one = chain_factory("openvino", 1, kquant="exact")
     shard = one.shards[0]
     ops = list(shard.runtime_model().get_ordered_ops())
     fcs = Counter(precision(o) for o in ops if layer_type(o) == "FullyConnected")
@@ -85,7 +92,7 @@ def test_released_weight_pages_change_nothing(chain_factory, default_tokenizer):
     the first forwards; dropping them again at any time changes no output (pages come back)."""
     import numpy as np
 
-    one = chain_factory("openvino", 1)
+    one = chain_factory("openvino", 1, kquant="exact")
     shard = one.shards[0]
     assert shard._bank.spill is not None and shard._bank.spill.nbytes > 0.5 * sum(
         t.n_bytes for t in shard.index.tensors.values())

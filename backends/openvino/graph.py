@@ -109,13 +109,21 @@ def causal_mask(attention_mask: ov.Output, new_len: ov.Output) -> ov.Output:
     return ops.select(seen, ops.constant(np.float32(0.0)), ops.constant(np.finfo(np.float32).min)).output(0)
 
 
+def round_to_f16_mantissa(x: ov.Output) -> ov.Output:
+    """x with its mantissa rounded to f16's 11 bits, in f32 arithmetic (Veltkamp's split: c = x·(2¹³ + 1),
+    x − … = c − (c − x)); the plugin folds a Convert f32 → f16 → f32 pair away."""
+    c = ops.multiply(x, ops.constant(np.float32(8193.0)))
+    return ops.subtract(c, ops.subtract(c, x)).output(0)
+
+
 class StageBuilder:
     """Builds the stage graph for blocks [first, last) of one GGUF model."""
 
-    def __init__(self, index: ModelIndex, weights: WeightBank) -> None:
+    def __init__(self, index: ModelIndex, weights: WeightBank, f16_kv: bool = False) -> None:
         self.index = index
         self.h = index.hparams
         self.w = weights
+        self.f16_kv = f16_kv
 
     def block(self, b: int, x: ov.Output, rope: dict, masks: dict, beam_idx: ov.Output, sinks: list) -> ov.Output:
         """Block b; `rope` and `masks` map windowed (True) / full (False) to (cos, sin) and mask."""
@@ -189,6 +197,8 @@ class StageBuilder:
                              ops.concat([batch, _i64(h.n_kv_heads, 0, h.head_dim)], axis=0))  # [B, nkv, 0, D]
         past = ops6.read_value(init, var)
         past = ops.gather(past, beam_idx, _i64(0))
+        if self.f16_kv:
+            new = round_to_f16_mantissa(new)
         both = ops.concat([past, new], axis=2)
         sinks.append(ops6.assign(both, var))
         return both.output(0)

@@ -121,7 +121,7 @@ class OpenVINOShard(HeadOps):
         if config is None and precision == "serving" and kquant == "fast":
             cfg.update(FAST_KQUANT_CONFIG)
         bank = self._bank = WeightBank(self.index, spill=True, kquant=kquant)
-        builder = StageBuilder(self.index, bank)
+        builder = StageBuilder(self.index, bank, f16_kv=cfg.get("KV_CACHE_PRECISION") == "f16")
         # A shard with the head and the last block computes the greedy token in its stage graph;
         # its separate head graph (logits, or greedy on other hidden states) is compiled lazily.
         self._fold = spec.head and spec.last == self.index.hparams.n_blocks
