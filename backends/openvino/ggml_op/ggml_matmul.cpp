@@ -36,6 +36,15 @@ static void ggml_ready() {
     (void)ready;
 }
 
+// A per-thread scratch buffer of n bytes. One sized for a long prompt's step is given back at the
+// next small step (glibc returns such blocks to the system), so a member's memory falls back after
+// a long prompt as the plugin's own buffers do (tests/test_scratch_release.py).
+static uint8_t* scratch(std::vector<uint8_t>& buffer, size_t n) {
+    if (buffer.capacity() > 2 * n + (1u << 20)) std::vector<uint8_t>().swap(buffer);
+    buffer.resize(n);
+    return buffer.data();
+}
+
 // n rows of x in the dot product's type `act_type`, as llama.cpp quantizes src1 (from_float, or a
 // copy where the vec_dot type is f32 itself), in the calling thread's buffer, over the plugin's
 // threads. (A thread_local buffer named inside the lambda would be each worker's own: its address
@@ -44,8 +53,7 @@ static const uint8_t* quantize_rows(const float* x, size_t n, int64_t cols, ggml
     const auto* act = ggml_get_type_traits_cpu(act_type);
     const size_t q_bytes = ggml_row_size(act_type, cols);
     thread_local std::vector<uint8_t> buffer;
-    buffer.resize(n * q_bytes);
-    uint8_t* const out = buffer.data();
+    uint8_t* const out = scratch(buffer, n * q_bytes);
     ov::parallel_for(n, [&](size_t i) {
         if (act->from_float != nullptr) {
             act->from_float(x + i * cols, out + i * q_bytes, cols);
@@ -196,8 +204,7 @@ private:
         ggml_cgraph* graph = ggml_new_graph_custom(ctx, 4, false);
         ggml_build_forward_expand(graph, yt);
         ggml_cplan plan = ggml_graph_plan(graph, std::max(1, parallel_get_max_threads()), nullptr);
-        work.resize(plan.work_size);
-        plan.work_data = work.data();
+        plan.work_data = scratch(work, plan.work_size);
         ggml_graph_compute(graph, &plan);
         ggml_free(ctx);
     }
