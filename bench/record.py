@@ -24,23 +24,18 @@ from bench._report import REPO
 SECTIONS = [
   # (title, question, command, what its table means)
   ("Speed against llama.cpp",
-   "How fast does one Kafila process decode a Q4_K_M file, next to llama.cpp on the same file?",
-   "python -m bench.llamacpp_speed --file smollm2 --threads 1 --tokens 64 --repeats 3",
-   "Kafila's 1-stage OpenVINO chain and llama.cpp (llama-cpp-python) alternate round by round, one thread each "
-   "(two would collapse llama.cpp's OpenMP barriers on a shared 2-core machine). The ratio column is the "
-   "figure to read; the tok/s move with the load. The other files (`--file aligned`, a 256-aligned Q4_K_M) "
-   "and thread counts are the speed work's, not run here."),
+   "How fast does one Kafila process decode and prefill the real Qwen2.5-Coder-1.5B Q4_K_M in each weight "
+   "form, next to llama.cpp on the same file and threads?",
+   "python -m bench.kquant_speed --file qwen1.5b --rows kafila-exact,kafila-fast,kafila-ggml,llamacpp --rounds 2",
+   "QWEN_TEXT"),
   ("Mixture of experts against llama.cpp",
-   "How fast does one Kafila process decode a mixture-of-experts file, next to llama.cpp on the same file?",
-   "python -m bench.llamacpp_speed --file qwen3moe,gpt-oss --threads 2 --tokens 64 --repeats 3",
-   "Random-weight MoE files of 12 blocks, hidden 1024, 32 experts of FFN 256, top 4 (tests/arch_gguf.py), "
-   "quantized by llama.cpp: Qwen3-MoE as Q4_K_M (experts Q4_K and Q6_K; its tied 151,936-row Q6_K embedding "
-   "is the lm_head, half the bytes) and gpt-oss as MXFP4_MOE. Kafila Gathers the k experts a token picked and "
-   "decompresses them to f32 before its matmuls (backends/openvino/moe.py), where llama.cpp's MoE kernels "
-   "multiply the quantized blocks directly: 0.23-0.29x, against 0.60x on a dense file. The greedy ids part "
-   "from the first token on these 12-block random files (not explained yet; top-k choices flipping at "
-   "near-ties is the suspect); at the tests' shapes both kinds give llama.cpp's ids at f32 "
-   "(tests/test_arch_families.py)."),
+   "How fast does one Kafila process run a Qwen3-MoE file, next to llama.cpp on the same file?",
+   "python -m bench.kquant_speed --file qwen3moe --rows kafila-exact,kafila-ggml,llamacpp --rounds 2",
+   "MOE_TEXT"),
+  ("gpt-oss against llama.cpp",
+   "How fast does one Kafila process run a gpt-oss file (MXFP4 experts), next to llama.cpp on the same file?",
+   "python -m bench.kquant_speed --file gpt-oss --rows kafila-exact,kafila-ggml,llamacpp --rounds 2",
+   "GPTOSS_TEXT"),
   ("Speed against openvino_genai",
    "Does Kafila's own graph run the model as fast as OpenVINO's own LLM pipeline on the same GGUF?",
    "python -m bench.local --stages 1,3 --no-mlx --no-memory --tokens 64 --repeats 3",
@@ -127,8 +122,10 @@ while these ran (the load average in each header says how much). Absolute tok/s 
 and noisy; every benchmark measures its comparisons side by side in one run, alternating, so the
 ratios hold where the absolutes do not. Settings smaller than a benchmark's defaults are given in
 its command and said in its section. Speed and memory targets live in these benchmarks, never as
-timed assertions in tests. The commits in the headers differ from 3ba472b (the rooms move) only in
-bench/, tests/, docs and the test scripts: the code measured is the same throughout.
+timed assertions in tests. The first three sections ran on the code that serves quantized matrices
+with ggml's kernels by default (`--kquant auto`); the others ran before it, on the exact form (their
+commits differ from 3ba472b, the rooms move, only in bench/, tests/, docs and the test scripts), and
+are due a rerun on it.
 """
 
 def render(out: str) -> str:

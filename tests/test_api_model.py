@@ -128,13 +128,15 @@ def test_a_client_that_leaves_mid_stream_frees_its_slot(served, tokenizer):  # n
             while True:
                 async with http.get(f"{server.url}/status") as r:
                     status = await r.json()
-                if status["slots"]["active"] == 0 or time.monotonic() > deadline:
+                # the engine parks the cursor on its worker a moment after the slot is counted free
+                if (status["slots"]["active"], min(status["slots"]["parked"], 1)) == (0, 1) or time.monotonic() > deadline:
                     return status
+                await asyncio.sleep(0.05)
 
     status = asyncio.run(leave_early())
     slots = status["slots"]
     assert (slots["max"], slots["active"], slots["queued"]) == (4, 0, 0)
-    assert 1 <= slots["parked"] <= 4  # its cursor kept for a prompt that starts the same way
+    assert 1 <= slots["parked"] <= 4, slots  # its cursor kept for a prompt that starts the same way
     assert status["last_request"]["new_tokens"] < 300  # cancelled, not run to the end
     r = client.chat.completions.create(model="smollm2-135m", messages=PROMPTS[1], max_tokens=N_NEW)
     assert r.choices[0].message.content == tokenizer.decode(refs[1])  # a reused slot starts clean
