@@ -319,10 +319,11 @@ class _ProbeWeights:
         import openvino as ov
         import openvino.opset13 as ops
 
+        from backends import DEFAULT_KQUANT
         from backends.openvino import ggml_kernels
         from backends.openvino.weights import Packed, WeightBank, pack_u4
 
-        if ggml_kernels.resolve("auto", "serving") == "ggml":  # what a stage serves with here
+        if ggml_kernels.resolve(DEFAULT_KQUANT, "serving") == "ggml":  # what a stage serves with by default
             return self._ggml_linear(y, rows, cols)
 
         groups = cols // Q4_GROUP

@@ -39,12 +39,13 @@ def add_kquant(p: argparse.ArgumentParser) -> None:
     from backends import DEFAULT_KQUANT, KQUANTS
 
     p.add_argument("--kquant", choices=KQUANTS, default=DEFAULT_KQUANT,
-                   help=f"how OpenVINO stages compute quantized matrices (default {DEFAULT_KQUANT}): ggml "
-                        "(ggml's own CPU kernels on the file's blocks: llama.cpp's arithmetic and speed; "
-                        "built at install, needs llama-cpp-python and a C++ compiler), exact (the file's "
-                        "weights to f32 rounding: llama.cpp's greedy tokens at --precision f32), fast "
-                        "(Q4_K/Q5_K offsets rounded to integer zero points, as openvino_genai does), or "
-                        "auto (ggml at serving precision where it builds, else exact)")  # fmt: skip
+                   help=f"how OpenVINO stages compute quantized matrices (default {DEFAULT_KQUANT}): exact "
+                        "(the file's weights to f32 rounding: llama.cpp's greedy tokens at --precision f32, "
+                        "and an answer that does not depend on how its prompt was cut into steps), ggml "
+                        "(ggml's own CPU kernels on the file's blocks: llama.cpp's arithmetic and speed, "
+                        "1.4-1.9x faster decoding; built at install, needs llama-cpp-python and a C++ "
+                        "compiler), auto (ggml at serving precision where it builds, else exact), or fast "
+                        "(Q4_K/Q5_K offsets rounded to integer zero points, as openvino_genai does)")  # fmt: skip
 
 
 def add_speculate(p: argparse.ArgumentParser) -> None:
