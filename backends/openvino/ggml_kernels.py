@@ -200,7 +200,14 @@ def _say_once(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-def matmul(x, weights: np.ndarray, qtype: str, rows: int, cols: int, keep: list, repack: bool = True):
+# llama.cpp's repacked layout through a ggml graph on ggml's OpenMP threads: measured slower inside
+# the plugin than vec_dot over the plugin's own threads (Qwen2.5-Coder-1.5B Q4_K_M, 2 cores: decode
+# 0.65x llama.cpp against 0.83x, prefill 0.53x against 0.52x; the OpenMP team shares the cores with
+# the plugin's threads), so it is off until the repacked kernels run on the plugin's threads.
+REPACK = False
+
+
+def matmul(x, weights: np.ndarray, qtype: str, rows: int, cols: int, keep: list, repack: bool = REPACK):
     """x [..., cols] @ W[rows, cols]ᵀ → [..., rows], W as the file's blocks `weights` (uint8, any
     shape holding rows × row bytes); `keep` holds the buffer while the model lives. repack: in
     llama.cpp's repacked layout and its GEMM/GEMV kernels where ggml has them for the type on this

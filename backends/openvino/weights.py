@@ -308,10 +308,11 @@ class WeightBank:
             # [rows, row bytes]: the file's pages, mapped copy-on-write (OpenVINO wants a writable
             # buffer to share; nothing writes it)
             raw = np.memmap(self.index.path, np.uint8, "c", t.offset, (t.shape[0], t.n_bytes // t.shape[0]))
-            self.file_maps.append(raw)
+            if ggml_kernels.REPACK:  # the op keeps its repacked copy; else it reads these pages every step
+                self.file_maps.append(raw)
             parts.append(unpermute_rows(raw, heads) if heads else raw)
         raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
-        if len(parts) > 1 and self.spill is not None:  # droppable pages, as the file's (release_pages)
+        if len(parts) > 1 and self.spill is not None and ggml_kernels.REPACK:  # droppable once repacked
             raw = self.spill.put(raw)
         return ggml_kernels.matmul(x, raw, infos[0].qtype, raw.shape[0], infos[0].shape[1], self.keep)
 
