@@ -1,17 +1,14 @@
 """ggml's own CPU matmul kernels inside an OpenVINO graph: `--kquant ggml` (issue 36 item 3).
 
 A quantized matrix becomes one `GgmlMatMul` node (backends/openvino/ggml_op/ggml_matmul.cpp) over
-the GGUF file's own blocks (u8 bytes mapped from the file). At its first step the op repacks them
-into llama.cpp's own interleaved layout where ggml has one for the type on this CPU (its CPU_REPACK
-buffer type, llama.cpp's default: Q4_0, Q4_K, IQ4_NL, ... on AVX2/AVX-512) and from then on runs
-ggml's mul_mat on it (a one-node ggml graph on the tensors in place: ggml quantizes x to Q8_K /
-Q8_0 and runs its GEMV/GEMM kernels on its own threads, as many as the stage's). Other types are
-computed row by row with ggml's `vec_dot` on the blocks as they are, after `from_float`, over the
-CPU plugin's threads. Either way that is the arithmetic llama.cpp's CPU backend runs (the same
-functions of the same library): llama.cpp's speed per matrix and its activation rounding. The
-file pages (and the spill file's concatenated q/k/v, gate/up) are dropped from the resident set
-after the first step (WeightBank.release_pages): the repacked copy is what stays, less than the
-exact form holds (bench.kquant_speed, docs/BENCHMARKS.md).
+the GGUF file's own blocks (u8 bytes mapped from the file, read in place). Each step quantizes x to
+the type's vec_dot type with ggml's `from_float` (Q8_K for the K-quants, Q8_0/Q8_1 for the others)
+and runs ggml's `vec_dot` on every weight row, over the CPU plugin's threads; a mixture-of-experts
+block's rows go through `GgmlMatMulId`, each row through its own k experts (llama.cpp's
+mul_mat_id). That is the arithmetic llama.cpp's CPU backend runs on plain buffers (the same
+functions of the same library), with its activation rounding. The op can also repack a matrix into
+llama.cpp's interleaved layout and run ggml's GEMM/GEMV on it (REPACK, below; tested, off: slower
+inside the plugin here).
 
 Which ggml: llama-cpp-python's (`llama_cpp/lib/libggml-cpu.so`, `libggml-base.so`). It is the
 maintained, pip-installable build of ggml that the suite already uses as its reference; pip builds
