@@ -115,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
     import_openvino_without_telemetry()
     index = open_model(gguf_path(args.file))
     print(machine())
-    print(f"commit {commit()}; file {os.path.basename(index.path)}; one thread each")
+    print(f"commit: {commit()}; file {os.path.basename(index.path)}; one thread each")
     print("\n| tensor | type | rows × cols | ggml vec_dot ms (best of 20) | error vs exact | OpenVINO exact ms (best of 20) | OpenVINO fast ms |")
     print("|---|---|---|---:|---:|---:|---:|")
     with tempfile.TemporaryDirectory(prefix="kafila-ggml-") as work:

@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
 
     path = gguf_path(args.file)
     print(machine())
-    print(f"commit {commit()}; file {os.path.basename(path)}; {args.prompts} prompts × {args.tokens} "
+    print(f"commit: {commit()}; file {os.path.basename(path)}; {args.prompts} prompts × {args.tokens} "
           f"greedy tokens; reference: kafila exact at --precision f32")  # fmt: skip
     tok = load_tokenizer(open_model(path))
     prompts = [tok.encode(tok.render_chat([{"role": "user", "content": p}])) for p in PROMPTS[: args.prompts]]

@@ -202,7 +202,7 @@ def main(argv: list[str] | None = None) -> int:
 
     path = gguf_path(args.file)
     print(machine())
-    print(f"commit {commit()}; openvino {ov.__version__}; file {os.path.basename(path)}; "
+    print(f"commit: {commit()}; openvino {ov.__version__}; file {os.path.basename(path)}; "
           f"{args.threads} threads; prompt {args.prompt_tokens} tokens, {args.tokens} new; {args.rounds} rounds")  # fmt: skip
     with contextlib.suppress(ImportError):
         import llama_cpp

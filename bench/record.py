@@ -27,15 +27,30 @@ SECTIONS = [
    "How fast does one Kafila process decode and prefill the real Qwen2.5-Coder-1.5B Q4_K_M in each weight "
    "form, next to llama.cpp on the same file and threads?",
    "python -m bench.kquant_speed --file qwen1.5b --rows kafila-exact,kafila-fast,kafila-ggml,llamacpp --rounds 2",
-   "QWEN_TEXT"),
+   "Each row at its serving defaults, 2 threads, rows alternating round by round; llama.cpp runs in a process "
+   "of its own (its OpenMP defaults). `kafila-ggml` is `--kquant ggml`: ggml's vec_dot on the file's blocks "
+   "inside the OpenVINO stage (backends/openvino/ggml_kernels.py), the arithmetic llama.cpp runs; it "
+   "decodes 1.7x faster than the exact form (the default) but prefills slower, where llama.cpp's "
+   "repacked GEMM kernels do the work (the op's repacked path, run through a ggml graph on OpenMP threads, "
+   "measured 0.65x decode and 0.53x prefill inside the plugin, so it is off). The openvino GGUF frontend "
+   "row is not measured, for the reason printed."),
   ("Mixture of experts against llama.cpp",
    "How fast does one Kafila process run a Qwen3-MoE file, next to llama.cpp on the same file?",
    "python -m bench.kquant_speed --file qwen3moe --rows kafila-exact,kafila-ggml,llamacpp --rounds 2",
-   "MOE_TEXT"),
+   "bench.llamacpp_speed's random Qwen3-MoE file (12 blocks, hidden 1024, 32 experts of FFN 256, top 4; "
+   "Q4_K_M from llama.cpp's quantizer: experts Q4_K and Q6_K). `kafila-ggml` runs each token through its own "
+   "k experts with ggml's vec_dot on the file's blocks (GgmlMatMulId, llama.cpp's mul_mat_id); the exact form "
+   "Gathers and decompresses the picked experts to f32 first. The greedy ids part from the first token on "
+   "these random files for every Kafila row (near-ties in the router's top-k are the suspect; at the tests' "
+   "shapes every form gives llama.cpp's ids at f32)."),
   ("gpt-oss against llama.cpp",
    "How fast does one Kafila process run a gpt-oss file (MXFP4 experts), next to llama.cpp on the same file?",
    "python -m bench.kquant_speed --file gpt-oss --rows kafila-exact,kafila-ggml,llamacpp --rounds 2",
-   "GPTOSS_TEXT"),
+   "bench.llamacpp_speed's random gpt-oss file (12 blocks, hidden 1024, 32 experts of FFN 256, top 4, a "
+   "128,256-row vocabulary), MXFP4_MOE from llama.cpp's quantizer: experts MXFP4 (held in their 4.25 bits by "
+   "the ggml form), the other matrices Q8_0. Here ggml's form reaches 0.35x: the op's profile puts most of a "
+   "step in its Q8_0 lm_head (133 MB a token), which llama.cpp runs with its repacked or llamafile kernels; "
+   "not solved yet."),
   ("Speed against openvino_genai",
    "Does Kafila's own graph run the model as fast as OpenVINO's own LLM pipeline on the same GGUF?",
    "python -m bench.local --stages 1,3 --no-mlx --no-memory --tokens 64 --repeats 3",
