@@ -8,6 +8,9 @@ kinds or a recurrent layer alone); attention: 4 query heads of 32 with a per-hea
 dims (partial RoPE; sections [3, 3, 2, 0] cover all 8 frequencies); delta-net: 2 key heads and 4
 value heads (so each key head serves two value heads, llama.cpp's tiled mapping) of 16, causal
 conv kernel 4. The vocabulary is 512 ids with no tokenizer: prompts are token ids.
+
+`moe=True` writes `qwen35moe` (Qwen3.5 MoE) instead: each block's FFN is 8 experts of 32 (top 2,
+renormalised) and a gated shared expert of 48, as llama.cpp's src/models/qwen35moe.cpp reads them.
 """
 
 from __future__ import annotations
@@ -21,13 +24,15 @@ ARCH = "qwen35"
 SHAPE = dict(blocks=4, hidden=64, heads=4, kv_heads=2, head_dim=32, rope_dims=16, ffn=128,
              interval=2, k_heads=2, v_heads=4, state=16, conv=4, vocab=512)  # fmt: skip
 SECTIONS = [3, 3, 2, 0]
+MOE_ARCH = "qwen35moe"
+EXPERTS = dict(count=8, used=2, ffn=32, shared_ffn=48)
 
 
-def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0) -> str:
-    s = SHAPE
+def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = False) -> str:
+    s, arch = SHAPE, MOE_ARCH if moe else ARCH
     rng = np.random.default_rng(seed)
-    w = gguf.GGUFWriter(str(path), ARCH)
-    w.add_name("kafila-test-qwen35")
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"kafila-test-{arch}")
     w.add_block_count(s["blocks"])
     w.add_context_length(4096)
     w.add_embedding_length(s["hidden"])
@@ -40,7 +45,12 @@ def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0) -> str:
     w.add_rope_dimension_sections(SECTIONS)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
-    w.add_uint32(f"{ARCH}.full_attention_interval", s["interval"])
+    w.add_uint32(f"{arch}.full_attention_interval", s["interval"])
+    if moe:
+        w.add_expert_count(EXPERTS["count"])
+        w.add_expert_used_count(EXPERTS["used"])
+        w.add_expert_feed_forward_length(EXPERTS["ffn"])
+        w.add_expert_shared_feed_forward_length(EXPERTS["shared_ffn"])
     w.add_ssm_conv_kernel(s["conv"])
     w.add_ssm_inner_size(s["v_heads"] * s["state"])
     w.add_ssm_state_size(s["state"])
@@ -80,9 +90,20 @@ def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0) -> str:
             add(p + "ssm_alpha.weight", (s["v_heads"], H), 0.3)
             add(p + "ssm_norm.weight", (s["state"],), 0.1, 1.0)
             add(p + "ssm_out.weight", (H, value_dim), 0.3)
-        add(p + "ffn_gate.weight", (s["ffn"], H), 0.2)
-        add(p + "ffn_up.weight", (s["ffn"], H), 0.2)
-        add(p + "ffn_down.weight", (H, s["ffn"]), 0.2)
+        if moe:
+            E, F, Fs = EXPERTS["count"], EXPERTS["ffn"], EXPERTS["shared_ffn"]
+            add(p + "ffn_gate_inp.weight", (E, H), 0.5)
+            add(p + "ffn_gate_exps.weight", (E, F, H), 0.2)
+            add(p + "ffn_up_exps.weight", (E, F, H), 0.2)
+            add(p + "ffn_down_exps.weight", (E, H, F), 0.2)
+            add(p + "ffn_gate_inp_shexp.weight", (H,), 0.3)
+            add(p + "ffn_gate_shexp.weight", (Fs, H), 0.2)
+            add(p + "ffn_up_shexp.weight", (Fs, H), 0.2)
+            add(p + "ffn_down_shexp.weight", (H, Fs), 0.2)
+        else:
+            add(p + "ffn_gate.weight", (s["ffn"], H), 0.2)
+            add(p + "ffn_up.weight", (s["ffn"], H), 0.2)
+            add(p + "ffn_down.weight", (H, s["ffn"]), 0.2)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

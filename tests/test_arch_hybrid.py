@@ -25,12 +25,14 @@ PROMPT_IDS = [int(i) for i in np.random.default_rng(1).integers(0, SHAPE["vocab"
 needs_openvino = pytest.mark.skipif(not status("openvino").available, reason=status("openvino").reason)
 
 
-@pytest.fixture(scope="module")
-def qwen35(tmp_path_factory):
-    """(path, index, llama.cpp's ids, llama.cpp's logits) for the random qwen35 file."""
+@pytest.fixture(scope="module", params=["qwen35", "qwen35moe"])
+def qwen35(request, tmp_path_factory):
+    """(path, index, llama.cpp's ids, llama.cpp's logits) for the random qwen35 (dense) and
+    qwen35moe (experts and a gated shared expert) files."""
     from tests.llamacpp_ref import greedy_run
 
-    path = write_qwen35_gguf(tmp_path_factory.mktemp("hybrid") / "qwen35.gguf")
+    path = write_qwen35_gguf(tmp_path_factory.mktemp("hybrid") / f"{request.param}.gguf",
+                             moe=request.param == "qwen35moe")
     ids, logits = greedy_run(path, PROMPT_IDS, N_TOKENS)
     return path, open_model(path), ids, logits
 
@@ -44,6 +46,14 @@ def test_index_reads_which_blocks_are_recurrent(tmp_path):
     # per request, per delta-net block: (K − 1) × C conv values + Hv × S × S matrix values, f32
     assert h.hybrid.state_bytes_per_request(0) == 4 * (3 * (2 * 2 + 4) * 16 + 4 * 16 * 16)
     assert h.hybrid.state_bytes_per_request(1) == 0
+    assert h.family.n_experts == 0
+
+
+def test_index_reads_the_moe_hybrid(tmp_path):
+    h = open_model(write_qwen35_gguf(tmp_path / "q.gguf", moe=True)).hparams
+    assert h.arch == "qwen35moe" and h.hybrid.recurrent == (True, False, True, False)
+    f = h.family
+    assert (f.n_experts, f.n_experts_used, f.experts_renorm, f.shared_expert) == (8, 2, True, True)
 
 
 def test_only_openvino_builds_hybrid_blocks(tmp_path):

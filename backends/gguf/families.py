@@ -18,8 +18,9 @@ Gemma 3 (`gemma3`), as llama.cpp computes it:
 Mixture of experts (`qwen3moe`, `qwen2moe`, `llama` with `expert_count` > 0, Mixtral's layout):
 the FFN is ffn_gate_inp [E, H] (router) and 3-D ffn_gate_exps / ffn_up_exps [E, F, H],
 ffn_down_exps [E, H, F]; softmax over the E router logits, the top `expert_used_count`, their
-weights renormalised to sum 1 for qwen3moe and llama (not qwen2moe), × expert_weights_scale when
-set; qwen2moe adds a shared expert (ffn_{gate,up,down}_shexp) gated by sigmoid(ffn_gate_inp_shexp · x).
+weights renormalised to sum 1 for qwen3moe, qwen35moe and llama (not qwen2moe; none of them
+reads expert_weights_scale); qwen2moe and qwen35moe add a shared expert (ffn_{gate,up,down}_shexp)
+gated by sigmoid(ffn_gate_inp_shexp · x).
 
 gpt-oss (`gpt-oss`, llama.cpp's LLM_ARCH_OPENAI_MOE, src/models/openai-moe.cpp), as llama.cpp computes it:
 - RMSNorm (attn_norm) → q/k/v (biases optional, as on llama) → NEOX RoPE with YaRN → attention
@@ -55,8 +56,10 @@ GEMMA3_BLOCK_TENSORS = ("post_attention_norm.weight", "post_ffw_norm.weight")
 GEMMA3_DEFAULT_SWA_PERIOD = 6
 GEMMA3_SWA_ROPE_BASE = 10000.0  # llama_hparams.rope_freq_base_train_swa's default
 GEMMA3_27B_BLOCKS = 62
-MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama")
+MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama", "qwen35moe")
+SHARED_EXPERT_ARCHITECTURES = ("qwen2moe", "qwen35moe")
 DENSE_FFN_TENSORS = ("ffn_gate.weight", "ffn_up.weight", "ffn_down.weight")
+FUSED_GATE_UP_EXPS = "ffn_gate_up_exps.weight"  # [E, 2F, H]: gate's F rows then up's (qwen35moe, qwen3next)
 MOE_TENSORS = ("ffn_gate_inp.weight", "ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 SHARED_EXPERT_TENSORS = ("ffn_gate_inp_shexp.weight", "ffn_gate_shexp.weight", "ffn_up_shexp.weight",
                          "ffn_down_shexp.weight")  # fmt: skip
@@ -125,8 +128,9 @@ def family_of(path: str, arch: str, hp, n_blocks: int, hidden: int, n_heads: int
                            f"experts in {', '.join(MOE_ARCHITECTURES)}")
         if not 0 < used <= experts:
             raise BadInput(f"GGUF {path}: {arch}.expert_used_count {used} is not in 1..{experts}")
+        # llama.cpp reads no expert_weights_scale for these architectures (a file's key is ignored)
         return Family(n_experts=experts, n_experts_used=used, experts_renorm=arch != "qwen2moe",
-                      experts_scale=float(hp("expert_weights_scale", 0.0)), shared_expert=arch == "qwen2moe")
+                      shared_expert=arch in SHARED_EXPERT_ARCHITECTURES)
     if arch in ("qwen3moe", "qwen2moe"):
         raise BadInput(f"GGUF {path}: {arch} without {arch}.expert_count")
     if arch != "gemma3":
@@ -218,3 +222,6 @@ def require_llama_blocks(h, backend: str, experts: bool = False) -> None:
         kind = f"{h.arch} with {h.family.n_experts} experts" if h.family.n_experts else h.arch
         serves = "dense llama, qwen2, qwen3" + (", qwen3moe, qwen2moe and Mixtral-layout llama" if experts else "")
         raise BadInput(f"backend {backend} does not serve {kind} (it serves {serves}); use --backend openvino")
+    if h.extras:
+        raise BadInput(f"backend {backend} does not apply tensor {h.extras[0]} ({len(h.extras)} output scales or "
+                       f"biases in all; backends/gguf/optional.py); use --backend openvino")

@@ -12,7 +12,10 @@
   attn_k/attn_v, q/k RMSNorm, attn_output; interleaved M-RoPE (IMROPE) over the first
   rope.dimension_count dims with rope.dimension_sections;
 - every block: attn_norm, post_attention_norm (before the FFN), SwiGLU ffn_gate/up/down.
-Multi-token-prediction (nextn) blocks and experts are refused here (not yet served).
+`qwen35moe` (Qwen3.5 MoE, src/models/qwen35moe.cpp) is the same but for its FFN: softmax over the
+E router logits, top k renormalised, and a shared expert gated by sigmoid(ffn_gate_inp_shexp · x)
+(as qwen2moe's; families.py); llama.cpp reads no expert_weights_scale for it.
+Multi-token-prediction (nextn) blocks are refused here (not yet served).
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from backends.errors import BadInput
+from backends.gguf.families import DENSE_FFN_TENSORS, FUSED_GATE_UP_EXPS, MOE_TENSORS, SHARED_EXPERT_TENSORS
+from backends.gguf.optional import optional_block_tensors
 
-HYBRID_ARCHITECTURES = ("qwen35",)
-COMMON_TENSORS = ("attn_norm.weight", "post_attention_norm.weight", "ffn_gate.weight", "ffn_up.weight",
-                  "ffn_down.weight")  # fmt: skip
+HYBRID_MOE = "qwen35moe"
+HYBRID_ARCHITECTURES = ("qwen35", HYBRID_MOE)
+NORM_TENSORS = ("attn_norm.weight", "post_attention_norm.weight")
 ATTENTION_TENSORS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q_norm.weight",
                      "attn_k_norm.weight", "attn_output.weight")  # fmt: skip
 DELTA_NET_TENSORS = ("attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a",
@@ -57,8 +62,10 @@ def hybrid_params(path: str, arch: str, hp, tensors: dict, n_blocks: int, head_d
     """The hybrid part of a `qwen35` file, checked against its tensors (BadInput on a mismatch)."""
     if int(hp("nextn_predict_layers", 0)):
         raise BadInput(f"GGUF {path}: {arch} with multi-token-prediction (nextn) layers is not served yet")
-    if int(hp("expert_count", 0)):
-        raise BadInput(f"GGUF {path}: {arch} with experts is not served")
+    if bool(int(hp("expert_count", 0))) != (arch == HYBRID_MOE):
+        raise BadInput(f"GGUF {path}: {arch} {'without' if arch == HYBRID_MOE else 'with'} experts is not a "
+                       f"model llama.cpp reads")
+    ffn = MOE_TENSORS + SHARED_EXPERT_TENSORS if arch == HYBRID_MOE else DENSE_FFN_TENSORS
     flags = hp("attention.recurrent_layers", []) or []
     if flags:
         recurrent = tuple(bool(f) for f in flags)
@@ -79,16 +86,20 @@ def hybrid_params(path: str, arch: str, hp, tensors: dict, n_blocks: int, head_d
     if h.k_heads < 1 or h.v_heads % h.k_heads or inner != h.v_heads * h.state:
         raise BadInput(f"GGUF {path}: {arch} ssm heads {h.k_heads}/{h.v_heads} of {h.state} with inner size "
                        f"{inner}: Kafila serves Hv a multiple of Hk and inner size Hv × state_size")
-    if not 0 < h.rope_dims <= head_dim or h.rope_dims % 2 or sum(sections) * 2 > h.rope_dims:
+    if not 0 < h.rope_dims <= head_dim or h.rope_dims % 2:
         raise BadInput(f"GGUF {path}: {arch} RoPE over {h.rope_dims} of {head_dim} dims with sections "
                        f"{sections} is not served")
     for b in range(n_blocks):
-        names = COMMON_TENSORS + (DELTA_NET_TENSORS if recurrent[b] else ATTENTION_TENSORS)
+        names = NORM_TENSORS + ffn + (DELTA_NET_TENSORS if recurrent[b] else ATTENTION_TENSORS)
+        if f"blk.{b}.{FUSED_GATE_UP_EXPS}" in tensors and arch == HYBRID_MOE:  # gate and up experts in one
+            names = tuple(n for n in names if n not in ("ffn_gate_exps.weight", "ffn_up_exps.weight"))
+            names += (FUSED_GATE_UP_EXPS,)
         missing = [n for n in names if f"blk.{b}.{n}" not in tensors]
         if missing:
             raise BadInput(f"GGUF {path} lacks tensor blk.{b}.{missing[0]} (a {arch} "
                            f"{'delta-net' if recurrent[b] else 'attention'} block)")
-        extra = [n for n in tensors if n.startswith(f"blk.{b}.") and n[len(f"blk.{b}."):] not in names]
+        allowed = set(names) | optional_block_tensors(arch, names)
+        extra = [n for n in tensors if n.startswith(f"blk.{b}.") and n[len(f"blk.{b}."):] not in allowed]
         if extra:
             raise BadInput(f"GGUF {path}: tensor {extra[0]} is not part of the {arch} model Kafila serves")
         t = tensors[f"blk.{b}.ssm_conv1d.weight" if recurrent[b] else f"blk.{b}.attn_q.weight"]

@@ -20,6 +20,7 @@ from backends.errors import BadInput
 from backends.gguf.families import GPT_OSS, Family, family_of, ffn_tensors
 from backends.gguf.header import read_header
 from backends.gguf.hybrid import HYBRID_ARCHITECTURES, HybridParams, hybrid_params
+from backends.gguf.optional import HEAD_EXTRAS, optional_block_tensors, output_extras
 from backends.gguf.quant import BLOCK_WEIGHTS, FLOAT_TYPES, QuantBlocks, bf16_to_f32, split_blocks
 
 SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", GPT_OSS,
@@ -75,6 +76,7 @@ class Hyperparams:
     qk_norm: bool = False  # RMSNorm of each q and k head (weights [D]) after projection, before RoPE
     family: Family = Family()  # what the architecture adds to Llama's block (backends/gguf/families.py)
     hybrid: HybridParams | None = None  # delta-net layers beside attention (backends/gguf/hybrid.py)
+    extras: tuple[str, ...] = ()  # output scales and biases besides q/k/v's (backends/gguf/optional.py)
 
 
 # the tokenizer's per-token arrays: open_model walks past them (ModelIndex.metadata reads them)
@@ -304,6 +306,7 @@ def open_model(path: str) -> ModelIndex:
         qk_norm=arch in (*QK_NORM_ARCHITECTURES, *HYBRID_ARCHITECTURES),
         family=family_of(path, arch, hp, n_blocks, hidden, n_heads, head_dim),
         hybrid=hybrid,
+        extras=tuple(output_extras(tensors)),
     )
     if hybrid is None:  # hybrid_params checked the hybrid files' tensors
         _check_complete(path, tensors, hparams)
@@ -369,12 +372,14 @@ def _check_arch(path: str, arch: str, hp, tensors: dict[str, TensorInfo], h: Hyp
     allowed = set(BLOCK_TENSOR_NAMES) | set(OPTIONAL_BLOCK_TENSORS) | set(ffn_tensors(arch, h.family))
     if h.qk_norm:
         allowed |= set(QK_NORM_TENSORS)
+    allowed |= optional_block_tensors(arch, allowed)
     for name in tensors:
         m = BLOCK_TENSOR.match(name)
         if m:
             known = m.group(2) in allowed
         else:
-            known = name in HEAD_TENSORS or (name == ROPE_FREQS_TENSOR and arch == "llama")
+            known = (name in HEAD_TENSORS or (name == ROPE_FREQS_TENSOR and arch == "llama")
+                     or name in HEAD_EXTRAS.get(arch, ()))  # fmt: skip
         if not known:
             raise BadInput(f"GGUF {path}: tensor {name} is not part of the {arch} model Kafila serves")
     D, q_rows, kv_rows = h.head_dim, h.n_heads * h.head_dim, h.n_kv_heads * h.head_dim

@@ -20,7 +20,8 @@ the conv state [B, K − 1, C]: only the KV cache has 4 dimensions, which the sh
 Attention layer: attn_q's rows are per head D query rows then D gate rows; q/k RMSNorm; RoPE on
 the first rope_dims of each head (NEOX halves; IMROPE with text positions: a frequency outside the
 sections sees position 0); attention as the dense blocks; output × σ(gate) → attn_output.
-Every block: residual, post_attention_norm → SwiGLU FFN → residual.
+Every block: residual, post_attention_norm → SwiGLU FFN (qwen35moe: experts and the gated shared
+expert, moe.py) → residual.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import openvino.opset13 as ops
 import openvino.opset6 as ops6
 
 from backends.openvino.graph import I64, _i64, apply_rope, rms_norm
+from backends.openvino.moe import moe_ffn, shared_expert
 from backends.openvino.weights import F32
 
 MAX_I64 = np.iinfo(np.int64).max
@@ -134,8 +136,11 @@ class HybridBlocks:
             a = self.attention(b, y, position_ids, mask, beam_idx, sinks)
         x = ops.add(x, a).output(0)
         y = rms_norm(x, self.w.vector(p + "post_attention_norm.weight"), h.rms_eps)
-        gate, up = self.w.project(y, [(p + "ffn_gate.weight", 0), (p + "ffn_up.weight", 0)])
-        (down,) = self.w.project(ops.multiply(ops.swish(gate), up).output(0), [(p + "ffn_down.weight", 0)])
+        if h.family.n_experts:  # qwen35moe: routed experts and the gated shared expert
+            down = ops.add(moe_ffn(self.w, y, p, h.family), shared_expert(self.w, y, p)).output(0)
+        else:
+            gate, up = self.w.project(y, [(p + "ffn_gate.weight", 0), (p + "ffn_up.weight", 0)])
+            (down,) = self.w.project(ops.multiply(ops.swish(gate), up).output(0), [(p + "ffn_down.weight", 0)])
         return ops.add(x, down).output(0)
 
     def attention(self, b: int, y: ov.Output, position_ids: ov.Output, mask: ov.Output, beam_idx: ov.Output,

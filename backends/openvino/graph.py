@@ -138,11 +138,7 @@ class StageBuilder:
         # attention
         y = rms_norm(x, self.w.vector(p + "attn_norm.weight"), h.rms_eps)  # [B, L, H]
         q, k, v = self.w.project(y, [(p + "attn_q.weight", qh), (p + "attn_k.weight", kh),
-                                     (p + "attn_v.weight", 0)])  # [B, L, nh·D], [B, L, nkv·D] ×2
-        if h.qkv_bias:
-            q = ops.add(q, self.w.vector(p + "attn_q.bias", qh))
-            k = ops.add(k, self.w.vector(p + "attn_k.bias", kh))
-            v = ops.add(v, self.w.vector(p + "attn_v.bias"))
+                                     (p + "attn_v.weight", 0)])  # [B, L, nh·D], [B, L, nkv·D] ×2 (+ biases)
         q = ops.reshape(q, _i64(0, 0, nh, D), True)  # [B, L, nh, D]
         k = ops.reshape(k, _i64(0, 0, nkv, D), True)  # [B, L, nkv, D]
         if h.qk_norm:  # qwen3: RMSNorm over each head's D values
@@ -165,8 +161,6 @@ class StageBuilder:
             attn = ops.scaled_dot_product_attention(q, k_all, v_all, mask, ops.constant(np.float32(scale)))
         attn = ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, nh * D), True)  # [B, L, nh·D]
         (o,) = self.w.project(attn.output(0), [(p + "attn_output.weight", 0)])  # [B, L, H]
-        if fam.attn_out_bias:
-            o = ops.add(o, self.w.vector(p + "attn_output.bias"))
         if fam.post_norms:  # Gemma: the attention's output normalized before the residual add
             o = rms_norm(o, self.w.vector(p + "post_attention_norm.weight"), h.rms_eps)
         x = ops.add(x, o).output(0)

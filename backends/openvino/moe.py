@@ -30,7 +30,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from backends.gguf.families import Family
+from backends.gguf.families import FUSED_GATE_UP_EXPS, Family
 from backends.gguf.quant import CODE_BIAS, FLOAT_TYPES, split_blocks
 from backends.openvino.attention import swiglu_oai
 from backends.openvino.lowbit import pack_i4
@@ -58,30 +58,32 @@ class Experts:
     2026.4's Gather on f4e2m1 returns wrong values and can crash the process, and a table lookup
     after the Gather took 4× the decode time (backends/memory.py prices experts as held here)."""
 
-    def __init__(self, bank, name: str) -> None:
+    def __init__(self, bank, name: str, rows: tuple[int, int] | None = None) -> None:
         index = bank.index
         t = index.tensors[name]
         E, out, cols = t.shape
-        self.shape = (E, out, cols)
+        a, z = rows or (0, out)  # a fused tensor's part: rows a..z of each expert
+        self.shape = (E, z - a, cols)
         if t.qtype in FLOAT_TYPES:
-            self.dense = bank._const(index.dequantize(name, np.float32).reshape(E, out, cols))
+            self.dense = bank._const(index.dequantize(name, np.float32).reshape(E, out, cols)[:, a:z])
             return
         self.dense = None
         b = split_blocks(t.qtype, index.raw(name), E * out, cols)
         groups, group = b.q.shape[1], b.q.shape[2]
-        q = b.q.reshape(E, out, groups, group)
-        scale = b.scale.astype(np.float32).reshape(E, out, groups, 1)
+        q = b.q.reshape(E, out, groups, group)[:, a:z]
+        scale = b.scale.astype(np.float32).reshape(E, out, groups, 1)[:, a:z]
         if t.qtype in FOUR_BIT:
             self.codes = bank._const(pack_i4(q), FOUR_BIT[t.qtype], q.shape)
         else:
             self.codes = bank._const(q.astype(np.int8) if q.dtype == np.int8 else q)
         self.bias = float(CODE_BIAS.get(t.qtype, 0))
         self.scale = bank._const(scale)
-        self.offset = None if b.offset is None else bank._const(b.offset.astype(np.float32).reshape(E, out, groups, 1))
+        self.offset = None if b.offset is None else bank._const(
+            b.offset.astype(np.float32).reshape(E, out, groups, 1)[:, a:z])
 
     def take(self, ids: ov.Output) -> ov.Output:
         """The weights of experts `ids` [U]: f32 [U, out, in]."""
-        E, out, cols = self.shape
+        _, out, cols = self.shape
         axis = _i64(0)
         if self.dense is not None:
             return ops.gather(self.dense, ids, axis).output(0)
@@ -116,9 +118,7 @@ def moe_ffn(bank, x: ov.Output, prefix: str, fam: Family) -> ov.Output:
     shape = ops.shape_of(x, I64)  # [3]
     hidden = bank.index.hparams.hidden
     xt = ops.reshape(x, _i64(-1, hidden), False).output(0)  # [T, H]
-    (logits,) = bank.project(xt, [(prefix + "ffn_gate_inp.weight", 0)])  # [T, E]
-    if fam.expert_biases:
-        logits = ops.add(logits, bank.vector(prefix + "ffn_gate_inp.bias")).output(0)
+    (logits,) = bank.project(xt, [(prefix + "ffn_gate_inp.weight", 0)])  # [T, E] (+ gpt-oss's bias)
     weights, ids = route(logits, fam.n_experts_used, fam.experts_renorm, fam.experts_scale,
                          fam.experts_gating)  # [T, k] ×2  # fmt: skip
     if _ggml_experts(bank, prefix):
@@ -132,17 +132,16 @@ def moe_ffn(bank, x: ov.Output, prefix: str, fam: Family) -> ov.Output:
                           ops.concat([ops.gather(ops.shape_of(xt, I64), _i64(0), _i64(0)), _i64(n_experts)], 0))
     dense_w = ops.scatter_elements_update(zeros, ids, weights, ops.constant(np.int64(1)))  # [T, E]
     w_used = ops.transpose(ops.gather(dense_w, used, _i64(1)), _i64(1, 0))  # [U, T]
-    gate = Experts(bank, prefix + "ffn_gate_exps.weight").take(used)  # [U, F, H]
-    up = Experts(bank, prefix + "ffn_up_exps.weight").take(used)  # [U, F, H]
+    gate, up, (gate_s, up_s) = _gate_and_up(bank, prefix)
     down = Experts(bank, prefix + "ffn_down_exps.weight").take(used)  # [U, H, F]
     xu = ops.unsqueeze(xt, _i64(0))  # [1, T, H]
-    g = ops.matmul(xu, gate, False, True)  # [U, T, F]
-    u = ops.matmul(xu, up, False, True)  # [U, T, F]
+    g = _times_rows(bank, ops.matmul(xu, gate.take(used), False, True), gate_s, used)  # [U, T, F]
+    u = _times_rows(bank, ops.matmul(xu, up.take(used), False, True), up_s, used)  # [U, T, F]
     if fam.expert_biases:
         g = _plus_rows(bank, g, prefix + "ffn_gate_exps.bias", used)
         u = _plus_rows(bank, u, prefix + "ffn_up_exps.bias", used)
     act = swiglu_oai(g, u) if fam.ffn_act == "swiglu_oai" else ops.multiply(ops.swish(g), u)
-    d = ops.matmul(act, down, False, True)  # [U, T, H]
+    d = _times_rows(bank, ops.matmul(act, down, False, True), prefix + "ffn_down_exps.scale", used)  # [U, T, H]
     if fam.expert_biases:
         d = _plus_rows(bank, d, prefix + "ffn_down_exps.bias", used)
     out = ops.reduce_sum(ops.multiply(d, ops.unsqueeze(w_used, _i64(2))), _i64(0), keep_dims=False)  # [T, H]
@@ -152,11 +151,39 @@ def moe_ffn(bank, x: ov.Output, prefix: str, fam: Family) -> ov.Output:
 EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
 
 
+def _gate_and_up(bank, prefix: str) -> tuple[Experts, Experts, tuple[str, str]]:
+    """The gate and up experts and their .scale names; a fused ffn_gate_up_exps [E, 2F, H] holds
+    gate's F rows then up's, both scaled by ffn_up_exps.scale (llama.cpp's build_moe_ffn)."""
+    fused = prefix + FUSED_GATE_UP_EXPS
+    if fused in bank.index.tensors:
+        F = bank.index.tensors[fused].shape[1] // 2
+        return Experts(bank, fused, (0, F)), Experts(bank, fused, (F, 2 * F)), (prefix + "ffn_up_exps.scale",) * 2
+    return (Experts(bank, prefix + "ffn_gate_exps.weight"), Experts(bank, prefix + "ffn_up_exps.weight"),
+            (prefix + "ffn_gate_exps.scale", prefix + "ffn_up_exps.scale"))  # fmt: skip
+
+
+def _times_rows(bank, y: ov.Output, name: str, used: ov.Output) -> ov.Output:
+    """y [U, T, n] × the file's per-expert factor `name` {E} of experts `used` (none: y)."""
+    if name not in bank.index.tensors:
+        return y if isinstance(y, ov.Output) else y.output(0)
+    s = ops.gather(bank.vector(name), used, _i64(0))  # [U]
+    return ops.multiply(y, ops.reshape(s, _i64(-1, 1, 1), False)).output(0)
+
+
+def _times_picked(bank, y: ov.Output, name: str, ids: ov.Output) -> ov.Output:
+    """y [T, k, n] × the per-expert factor `name` {E} of each row's picked experts (none: y)."""
+    if name not in bank.index.tensors:
+        return y
+    return ops.multiply(y, ops.unsqueeze(ops.gather(bank.vector(name), ids, _i64(0)), _i64(2))).output(0)
+
+
 def _ggml_experts(bank, prefix: str) -> bool:
     """Whether this block's experts run on ggml's kernels (--kquant ggml and block types)."""
     from backends.openvino.ggml_kernels import GGML_QTYPES
 
-    return bank.kquant == "ggml" and all(bank.index.tensors[prefix + n].qtype in GGML_QTYPES for n in EXPERT_TENSORS)
+    tensors = bank.index.tensors
+    return bank.kquant == "ggml" and all(prefix + n in tensors and tensors[prefix + n].qtype in GGML_QTYPES
+                                         for n in EXPERT_TENSORS)  # fmt: skip
 
 
 def _ggml_moe(bank, xt: ov.Output, weights: ov.Output, ids: ov.Output, prefix: str, fam: Family) -> ov.Output:
@@ -171,12 +198,14 @@ def _ggml_moe(bank, xt: ov.Output, weights: ov.Output, ids: ov.Output, prefix: s
         return ggml_kernels.matmul_id(x, ids, raw, t.qtype, E, out, cols, bank.keep)
 
     xk = ops.unsqueeze(xt, _i64(1)).output(0)  # [T, 1, H]
-    g, u = experts(xk, "ffn_gate_exps.weight"), experts(xk, "ffn_up_exps.weight")  # [T, k, F]
+    g = _times_picked(bank, experts(xk, "ffn_gate_exps.weight"), prefix + "ffn_gate_exps.scale", ids)  # [T, k, F]
+    u = _times_picked(bank, experts(xk, "ffn_up_exps.weight"), prefix + "ffn_up_exps.scale", ids)
     if fam.expert_biases:
         g = _plus_picked(bank, g, prefix + "ffn_gate_exps.bias", ids)
         u = _plus_picked(bank, u, prefix + "ffn_up_exps.bias", ids)
     act = swiglu_oai(g, u) if fam.ffn_act == "swiglu_oai" else ops.multiply(ops.swish(g), u)
     d = experts(act.output(0) if isinstance(act, ov.Node) else act, "ffn_down_exps.weight")  # [T, k, H]
+    d = _times_picked(bank, d, prefix + "ffn_down_exps.scale", ids)
     if fam.expert_biases:
         d = _plus_picked(bank, d, prefix + "ffn_down_exps.bias", ids)
     return ops.reduce_sum(ops.multiply(d, ops.unsqueeze(weights, _i64(2))), _i64(1), keep_dims=False).output(0)

@@ -292,12 +292,23 @@ class WeightBank:
                     None if bl[0].offset is None else np.concatenate([b.offset for b in bl]),
                 ))  # fmt: skip
             if len(run) == 1:
-                outs.append(y)
+                ys = [y]
             else:
                 sizes = ops.constant(np.array([t.shape[0] for t in infos[i:j]], np.int64))
-                outs.extend(ops.variadic_split(y, ops.constant(np.int64(-1)), sizes).outputs())
+                ys = ops.variadic_split(y, ops.constant(np.int64(-1)), sizes).outputs()
+            outs.extend(self._scale_and_bias(y, name, heads) for y, (name, heads) in zip(ys, run))
             i = j
         return outs
+
+    def _scale_and_bias(self, y: ov.Output, name: str, heads: int) -> ov.Output:
+        """(W·x)·s + b with the matrix's optional .scale {1} and .bias, as llama.cpp's
+        build_lora_mm and its callers apply them (backends/gguf/optional.py)."""
+        base = name.removesuffix(".weight")
+        if base + ".scale" in self.index.tensors:
+            y = ops.multiply(y, self.vector(base + ".scale")).output(0)
+        if base + ".bias" in self.index.tensors:
+            y = ops.add(y, self.vector(base + ".bias", heads)).output(0)
+        return y
 
     def _ggml_linear(self, x: ov.Output, run: list[tuple[str, int]]) -> ov.Output:
         """x through the matrices `run` (one block type) as one GgmlMatMul on the file's own
