@@ -11,6 +11,10 @@ conv kernel 4. The vocabulary is 512 ids with no tokenizer: prompts are token id
 
 `moe=True` writes `qwen35moe` (Qwen3.5 MoE) instead: each block's FFN is 8 experts of 32 (top 2,
 renormalised) and a gated shared expert of 48, as llama.cpp's src/models/qwen35moe.cpp reads them.
+`arch="qwen3next"` writes Qwen3-Next's layout on the MoE file: no RoPE sections (plain NEOX), and
+each delta-net block's legacy fused ssm_in (per key head: q, k, v, z) and ssm_ba (per key head: the
+betas, then the alphas) instead of attn_qkv, attn_gate, ssm_beta and ssm_alpha; with 2 key heads
+and 4 value heads, its repeat-interleaved head mapping differs from qwen35's tiling.
 """
 
 from __future__ import annotations
@@ -28,8 +32,10 @@ MOE_ARCH = "qwen35moe"
 EXPERTS = dict(count=8, used=2, ffn=32, shared_ffn=48)
 
 
-def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = False) -> str:
-    s, arch = SHAPE, MOE_ARCH if moe else ARCH
+def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = False, arch: str = "") -> str:
+    s, arch = SHAPE, arch or (MOE_ARCH if moe else ARCH)
+    nxt = arch == "qwen3next"
+    moe = moe or nxt
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"kafila-test-{arch}")
@@ -42,7 +48,8 @@ def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = Fal
     w.add_key_length(s["head_dim"])
     w.add_value_length(s["head_dim"])
     w.add_rope_dimension_count(s["rope_dims"])
-    w.add_rope_dimension_sections(SECTIONS)
+    if not nxt:
+        w.add_rope_dimension_sections(SECTIONS)
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-6)
     w.add_uint32(f"{arch}.full_attention_interval", s["interval"])
@@ -81,13 +88,18 @@ def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = Fal
             add(p + "attn_k_norm.weight", (D,), 0.5, 1.0)
             add(p + "attn_output.weight", (H, s["heads"] * D), 0.3)
         else:  # gated delta net
-            add(p + "attn_qkv.weight", (2 * key_dim + value_dim, H), 0.3)
-            add(p + "attn_gate.weight", (value_dim, H), 0.3)
+            if nxt:
+                add(p + "ssm_in.weight", (2 * key_dim + 2 * value_dim, H), 0.3)
+                add(p + "ssm_ba.weight", (2 * s["v_heads"], H), 0.3)
+            else:
+                add(p + "attn_qkv.weight", (2 * key_dim + value_dim, H), 0.3)
+                add(p + "attn_gate.weight", (value_dim, H), 0.3)
             add(p + "ssm_conv1d.weight", (2 * key_dim + value_dim, s["conv"]), 0.5)
             add(p + "ssm_dt.bias", (s["v_heads"],), 0.5, 1.0)
             w.add_tensor(p + "ssm_a", -np.exp(rng.standard_normal(s["v_heads"]) * 0.5).astype(np.float32))
-            add(p + "ssm_beta.weight", (s["v_heads"], H), 0.3)
-            add(p + "ssm_alpha.weight", (s["v_heads"], H), 0.3)
+            if not nxt:
+                add(p + "ssm_beta.weight", (s["v_heads"], H), 0.3)
+                add(p + "ssm_alpha.weight", (s["v_heads"], H), 0.3)
             add(p + "ssm_norm.weight", (s["state"],), 0.1, 1.0)
             add(p + "ssm_out.weight", (H, value_dim), 0.3)
         if moe:

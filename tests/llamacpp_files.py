@@ -97,3 +97,59 @@ def vocab_cases(name: str) -> list[tuple[str, list[int]]]:
     if len(texts) != len(outs):
         raise RuntimeError(f"{base.name}: {len(texts)} strings but {len(outs)} id lines")
     return [(t, [int(x) for x in o.split()]) for t, o in zip(texts, outs)]
+
+
+ARCHS_SOURCES = ("vendor/llama.cpp/tests/test-llama-archs.cpp", "vendor/llama.cpp/common/",
+                 "vendor/llama.cpp/include/", "vendor/llama.cpp/ggml/include/", "vendor/llama.cpp/src/",
+                 "vendor/llama.cpp/vendor/")  # fmt: skip
+# what test-llama-archs.cpp needs of llama.cpp's common library (the rest of it goes unlinked)
+ARCHS_COMMON = ("common/log.cpp", "common/common.cpp", "common/json.cpp")
+
+
+def llama_archs_tool() -> Path:
+    """llama.cpp's tests/test-llama-archs (it writes a small random model of each architecture
+    llama.cpp knows, `-a REGEX -o DIR`), compiled once from the sdist against llama-cpp-python's
+    own libllama (whose internal symbols the tool links to, as llama.cpp's build links it)."""
+    import llama_cpp
+
+    root = cache_root()
+    tool = root / "test-llama-archs"
+    if tool.exists():
+        return tool
+    src = root / "archs-src"
+    if not (src / ".complete").exists():
+        with tarfile.open(_sdist(root)) as tar:
+            for m in tar.getmembers():
+                inner = m.name.partition("/")[2]
+                if m.isfile() and inner.startswith(ARCHS_SOURCES):
+                    m.name = inner.removeprefix("vendor/llama.cpp/")
+                    tar.extract(m, src, filter="data")
+        (src / ".complete").write_text("ok\n")
+    info = (src / "common/build-info.cpp.in").read_text()
+    for key, value in (("LLAMA_BUILD_NUMBER", "0"), ("LLAMA_BUILD_COMMIT", LLAMA_CPP_PYTHON_VERSION),
+                       ("BUILD_COMPILER", "c++"), ("BUILD_TARGET", sys.platform)):  # fmt: skip
+        info = info.replace(f"@{key}@", value)
+    (src / "build-info.cpp").write_text(info)
+    lib = Path(llama_cpp.__file__).parent / "lib"
+    partial = tool.with_suffix(".tmp")
+    subprocess.run(["c++", "-O1", "-std=c++17", "-ffunction-sections", "-fdata-sections",
+                    *(f"-I{src / d}" for d in ("common", "include", "ggml/include", "src", "vendor")),
+                    str(src / "tests/test-llama-archs.cpp"), *(str(src / f) for f in ARCHS_COMMON),
+                    str(src / "build-info.cpp"), f"-L{lib}", "-lllama", "-lggml", "-lggml-base",
+                    "-Wl,--gc-sections", f"-Wl,-rpath,{lib}", "-lpthread", "-o", str(partial)],
+                   check=True, timeout=900, capture_output=True)  # fmt: skip
+    os.replace(partial, tool)
+    return tool
+
+
+def llama_arch_models(archs: tuple[str, ...], seed: int = 1) -> dict[str, Path]:
+    """llama.cpp's random models of `archs` ({"qwen35moe-moe": path, "llama-dense": path, …}),
+    written once by test-llama-archs with `seed` into the cache."""
+    out = cache_root() / f"arch-models-{seed}"
+    done = out / ("." + "-".join(archs))
+    if not done.exists():
+        out.mkdir(parents=True, exist_ok=True)
+        subprocess.run([str(llama_archs_tool()), "-a", f"^({'|'.join(archs)})$", "-s", str(seed), "-o", str(out)],
+                       check=True, timeout=300, capture_output=True)  # fmt: skip
+        done.write_text("ok\n")
+    return {p.stem: p for p in sorted(out.glob("*.gguf")) if p.stem.rsplit("-", 1)[0] in archs}

@@ -25,14 +25,14 @@ PROMPT_IDS = [int(i) for i in np.random.default_rng(1).integers(0, SHAPE["vocab"
 needs_openvino = pytest.mark.skipif(not status("openvino").available, reason=status("openvino").reason)
 
 
-@pytest.fixture(scope="module", params=["qwen35", "qwen35moe"])
+@pytest.fixture(scope="module", params=["qwen35", "qwen35moe", "qwen3next"])
 def qwen35(request, tmp_path_factory):
-    """(path, index, llama.cpp's ids, llama.cpp's logits) for the random qwen35 (dense) and
-    qwen35moe (experts and a gated shared expert) files."""
+    """(path, index, llama.cpp's ids, llama.cpp's logits) for the random qwen35 (dense), qwen35moe
+    (experts and a gated shared expert) and qwen3next (its fused legacy layout) files."""
     from tests.llamacpp_ref import greedy_run
 
     path = write_qwen35_gguf(tmp_path_factory.mktemp("hybrid") / f"{request.param}.gguf",
-                             moe=request.param == "qwen35moe")
+                             moe=request.param == "qwen35moe", arch=request.param)
     ids, logits = greedy_run(path, PROMPT_IDS, N_TOKENS)
     return path, open_model(path), ids, logits
 

@@ -15,6 +15,12 @@
 `qwen35moe` (Qwen3.5 MoE, src/models/qwen35moe.cpp) is the same but for its FFN: softmax over the
 E router logits, top k renormalised, and a shared expert gated by sigmoid(ffn_gate_inp_shexp · x)
 (as qwen2moe's; families.py); llama.cpp reads no expert_weights_scale for it.
+`qwen3next` (Qwen3-Next, src/models/qwen3next.cpp) is qwen35moe's older sibling, with these
+differences: plain NEOX RoPE over the first rope.dimension_count dims (no sections); β and α come
+from one fused ssm_ba [2·Hv, H] laid out per key head (its r = Hv/Hk betas, then its r alphas);
+value head j reads key head j // r (llama.cpp's repeat-interleave, not qwen35's tiling); q|k|v and z
+come from attn_qkv and attn_gate, or from the legacy fused ssm_in [Hk·(2S + 2rS), H] laid out per
+key head (q S, k S, v r·S, z r·S); llama.cpp applies no .scale of the delta-net matrices.
 Multi-token-prediction (nextn) blocks are refused here (not yet served).
 """
 
@@ -26,13 +32,16 @@ from backends.errors import BadInput
 from backends.gguf.families import DENSE_FFN_TENSORS, FUSED_GATE_UP_EXPS, MOE_TENSORS, SHARED_EXPERT_TENSORS
 from backends.gguf.optional import optional_block_tensors
 
-HYBRID_MOE = "qwen35moe"
-HYBRID_ARCHITECTURES = ("qwen35", HYBRID_MOE)
+QWEN3NEXT = "qwen3next"
+HYBRID_MOE = ("qwen35moe", QWEN3NEXT)
+HYBRID_ARCHITECTURES = ("qwen35", *HYBRID_MOE)
 NORM_TENSORS = ("attn_norm.weight", "post_attention_norm.weight")
 ATTENTION_TENSORS = ("attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_q_norm.weight",
                      "attn_k_norm.weight", "attn_output.weight")  # fmt: skip
 DELTA_NET_TENSORS = ("attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight", "ssm_dt.bias", "ssm_a",
                      "ssm_beta.weight", "ssm_alpha.weight", "ssm_norm.weight", "ssm_out.weight")  # fmt: skip
+QWEN3NEXT_DELTA_NET_TENSORS = ("ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_ba.weight", "ssm_norm.weight",
+                               "ssm_out.weight")  # fmt: skip; and attn_qkv + attn_gate, or ssm_in
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default for qwen35
 
 
@@ -40,11 +49,13 @@ DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default for qwen35
 class HybridParams:
     recurrent: tuple[bool, ...]  # per block: a gated delta-net layer (else gated full attention)
     rope_dims: int  # RoPE rotates the first rope_dims of each head (NEOX halves), the rest pass
-    rope_sections: tuple[int, int, int, int]  # IMROPE sections (text: every section sees the position)
+    rope_sections: tuple[int, int, int, int] | None  # IMROPE sections (text: every section sees the
+    #                                                  position); None: plain NEOX (qwen3next)
     conv_kernel: int
     k_heads: int  # Hk
     v_heads: int  # Hv (a multiple of Hk; value head j reads key head j mod Hk, as llama.cpp tiles)
     state: int  # S: key and value head size of the delta rule
+    interleaved: bool = False  # qwen3next: value head j reads key head j // (Hv/Hk); β, α from ssm_ba
 
     @property
     def conv_channels(self) -> int:
@@ -62,10 +73,11 @@ def hybrid_params(path: str, arch: str, hp, tensors: dict, n_blocks: int, head_d
     """The hybrid part of a `qwen35` file, checked against its tensors (BadInput on a mismatch)."""
     if int(hp("nextn_predict_layers", 0)):
         raise BadInput(f"GGUF {path}: {arch} with multi-token-prediction (nextn) layers is not served yet")
-    if bool(int(hp("expert_count", 0))) != (arch == HYBRID_MOE):
-        raise BadInput(f"GGUF {path}: {arch} {'without' if arch == HYBRID_MOE else 'with'} experts is not a "
-                       f"model llama.cpp reads")
-    ffn = MOE_TENSORS + SHARED_EXPERT_TENSORS if arch == HYBRID_MOE else DENSE_FFN_TENSORS
+    moe = arch in HYBRID_MOE
+    if bool(int(hp("expert_count", 0))) != moe:
+        raise BadInput(f"GGUF {path}: {arch} {'without' if moe else 'with'} experts is not a model llama.cpp reads")
+    ffn = MOE_TENSORS + SHARED_EXPERT_TENSORS if moe else DENSE_FFN_TENSORS
+    nxt = arch == QWEN3NEXT
     flags = hp("attention.recurrent_layers", []) or []
     if flags:
         recurrent = tuple(bool(f) for f in flags)
@@ -77,11 +89,11 @@ def hybrid_params(path: str, arch: str, hp, tensors: dict, n_blocks: int, head_d
     if len(recurrent) != n_blocks:
         raise BadInput(f"GGUF {path}: {arch}.attention.recurrent_layers has {len(recurrent)} entries, "
                        f"not block_count {n_blocks}")
-    sections = tuple(int(s) for s in (list(hp("rope.dimension_sections", [])) + [0, 0, 0, 0])[:4])
+    sections = None if nxt else tuple(int(s) for s in (list(hp("rope.dimension_sections", [])) + [0, 0, 0, 0])[:4])
     h = HybridParams(recurrent=recurrent, rope_dims=int(hp("rope.dimension_count", head_dim)),
                      rope_sections=sections, conv_kernel=int(hp("ssm.conv_kernel")),
                      k_heads=int(hp("ssm.group_count")), v_heads=int(hp("ssm.time_step_rank")),
-                     state=int(hp("ssm.state_size")))  # fmt: skip
+                     state=int(hp("ssm.state_size")), interleaved=nxt)  # fmt: skip
     inner = int(hp("ssm.inner_size"))
     if h.k_heads < 1 or h.v_heads % h.k_heads or inner != h.v_heads * h.state:
         raise BadInput(f"GGUF {path}: {arch} ssm heads {h.k_heads}/{h.v_heads} of {h.state} with inner size "
@@ -90,8 +102,14 @@ def hybrid_params(path: str, arch: str, hp, tensors: dict, n_blocks: int, head_d
         raise BadInput(f"GGUF {path}: {arch} RoPE over {h.rope_dims} of {head_dim} dims with sections "
                        f"{sections} is not served")
     for b in range(n_blocks):
-        names = NORM_TENSORS + ffn + (DELTA_NET_TENSORS if recurrent[b] else ATTENTION_TENSORS)
-        if f"blk.{b}.{FUSED_GATE_UP_EXPS}" in tensors and arch == HYBRID_MOE:  # gate and up experts in one
+        delta = DELTA_NET_TENSORS
+        if nxt:  # its q|k|v and z: attn_qkv + attn_gate where present (llama.cpp prefers them), else ssm_in
+            fused = f"blk.{b}.attn_qkv.weight" not in tensors
+            delta = QWEN3NEXT_DELTA_NET_TENSORS + (("ssm_in.weight",) if fused else ("attn_qkv.weight", "attn_gate.weight"))
+            if not fused and f"blk.{b}.ssm_in.weight" in tensors:  # loaded, unused
+                delta += ("ssm_in.weight",)
+        names = NORM_TENSORS + ffn + (delta if recurrent[b] else ATTENTION_TENSORS)
+        if f"blk.{b}.{FUSED_GATE_UP_EXPS}" in tensors and moe:  # gate and up experts in one
             names = tuple(n for n in names if n not in ("ffn_gate_exps.weight", "ffn_up_exps.weight"))
             names += (FUSED_GATE_UP_EXPS,)
         missing = [n for n in names if f"blk.{b}.{n}" not in tensors]

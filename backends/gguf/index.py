@@ -306,7 +306,7 @@ def open_model(path: str) -> ModelIndex:
         qk_norm=arch in (*QK_NORM_ARCHITECTURES, *HYBRID_ARCHITECTURES),
         family=family_of(path, arch, hp, n_blocks, hidden, n_heads, head_dim),
         hybrid=hybrid,
-        extras=tuple(output_extras(tensors)),
+        extras=tuple(output_extras(arch, tensors)),
     )
     if hybrid is None:  # hybrid_params checked the hybrid files' tensors
         _check_complete(path, tensors, hparams)

@@ -4,7 +4,10 @@ computes it rather than refused. llama.cpp's own random models (tests/test-llama
 every one of them.
 
 - `<matrix>.scale`: a factor on the matrix's output, {1} for a matrix, {E} (one per expert) for a
-  3-D expert tensor (NVFP4-style files): build_lora_mm / build_lora_mm_id compute (W·x)·s;
+  3-D expert tensor (NVFP4-style files): build_lora_mm / build_lora_mm_id compute (W·x)·s, but
+  only where the architecture's graph passes it (APPLIED_SCALES; every loader reads them all):
+  q/k/v and attn_output everywhere, the rest per architecture (e.g. qwen2's FFN scales are read
+  and never used);
 - `<matrix>.input_scale`: loaded and never read by llama.cpp's graphs (an activation scale of the
   files that carry it): accepted, unused;
 - biases added after the scale: attn_q/k/v.bias on every architecture (build_qkv), and
@@ -21,6 +24,15 @@ SCALED_MATRICES = (
     "ssm_beta", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
     "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp",
 )  # fmt: skip
+ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")  # build_qkv and build_attn, every architecture
+DENSE_FFN = ("ffn_gate", "ffn_up", "ffn_down")
+EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+SHARED = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
+DELTA_NET = ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out")
+# the scales each architecture's graph applies besides ATTENTION's (src/models/<arch>.cpp's *_s)
+APPLIED_SCALES = {"llama": DENSE_FFN + EXPERTS, "qwen3": DENSE_FFN, "qwen3moe": EXPERTS,
+                  "qwen35": DENSE_FFN + DELTA_NET, "qwen35moe": EXPERTS + SHARED + DELTA_NET,
+                  "qwen3next": EXPERTS + SHARED}  # fmt: skip
 QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 # block biases an architecture's loader reads besides q/k/v's (llama.cpp's src/models/<arch>.cpp)
 BLOCK_BIASES = {"llama": ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")}
@@ -39,9 +51,19 @@ def optional_block_tensors(arch: str, names) -> set[str]:
     return out
 
 
-def output_extras(tensors) -> list[str]:
+def applies_scale(arch: str, matrix: str) -> bool:
+    """Whether llama.cpp's `arch` graph multiplies `matrix`'s output (e.g. "ffn_up_exps") by its .scale."""
+    return matrix in ATTENTION or matrix in APPLIED_SCALES.get(arch, ())
+
+
+def output_extras(arch: str, tensors) -> list[str]:
     """The tensors of a file that change what a matrix computes beyond W·x and that only the
-    OpenVINO backend applies: .scale factors and biases besides q/k/v's (sorted names)."""
-    return sorted(n for n in tensors if n.endswith(".scale") or (
-        n.endswith(".bias") and not n.endswith(QKV_BIASES) and n.rsplit(".", 2)[-2] in
-        ("attn_output", "ffn_gate", "ffn_up", "ffn_down", "output")))  # fmt: skip
+    OpenVINO backend applies: the .scale factors llama.cpp applies and the biases besides q/k/v's."""
+    def extra(name: str) -> bool:
+        base, _, kind = name.rpartition(".")
+        matrix = base.rpartition(".")[2]
+        if kind == "scale":
+            return applies_scale(arch, matrix)
+        return kind == "bias" and matrix in ("attn_output", *DENSE_FFN, "output")
+
+    return sorted(n for n in tensors if extra(n))

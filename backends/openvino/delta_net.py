@@ -75,6 +75,10 @@ def _state(name: str, like: ov.Output, dims: list[int], beam_idx: ov.Output) -> 
     return past.output(0), var
 
 
+def _out(x) -> ov.Output:
+    return x if isinstance(x, ov.Output) else x.output(0)
+
+
 def _l2_norm(x: ov.Output, eps: float) -> ov.Output:
     """x / sqrt(Σx² + eps) over the last axis (llama.cpp's build_gdn_l2_norm)."""
     ss = ops.reduce_sum(ops.multiply(x, x), _i64(-1), keep_dims=True)
@@ -157,8 +161,9 @@ class HybridBlocks:
         k = ops.transpose(k, _i64(0, 2, 1, 3))  # [B, nkv, L, D]
         v = ops.transpose(ops.reshape(v, _i64(0, 0, nkv, D), True), _i64(0, 2, 1, 3))
         if id(position_ids) not in self._tables:  # one pair of tables for the stage
-            self._tables[id(position_ids)] = partial_rope_tables(
-                position_ids, imrope_inv_freq(R, h.rope_base, hy.rope_sections))
+            inv = (h.rope_base ** (-np.arange(0, R, 2, dtype=np.float64) / R) if hy.rope_sections is None
+                   else imrope_inv_freq(R, h.rope_base, hy.rope_sections))  # fmt: skip
+            self._tables[id(position_ids)] = partial_rope_tables(position_ids, inv)
         cos, sin = self._tables[id(position_ids)]
         q, k = self._rope(q, cos, sin, R, D), self._rope(k, cos, sin, R, D)
         k_all = self.b._kv_cache(f"past_key_values.{b}.key", k, beam_idx, sinks)
@@ -181,8 +186,11 @@ class HybridBlocks:
     def delta_net(self, b: int, y: ov.Output, beam_idx: ov.Output, sinks: list) -> ov.Output:
         h, p, hy = self.h, f"blk.{b}.", self.y
         S, Hk, Hv, K, C = hy.state, hy.k_heads, hy.v_heads, hy.conv_kernel, hy.conv_channels
-        qkv, z, beta, alpha = self.w.project(y, [(p + "attn_qkv.weight", 0), (p + "attn_gate.weight", 0),
-                                                 (p + "ssm_beta.weight", 0), (p + "ssm_alpha.weight", 0)])
+        if hy.interleaved:  # qwen3next (backends/gguf/hybrid.py)
+            qkv, z, beta, alpha = self._qwen3next_inputs(b, y)
+        else:
+            qkv, z, beta, alpha = self.w.project(y, [(p + "attn_qkv.weight", 0), (p + "attn_gate.weight", 0),
+                                                     (p + "ssm_beta.weight", 0), (p + "ssm_alpha.weight", 0)])
         beta = ops.sigmoid(beta)  # [B, L, Hv]
         dt = ops.add(alpha, self.w.vector(p + "ssm_dt.bias"))
         g = ops.multiply(ops.softplus(dt), self.w.vector(p + "ssm_a"))  # [B, L, Hv], ≤ 0
@@ -204,14 +212,35 @@ class HybridBlocks:
         v = ops.reshape(ops.slice(conv, _i64(2 * kd), _i64(MAX_I64), _i64(1), _i64(-1)), _i64(0, 0, Hv, S), True)
         q = ops.multiply(_l2_norm(q, h.rms_eps), ops.constant(np.float32(1.0 / np.sqrt(S))))
         k = _l2_norm(k, h.rms_eps)
-        if Hv != Hk:  # value head j reads key head j mod Hk
+        if Hv != Hk and hy.interleaved:  # value head j reads key head j // r (qwen3next)
+            q, k = (ops.reshape(ops.concat([ops.unsqueeze(t, _i64(3))] * (Hv // Hk), axis=3), _i64(0, 0, Hv, S), True)
+                    for t in (q, k))  # fmt: skip
+        elif Hv != Hk:  # value head j reads key head j mod Hk
             q = ops.concat([q] * (Hv // Hk), axis=2)
             k = ops.concat([k] * (Hv // Hk), axis=2)
         flat, mvar = _state(f"recurrent.{b}.matrix", qkv, [Hv * S * S], beam_idx)
         m0 = ops.reshape(flat, _i64(0, Hv, S, S), True)
-        o, m = _delta_rule_loop(q.output(0), k.output(0), v.output(0), g.output(0), beta.output(0), m0.output(0), Hv, S)
+        o, m = _delta_rule_loop(*(_out(t) for t in (q, k, v, g, beta, m0)), Hv, S)
         sinks.append(ops6.assign(ops.reshape(m, _i64(0, Hv * S * S), True), mvar))
         o = rms_norm(o, self.w.vector(p + "ssm_norm.weight"), h.rms_eps)  # [B, L, Hv, S]
         o = ops.multiply(o, ops.swish(ops.reshape(z, _i64(0, 0, Hv, S), True)))
         (out,) = self.w.project(ops.reshape(o, _i64(0, 0, Hv * S), True).output(0), [(p + "ssm_out.weight", 0)])
         return out
+
+    def _qwen3next_inputs(self, b: int, y: ov.Output) -> tuple[ov.Output, ov.Output, ov.Output, ov.Output]:
+        """qwen3next's q|k|v [B, L, C], z, β and α logits [B, L, Hv] from its per-key-head layouts."""
+        p, hy = f"blk.{b}.", self.y
+        S, Hk, Hv = hy.state, hy.k_heads, hy.v_heads
+        r = Hv // Hk
+        if p + "attn_qkv.weight" in self.b.index.tensors:
+            qkv, z, ba = self.w.project(y, [(p + "attn_qkv.weight", 0), (p + "attn_gate.weight", 0), (p + "ssm_ba.weight", 0)])
+        else:  # legacy ssm_in: per key head q S, k S, v r·S, z r·S
+            mixed, ba = self.w.project(y, [(p + "ssm_in.weight", 0), (p + "ssm_ba.weight", 0)])
+            g = ops.reshape(mixed, _i64(0, 0, Hk, 2 * S + 2 * r * S), True)
+            part = lambda a, z_, n: ops.reshape(ops.slice(g, _i64(a), _i64(z_), _i64(1), _i64(-1)), _i64(0, 0, n), True)  # noqa: E731
+            qkv = ops.concat([part(0, S, Hk * S), part(S, 2 * S, Hk * S), part(2 * S, 2 * S + r * S, Hv * S)], axis=-1)
+            z = part(2 * S + r * S, 2 * S + 2 * r * S, Hv * S)
+        ba = ops.reshape(ba, _i64(0, 0, Hk, 2 * r), True)  # per key head: r betas, then r alphas
+        beta = ops.reshape(ops.slice(ba, _i64(0), _i64(r), _i64(1), _i64(-1)), _i64(0, 0, Hv), True)
+        alpha = ops.reshape(ops.slice(ba, _i64(r), _i64(2 * r), _i64(1), _i64(-1)), _i64(0, 0, Hv), True)
+        return _out(qkv), _out(z), _out(beta), _out(alpha)

@@ -31,6 +31,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from backends.gguf.families import FUSED_GATE_UP_EXPS, Family
+from backends.gguf.optional import applies_scale
 from backends.gguf.quant import CODE_BIAS, FLOAT_TYPES, split_blocks
 from backends.openvino.attention import swiglu_oai
 from backends.openvino.lowbit import pack_i4
@@ -162,9 +163,16 @@ def _gate_and_up(bank, prefix: str) -> tuple[Experts, Experts, tuple[str, str]]:
             (prefix + "ffn_gate_exps.scale", prefix + "ffn_up_exps.scale"))  # fmt: skip
 
 
+def _scaled(bank, name: str) -> bool:
+    """Whether llama.cpp multiplies by the per-expert factor `name` (present, and applied by the
+    architecture's graph: backends/gguf/optional.py)."""
+    matrix = name.removesuffix(".scale").rpartition(".")[2]
+    return name in bank.index.tensors and applies_scale(bank.index.hparams.arch, matrix)
+
+
 def _times_rows(bank, y: ov.Output, name: str, used: ov.Output) -> ov.Output:
     """y [U, T, n] × the file's per-expert factor `name` {E} of experts `used` (none: y)."""
-    if name not in bank.index.tensors:
+    if not _scaled(bank, name):
         return y if isinstance(y, ov.Output) else y.output(0)
     s = ops.gather(bank.vector(name), used, _i64(0))  # [U]
     return ops.multiply(y, ops.reshape(s, _i64(-1, 1, 1), False)).output(0)
@@ -172,7 +180,7 @@ def _times_rows(bank, y: ov.Output, name: str, used: ov.Output) -> ov.Output:
 
 def _times_picked(bank, y: ov.Output, name: str, ids: ov.Output) -> ov.Output:
     """y [T, k, n] × the per-expert factor `name` {E} of each row's picked experts (none: y)."""
-    if name not in bank.index.tensors:
+    if not _scaled(bank, name):
         return y
     return ops.multiply(y, ops.unsqueeze(ops.gather(bank.vector(name), ids, _i64(0)), _i64(2))).output(0)
 

@@ -67,6 +67,7 @@ import openvino.opset13 as ops
 from backends import DEFAULT_KQUANT, KQUANTS
 from backends.errors import BadInput
 from backends.gguf import ModelIndex
+from backends.gguf.optional import applies_scale
 from backends.gguf.quant import FLOAT_TYPES, QuantBlocks, split_blocks
 from backends.openvino import ggml_kernels
 from backends.openvino.ggml_kernels import GGML_QTYPES
@@ -201,6 +202,9 @@ class Packed:
     cols: int
 
 
+BIAS_FIRST = ("ffn_gate", "ffn_up", "ffn_down")  # build_ffn adds a bias before the scale (dense and shexp)
+
+
 class WeightBank:
     """Builds constants and decompression subgraphs for one model's tensors."""
 
@@ -301,14 +305,17 @@ class WeightBank:
         return outs
 
     def _scale_and_bias(self, y: ov.Output, name: str, heads: int) -> ov.Output:
-        """(W·x)·s + b with the matrix's optional .scale {1} and .bias, as llama.cpp's
-        build_lora_mm and its callers apply them (backends/gguf/optional.py)."""
+        """The matrix's optional .scale {1} and .bias applied as llama.cpp applies them
+        (backends/gguf/optional.py): (W·x)·s + b, but (W·x + b)·s in a feed-forward (build_ffn)."""
         base = name.removesuffix(".weight")
-        if base + ".scale" in self.index.tensors:
-            y = ops.multiply(y, self.vector(base + ".scale")).output(0)
-        if base + ".bias" in self.index.tensors:
-            y = ops.add(y, self.vector(base + ".bias", heads)).output(0)
-        return y
+        applied = base + ".scale" in self.index.tensors and applies_scale(self.index.hparams.arch, base.rpartition(".")[2])
+        scale = self.vector(base + ".scale") if applied else None
+        bias = self.vector(base + ".bias", heads) if base + ".bias" in self.index.tensors else None
+        if scale is not None and not base.rpartition(".")[2].startswith(BIAS_FIRST):
+            y, scale = ops.multiply(y, scale).output(0), None
+        if bias is not None:
+            y = ops.add(y, bias).output(0)
+        return y if scale is None else ops.multiply(y, scale).output(0)
 
     def _ggml_linear(self, x: ov.Output, run: list[tuple[str, int]]) -> ov.Output:
         """x through the matrices `run` (one block type) as one GgmlMatMul on the file's own
