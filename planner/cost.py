@@ -131,22 +131,25 @@ def shared_cost(device: Device, fleet: Fleet, tier: Tier, is_head: bool) -> Stag
 
 
 def bytes_per_block(fleet: Fleet) -> float:
-    """Resident bytes one block needs: its weights (backend's form) and KV at the declared load."""
+    """Resident bytes one block needs: its weights (backend's form), KV and (hybrid models) the
+    requests' recurrent state at the declared load."""
     model = fleet.model
     kv = model.kv_bytes_per_token_per_block * fleet.context * fleet.concurrency
-    return model.block_memory + kv
+    return model.block_memory + kv + model.state_bytes_per_request_per_block * fleet.concurrency
 
 
 def member_bytes(
-    model: Model, blocks: int, is_head: bool, kv_tokens: float, is_anchor: bool = False
+    model: Model, blocks: int, is_head: bool, kv_tokens: float, is_anchor: bool = False, requests: int = 0
 ) -> float:
     """What a member holding `blocks` blocks (and the head) is expected to hold resident, with
-    `kv_tokens` positions of KV per block (context × concurrency at the declared load):
-    π + [anchor]·α + n·(ρ_block + kv·kv_tokens) + [head]·ρ_head. A member with no blocks (and
-    not the head) holds nothing of the model."""
+    `kv_tokens` positions of KV per block (context × concurrency at the declared load) and
+    `requests` requests' recurrent state (hybrid models):
+    π + [anchor]·α + n·(ρ_block + kv·kv_tokens + σ·requests) + [head]·ρ_head. A member with no
+    blocks (and not the head) holds nothing of the model."""
     if blocks <= 0 and not is_head:
         return 0.0
-    per_block = model.block_memory + model.kv_bytes_per_token_per_block * kv_tokens
+    per_block = (model.block_memory + model.kv_bytes_per_token_per_block * kv_tokens
+                 + model.state_bytes_per_request_per_block * requests)  # fmt: skip
     return _fixed(model, is_head, is_anchor) + blocks * per_block
 
 
@@ -166,7 +169,7 @@ def block_limit(device: Device, fleet: Fleet, is_head: bool) -> int:
 def short_bytes(device: Device, fleet: Fleet, blocks: int, is_head: bool) -> int:
     """Bytes `device` lacks to hold `blocks` blocks (and the head); 0 when it fits."""
     needed = member_bytes(fleet.model, blocks, is_head, fleet.context * fleet.concurrency,
-                          device.name == fleet.anchor)
+                          device.name == fleet.anchor, fleet.concurrency)
     return max(0, math.ceil(needed - device.memory_bytes))
 
 
@@ -185,7 +188,7 @@ def slots_that_fit(fleet: Fleet, blocks: Mapping[str, int], head: str, most: int
             continue
         fixed = _fixed(model, device.name == head, device.name == fleet.anchor)
         room = device.memory_bytes - fixed - n * model.block_memory
-        per_slot = n * model.kv_bytes_per_token_per_block * fleet.context
+        per_slot = n * (model.kv_bytes_per_token_per_block * fleet.context + model.state_bytes_per_request_per_block)
         if room < per_slot:
             return 0
         if per_slot > 0:

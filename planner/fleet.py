@@ -88,6 +88,9 @@ class Model:
     experts_used: int = 0
     expert_bytes: float = 0.0
     head_read_bytes: float | None = None  # what a token reads at the head (absent: head_bytes)
+    # Hybrid (recurrent) models: a request's fixed state per block (a mean over the blocks: the
+    # delta-net layers' conv and matrix states), held per request whatever its length (0: none).
+    state_bytes_per_request_per_block: float = 0.0
 
     @property
     def head_read(self) -> float:
@@ -235,6 +238,7 @@ def _model(raw: Any, key: str | None) -> Model:
         experts_used=experts[1],
         expert_bytes=experts[2],
         head_read_bytes=_optional(raw, "head_read_bytes", where),
+        state_bytes_per_request_per_block=_optional(raw, "state_bytes_per_request_per_block", where) or 0.0,
     )
 
 

@@ -161,3 +161,27 @@ def test_a_captured_hybrid_slot_restores_its_recurrent_state(tmp_path):
     # without the history (a fresh slot, the same token at the same position) the step differs
     fresh = shard.open_slot()
     assert not np.allclose(shard.forward(fresh, step[0], step[1], np.ones(1, np.int64)), after)
+
+
+def test_the_planner_prices_a_requests_state_per_block_and_kv_only_for_attention(tmp_path):
+    """The planner's model entry: KV for the attention blocks only (a mean per block) and the
+    recurrent state as a fixed number of bytes per request (not per token); a slot's state as
+    the OpenVINO stage holds it is exactly that figure."""
+    from planner import member_bytes, parse_fleet
+
+    index = open_model(write_qwen35_gguf(tmp_path / "q.gguf"))
+    raw = index.planner_model()
+    per_kv = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2
+    assert raw["kv_bytes_per_token_per_block"] == per_kv * 2 / 4  # 2 of 4 blocks attend
+    state = index.hparams.hybrid.state_bytes_per_request(0) * 2  # 2 delta-net blocks
+    assert raw["state_bytes_per_request_per_block"] == state / 4
+    model = parse_fleet({"context": 64, "concurrency": 1, "anchor": "a", "model": raw,
+                         "devices": [{"name": "a", "memory_gb": 1}]}).model  # fmt: skip
+    one, three = (member_bytes(model, 4, True, 0, requests=n) for n in (1, 3))
+    assert three - one == pytest.approx(2 * state)
+    if status("openvino").available:
+        shard = load_shard("openvino", ShardSpec(index.path, 0, 4, True, True), "f32", index=index)
+        slot = shard.open_slot()
+        shard.forward(slot, np.arange(5), np.arange(5), np.ones(5, np.int64))
+        held = sum(s.state.data.nbytes for s in shard._reqs[slot].query_state() if s.name.startswith("recurrent."))
+        assert held == index.state_bytes_per_request() == state

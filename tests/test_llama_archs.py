@@ -90,5 +90,6 @@ def test_backends_without_output_scales_refuse_them_in_one_line(models, backend)
     if not status(backend).available:
         pytest.skip(status(backend).reason)
     path = str(models["qwen3-dense"])
-    with pytest.raises(BadInput, match=rf"backend {backend} does not apply tensor blk\.0\.attn_k\.scale .*--backend openvino"):
+    line = rf"backend {backend} does not apply tensor blk\.0\.attn_k\.scale .*--backend openvino"
+    with pytest.raises(BadInput, match=line):
         load_shard(backend, ShardSpec(path, 0, 1, True, True), "f32")

@@ -105,7 +105,8 @@ def hybrid_params(path: str, arch: str, hp, tensors: dict, n_blocks: int, head_d
         delta = DELTA_NET_TENSORS
         if nxt:  # its q|k|v and z: attn_qkv + attn_gate where present (llama.cpp prefers them), else ssm_in
             fused = f"blk.{b}.attn_qkv.weight" not in tensors
-            delta = QWEN3NEXT_DELTA_NET_TENSORS + (("ssm_in.weight",) if fused else ("attn_qkv.weight", "attn_gate.weight"))
+            inputs = ("ssm_in.weight",) if fused else ("attn_qkv.weight", "attn_gate.weight")
+            delta = QWEN3NEXT_DELTA_NET_TENSORS + inputs
             if not fused and f"blk.{b}.ssm_in.weight" in tensors:  # loaded, unused
                 delta += ("ssm_in.weight",)
         names = NORM_TENSORS + ffn + (delta if recurrent[b] else ATTENTION_TENSORS)

@@ -146,9 +146,21 @@ class ModelIndex:
         """β_head: embedding + final norm + lm_head (the embedding once when tied)."""
         return sum(t.n_bytes for t in self.head_tensors())
 
-    def kv_bytes_per_token_per_block(self, bytes_per_value: int = 2) -> int:
+    def kv_bytes_per_token_per_block(self, bytes_per_value: int = 2) -> float:
+        """K and V of one position in one attention block; a hybrid model's mean over its blocks
+        (its delta-net blocks hold no KV)."""
         h = self.hparams
-        return 2 * h.n_kv_heads * h.head_dim * bytes_per_value
+        per = 2 * h.n_kv_heads * h.head_dim * bytes_per_value
+        if h.hybrid is None:
+            return per
+        return per * h.hybrid.recurrent.count(False) / h.n_blocks
+
+    def state_bytes_per_request(self, first: int = 0, last: int | None = None) -> int:
+        """A request's recurrent state (f32, as the OpenVINO stage holds it) in blocks
+        [first, last): 0 unless the model is hybrid (backends/gguf/hybrid.py)."""
+        hy = self.hparams.hybrid
+        last = self.hparams.n_blocks if last is None else last
+        return 0 if hy is None else sum(hy.state_bytes_per_request(b) for b in range(first, last))
 
     def planner_model(self, backend: str | None = None) -> dict:
         """The model entry of the planner's fleet format; with `backend`, also what a member
@@ -161,6 +173,8 @@ class ModelIndex:
             "head_bytes": float(self.head_bytes),
             "kv_bytes_per_token_per_block": self.kv_bytes_per_token_per_block(),
         }
+        if self.hparams.hybrid is not None:
+            out["state_bytes_per_request_per_block"] = self.state_bytes_per_request() / self.hparams.n_blocks
         if backend is not None:
             from backends.memory import (ANCHOR_BYTES, PREFILL_WORK_BYTES, PROCESS_BYTES, TOKENIZER_BYTES_PER_VOCAB,
                                          resident_bytes)  # fmt: skip

@@ -233,11 +233,14 @@ class HybridBlocks:
         S, Hk, Hv = hy.state, hy.k_heads, hy.v_heads
         r = Hv // Hk
         if p + "attn_qkv.weight" in self.b.index.tensors:
-            qkv, z, ba = self.w.project(y, [(p + "attn_qkv.weight", 0), (p + "attn_gate.weight", 0), (p + "ssm_ba.weight", 0)])
+            names = ("attn_qkv.weight", "attn_gate.weight", "ssm_ba.weight")
+            qkv, z, ba = self.w.project(y, [(p + n, 0) for n in names])
         else:  # legacy ssm_in: per key head q S, k S, v r·S, z r·S
             mixed, ba = self.w.project(y, [(p + "ssm_in.weight", 0), (p + "ssm_ba.weight", 0)])
             g = ops.reshape(mixed, _i64(0, 0, Hk, 2 * S + 2 * r * S), True)
-            part = lambda a, z_, n: ops.reshape(ops.slice(g, _i64(a), _i64(z_), _i64(1), _i64(-1)), _i64(0, 0, n), True)  # noqa: E731
+            def part(a: int, z_: int, n: int) -> ov.Output:
+                return ops.reshape(ops.slice(g, _i64(a), _i64(z_), _i64(1), _i64(-1)), _i64(0, 0, n), True)
+
             qkv = ops.concat([part(0, S, Hk * S), part(S, 2 * S, Hk * S), part(2 * S, 2 * S + r * S, Hv * S)], axis=-1)
             z = part(2 * S + r * S, 2 * S + 2 * r * S, Hv * S)
         ba = ops.reshape(ba, _i64(0, 0, Hk, 2 * r), True)  # per key head: r betas, then r alphas

@@ -308,7 +308,8 @@ class WeightBank:
         """The matrix's optional .scale {1} and .bias applied as llama.cpp applies them
         (backends/gguf/optional.py): (W·x)·s + b, but (W·x + b)·s in a feed-forward (build_ffn)."""
         base = name.removesuffix(".weight")
-        applied = base + ".scale" in self.index.tensors and applies_scale(self.index.hparams.arch, base.rpartition(".")[2])
+        matrix = base.rpartition(".")[2]
+        applied = base + ".scale" in self.index.tensors and applies_scale(self.index.hparams.arch, matrix)
         scale = self.vector(base + ".scale") if applied else None
         bias = self.vector(base + ".bias", heads) if base + ".bias" in self.index.tensors else None
         if scale is not None and not base.rpartition(".")[2].startswith(BIAS_FIRST):

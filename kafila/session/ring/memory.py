@@ -43,8 +43,9 @@ def process_memory() -> dict:
 def shard_memory(index, first: int, last: int, head: bool, context: int, concurrency: int,
                  backend: str = "openvino", process_bytes: float | None = None,
                  anchor: bool = False) -> dict:  # fmt: skip
-    """{"shard_bytes", "kv_bytes", "planned_bytes", "planned_weights_bytes"} of blocks [first, last)
-    (+ the head) of `index` on `backend`: planned is planner.member_bytes at context × concurrency
+    """{"shard_bytes", "kv_bytes", "state_bytes", "planned_bytes", "planned_weights_bytes"} of
+    blocks [first, last) (+ the head) of `index` on `backend` (state: a hybrid model's recurrent
+    state for `concurrency` requests): planned is planner.member_bytes at context × concurrency
     (what admission checked), planned_weights the same without KV (what a member holds before
     its KV fills). `process_bytes` replaces the backend's per-process term (`kafila run`);
     `anchor`: the member is the host (planner's anchor_bytes)."""
@@ -58,8 +59,9 @@ def shard_memory(index, first: int, last: int, head: bool, context: int, concurr
     model = parse_fleet({"context": 1, "concurrency": 1, "anchor": "a", "model": raw,
                          "devices": [{"name": "a", "memory_gb": 1}]}).model  # fmt: skip
     kv = int(model.kv_bytes_per_token_per_block * context * concurrency * blocks)
-    return {"shard_bytes": shard, "kv_bytes": kv,
-            "planned_bytes": int(member_bytes(model, blocks, head, context * concurrency, anchor)),
+    state = index.state_bytes_per_request(first, last) * concurrency  # hybrid models' recurrent state
+    return {"shard_bytes": shard, "kv_bytes": kv, "state_bytes": state,
+            "planned_bytes": int(member_bytes(model, blocks, head, context * concurrency, anchor, concurrency)),
             "planned_weights_bytes": int(member_bytes(model, blocks, head, 0, anchor))}  # fmt: skip
 
 
@@ -69,7 +71,7 @@ def member_memory(index, first: int, last: int, head: bool, context: int, concur
     with RSS/PSS/peak as multiples of (shard + KV) and of the planned bytes."""
     out = process_memory()
     if index is None:
-        return {**out, "shard_bytes": None, "kv_bytes": None, "planned_bytes": None,
+        return {**out, "shard_bytes": None, "kv_bytes": None, "state_bytes": None, "planned_bytes": None,
                 "planned_weights_bytes": None}  # fmt: skip
     out.update(shard_memory(index, first, last, head, context, concurrency, backend, anchor=anchor))
     base = out["shard_bytes"] + out["kv_bytes"]
