@@ -185,3 +185,43 @@ def test_the_planner_prices_a_requests_state_per_block_and_kv_only_for_attention
         shard.forward(slot, np.arange(5), np.arange(5), np.ones(5, np.int64))
         held = sum(s.state.data.nbytes for s in shard._reqs[slot].query_state() if s.name.startswith("recurrent."))
         assert held == index.state_bytes_per_request() == state
+
+
+def test_prompt_cache_rules_for_hybrids_continue_whole_histories_only():
+    from kafila.session.ring.prefix import ParkedSlots
+
+    parked = ParkedSlots(whole=True)
+    parked.park(0, [5, 6, 7, 8], [9], prompt=3)  # position 9: a rejected draft at the tail, masked
+    assert parked.best([5, 6, 7, 1, 2], 100) is None  # shares 3 of the 4 positions: starts afresh
+    r = parked.best([5, 6, 7, 8, 1, 2], 100)
+    assert (r.slot, r.shared, r.cache_len) == (0, 4, 4)
+
+
+@needs_llamacpp
+@needs_openvino
+def test_on_three_stages_a_second_turn_feeds_only_what_is_new_and_answers_as_afresh(tmp_path):
+    """The ring's prompt cache on a hybrid file at f32 (prefix.WHOLE): each second turn (its first
+    turn, the answer, then new ids) finds its first turn's history in the slot and answers as with
+    the cache off; the same second turn asked again (a "regenerate", sharing less than the slot
+    holds) starts afresh, with the same ids."""
+    from kafila.engine.chain import LocalChain
+    from kafila.session.ring.prefix import WHOLE
+    from kafila.session.wire.frames import Limits
+    from tests.test_prompt_cache import ring_turns
+
+    path = write_qwen35_gguf(tmp_path / "q.gguf", moe=True)
+    index = open_model(path)
+    chain = LocalChain([load_shard("openvino", ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index)
+                        for a, b in ((0, 1), (1, 3), (3, 4))], chunk_tokens=CHUNK_TOKENS)  # fmt: skip
+    limits = Limits(hidden=SHAPE["hidden"], context=512, slots=4, vocab=SHAPE["vocab"])
+    rng = np.random.default_rng(7)
+    first = [[int(i) for i in rng.integers(0, SHAPE["vocab"], n)] for n in (20, 70, 33, 9)]
+    answers, _ = ring_turns(chain, limits, [first], prompt_cache=False, concurrent=False)
+    second = [p + a + [int(i) for i in rng.integers(0, SHAPE["vocab"], 5)] for p, a in zip(first, answers)]
+    for concurrent in (False, True):
+        want, _ = ring_turns(chain, limits, [first, second, second], prompt_cache=False, concurrent=concurrent)
+        got, cached = ring_turns(chain, limits, [first, second, second], prompt_cache=WHOLE, concurrent=concurrent)
+        assert got == want, concurrent
+        # the first turn's slot held its prompt and all of its answer but the last id (never fed)
+        assert cached[4:8] == [len(p) + len(a) - 1 for p, a in zip(first, answers)], cached
+        assert cached[8:] == [0] * 4, cached

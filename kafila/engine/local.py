@@ -105,9 +105,9 @@ class LocalEngine:
         requests' KV kept for prompts that start the same way (prompt_cache.py)."""
         from kafila.engine.prompt_cache import ParkedCursors
 
-        # a recurrent state (hybrid models) cannot be cut back to a shared prefix (yet): no prompt cache
+        # a recurrent state (hybrid models) cannot be cut back: whole histories are continued
         hybrid = any(getattr(s.index.hparams, "hybrid", None) is not None for s in chain.shards if hasattr(s, "index"))
-        cache = ParkedCursors(chain, options.get("max_slots", DEFAULT_MAX_SLOTS)) if prompt_cache and not hybrid else None
+        cache = ParkedCursors(chain, options.get("max_slots", DEFAULT_MAX_SLOTS), hybrid) if prompt_cache else None
         return cls(chain_source(chain, tokenizer.eos_ids, context_length, cache), tokenizer, model_name,
                    context_length, describe={"stages": chain.stages}, cache=cache, **options)  # fmt: skip
 

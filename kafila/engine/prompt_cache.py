@@ -21,10 +21,10 @@ from kafila.session.ring.prefix import ParkedSlots
 
 
 class ParkedCursors:
-    def __init__(self, chain: LocalChain, most: int) -> None:
+    def __init__(self, chain: LocalChain, most: int, whole: bool = False) -> None:
         self.chain = chain
         self.most = most
-        self._parked = ParkedSlots()
+        self._parked = ParkedSlots(whole)  # whole: hybrid models (prefix.WHOLE)
         self._cursors: dict[int, Cursor] = {}  # parked key → its cursor
         self._next_key = 0
         self.in_use = 0

@@ -33,6 +33,7 @@ from kafila.session.control.replans import ReplanPacer
 from kafila.session.control.stage import STATUS_EVERY_S, Stage
 from kafila.session.control.system import cancel_and_wait, close_quietly, edge_stats, lan_ip
 from kafila.session.ring.load import MAX_REPORTED_REQUESTS
+from kafila.session.ring.prefix import WHOLE
 from kafila.session.ring.slots import auto_slots, parse_concurrency, parse_max_queued
 from planner import Plan
 
@@ -141,8 +142,9 @@ class HostParticipant(driving.Driver):
         self.session = {"context": cfg.context, "concurrency": cfg.concurrency or 1, "precision": cfg.precision,
                         "kquant": cfg.kquant,
                         "speculate": cfg.speculate, "max_queued": cfg.max_queued, "batch_rows": cfg.batch_rows,
-                        # a recurrent state cannot be cut back to a shared prefix (yet): no prompt cache
-                        "dipsd": cfg.dipsd, "prompt_cache": cfg.prompt_cache and index.hparams.hybrid is None,
+                        # a recurrent state cannot be cut back: hybrid models continue whole histories
+                        "dipsd": cfg.dipsd,
+                        "prompt_cache": (WHOLE if index.hparams.hybrid is not None else True) if cfg.prompt_cache else False,
                         "concurrency_from": "memory" if cfg.concurrency is None else "--concurrency",
                         "model": index.name, "sha256": self.weights.digests.sha256,
                         "protocol": control.PROTOCOL, "version": __version__}  # fmt: skip

@@ -40,6 +40,7 @@ from kafila.session.control.status import (
 from kafila.session.control.system import SEND_ERRORS, cancel_and_wait, close_quietly, edge_stats, machine_id
 from kafila.session.ring.load import MAX_REPORTED_REQUESTS, clean_head, clean_stage, ring_load
 from kafila.session.ring.node import RingNode
+from kafila.session.ring.prefix import WHOLE
 from kafila.session.ring.slots import DEFAULT_MAX_QUEUED, MAX_QUEUED_LIMIT, session_value
 from kafila.session.weights.manifest import Manifest
 from kafila.session.wire.frames import Limits
@@ -276,7 +277,8 @@ class Stage:
                              max_queued=session_value(session, "max_queued", DEFAULT_MAX_QUEUED, 0, MAX_QUEUED_LIMIT),
                              batch_rows=session.get("batch_rows", True) is not False,
                              dipsd=session.get("dipsd", True) is not False,
-                             prompt_cache=session.get("prompt_cache", True) is not False,
+                             prompt_cache=WHOLE if session.get("prompt_cache") == WHOLE
+                             else session.get("prompt_cache", True) is not False,
                              padded_rows=any(b != "mlx" for b in backends))  # fmt: skip
         if len(role.ring) == 1:
             self.node.start()

@@ -196,7 +196,7 @@ class HeadCore:
                  adaptive_k: bool = True, max_queued: int = DEFAULT_MAX_QUEUED, batch: bool = True,
                  machines: dict[str, str] | None = None, measured: Measured | None = None,
                  dipsd: bool = True, dipsd_method: str = "milp", padded_rows: bool = True,
-                 prompt_cache: bool = True) -> None:  # fmt: skip
+                 prompt_cache: bool | str = True) -> None:  # fmt: skip
         """See ring.RingNode for the options; `batch`: plain decode steps go as micro-batches
         (every stage has forward_batch); `measured`: the node's figures, which the core adds to;
         `dipsd`: with several requests speculating n-gram drafts, the live DiP-SD optimiser

@@ -34,6 +34,12 @@ household keep their own slots while slots last.
 
 At f32 a reused prefix gives the tokens a fresh prefill gives (tests/test_prompt_cache.py); at
 bf16 a near-tie can part, as with any change of chunking or batching.
+
+Hybrid models (WHOLE). A delta-net layer's recurrent state folds in the whole history and cannot
+be cut back like a KV cache (backends/openvino/recurrent.py), so a hybrid model's parked slot is
+taken only by a prompt that continues every visible position it holds: the next turn of its
+conversation, whose prompt repeats the last one and its answer. The masked tail of rejected
+drafts goes as before (the state never held them). Any other prompt starts afresh.
 """
 
 from __future__ import annotations
@@ -53,6 +59,7 @@ MIN_SHARED = 1  # a shared prefix shorter than this is not worth a slot someone 
 # plugin's attention over a prompt after cached positions is its slower path), more than
 # feeding 26 positions saves; where the balance turns was not measured.
 EVICT_SHARED = 128
+WHOLE = "whole"  # the prompt-cache mode of hybrid models: only whole histories are continued
 CACHED_STAT = "cached"  # in a request's last Tokens frame: prompt tokens its slot held already
 
 
@@ -111,21 +118,24 @@ def shared_prefix(parked: Parked, prompt: Sequence[int]) -> tuple[int, int]:
     return n, cut
 
 
-def reuse_in(slot: int, parked: Parked, prompt: Sequence[int], room: int) -> Reuse | None:
+def reuse_in(slot: int, parked: Parked, prompt: Sequence[int], room: int, whole: bool = False) -> Reuse | None:
     """How a prompt starts in `parked` (None: nothing shared, or too much masked). `room`: the
-    positions the context leaves after the prompt; a reuse masks at most half of them."""
+    positions the context leaves after the prompt; a reuse masks at most half of them. `whole`:
+    only a prompt that continues all of the slot's visible positions (hybrid models)."""
     shared, cut = shared_prefix(parked, prompt)
     zeros = tuple(sorted(z for z in parked.zeros if z < cut))
-    if shared < MIN_SHARED or len(zeros) > min(MAX_WASTE, room // 2):
+    if shared < MIN_SHARED or len(zeros) > min(MAX_WASTE, room // 2) or (whole and shared < len(parked.tokens)):
         return None
     return Reuse(slot, shared, cut, zeros)
 
 
 class ParkedSlots:
-    """The parked slots, least recently parked first."""
+    """The parked slots, least recently parked first; `whole`: a slot is reused only by a prompt
+    continuing its whole history (hybrid models, WHOLE)."""
 
-    def __init__(self) -> None:
+    def __init__(self, whole: bool = False) -> None:
         self._slots: OrderedDict[int, Parked] = OrderedDict()
+        self.whole = whole
 
     def __len__(self) -> int:
         return len(self._slots)
@@ -142,7 +152,7 @@ class ParkedSlots:
         (ties: the least waste), taken out of the parked set; None if there is none."""
         found: Reuse | None = None
         for slot, parked in self._slots.items():
-            r = reuse_in(slot, parked, prompt, room)
+            r = reuse_in(slot, parked, prompt, room, self.whole)
             if r is None or r.shared < parked.prompt - 1:
                 continue
             if found is None or (r.shared, -r.cache_len) > (found.shared, -found.cache_len):
@@ -155,7 +165,7 @@ class ParkedSlots:
         """The least recently parked slot, taken out, and how `prompt` starts in it (None: it
         shares nothing worth keeping; the request's first step resets it)."""
         slot, parked = self._slots.popitem(last=False)
-        r = reuse_in(slot, parked, prompt, room)
+        r = reuse_in(slot, parked, prompt, room, self.whole)
         return slot, (r if r is not None and r.shared >= EVICT_SHARED else None)
 
     def clear(self) -> list[int]:

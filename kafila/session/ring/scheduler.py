@@ -42,7 +42,7 @@ from backends.memory import PREFILL_WORK_BYTES, PREFILL_WORK_BYTES_PER_POSITION
 from kafila.session.wire.fields import MAX_ORIGIN_DRAFT
 from kafila.session.wire.frames import MAX_FRAME_BYTES
 from kafila.session.ring.speculation.origin import aligned_draft
-from kafila.session.ring.prefix import ParkedSlots
+from kafila.session.ring.prefix import WHOLE, ParkedSlots
 from kafila.session.ring.speculation.speculate import (
     DRAFT_K,
     MAX_DRAFT_K,
@@ -181,7 +181,7 @@ class _Request:
 class Scheduler:
     def __init__(self, slots: int, context: int, eos_ids: frozenset[int] = frozenset(),
                  max_queue: int = 64, chunk_tokens: int = 512, speculate: str = "off",
-                 draft_k: int = DRAFT_K, adaptive_k: bool = True, prompt_cache: bool = True) -> None:  # fmt: skip
+                 draft_k: int = DRAFT_K, adaptive_k: bool = True, prompt_cache: bool | str = True) -> None:  # fmt: skip
         """`draft_k`: the most drafts a step carries; `adaptive_k` False drafts that many
         whenever the drafter finds them (tests of verification), True lets choose_k decide.
         `prompt_cache`: a finished request's slot keeps its KV for a prompt that starts the same
@@ -209,8 +209,9 @@ class Scheduler:
         self.eos_ids = eos_ids
         self.max_queue = max_queue
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
-        self.prompt_cache = prompt_cache
-        self._parked = ParkedSlots()  # finished requests' slots, KV kept (prompt caching)
+        self.prompt_cache = bool(prompt_cache)
+        # finished requests' slots, KV kept (prompt caching); prefix.WHOLE: hybrid models'
+        self._parked = ParkedSlots(whole=prompt_cache == WHOLE)
         self._queue: deque[str] = deque()
         self._requests: dict[str, _Request] = {}
 
