@@ -32,8 +32,12 @@ MOE_ARCH = "qwen35moe"
 EXPERTS = dict(count=8, used=2, ffn=32, shared_ffn=48)
 
 
-def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = False, arch: str = "") -> str:
-    s, arch = SHAPE, arch or (MOE_ARCH if moe else ARCH)
+def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = False, arch: str = "",
+                      blocks: int = 0, tokenizer: bool = False) -> str:
+    """The file (module docstring); `blocks`: another block count (attention every second one);
+    `tokenizer`: Qwen2's real tokenizer (llama.cpp's ggml-vocab-qwen2.gguf) and its vocabulary
+    instead of the 512 ids, for sessions that take text."""
+    s, arch = dict(SHAPE, blocks=blocks or SHAPE["blocks"]), arch or (MOE_ARCH if moe else ARCH)
     nxt = arch == "qwen3next"
     moe = moe or nxt
     rng = np.random.default_rng(seed)
@@ -64,10 +68,14 @@ def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = Fal
     w.add_ssm_time_step_rank(s["v_heads"])
     w.add_ssm_group_count(s["k_heads"])
     w.add_file_type(gguf.LlamaFileType.ALL_F32)
-    # llama.cpp's dummy tokenizer (its tests/test-llama-archs.cpp writes the same): ids only
-    w.add_tokenizer_model("test")
-    w.add_token_list([f"tok_{i}" for i in range(SHAPE["vocab"])])
-    w.add_token_scores([0.0] * SHAPE["vocab"])
+    if tokenizer:
+        from tests.arch_gguf import _copy_tokenizer
+
+        s["vocab"] = _copy_tokenizer(w, "qwen2")
+    else:  # llama.cpp's dummy tokenizer (its tests/test-llama-archs.cpp writes the same): ids only
+        w.add_tokenizer_model("test")
+        w.add_token_list([f"tok_{i}" for i in range(SHAPE["vocab"])])
+        w.add_token_scores([0.0] * SHAPE["vocab"])
     H, D = s["hidden"], s["head_dim"]
 
     def add(name: str, shape: tuple[int, ...], scale: float, mean: float = 0.0) -> None:

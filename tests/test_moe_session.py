@@ -1,6 +1,7 @@
 """Mixture-of-experts models in real sessions (issue 34): separate `kafila` processes on 127.0.0.1
 serving a gpt-oss-shaped and a Qwen3-MoE-shaped file (tests/arch_gguf.py: 8 experts, top 2, random
-F32 weights, a real tokenizer) at --precision f32.
+F32 weights, a real tokenizer) and a Qwen3.5-MoE hybrid (tests/hybrid_gguf.py, issue 35) at
+--precision f32.
 
 A 4-member session answers two users at once with the ids one stage computes in this process
 (prompts as token ids on /v1/completions, greedy); then a ring member is killed mid-answer, the
@@ -17,6 +18,7 @@ from backends import ShardSpec, load_shard, status
 from bench.churn import ask_all, leave_round, not_mid_answer
 from kafila.tooling.launch import LocalSession, get_json
 from tests.arch_gguf import write_arch_gguf
+from tests.hybrid_gguf import write_qwen35_gguf
 from tests.test_llamacpp_arch import kafila_greedy
 
 pytestmark = [pytest.mark.session, pytest.mark.slow, pytest.mark.timeout(900),
@@ -43,9 +45,14 @@ def one_stage_texts(path: str) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("kind", ["gpt-oss", "qwen3moe"])
+@pytest.mark.parametrize("kind", ["gpt-oss", "qwen3moe", "qwen35moe"])
 def test_a_moe_session_answers_two_users_with_one_stages_ids_and_survives_a_kill(tmp_path, kind):
-    path = write_arch_gguf(tmp_path / f"{kind}.gguf", kind, blocks=BLOCKS)
+    """qwen35moe (issue 35): a hybrid, whose killed member held delta-net layers' recurrent
+    state; the survivors rebuild it by replaying each request's history."""
+    if kind == "qwen35moe":
+        path = write_qwen35_gguf(tmp_path / f"{kind}.gguf", moe=True, blocks=BLOCKS, tokenizer=True)
+    else:
+        path = write_arch_gguf(tmp_path / f"{kind}.gguf", kind, blocks=BLOCKS)
     want = one_stage_texts(path)
     # 20 ms a hop: a tiny model's answer lasts seconds, so the kill lands mid-answer
     s = LocalSession(members=4, model=path, precision="f32", context=256, log_dir=str(tmp_path),

@@ -161,7 +161,9 @@ class SessionTerms:
     max_queued: int = 64
     batch_rows: bool = True
     dipsd: bool = True  # the head's live DiP-SD optimiser (several speculating requests)
-    prompt_cache: bool = True  # finished requests' KV kept for prompts that start the same way
+    # finished requests' KV kept for prompts that start the same way; "whole": only for a prompt
+    # continuing a slot's whole history (hybrid models, kafila/session/ring/prefix.py's WHOLE)
+    prompt_cache: bool | str = True
     concurrency_from: str = "--concurrency"  # or "memory" (auto)
     model: str | None = None
     sha256: str | None = None
@@ -181,8 +183,8 @@ class SessionTerms:
             raise ControlError("session.batch_rows must be true or false")
         if not isinstance(self.dipsd, bool):
             raise ControlError("session.dipsd must be true or false")
-        if not isinstance(self.prompt_cache, bool):
-            raise ControlError("session.prompt_cache must be true or false")
+        if not isinstance(self.prompt_cache, bool) and self.prompt_cache != "whole":
+            raise ControlError('session.prompt_cache must be true, false or "whole"')
         _opt_text(self.model, "session.model", 256)
         _opt_text(self.sha256, "session.sha256", 64)
         if self.protocol is not None:
