@@ -225,3 +225,43 @@ def test_on_three_stages_a_second_turn_feeds_only_what_is_new_and_answers_as_afr
         # the first turn's slot held its prompt and all of its answer but the last id (never fed)
         assert cached[4:8] == [len(p) + len(a) - 1 for p, a in zip(first, answers)], cached
         assert cached[8:] == [0] * 4, cached
+
+
+class _HalfRightDrafter:
+    """Drafts from the answer without speculation, the second of each draft wrong: every step
+    accepts one draft and rejects the rest (a drafter around the thing under test, the ring's
+    verification and every stage's cut of its recurrent state)."""
+
+    def __init__(self, prompt: list[int], answer: list[int]) -> None:
+        self.truth = prompt + answer
+
+    def propose(self, req_id: str, history, k: int) -> tuple[int, ...]:
+        n = len(history)
+        right = self.truth[n: n + k]
+        return tuple(t if j != 1 else (t + 1) % 128 for j, t in enumerate(right))
+
+    def release(self, req_id: str) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+@needs_openvino
+@pytest.mark.parametrize("name", ["qwen35-dense", "qwen35moe-moe", "qwen3next-moe"])
+def test_speculation_on_a_ring_gives_the_ids_without_it(name):
+    """The ring's speculation on llama.cpp's own random hybrid models (2 blocks, one a stage) at
+    f32, drafts accepted and rejected at every step: every stage cuts its recurrent state back
+    inside the verify step (Scheduler's `recurrent`), and the ids are those without speculation."""
+    from kafila.engine.chain import LocalChain
+    from tests.llamacpp_files import llama_arch_models
+    from tests.test_speculate import N_NEW, _exactness
+
+    path = str(llama_arch_models(("qwen35", "qwen35moe", "qwen3next"))[name])
+    index = open_model(path)
+    chain = LocalChain([load_shard("openvino", ShardSpec(path, a, a + 1, a == 0, a == 0), "f32", index=index)
+                        for a in range(index.hparams.n_blocks)], chunk_tokens=CHUNK_TOKENS)  # fmt: skip
+    prompt = [int(i) for i in np.random.default_rng(1).integers(0, 128, 30)]
+    drafter = _HalfRightDrafter(prompt, list(chain.generate(prompt, N_NEW + 8)))
+    total = _exactness(chain.shards, index, [prompt], speculate="draft", drafter=drafter)
+    print(f"drafts on the {name} ring: {total.accepted} of {total.drafted} accepted")

@@ -196,7 +196,7 @@ class HeadCore:
                  adaptive_k: bool = True, max_queued: int = DEFAULT_MAX_QUEUED, batch: bool = True,
                  machines: dict[str, str] | None = None, measured: Measured | None = None,
                  dipsd: bool = True, dipsd_method: str = "milp", padded_rows: bool = True,
-                 prompt_cache: bool | str = True) -> None:  # fmt: skip
+                 prompt_cache: bool | str = True, recurrent: bool = False) -> None:  # fmt: skip
         """See ring.RingNode for the options; `batch`: plain decode steps go as micro-batches
         (every stage has forward_batch); `measured`: the node's figures, which the core adds to;
         `dipsd`: with several requests speculating n-gram drafts, the live DiP-SD optimiser
@@ -204,7 +204,7 @@ class HeadCore:
         with `adaptive_k` False or another drafter, each request's K is choose_k's (or draft_k);
         `padded_rows`: some stage pads a micro-batch's rows to its longest (OpenVINO does);
         `prompt_cache`: finished requests' slots keep their KV for prompts that start the same
-        way (prefix.py)."""
+        way (prefix.py); `recurrent`: a hybrid model (Scheduler's)."""
         self.name = name
         self.ring = ring
         self.limits = limits
@@ -212,7 +212,8 @@ class HeadCore:
         chunk = prefill_chunk or prefill_chunk_tokens(limits.hidden, limits.frame_bytes)
         self.scheduler = Scheduler(limits.slots, limits.context, eos_ids, max_queue=max_queued,
                                    chunk_tokens=chunk, speculate=speculate, draft_k=draft_k,
-                                   adaptive_k=adaptive_k, prompt_cache=prompt_cache)  # fmt: skip
+                                   adaptive_k=adaptive_k, prompt_cache=prompt_cache,
+                                   recurrent=recurrent)  # fmt: skip
         self.batch = batch
         self.machines = machines or {n: n for n in ring}
         self.measured = measured if measured is not None else Measured()

@@ -133,7 +133,7 @@ class RingNode(HeadDriver):
                               speculate=speculate, draft_k=draft_k, adaptive_k=adaptive_k,
                               max_queued=max_queued, batch=self.batch, machines=machines,
                               measured=self.measured, dipsd=dipsd, padded_rows=padded_rows,
-                              prompt_cache=prompt_cache)
+                              prompt_cache=prompt_cache, recurrent=_recurrent(shard))
                      if self.is_head else None)  # fmt: skip
         self._events: asyncio.Queue[HeadEvent] = asyncio.Queue()
         # this stage's own load (/status): rows in its last forward and forwards run
@@ -483,3 +483,9 @@ class RingNode(HeadDriver):
         """The head's queue and the requests it holds (at most `most`, oldest first), each with
         its decode rate so far; None on any other member."""
         return None if self.core is None else self.core.load(most)
+
+
+def _recurrent(shard) -> bool:
+    """Whether the model keeps a recurrent state (a hybrid; the head's shard tells for every
+    stage): the scheduler then cuts rejected drafts off and continues whole histories only."""
+    return getattr(getattr(getattr(shard, "index", None), "hparams", None), "hybrid", None) is not None

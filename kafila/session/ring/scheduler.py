@@ -181,11 +181,16 @@ class _Request:
 class Scheduler:
     def __init__(self, slots: int, context: int, eos_ids: frozenset[int] = frozenset(),
                  max_queue: int = 64, chunk_tokens: int = 512, speculate: str = "off",
-                 draft_k: int = DRAFT_K, adaptive_k: bool = True, prompt_cache: bool | str = True) -> None:  # fmt: skip
+                 draft_k: int = DRAFT_K, adaptive_k: bool = True, prompt_cache: bool | str = True,
+                 recurrent: bool = False) -> None:  # fmt: skip
         """`draft_k`: the most drafts a step carries; `adaptive_k` False drafts that many
         whenever the drafter finds them (tests of verification), True lets choose_k decide.
         `prompt_cache`: a finished request's slot keeps its KV for a prompt that starts the same
-        way (prefix.py); off, every request starts in a reset slot."""
+        way (prefix.py); off, every request starts in a reset slot. `recurrent`: the model keeps a
+        recurrent state (hybrid models), which masking cannot rewind: a verify step's rejected
+        drafts are cut off instead (the next step builds on the kept positions only, and every
+        stage cuts its state back inside the step: backends/openvino/recurrent.py), and the
+        prompt cache continues whole histories only (prefix.WHOLE)."""
         if speculate not in SPECULATE_MODES:
             raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {speculate!r}")
         if not 0 <= draft_k <= MAX_DRAFT_K:
@@ -210,8 +215,9 @@ class Scheduler:
         self.max_queue = max_queue
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.prompt_cache = bool(prompt_cache)
+        self.recurrent = recurrent
         # finished requests' slots, KV kept (prompt caching); prefix.WHOLE: hybrid models'
-        self._parked = ParkedSlots(whole=prompt_cache == WHOLE)
+        self._parked = ParkedSlots(whole=prompt_cache == WHOLE or recurrent)
         self._queue: deque[str] = deque()
         self._requests: dict[str, _Request] = {}
 
@@ -407,7 +413,10 @@ class Scheduler:
         req.draft, req.in_flight = (), 0
         if draft:
             kept = len(tokens)  # positions that stay live: the last token and the accepted drafts
-            req.zeros.extend(range(req.cache_len + kept, req.cache_len + fed))
+            if self.recurrent:  # cut off, not masked: the next step builds on the kept ones
+                fed = kept
+            else:
+                req.zeros.extend(range(req.cache_len + kept, req.cache_len + fed))
             req.spec.add(len(draft), kept)
             req.acceptance.add(len(draft), kept - 1)
             self.acceptance.add(len(draft), kept - 1)
