@@ -1,7 +1,7 @@
 """K-quant decode and prefill on CPU, side by side on one GGUF: Kafila's OpenVINO stage (each
 weight form), openvino_genai's GGUF reader and llama.cpp, on the same threads (issue 36).
 
-    .venv/bin/python -m bench.kquant_speed [--file qwen1.5b|llama-3-8b|qwen3moe|gpt-oss|PATH] [--threads 2]
+    .venv/bin/python -m bench.kquant_speed [--file qwen1.5b|llama-3-8b|qwen3moe|gpt-oss|qwen35moe|PATH] [--threads 2]
         [--prompt-tokens 512] [--tokens 32] [--rounds 2] [--rows kafila-exact,kafila-fast,kafila-ggml,genai,llamacpp]
 
 Every row is built first, then `--rounds` rounds each run every row once in turn (A B C D A B C D),
@@ -26,6 +26,7 @@ row is listed as not measured, with the reason (see `frontend_note`).
 
 Files: `qwen1.5b` = the real Qwen2.5-Coder-1.5B-Instruct Q4_K_M (kafila.tooling.pypi_gguf);
 `qwen3moe`, `gpt-oss` = bench.llamacpp_speed's random mixture-of-experts files (Q4_K_M, MXFP4_MOE);
+`qwen35moe` = its random hybrid (Qwen3.5-MoE's delta-net and attention blocks, 32 experts, Q4_K_M);
 `llama-3-8b` = tests/big_gguf.py's random-weight file of the 8B shape in Q4_K_M's layout (4.9 GB,
 written once; every row holds its own copy of the weights, so ~20 GB of memory for all four).
 """
@@ -67,7 +68,7 @@ def gguf_path(which: str) -> str:
         from tests.big_gguf import big_model
 
         return big_model("llama-3-8b")
-    if which in ("qwen3moe", "gpt-oss"):  # bench.llamacpp_speed's MoE files, quantized by llama.cpp
+    if which in ("qwen3moe", "gpt-oss", "qwen35moe"):  # bench.llamacpp_speed's MoE files, quantized by llama.cpp
         from bench.llamacpp_speed import moe_file
 
         return moe_file(which, 2)
@@ -180,7 +181,7 @@ def build(name: str, path: str, threads: int, prompt_len: int, tokens: int):
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.kquant_speed", description=__doc__.splitlines()[0])
-    ap.add_argument("--file", default="qwen1.5b", help="qwen1.5b | llama-3-8b | qwen3moe | gpt-oss | a GGUF path")
+    ap.add_argument("--file", default="qwen1.5b", help="qwen1.5b | llama-3-8b | qwen3moe | gpt-oss | qwen35moe | a GGUF path")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--prompt-tokens", type=int, default=512)
     ap.add_argument("--tokens", type=int, default=32)

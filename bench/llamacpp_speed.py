@@ -148,8 +148,14 @@ def write_aligned_f16(dst: str, tokenizer_source, seed: int = 0) -> str:
 
 # mixture-of-experts files (tests/arch_gguf.py's kinds, random weights, real tokenizers): every
 # expert row 1024 or 256 wide, so llama.cpp's quantizer gives the experts their K-quant / MXFP4
-MOE_FILES = {"qwen3moe": ("qwen3moe", "Q4_K_M"), "gpt-oss": ("gpt-oss", "MXFP4_MOE")}
+MOE_FILES = {"qwen3moe": ("qwen3moe", "Q4_K_M"), "gpt-oss": ("gpt-oss", "MXFP4_MOE"),
+             "qwen35moe": ("qwen35moe", "Q4_K_M")}  # fmt: skip
 MOE_SHAPE = {"blocks": 12, "hidden": 1024, "heads": 16, "kv_heads": 4, "experts": (32, 4, 256)}
+# the hybrid (Qwen3.5-MoE: delta-net layers, attention every 4th block) at MOE_SHAPE's size:
+# tests/hybrid_gguf.py's layout, Qwen2's tokenizer
+HYBRID_SHAPE = {"blocks": 12, "hidden": 1024, "heads": 16, "kv_heads": 4, "head_dim": 64, "rope_dims": 32,
+                "ffn": 256, "interval": 4, "k_heads": 8, "v_heads": 16, "state": 64, "conv": 4}  # fmt: skip
+HYBRID_EXPERTS = {"count": 32, "used": 4, "ffn": 256, "shared_ffn": 256}
 
 
 def q4_k_m_file(which: str, threads: int) -> str:
@@ -183,7 +189,12 @@ def moe_file(which: str, threads: int) -> str:
     dst = cache_dir() / f"{which}.{ftype}.gguf"
     if not dst.exists():
         f32 = cache_dir() / f"{which}.F32.gguf"
-        write_arch_gguf(str(f32), kind, **MOE_SHAPE)
+        if kind == "qwen35moe":
+            from tests.hybrid_gguf import write_qwen35_gguf
+
+            write_qwen35_gguf(str(f32), moe=True, tokenizer=True, shape=HYBRID_SHAPE, experts=HYBRID_EXPERTS)
+        else:
+            write_arch_gguf(str(f32), kind, **MOE_SHAPE)
         try:
             llama_quantize(str(f32), str(dst), ftype, threads=threads)
         finally:

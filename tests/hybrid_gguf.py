@@ -33,11 +33,18 @@ EXPERTS = dict(count=8, used=2, ffn=32, shared_ffn=48)
 
 
 def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = False, arch: str = "",
-                      blocks: int = 0, tokenizer: bool = False) -> str:
+                      blocks: int = 0, tokenizer: bool = False, shape: dict | None = None,
+                      experts: dict | None = None) -> str:
     """The file (module docstring); `blocks`: another block count (attention every second one);
     `tokenizer`: Qwen2's real tokenizer (llama.cpp's ggml-vocab-qwen2.gguf) and its vocabulary
-    instead of the 512 ids, for sessions that take text."""
-    s, arch = dict(SHAPE, blocks=blocks or SHAPE["blocks"]), arch or (MOE_ARCH if moe else ARCH)
+    instead of the 512 ids, for sessions that take text; `shape` / `experts`: SHAPE's and
+    EXPERTS' entries replaced (bench.llamacpp_speed's larger file), the matrices' random values
+    scaled by sqrt(64 / hidden) so that a wider model's activations stay as tame."""
+    s = {**SHAPE, **(shape or {})}
+    s["blocks"] = blocks or s["blocks"]
+    ex = dict(EXPERTS, **(experts or {}))
+    arch = arch or (MOE_ARCH if moe else ARCH)
+    widen = float(np.sqrt(SHAPE["hidden"] / s["hidden"]))
     nxt = arch == "qwen3next"
     moe = moe or nxt
     rng = np.random.default_rng(seed)
@@ -58,10 +65,10 @@ def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = Fal
     w.add_layer_norm_rms_eps(1e-6)
     w.add_uint32(f"{arch}.full_attention_interval", s["interval"])
     if moe:
-        w.add_expert_count(EXPERTS["count"])
-        w.add_expert_used_count(EXPERTS["used"])
-        w.add_expert_feed_forward_length(EXPERTS["ffn"])
-        w.add_expert_shared_feed_forward_length(EXPERTS["shared_ffn"])
+        w.add_expert_count(ex["count"])
+        w.add_expert_used_count(ex["used"])
+        w.add_expert_feed_forward_length(ex["ffn"])
+        w.add_expert_shared_feed_forward_length(ex["shared_ffn"])
     w.add_ssm_conv_kernel(s["conv"])
     w.add_ssm_inner_size(s["v_heads"] * s["state"])
     w.add_ssm_state_size(s["state"])
@@ -74,11 +81,13 @@ def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = Fal
         s["vocab"] = _copy_tokenizer(w, "qwen2")
     else:  # llama.cpp's dummy tokenizer (its tests/test-llama-archs.cpp writes the same): ids only
         w.add_tokenizer_model("test")
-        w.add_token_list([f"tok_{i}" for i in range(SHAPE["vocab"])])
-        w.add_token_scores([0.0] * SHAPE["vocab"])
+        w.add_token_list([f"tok_{i}" for i in range(s["vocab"])])
+        w.add_token_scores([0.0] * s["vocab"])
     H, D = s["hidden"], s["head_dim"]
 
     def add(name: str, shape: tuple[int, ...], scale: float, mean: float = 0.0) -> None:
+        if len(shape) > 1 and name != "token_embd.weight":
+            scale *= widen
         w.add_tensor(name, (mean + rng.standard_normal(shape) * scale).astype(np.float32))
 
     add("token_embd.weight", (s["vocab"], H), 1.0)  # tied: also the lm_head
@@ -111,7 +120,7 @@ def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = Fal
             add(p + "ssm_norm.weight", (s["state"],), 0.1, 1.0)
             add(p + "ssm_out.weight", (H, value_dim), 0.3)
         if moe:
-            E, F, Fs = EXPERTS["count"], EXPERTS["ffn"], EXPERTS["shared_ffn"]
+            E, F, Fs = ex["count"], ex["ffn"], ex["shared_ffn"]
             add(p + "ffn_gate_inp.weight", (E, H), 0.5)
             add(p + "ffn_gate_exps.weight", (E, F, H), 0.2)
             add(p + "ffn_up_exps.weight", (E, F, H), 0.2)

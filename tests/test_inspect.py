@@ -17,6 +17,7 @@ FIELDS = {
     "path", "file_bytes", "name", "architecture", "file_type", "blocks", "hidden", "heads", "kv_heads",
     "head_dim", "ffn", "vocab", "context", "tensors", "tensor_bytes", "quant_types", "tokenizer", "served",
     "why_not", "block_bytes", "head_bytes", "kv_bytes_per_token_per_block",
+    "state_bytes_per_request_per_block",
 }  # fmt: skip
 
 

@@ -166,9 +166,19 @@ def _factory():
     return factory
 
 
+_missing: list[KernelsMissing] = []  # the first failure, kept: a process tries the build once
+
+
 def require() -> None:
-    """Raises KernelsMissing (one line: why, and what to do) unless `--kquant ggml` works here."""
-    _factory()
+    """Raises KernelsMissing (one line: why, and what to do) unless `--kquant ggml` works here.
+    A failed build is not retried in this process (every stage of `--kquant auto` asks)."""
+    if _missing:
+        raise _missing[0]
+    try:
+        _factory()
+    except KernelsMissing as exc:
+        _missing.append(exc)
+        raise
 
 
 def available() -> tuple[bool, str]:

@@ -25,7 +25,10 @@ Kafila serves the file is `open_model`'s verdict: its BadInput message is the re
   why_not         null when served, else the one-line reason Kafila refuses it
   block_bytes     β_block: bytes of the largest block's tensors (the planner's; ModelIndex when served)
   head_bytes      β_head: token_embd + output_norm + output (ModelIndex when served)
-  kv_bytes_per_token_per_block   the planner's KV bytes per token per block (f16 values)
+  kv_bytes_per_token_per_block   the planner's KV bytes per token per block (f16 values; a hybrid
+                  model's mean over its blocks, whose delta-net layers hold none)
+  state_bytes_per_request_per_block   a hybrid model's recurrent state per request, the mean per
+                  block (f32; null for other models)
 
 Exit 0 for any readable GGUF, served or not; 2 when the file is missing, not a GGUF or damaged.
 """
@@ -53,7 +56,7 @@ def register(subparsers) -> None:
                    help="one line: path, file_bytes, name, architecture, file_type, blocks, hidden, heads, "
                         "kv_heads, head_dim, ffn, vocab, context, tensors, tensor_bytes, quant_types "
                         "{type: {tensors, bytes, share}}, tokenizer {model, pre, tokens}, served, why_not, "
-                        "block_bytes, head_bytes, kv_bytes_per_token_per_block")
+                        "block_bytes, head_bytes, kv_bytes_per_token_per_block, state_bytes_per_request_per_block")
     p.set_defaults(handler=run)
 
 
@@ -95,7 +98,8 @@ def describe(path: str) -> dict:
         info = summarize(path, index.metadata, tensors)
         planner = index.planner_model()
         info.update(served=True, block_bytes=int(planner["block_bytes"]), head_bytes=int(planner["head_bytes"]),
-                    kv_bytes_per_token_per_block=planner["kv_bytes_per_token_per_block"])
+                    kv_bytes_per_token_per_block=planner["kv_bytes_per_token_per_block"],
+                    state_bytes_per_request_per_block=planner.get("state_bytes_per_request_per_block"))
         return info
 
     header = read_header(path)  # BadInput (exit 2) when missing, not a GGUF or damaged
@@ -179,6 +183,7 @@ def summarize(path: str, metadata: dict, tensors: list[tuple[str, str, int, int]
         "head_bytes": head_bytes or None,
         "kv_bytes_per_token_per_block": (2 * kv_heads * head_dim * KV_BYTES_PER_VALUE
                                          if isinstance(kv_heads, int) and head_dim else None),
+        "state_bytes_per_request_per_block": None,
     }
 
 
@@ -203,7 +208,9 @@ def render(info: dict) -> str:
         f"  tensors       {v['tensors']}, {_size(info['tensor_bytes'])}: {q or 'none'}",
         f"  tokenizer     {tok['model']} (pre {tok['pre']}), {tok['tokens']} tokens",
         f"  planner       β_block {_size(info['block_bytes'])}, β_head {_size(info['head_bytes'])}, "
-        f"KV {v['kv_bytes_per_token_per_block']} bytes/token/block (f16)",
+        f"KV {v['kv_bytes_per_token_per_block']} bytes/token/block (f16)"
+        + (f", recurrent state {info['state_bytes_per_request_per_block']:.0f} bytes/request/block (f32)"
+           if info.get("state_bytes_per_request_per_block") else ""),
         "  served        yes" if info["served"] else f"  served        no: {info['why_not']}",
     ]
     return "\n".join(lines)
