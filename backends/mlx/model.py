@@ -48,6 +48,10 @@ class Dims:
     experts_used: int = 0  # k: experts a token goes through (MoE blocks)
     experts_renorm: bool = False  # the k weights divided by their sum (qwen3moe, Mixtral)
     experts_scale: float = 0.0  # the k weights × this (0 or 1: unscaled)
+    # Gemma 3 (backends/gguf/families.py): GeGLU, the outputs' own norms, the q·k scale
+    gelu: bool = False  # GeGLU (gelu_tanh) instead of SwiGLU
+    post_norms: bool = False  # post_attention_norm / post_ffw_norm before each residual add
+    attn_scale: float = 0.0  # q·k scale; 0: 1/sqrt(head size)
 
 
 class SlotCache:
@@ -216,18 +220,25 @@ def _attend(
     values[:, :, start:end] = v.astype(values.dtype)
     cache.keys[layer], cache.values[layer] = keys, values
     o = mx.fast.scaled_dot_product_attention(
-        q, keys[:, :, :end], values[:, :, :end], scale=D**-0.5, mask=mask
+        q, keys[:, :, :end], values[:, :, :end], scale=dims.attn_scale or D**-0.5, mask=mask
     )  # [1, H, n, D], GQA handled by the kernel
     return o.transpose(0, 2, 1, 3).reshape(1, n, H * D)  # [1, n, H·D]
 
 
 def _finish(x: mx.array, o: mx.array, w: BlockWeights, dims: Dims) -> mx.array:
-    """o_proj → residual → RMSNorm → SwiGLU (or the experts') → residual: [1, n, hidden]."""
-    x = x + w.o(o)  # [1, n, hidden]
+    """o_proj → residual → RMSNorm → SwiGLU (Gemma: GeGLU; or the experts') → residual:
+    [1, n, hidden]; Gemma normalizes the attention's and the FFN's outputs before their adds."""
+    o = w.o(o)
+    if w.post_attn_norm is not None:
+        o = mx.fast.rms_norm(o, w.post_attn_norm, dims.rms_eps)
+    x = x + o  # [1, n, hidden]
     h = mx.fast.rms_norm(x, w.ffn_norm, dims.rms_eps)
     if w.moe is not None:
         return x + experts_ffn(h, w.moe, dims)
-    return x + w.down(nn_silu(w.gate(h)) * w.up(h))  # [1, n, hidden]
+    f = w.down((gelu_tanh(w.gate(h)) if dims.gelu else nn_silu(w.gate(h))) * w.up(h))
+    if w.post_ffw_norm is not None:
+        f = mx.fast.rms_norm(f, w.post_ffw_norm, dims.rms_eps)
+    return x + f  # [1, n, hidden]
 
 
 def experts_ffn(h: mx.array, m: MoEWeights, dims: Dims) -> mx.array:
@@ -258,3 +269,20 @@ def experts_ffn(h: mx.array, m: MoEWeights, dims: Dims) -> mx.array:
 
 def nn_silu(x: mx.array) -> mx.array:
     return x * mx.sigmoid(x)
+
+
+def gelu_tanh(x: mx.array) -> mx.array:
+    """0.5·x·(1 + tanh(sqrt(2/π)·(x + 0.044715·x³))) (ggml_gelu; Gemma's GeGLU)."""
+    return 0.5 * x * (1.0 + mx.tanh(0.7978845608028654 * (x + 0.044715 * x * x * x)))
+
+
+def window_mask(mask: np.ndarray, cache_len: int, positions: np.ndarray, window: int) -> mx.array:
+    """A windowed layer's [n, S] visibility: the full one (attention_mask's) and, in addition,
+    no key more than `window` − 1 logical positions before its query; a key's logical position
+    is its count among the visible physical positions before it (as the OpenVINO stage's)."""
+    n, s = len(positions), cache_len + len(positions)
+    causal = np.arange(s)[None, :] <= cache_len + np.arange(n)[:, None]  # [n, S]
+    visible = mask != 0
+    key_pos = np.cumsum(visible) - 1  # [S]
+    near = positions[:, None] - key_pos[None, :] < window
+    return mx.array(causal & visible[None, :] & near)

@@ -15,6 +15,7 @@ is f32; "serving" keeps them f16 as they are in the file (activations and KV sta
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -26,7 +27,7 @@ from backends.base import HeadOps, ShardSpec
 from backends.errors import BadInput
 from backends.gguf import ModelIndex, open_model
 from backends.gguf.families import require_llama_blocks
-from backends.mlx.model import Dims, SlotCache, attention_mask, block, block_rows
+from backends.mlx.model import Dims, SlotCache, attention_mask, block, block_rows, window_mask
 from backends.mlx.weights import load_shard_weights, weight_bytes
 
 
@@ -47,7 +48,7 @@ class MLXShard(HeadOps):
     ):
         index = index if index is not None else open_model(spec.model_path)
         hp = index.hparams
-        require_llama_blocks(hp, "mlx", experts=True)
+        require_llama_blocks(hp, "mlx", experts=True, gemma=True)
         if not 0 <= spec.first <= spec.last <= hp.n_blocks:
             raise BadInput(
                 f"block range [{spec.first}, {spec.last}) is outside the model's {hp.n_blocks} blocks"
@@ -67,8 +68,15 @@ class MLXShard(HeadOps):
             hp.hidden, hp.n_heads, hp.n_kv_heads, hp.head_dim, hp.rope_base, hp.rms_eps,
             rope_traditional=not hp.rope_neox, rope_scale=hp.rope_scale, rope_freqs=freqs,
             experts_used=hp.family.n_experts_used, experts_renorm=hp.family.experts_renorm,
-            experts_scale=hp.family.experts_scale,
+            experts_scale=hp.family.experts_scale, gelu=hp.family.ffn_act == "gelu_tanh",
+            post_norms=hp.family.post_norms, attn_scale=hp.family.attn_scale,
         )  # fmt: skip
+        fam = hp.family
+        # Gemma 3's windowed layers: their own RoPE base (scale 1) and mask (model.window_mask)
+        self._windowed = tuple(fam.windowed(b) for b in range(spec.first, spec.last))
+        self.dims_swa = dataclasses.replace(
+            self.dims, rope_base=fam.rope_base_swa, rope_freqs=None,
+            rope_scale=hp.rope_scale if fam.swa_rope_scaled else 1.0) if any(self._windowed) else self.dims  # fmt: skip
         self.weights = load_shard_weights(
             index.path, spec.first, spec.last, spec.embed, spec.head, f32=precision == "f32"
         )
@@ -132,12 +140,16 @@ class MLXShard(HeadOps):
     ) -> np.ndarray:
         cache = self._cache(slot)
         n, pos, visible = self._row_inputs(slot, cache, x, positions, mask)
+        near = self._window(cache, positions, mask)
         self._mind_cache(1, n)
         h = self._embed(x, n)[None]  # [1, n, hidden]
 
         cache.reserve(n)
         for layer, w in enumerate(self.weights.blocks):
-            h = block(h, w, cache, layer, pos, visible, self.dims)
+            if self._windowed[layer]:
+                h = block(h, w, cache, layer, pos, near, self.dims_swa)
+            else:
+                h = block(h, w, cache, layer, pos, visible, self.dims)
         cache.length += n
         mx.eval(h, cache.arrays())  # one evaluation: the hidden states and every block's KV
         return np.array(h[0], dtype=np.float32)  # [n, hidden]
@@ -166,8 +178,12 @@ class MLXShard(HeadOps):
         for cache, n in zip(caches, ns):
             cache.reserve(n)
         pos, visible = [p for _, p, _ in rows], [v for _, _, v in rows]
+        near = [self._window(c, p, m) for c, p, m in zip(caches, positions, masks)]
         for layer, w in enumerate(self.weights.blocks):
-            h = block_rows(h, w, caches, layer, pos, visible, ns, self.dims)
+            if self._windowed[layer]:
+                h = block_rows(h, w, caches, layer, pos, near, ns, self.dims_swa)
+            else:
+                h = block_rows(h, w, caches, layer, pos, visible, ns, self.dims)
         arrays = []
         for cache, n in zip(caches, ns):
             cache.length += n
@@ -175,6 +191,13 @@ class MLXShard(HeadOps):
         mx.eval(h, arrays)
         out = np.array(h[0], dtype=np.float32)  # [T, hidden]
         return np.split(out, np.cumsum(ns)[:-1])  # [n, hidden] per row
+
+    def _window(self, cache: SlotCache, positions: np.ndarray, mask: np.ndarray) -> mx.array | None:
+        """A windowed layer's visibility for one slot's feed (None: the shard has no windowed layer)."""
+        if not any(self._windowed):
+            return None
+        pos = np.asarray(positions, dtype=np.int64).reshape(-1)
+        return window_mask(np.asarray(mask).reshape(-1), cache.length, pos, self.hparams.family.sliding_window)
 
     @property
     def scratch_releases(self) -> int:
@@ -218,7 +241,10 @@ class MLXShard(HeadOps):
             h = mx.array(
                 np.asarray(x, dtype=np.float32).reshape(n, self.dims.hidden)
             )  # [n, hidden]
-        return h.astype(mx.float32)
+        h = h.astype(mx.float32)
+        if self.spec.embed and self.hparams.family.embed_scale != 1.0:  # Gemma: rows × sqrt(hidden)
+            h = h * mx.array(np.float32(self.hparams.family.embed_scale))
+        return h
 
     def _logits(self, hidden: np.ndarray) -> mx.array:
         if not self.spec.head:
@@ -227,7 +253,9 @@ class MLXShard(HeadOps):
             np.asarray(hidden, dtype=np.float32).reshape(-1, self.dims.hidden)
         )  # [n, hidden]
         h = mx.fast.rms_norm(h, self.weights.output_norm, self.dims.rms_eps)
-        return self.weights.lm_head(h).astype(mx.float32)  # [n, vocab]
+        logits = self.weights.lm_head(h).astype(mx.float32)  # [n, vocab]
+        cap = self.hparams.family.logit_softcap
+        return logits if not cap else cap * mx.tanh(logits / cap)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         return np.array(self._logits(hidden), dtype=np.float32)  # [n, vocab]

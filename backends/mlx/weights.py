@@ -174,6 +174,8 @@ class BlockWeights:
     q_norm: mx.array | None = None  # [head_dim], Qwen3: RMSNorm of each q head before RoPE
     k_norm: mx.array | None = None  # [head_dim], likewise for k
     moe: MoEWeights | None = None
+    post_attn_norm: mx.array | None = None  # [hidden], Gemma: the attention's output normalized
+    post_ffw_norm: mx.array | None = None  # [hidden], Gemma: the FFN's output normalized
 
 
 @dataclass(frozen=True)
@@ -235,6 +237,9 @@ def load_shard_weights(
                           experts(f"{p}ffn_up_exps.weight"), experts(f"{p}ffn_down_exps.weight"), shared,
                           linear(f"{p}ffn_gate_inp_shexp") if shared else None)  # fmt: skip
 
+    def optional(name: str) -> mx.array | None:
+        return vec(name) if name in tensors else None
+
     def dense(b: int, kind: str) -> Linear | None:
         return linear(f"blk.{b}.ffn_{kind}") if f"blk.{b}.ffn_{kind}.weight" in tensors else None
 
@@ -252,6 +257,8 @@ def load_shard_weights(
             q_norm=vec(f"blk.{b}.attn_q_norm.weight") if f"blk.{b}.attn_q_norm.weight" in tensors else None,
             k_norm=vec(f"blk.{b}.attn_k_norm.weight") if f"blk.{b}.attn_k_norm.weight" in tensors else None,
             moe=moe(b),
+            post_attn_norm=optional(f"blk.{b}.post_attention_norm.weight"),
+            post_ffw_norm=optional(f"blk.{b}.post_ffw_norm.weight"),
         )
         for b in range(first, last)
     )
@@ -278,7 +285,8 @@ def _arrays(weights: ShardWeights) -> list[mx.array]:
             out.extend(a for a in (lin.weight, lin.scales, lin.biases, lin.bias) if a is not None)
 
     for b in weights.blocks:
-        out += [a for a in (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm) if a is not None]
+        out += [a for a in (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm, b.post_attn_norm, b.post_ffw_norm)
+                if a is not None]
         for lin in (b.q, b.k, b.v, b.o, b.gate, b.up, b.down):
             add_linear(lin)
         if b.moe is not None:
