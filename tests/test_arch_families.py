@@ -90,11 +90,14 @@ def test_mlx_gemma3_matches_llamacpp_one_and_three_stages_past_the_window(family
 
 
 @needs_mlx
-@pytest.mark.parametrize("kind", ["gpt-oss"])
-def test_mlx_refuses_the_families_it_has_not_learnt(tmp_path, kind):
-    path = write_arch_gguf(tmp_path / "m.gguf", kind, tiny_vocab=256)
-    with pytest.raises(BadInput, match="backend mlx does not serve .*qwen3moe.*--backend openvino"):
-        load_shard("mlx", ShardSpec(path, 0, 1, True, True), "f32")
+def test_mlx_gpt_oss_matches_llamacpp_one_and_three_stages(family_model):
+    """MLX's gpt-oss: attention sinks (the kernel's), YaRN (periods and magnitude), biases on
+    q/k/v/o, the router and every expert, top-k-then-softmax routing, swiglu_oai, MXFP4-able
+    experts, windowed layers: llama.cpp's greedy ids past the window."""
+    path, index, ref_ids, ref_logits = family_model("gpt-oss")
+    for ranges in ([(0, BLOCKS)], UNEVEN):
+        check_against_llamacpp(kafila_greedy(_shards(path, index, ranges, "mlx"), PROMPT_IDS, N_TOKENS), ref_ids,
+                               ref_logits)  # fmt: skip
 
 
 @needs_llamacpp
@@ -183,7 +186,7 @@ def test_yarn_bites_within_the_test_files_positions():
     ramp from the original angle to the interpolated one, pairs 3–7 are interpolated (÷4), and
     cos/sin are × 1 + 0.1·ln 4."""
     from backends.gguf.families import Yarn
-    from backends.openvino.attention import yarn_magnitude, yarn_multipliers
+    from backends.gguf.families import yarn_magnitude, yarn_multipliers
 
     yarn = Yarn(freq_scale=1 / GPT_OSS_YARN_FACTOR, n_ctx_orig=GPT_OSS_YARN_ORIGINAL_CONTEXT)
     np.testing.assert_allclose(yarn_multipliers(yarn, 16, 10000.0), [1, 0.75, 0.5] + [0.25] * 5)
@@ -315,11 +318,13 @@ def test_llamacpp_quantized_qwen3moe_matches_llamacpp(tmp_path, ftype):
 
 
 @needs_llamacpp
-@needs_openvino
-def test_llamacpp_mxfp4_gpt_oss_matches_llamacpp(tmp_path):
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
+def test_llamacpp_mxfp4_gpt_oss_matches_llamacpp(tmp_path, backend):
     """The gpt-oss file quantized by llama.cpp's own quantizer as MXFP4_MOE (experts MXFP4, the
     other matrices Q8_0, norms, biases and sinks F32: how gpt-oss files ship) answers llama.cpp's
     64 greedy ids on its exactly dequantized weights, at 1 stage and 3 uneven stages."""
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
     from backends.gguf import open_model
     from tests.llamacpp_ref import greedy_run, quantize
     from tests.test_llamacpp_quant import write_f32_copy
@@ -331,7 +336,8 @@ def test_llamacpp_mxfp4_gpt_oss_matches_llamacpp(tmp_path):
     ref_ids, ref_logits = greedy_run(write_f32_copy(path, str(tmp_path / "deq.gguf")), PROMPT_IDS, N_TOKENS)
     assert len(set(ref_ids)) > 4, ref_ids
     for ranges in ([(0, BLOCKS)], UNEVEN):
-        check_against_llamacpp(kafila_greedy(_shards(path, index, ranges), PROMPT_IDS, N_TOKENS), ref_ids, ref_logits)
+        check_against_llamacpp(kafila_greedy(_shards(path, index, ranges, backend), PROMPT_IDS, N_TOKENS), ref_ids,
+                               ref_logits)  # fmt: skip
 
 
 @needs_llamacpp

@@ -50,6 +50,8 @@ import dataclasses
 import math
 from dataclasses import dataclass
 
+import numpy as np
+
 from backends.errors import BadInput
 
 GEMMA3_BLOCK_TENSORS = ("post_attention_norm.weight", "post_ffw_norm.weight")
@@ -84,6 +86,36 @@ class Yarn:
     attn_factor: float = 1.0  # rope.scaling.attn_factor
     beta_fast: float = YARN_BETA_FAST
     beta_slow: float = YARN_BETA_SLOW
+
+
+def yarn_multipliers(yarn: Yarn, head_dim: int, base: float) -> np.ndarray:
+    """[D/2]: frequency pair i's angle × this under YaRN: 1 below the low correction dim,
+    freq_scale above the high one, a linear ramp over the pair index between."""
+    low, high = _yarn_correction_dims(yarn, head_dim, base)
+    i = np.arange(head_dim // 2, dtype=np.float64)
+    extrapolated = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)  # 1: keeps θ_i
+    return yarn.freq_scale * (1.0 - extrapolated) + extrapolated
+
+
+def _yarn_correction_dims(yarn: Yarn, head_dim: int, base: float) -> tuple[float, float]:
+    """The pair indices where the ramp starts and ends: D·ln(n_ctx_orig / (2π·β)) / (2·ln base) for
+    β = beta_fast (floored, ≥ 0) and beta_slow (ceiled, ≤ D − 1), in f32 as ggml computes them
+    (a floor or ceil can turn on the last bit)."""
+    f = np.float32
+
+    def dim(beta: float) -> np.float32:
+        ratio = f(yarn.n_ctx_orig) / (f(beta) * f(2.0) * f(math.pi))
+        return f(head_dim) * np.log(ratio, dtype=np.float32) / (f(2.0) * np.log(f(base), dtype=np.float32))
+
+    return max(0.0, float(np.floor(dim(yarn.beta_fast)))), min(head_dim - 1.0, float(np.ceil(dim(yarn.beta_slow))))
+
+
+def yarn_magnitude(yarn: Yarn) -> float:
+    """cos and sin × this: mscale(s)·rope.scaling.attn_factor, s = 1 / freq_scale, mscale(s) =
+    1 + 0.1·ln s for s > 1, else 1. (llama.cpp's context sets attn_factor = mscale(s) / (1 + 0.1·ln s)
+    · rope.scaling.attn_factor, and ggml's rope multiplies that by 1 + 0.1·ln s again.)"""
+    s = 1.0 / yarn.freq_scale
+    return (1.0 + 0.1 * math.log(s) if s > 1.0 else 1.0) * yarn.attn_factor
 
 
 @dataclass(frozen=True)
@@ -210,21 +242,23 @@ def ffn_tensors(arch: str, family: Family) -> tuple[str, ...]:
     return norm + DENSE_FFN_TENSORS + (GEMMA3_BLOCK_TENSORS if arch == "gemma3" else ())
 
 
-def require_llama_blocks(h, backend: str, experts: bool = False, gemma: bool = False) -> None:
+def require_llama_blocks(h, backend: str, experts: bool = False, gemma: bool = False, gpt_oss: bool = False,
+                         biases: bool = False) -> None:
     """BadInput unless the model's blocks are Llama's (llama, qwen2, qwen3), or with `experts`
     also Llama's with a softmax-gated mixture of experts (qwen3moe, qwen2moe, Mixtral's layout):
     the backends that have not learnt the families' parts refuse them rather than compute them wrong."""
     f = h.family
-    if gemma and h.arch == "gemma3":  # the backend computes Gemma 3's parts (MLX)
+    if (gemma and h.arch == "gemma3") or (gpt_oss and h.arch == GPT_OSS):  # the backend computes their parts (MLX)
         f = Family()
     if experts and f.n_experts and f.experts_gating == "softmax" and not f.expert_biases:
         f = dataclasses.replace(f, n_experts=0, n_experts_used=0, experts_renorm=False, experts_scale=0.0,
                                 shared_expert=False)  # fmt: skip
     if f != Family():
         kind = f"{h.arch} with {h.family.n_experts} experts" if h.family.n_experts else h.arch
-        serves = ("dense llama, qwen2, qwen3" + (", gemma3" if gemma else "")
+        serves = ("dense llama, qwen2, qwen3" + (", gemma3" if gemma else "") + (", gpt-oss" if gpt_oss else "")
                   + (", qwen3moe, qwen2moe and Mixtral-layout llama" if experts else ""))  # fmt: skip
         raise BadInput(f"backend {backend} does not serve {kind} (it serves {serves}); use --backend openvino")
-    if h.extras:
-        raise BadInput(f"backend {backend} does not apply tensor {h.extras[0]} ({len(h.extras)} output scales or "
+    extras = [n for n in h.extras if not (biases and n.endswith(".bias"))]  # `biases`: the backend adds them
+    if extras:
+        raise BadInput(f"backend {backend} does not apply tensor {extras[0]} ({len(extras)} output scales or "
                        f"biases in all; backends/gguf/optional.py); use --backend openvino")

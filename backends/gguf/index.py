@@ -249,7 +249,8 @@ def exact_values(qtype: str, raw: np.ndarray, shape: tuple[int, ...], dtype) -> 
         return raw.view(np.float32 if qtype == "F32" else np.float16).astype(dtype).reshape(shape)
     if qtype == "BF16":
         return bf16_to_f32(raw).astype(dtype).reshape(shape)
-    return split_blocks(qtype, raw, *shape).dequantize(dtype)
+    rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1  # a 3-D expert tensor: E·out rows
+    return split_blocks(qtype, raw, rows, shape[-1]).dequantize(dtype).reshape(shape)
 
 
 def open_model(path: str) -> ModelIndex:

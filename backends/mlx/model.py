@@ -24,11 +24,13 @@ computation `block` does for it alone.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
 import numpy as np
 
+from backends.gguf.families import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 from backends.mlx.weights import BlockWeights, MoEWeights
 
 CACHE_STEP = 256  # the KV buffers grow in steps of this many positions (as mlx-lm's KVCache)
@@ -52,6 +54,10 @@ class Dims:
     gelu: bool = False  # GeGLU (gelu_tanh) instead of SwiGLU
     post_norms: bool = False  # post_attention_norm / post_ffw_norm before each residual add
     attn_scale: float = 0.0  # q·k scale; 0: 1/sqrt(head size)
+    # gpt-oss: experts' activation and routing, YaRN's magnitude on the rotated q and k
+    swiglu_oai: bool = False  # x·sigmoid(1.702·x)·(y + 1) with x = min(gate, 7), y = clamp(up, ±7)
+    gating: str = "softmax"  # "softmax": over all E, then top-k; "softmax_weight": top-k, then softmax
+    rope_magnitude: float = 1.0  # YaRN: cos and sin × this
 
 
 class SlotCache:
@@ -123,6 +129,8 @@ def rope(x: mx.array, positions: int | mx.array, dims: Dims) -> mx.array:
     positions: the first position when the n positions are consecutive (the usual case, one fused
     kernel), else an int32 [n] array of arbitrary positions.
     """
+    if dims.rope_magnitude != 1.0:
+        return rope(x, positions, dataclasses.replace(dims, rope_magnitude=1.0)) * dims.rope_magnitude
     if isinstance(positions, int):
         base = None if dims.rope_freqs is not None else dims.rope_base
         return mx.fast.rope(
@@ -156,7 +164,7 @@ def block(
 ) -> mx.array:
     """One Llama block on x [1, n, hidden]; writes the n new keys/values at cache.length."""
     q, k, v = _qkv(x, w, dims)
-    o = _attend(q, k, v, cache, layer, positions, mask, dims)  # [1, n, H·D]
+    o = _attend(q, k, v, cache, layer, positions, mask, dims, w.sinks)  # [1, n, H·D]
     return _finish(x, o, w, dims)
 
 
@@ -178,7 +186,7 @@ def block_rows(
     outs, start = [], 0
     for cache, pos, mask, n in zip(caches, positions, masks, ns):
         rows = slice(start, start + n)
-        outs.append(_attend(q[:, rows], k[:, rows], v[:, rows], cache, layer, pos, mask, dims))  # [1, n, H·D]
+        outs.append(_attend(q[:, rows], k[:, rows], v[:, rows], cache, layer, pos, mask, dims, w.sinks))
         start += n
     return _finish(x, mx.concatenate(outs, axis=1), w, dims)  # [1, T, hidden]
 
@@ -206,9 +214,10 @@ def _attend(
     positions: int | mx.array,
     mask: mx.array | str | None,
     dims: Dims,
+    sinks: mx.array | None = None,
 ) -> mx.array:
     """One slot's attention: RoPE at its positions, its n new keys/values written at
-    cache.length, attention over its cache with its mask → [1, n, H·D]."""
+    cache.length, attention over its cache with its mask (and gpt-oss's sinks) → [1, n, H·D]."""
     _, n, H, D = q.shape
     start, end = cache.length, cache.length + n
     q = rope(q.transpose(0, 2, 1, 3), positions, dims)  # [1, H, n, D]
@@ -220,7 +229,7 @@ def _attend(
     values[:, :, start:end] = v.astype(values.dtype)
     cache.keys[layer], cache.values[layer] = keys, values
     o = mx.fast.scaled_dot_product_attention(
-        q, keys[:, :, :end], values[:, :, :end], scale=dims.attn_scale or D**-0.5, mask=mask
+        q, keys[:, :, :end], values[:, :, :end], scale=dims.attn_scale or D**-0.5, mask=mask, sinks=sinks
     )  # [1, H, n, D], GQA handled by the kernel
     return o.transpose(0, 2, 1, 3).reshape(1, n, H * D)  # [1, n, H·D]
 
@@ -248,16 +257,20 @@ def experts_ffn(h: mx.array, m: MoEWeights, dims: Dims) -> mx.array:
     sigmoid(gate_inp_shexp · h). h [1, n, hidden] → [1, n, hidden]."""
     _, n, hidden = h.shape
     t = h.reshape(n, hidden)  # [T, H]
-    probs = mx.softmax(m.router(t).astype(mx.float32), axis=-1)  # [T, E]
+    logits = m.router(t).astype(mx.float32)  # [T, E] (+ gpt-oss's bias)
+    probs = mx.softmax(logits, axis=-1) if dims.gating == "softmax" else logits
     k = dims.experts_used
     ids = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # [T, k]: the k most probable
     weights = mx.take_along_axis(probs, ids, axis=-1)  # [T, k]
+    if dims.gating == "softmax_weight":  # gpt-oss: softmax over the k chosen logits
+        weights = mx.softmax(weights, axis=-1)
     if dims.experts_renorm:
         weights = weights / weights.sum(axis=-1, keepdims=True)
     if dims.experts_scale not in (0.0, 1.0):
         weights = weights * dims.experts_scale
     xe = t.reshape(n, 1, 1, hidden)  # [T, 1, 1, H]
-    act = nn_silu(m.gate(xe, ids)) * m.up(xe, ids)  # [T, k, 1, F]
+    g, u = m.gate(xe, ids), m.up(xe, ids)  # [T, k, 1, F]
+    act = swiglu_oai(g, u) if dims.swiglu_oai else nn_silu(g) * u
     y = m.down(act, ids).squeeze(-2)  # [T, k, H]
     out = (y * weights[..., None].astype(y.dtype)).sum(axis=1)  # [T, H]
     if m.shared is not None:
@@ -286,3 +299,11 @@ def window_mask(mask: np.ndarray, cache_len: int, positions: np.ndarray, window:
     key_pos = np.cumsum(visible) - 1  # [S]
     near = positions[:, None] - key_pos[None, :] < window
     return mx.array(causal & visible[None, :] & near)
+
+
+def swiglu_oai(gate: mx.array, up: mx.array) -> mx.array:
+    """gpt-oss's expert activation (ggml_swiglu_oai): x = min(gate, 7), y = clamp(up, −7, 7),
+    x·sigmoid(1.702·x)·(y + 1)."""
+    x = mx.minimum(gate, SWIGLU_OAI_LIMIT)
+    y = mx.clip(up, -SWIGLU_OAI_LIMIT, SWIGLU_OAI_LIMIT)
+    return x * mx.sigmoid(SWIGLU_OAI_ALPHA * x) * (y + 1.0)

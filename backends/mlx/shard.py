@@ -26,7 +26,7 @@ from backends import memory
 from backends.base import HeadOps, ShardSpec
 from backends.errors import BadInput
 from backends.gguf import ModelIndex, open_model
-from backends.gguf.families import require_llama_blocks
+from backends.gguf.families import Yarn, require_llama_blocks, yarn_magnitude, yarn_multipliers
 from backends.mlx.model import Dims, SlotCache, attention_mask, block, block_rows, window_mask
 from backends.mlx.weights import load_shard_weights, weight_bytes
 
@@ -48,7 +48,7 @@ class MLXShard(HeadOps):
     ):
         index = index if index is not None else open_model(spec.model_path)
         hp = index.hparams
-        require_llama_blocks(hp, "mlx", experts=True, gemma=True)
+        require_llama_blocks(hp, "mlx", experts=True, gemma=True, gpt_oss=True, biases=True)
         if not 0 <= spec.first <= spec.last <= hp.n_blocks:
             raise BadInput(
                 f"block range [{spec.first}, {spec.last}) is outside the model's {hp.n_blocks} blocks"
@@ -59,7 +59,8 @@ class MLXShard(HeadOps):
         self.precision = precision
         self.hparams = hp
         self.index = index
-        freqs = None
+        fam = hp.family
+        freqs = _periods(hp.head_dim, hp.rope_base, fam.yarn)
         if hp.rope_freq_factors:  # mx.fast.rope's freqs are periods: base^(2i/D)·factor_i
             half = np.arange(0, hp.head_dim, 2, dtype=np.float64) / hp.head_dim
             factors = index.dequantize("rope_freqs.weight", np.float64)
@@ -70,12 +71,14 @@ class MLXShard(HeadOps):
             experts_used=hp.family.n_experts_used, experts_renorm=hp.family.experts_renorm,
             experts_scale=hp.family.experts_scale, gelu=hp.family.ffn_act == "gelu_tanh",
             post_norms=hp.family.post_norms, attn_scale=hp.family.attn_scale,
+            swiglu_oai=fam.ffn_act == "swiglu_oai", gating=fam.experts_gating,
+            rope_magnitude=yarn_magnitude(fam.yarn) if fam.yarn is not None else 1.0,
         )  # fmt: skip
-        fam = hp.family
-        # Gemma 3's windowed layers: their own RoPE base (scale 1) and mask (model.window_mask)
+        # windowed layers (Gemma 3, gpt-oss): their own RoPE base (Gemma: scale 1) and mask
+        # (model.window_mask)
         self._windowed = tuple(fam.windowed(b) for b in range(spec.first, spec.last))
         self.dims_swa = dataclasses.replace(
-            self.dims, rope_base=fam.rope_base_swa, rope_freqs=None,
+            self.dims, rope_base=fam.rope_base_swa, rope_freqs=_periods(hp.head_dim, fam.rope_base_swa, fam.yarn),
             rope_scale=hp.rope_scale if fam.swa_rope_scaled else 1.0) if any(self._windowed) else self.dims  # fmt: skip
         self.weights = load_shard_weights(
             index.path, spec.first, spec.last, spec.embed, spec.head, f32=precision == "f32"
@@ -264,3 +267,12 @@ class MLXShard(HeadOps):
         """The top-1 token after the last row of hidden [n, hidden] (argmax in the graph: one id
         comes back, not V floats)."""
         return int(mx.argmax(self._logits(np.asarray(hidden)[-1:]), axis=-1).item())
+
+
+def _periods(head_dim: int, base: float, yarn: Yarn | None) -> mx.array | None:
+    """mx.fast.rope's `freqs` (periods) under YaRN: base^(2i/D) / YaRN's multiplier i (None
+    without YaRN: mx.fast.rope takes the base)."""
+    if yarn is None:
+        return None
+    inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) * yarn_multipliers(yarn, head_dim, base)
+    return mx.array((1.0 / inv).astype(np.float32))

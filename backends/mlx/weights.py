@@ -136,15 +136,16 @@ class Experts:
     biases: mx.array | None
     bits: int = 0
     padded: bool = False
+    bias: mx.array | None = None  # [E, out]: gpt-oss's per-expert bias rows
 
     def __call__(self, x: mx.array, ids: mx.array) -> mx.array:
         """x [T, 1, 1, in] (or [T, k, 1, in]), ids [T, k] → [T, k, 1, out]."""
         if self.scales is None:
-            return mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=ids)
-        if self.padded:
-            x = pad16(x)
-        return mx.gather_qmm(x, self.weight, self.scales, self.biases, rhs_indices=ids, transpose=True,
-                             group_size=GROUP_SIZE, bits=self.bits)  # fmt: skip
+            y = mx.gather_mm(x, self.weight.swapaxes(-1, -2), rhs_indices=ids)
+        else:
+            y = mx.gather_qmm(pad16(x) if self.padded else x, self.weight, self.scales, self.biases, rhs_indices=ids,
+                              transpose=True, group_size=GROUP_SIZE, bits=self.bits)  # fmt: skip
+        return y if self.bias is None else y + self.bias[ids][:, :, None, :]
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,7 @@ class BlockWeights:
     moe: MoEWeights | None = None
     post_attn_norm: mx.array | None = None  # [hidden], Gemma: the attention's output normalized
     post_ffw_norm: mx.array | None = None  # [hidden], Gemma: the FFN's output normalized
+    sinks: mx.array | None = None  # [n_heads], gpt-oss: a learnt logit per head in every softmax
 
 
 @dataclass(frozen=True)
@@ -218,13 +220,15 @@ def load_shard_weights(
     def experts(name: str) -> Experts:
         t = tensors[name]
         E, out, cols = t.shape
+        bias_name = name.removesuffix(".weight") + ".bias"
+        bias = vec(bias_name).reshape(E, out) if bias_name in tensors else None
         if t.qtype in FLOAT_TYPES:
-            return Experts(mx.array(index.dequantize(name, np.float32).reshape(E, out, cols)), None, None)
+            return Experts(mx.array(index.dequantize(name, np.float32).reshape(E, out, cols)), None, None, bias=bias)
         b = split_blocks(t.qtype, index.raw(name), E * out, cols)
         codes, scales, biases, bits, padded = affine(b, f32)
         packed = pack_codes(codes, bits)
         return Experts(mx.array(packed.reshape(E, out, -1)), mx.array(scales.reshape(E, out, -1)),
-                       mx.array(biases.reshape(E, out, -1)), bits, padded)  # fmt: skip
+                       mx.array(biases.reshape(E, out, -1)), bits, padded, bias)  # fmt: skip
 
     def moe(b: int) -> MoEWeights | None:
         p = f"blk.{b}."
@@ -236,6 +240,8 @@ def load_shard_weights(
         return MoEWeights(linear(f"{p}ffn_gate_inp"), experts(f"{p}ffn_gate_exps.weight"),
                           experts(f"{p}ffn_up_exps.weight"), experts(f"{p}ffn_down_exps.weight"), shared,
                           linear(f"{p}ffn_gate_inp_shexp") if shared else None)  # fmt: skip
+
+    post_norms = index.hparams.family.post_norms
 
     def optional(name: str) -> mx.array | None:
         return vec(name) if name in tensors else None
@@ -250,15 +256,17 @@ def load_shard_weights(
             k=linear(f"blk.{b}.attn_k"),
             v=linear(f"blk.{b}.attn_v"),
             o=linear(f"blk.{b}.attn_output"),
-            ffn_norm=vec(f"blk.{b}.ffn_norm.weight"),
+            ffn_norm=vec(f"blk.{b}.{index.hparams.family.ffn_norm}"),
             gate=dense(b, "gate"),
             up=dense(b, "up"),
             down=dense(b, "down"),
             q_norm=vec(f"blk.{b}.attn_q_norm.weight") if f"blk.{b}.attn_q_norm.weight" in tensors else None,
             k_norm=vec(f"blk.{b}.attn_k_norm.weight") if f"blk.{b}.attn_k_norm.weight" in tensors else None,
             moe=moe(b),
-            post_attn_norm=optional(f"blk.{b}.post_attention_norm.weight"),
-            post_ffw_norm=optional(f"blk.{b}.post_ffw_norm.weight"),
+            # Gemma's output norms (gpt-oss's post_attention_norm is its FFN's input norm, ffn_norm)
+            post_attn_norm=optional(f"blk.{b}.post_attention_norm.weight") if post_norms else None,
+            post_ffw_norm=optional(f"blk.{b}.post_ffw_norm.weight") if post_norms else None,
+            sinks=optional(f"blk.{b}.attn_sinks.weight"),
         )
         for b in range(first, last)
     )
@@ -285,15 +293,15 @@ def _arrays(weights: ShardWeights) -> list[mx.array]:
             out.extend(a for a in (lin.weight, lin.scales, lin.biases, lin.bias) if a is not None)
 
     for b in weights.blocks:
-        out += [a for a in (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm, b.post_attn_norm, b.post_ffw_norm)
-                if a is not None]
+        out += [a for a in (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm, b.post_attn_norm, b.post_ffw_norm,
+                            b.sinks) if a is not None]  # fmt: skip
         for lin in (b.q, b.k, b.v, b.o, b.gate, b.up, b.down):
             add_linear(lin)
         if b.moe is not None:
             for lin in (b.moe.router, b.moe.shared_gate, *(b.moe.shared or ())):
                 add_linear(lin)
             for e in (b.moe.gate, b.moe.up, b.moe.down):
-                out.extend(a for a in (e.weight, e.scales, e.biases) if a is not None)
+                out.extend(a for a in (e.weight, e.scales, e.biases, e.bias) if a is not None)
     add_linear(weights.embedding)
     add_linear(weights.lm_head)
     if weights.output_norm is not None:

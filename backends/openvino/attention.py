@@ -15,7 +15,8 @@ ggml_soft_max_add_sinks). The graph keeps ScaledDotProductAttention and appends 
 
 YaRN (gpt-oss's RoPE scaling, ggml's rope_yarn with ext_factor 1): frequency pair i keeps the
 original angle θ_i below the low correction dim, takes the interpolated θ_i·freq_scale above the
-high one, and mixes the two linearly between; cos and sin are scaled by a magnitude.
+high one, and mixes the two linearly between; cos and sin are scaled by a magnitude
+(backends/gguf/families.py computes both, for the MLX backend too).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from backends.gguf.families import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT, Yarn
+from backends.gguf.families import SWIGLU_OAI_ALPHA, SWIGLU_OAI_LIMIT
 
 I64 = ov.Type.i64
 F32 = ov.Type.f32
@@ -77,36 +78,6 @@ def attention_with_sinks(q: ov.Output, k: ov.Output, v: ov.Output, mask: ov.Outp
                              ops.concat([batch, _i64(n_heads), rows, _i64(1)], 0))  # [B, nh, L, 1]
     mask = ops.concat([full, sink_col], 3)  # [B, nh, L, S + 1]
     return ops.scaled_dot_product_attention(q, k, v, mask, ops.constant(np.float32(scale))).output(0)
-
-
-def yarn_multipliers(yarn: Yarn, head_dim: int, base: float) -> np.ndarray:
-    """[D/2]: frequency pair i's angle × this under YaRN: 1 below the low correction dim,
-    freq_scale above the high one, a linear ramp over the pair index between."""
-    low, high = _yarn_correction_dims(yarn, head_dim, base)
-    i = np.arange(head_dim // 2, dtype=np.float64)
-    extrapolated = 1.0 - np.clip((i - low) / max(0.001, high - low), 0.0, 1.0)  # 1: keeps θ_i
-    return yarn.freq_scale * (1.0 - extrapolated) + extrapolated
-
-
-def _yarn_correction_dims(yarn: Yarn, head_dim: int, base: float) -> tuple[float, float]:
-    """The pair indices where the ramp starts and ends: D·ln(n_ctx_orig / (2π·β)) / (2·ln base) for
-    β = beta_fast (floored, ≥ 0) and beta_slow (ceiled, ≤ D − 1), in f32 as ggml computes them
-    (a floor or ceil can turn on the last bit)."""
-    f = np.float32
-
-    def dim(beta: float) -> np.float32:
-        ratio = f(yarn.n_ctx_orig) / (f(beta) * f(2.0) * f(math.pi))
-        return f(head_dim) * np.log(ratio, dtype=np.float32) / (f(2.0) * np.log(f(base), dtype=np.float32))
-
-    return max(0.0, float(np.floor(dim(yarn.beta_fast)))), min(head_dim - 1.0, float(np.ceil(dim(yarn.beta_slow))))
-
-
-def yarn_magnitude(yarn: Yarn) -> float:
-    """cos and sin × this: mscale(s)·rope.scaling.attn_factor, s = 1 / freq_scale, mscale(s) =
-    1 + 0.1·ln s for s > 1, else 1. (llama.cpp's context sets attn_factor = mscale(s) / (1 + 0.1·ln s)
-    · rope.scaling.attn_factor, and ggml's rope multiplies that by 1 + 0.1·ln s again.)"""
-    s = 1.0 / yarn.freq_scale
-    return (1.0 + 0.1 * math.log(s) if s > 1.0 else 1.0) * yarn.attn_factor
 
 
 def swiglu_oai(gate: ov.Output, up: ov.Output) -> ov.Output:

@@ -39,9 +39,8 @@ import openvino.opset13 as ops
 import openvino.opset6 as ops6
 
 from backends.gguf import ModelIndex
-from backends.gguf.families import Yarn
-from backends.openvino.attention import (attention_with_sinks, gelu_tanh, softcap, window_mask, yarn_magnitude,
-                                         yarn_multipliers)  # fmt: skip
+from backends.gguf.families import Yarn, yarn_magnitude, yarn_multipliers
+from backends.openvino.attention import attention_with_sinks, gelu_tanh, softcap, window_mask
 from backends.openvino.moe import moe_ffn, shared_expert
 from backends.openvino.weights import F32, WeightBank
 
