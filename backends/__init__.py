@@ -59,13 +59,13 @@ def load_shard(name: str, spec: ShardSpec, precision: str = "serving", **options
         raise BadInput(st.reason)
     if precision not in PRECISIONS:
         raise BadInput(f"unknown precision {precision!r} (choose from {', '.join(PRECISIONS)})")
-    if name != "openvino":  # delta-net (hybrid) layers are built on OpenVINO only so far (issue 35)
+    if name not in ("openvino", "mlx"):  # delta-net (hybrid) layers: OpenVINO and MLX (issue 35)
         from backends.gguf import open_model
 
         index = options.get("index") or open_model(spec.model_path)
         if index.hparams.hybrid is not None:
-            raise BadInput(f"{index.hparams.arch} (gated delta-net layers) is served on the openvino backend only; "
-                           "choose the openvino backend")
+            raise BadInput(f"{index.hparams.arch} (gated delta-net layers) is served on the openvino and mlx backends "
+                           "only; choose one of them")
     module, cls, _, _ = _BACKENDS[name]
     return getattr(importlib.import_module(module), cls)(spec, precision=precision, **options)
 

@@ -56,22 +56,24 @@ def test_index_reads_the_moe_hybrid(tmp_path):
     assert (f.n_experts, f.n_experts_used, f.experts_renorm, f.shared_expert) == (8, 2, True, True)
 
 
-def test_only_openvino_builds_hybrid_blocks(tmp_path):
+def test_the_reference_backend_refuses_hybrid_blocks(tmp_path):
     path = write_qwen35_gguf(tmp_path / "q.gguf")
-    with pytest.raises(BadInput, match="openvino backend only"):
+    with pytest.raises(BadInput, match="openvino and mlx backends only"):
         load_shard("reference", ShardSpec(path, 0, 4, True, True), "f32")
 
 
 @needs_llamacpp
-@needs_openvino
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
 @pytest.mark.parametrize("ranges", [[(0, 4)], [(0, 2), (2, 4)], [(0, 1), (1, 3), (3, 4)]],
                          ids=["1-stage", "2-stages", "3-stages"])
-def test_openvino_chain_gives_llamacpps_greedy_ids(qwen35, ranges):
+def test_a_chain_gives_llamacpps_greedy_ids(qwen35, ranges, backend):
     from kafila.engine.chain import LocalChain
 
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
     path, index, ref_ids, _ = qwen35
     assert len(set(ref_ids)) > N_TOKENS // 4, ref_ids  # the random model is not degenerate
-    shards = [load_shard("openvino", ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index) for a, b in ranges]
+    shards = [load_shard(backend, ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index) for a, b in ranges]
     chain = LocalChain(shards, chunk_tokens=CHUNK_TOKENS)
     assert len(PROMPT_IDS) > CHUNK_TOKENS
     assert list(chain.generate(PROMPT_IDS, N_TOKENS)) == ref_ids
@@ -115,15 +117,18 @@ def _speculative_ids(chain, prompt: list[int], truth: list[int], n: int, k: int 
 
 
 @needs_llamacpp
-@needs_openvino
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
 @pytest.mark.parametrize("ranges", [[(0, 4)], [(0, 1), (1, 3), (3, 4)]], ids=["1-stage", "3-stages"])
-def test_cutting_back_rejected_drafts_keeps_llamacpps_ids(qwen35, ranges):
+def test_cutting_back_rejected_drafts_keeps_llamacpps_ids(qwen35, ranges, backend):
     """A verify step that accepts j of k drafts leaves every stage's recurrent state as if only
-    the accepted ones had been fed (backends/openvino/recurrent.py): the ids stay llama.cpp's."""
+    the accepted ones had been fed (backends/openvino/recurrent.py, backends/mlx/hybrid.py): the
+    ids stay llama.cpp's."""
     from kafila.engine.chain import LocalChain
 
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
     path, index, ref_ids, _ = qwen35
-    shards = [load_shard("openvino", ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index) for a, b in ranges]
+    shards = [load_shard(backend, ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index) for a, b in ranges]
     chain = LocalChain(shards, chunk_tokens=CHUNK_TOKENS)
     ids, accepted = _speculative_ids(chain, PROMPT_IDS, ref_ids, 64)
     assert set(accepted) == {0, 1, 2, 3}, accepted  # every kind of step ran, cuts included

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from backends.errors import BadInput
 from backends.gguf.families import DENSE_FFN_TENSORS, FUSED_GATE_UP_EXPS, MOE_TENSORS, SHARED_EXPERT_TENSORS
 from backends.gguf.optional import optional_block_tensors
@@ -126,3 +128,17 @@ def hybrid_params(path: str, arch: str, hp, tensors: dict, n_blocks: int, head_d
         if want is not None and tuple(t.shape) != want:
             raise BadInput(f"GGUF {path}: tensor {t.name} is {t.shape}, expected {want}")
     return h
+
+
+def imrope_inv_freq(rope_dims: int, base: float, sections: tuple[int, ...]) -> np.ndarray:
+    """[rope_dims/2] frequencies base^(−2i/rope_dims), 0 where llama.cpp's IMROPE reads the 4th
+    (extra) position, which is 0 for text tokens (llm_graph_input_pos::set_input)."""
+    inv = base ** (-np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims)
+    s0, s1, s2, s3 = sections
+    total = s0 + s1 + s2 + s3
+    for i in range(len(inv)):
+        sector = i % total if total else i
+        if not ((sector % 3 == 1 and sector < 3 * s1) or (sector % 3 == 2 and sector < 3 * s2)
+                or (sector % 3 == 0 and sector < 3 * s0)):  # fmt: skip
+            inv[i] = 0.0
+    return inv

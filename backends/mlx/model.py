@@ -70,6 +70,7 @@ class SlotCache:
         self.length = 0  # physical positions filled
         self.keys: list[mx.array | None] = [None] * n_blocks
         self.values: list[mx.array | None] = [None] * n_blocks
+        self.recurrent: dict[int, tuple[mx.array, mx.array]] = {}  # hybrid models' states (hybrid.py)
 
     @property
     def capacity(self) -> int:
@@ -93,7 +94,7 @@ class SlotCache:
                 )
 
     def arrays(self) -> list[mx.array]:
-        return [a for a in self.keys + self.values if a is not None]
+        return [a for a in self.keys + self.values if a is not None] + [a for s in self.recurrent.values() for a in s]
 
     def snapshot(self) -> tuple[int, tuple[mx.array, ...], tuple[mx.array, ...]]:
         """The used part of every buffer, as new arrays (MLX arrays are values: later writes to

@@ -27,6 +27,7 @@ from backends.base import HeadOps, ShardSpec
 from backends.errors import BadInput
 from backends.gguf import ModelIndex, open_model
 from backends.gguf.families import Yarn, require_llama_blocks, yarn_magnitude, yarn_multipliers
+from backends.mlx.hybrid import HybridDims, hybrid_block, init_state
 from backends.mlx.model import Dims, SlotCache, attention_mask, block, block_rows, window_mask
 from backends.mlx.weights import load_shard_weights, weight_bytes
 
@@ -40,6 +41,7 @@ class SlotState:
     values: tuple[mx.array, ...]
     first: int  # the shard it came from: blocks [first, last)
     last: int
+    recurrent: dict | None = None  # a hybrid model's states (backends/mlx/hybrid.py)
 
 
 class MLXShard(HeadOps):
@@ -49,6 +51,8 @@ class MLXShard(HeadOps):
         index = index if index is not None else open_model(spec.model_path)
         hp = index.hparams
         require_llama_blocks(hp, "mlx", experts=True, gemma=True, gpt_oss=True, biases=True)
+        self.hybrid = None if hp.hybrid is None else _hybrid_dims(hp, spec)
+        self._last: dict[int, tuple] = {}  # hybrid: a slot's last step of several positions (hybrid.py)
         if not 0 <= spec.first <= spec.last <= hp.n_blocks:
             raise BadInput(
                 f"block range [{spec.first}, {spec.last}) is outside the model's {hp.n_blocks} blocks"
@@ -99,11 +103,14 @@ class MLXShard(HeadOps):
     def open_slot(self) -> int:
         slot = next(i for i in range(len(self._slots) + 1) if i not in self._slots)
         self._slots[slot] = SlotCache(self.n_blocks, self.dims)
+        if self.hybrid is not None:
+            init_state(self._slots[slot], self.hybrid)
         return slot
 
     def close_slot(self, slot: int) -> None:
         self._cache(slot)
         del self._slots[slot]
+        self._last.pop(slot, None)
 
     def cache_len(self, slot: int) -> int:
         return self._cache(slot).length
@@ -114,11 +121,30 @@ class MLXShard(HeadOps):
         cache = self._cache(slot)
         if not 0 <= length <= cache.length:
             raise ValueError(f"slot {slot} holds {cache.length} positions, not {length}")
+        if self.hybrid is not None and 0 < length < cache.length:  # the state cannot be masked back
+            self._cut_recurrent(slot, cache, length)
+            return
         cache.length = length
+        if self.hybrid is not None and length == 0:
+            init_state(cache, self.hybrid)
+            self._last.pop(slot, None)
+
+    def _cut_recurrent(self, slot: int, cache: SlotCache, length: int) -> None:
+        """Back to `length` inside the slot's last step of several positions: its start state,
+        then its first positions fed again (backends/openvino/recurrent.py's rule)."""
+        step = self._last.pop(slot, None)
+        if step is None or not step[0] <= length:
+            raise ValueError(f"a hybrid model's slot {slot} (recurrent state) can be cut back only within its "
+                             f"last step of several positions, not from {cache.length} to {length} positions")
+        start, states, x, positions, mask = step
+        cache.length, cache.recurrent = start, dict(states)
+        if length > start:
+            self.forward(slot, x[: length - start], positions[: length - start], mask[:length])
 
     def capture(self, slot: int) -> SlotState:
-        length, keys, values = self._cache(slot).snapshot()
-        return SlotState(length, keys, values, self.spec.first, self.spec.last)
+        cache = self._cache(slot)
+        length, keys, values = cache.snapshot()
+        return SlotState(length, keys, values, self.spec.first, self.spec.last, dict(cache.recurrent) or None)
 
     def restore(self, slot: int, state: SlotState) -> None:
         if not isinstance(state, SlotState) or (state.first, state.last) != (
@@ -128,7 +154,11 @@ class MLXShard(HeadOps):
             raise ValueError(
                 "restore takes a state captured from an MLX shard of the same block range"
             )
-        self._cache(slot).load(state.length, state.keys, state.values)
+        cache = self._cache(slot)
+        cache.load(state.length, state.keys, state.values)
+        if self.hybrid is not None:
+            cache.recurrent = dict(state.recurrent or {})
+            self._last.pop(slot, None)
 
     def _cache(self, slot: int) -> SlotCache:
         cache = self._slots.get(slot)
@@ -143,6 +173,8 @@ class MLXShard(HeadOps):
     ) -> np.ndarray:
         cache = self._cache(slot)
         n, pos, visible = self._row_inputs(slot, cache, x, positions, mask)
+        if self.hybrid is not None:
+            return self._forward_hybrid(slot, cache, x, positions, mask, visible)
         near = self._window(cache, positions, mask)
         self._mind_cache(1, n)
         h = self._embed(x, n)[None]  # [1, n, hidden]
@@ -172,6 +204,8 @@ class MLXShard(HeadOps):
             )
         if len(set(slots)) != len(slots):
             raise ValueError(f"forward_batch got a slot twice: {slots}")
+        if self.hybrid is not None:  # recurrent states: one slot at a time
+            return [self.forward(*a) for a in zip(slots, xs, positions, masks)]
         caches = [self._cache(s) for s in slots]
         rows = [self._row_inputs(*a) for a in zip(slots, caches, xs, positions, masks)]
         ns = [n for n, _, _ in rows]
@@ -194,6 +228,24 @@ class MLXShard(HeadOps):
         mx.eval(h, arrays)
         out = np.array(h[0], dtype=np.float32)  # [T, hidden]
         return np.split(out, np.cumsum(ns)[:-1])  # [n, hidden] per row
+
+    def _forward_hybrid(self, slot: int, cache: SlotCache, x: np.ndarray, positions: np.ndarray, mask: np.ndarray,
+                        visible: mx.array | str | None) -> np.ndarray:
+        n = len(x)
+        positions = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if n > 1:  # a step that may be cut back into: keep its start
+            self._last[slot] = (cache.length, dict(cache.recurrent), np.array(x, copy=True), positions.copy(),
+                                np.asarray(mask).reshape(-1).copy())  # fmt: skip
+        else:
+            self._last.pop(slot, None)
+        self._mind_cache(1, n)
+        h = self._embed(x, n)  # [n, hidden]
+        cache.reserve(n)
+        for layer, w in enumerate(self.weights.blocks):
+            h = hybrid_block(h, w, cache, layer, positions, visible, self.dims, self.hybrid)
+        cache.length += n
+        mx.eval(h, cache.arrays())
+        return np.array(h, dtype=np.float32)
 
     def _window(self, cache: SlotCache, positions: np.ndarray, mask: np.ndarray) -> mx.array | None:
         """A windowed layer's visibility for one slot's feed (None: the shard has no windowed layer)."""
@@ -276,3 +328,16 @@ def _periods(head_dim: int, base: float, yarn: Yarn | None) -> mx.array | None:
         return None
     inv = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim) * yarn_multipliers(yarn, head_dim, base)
     return mx.array((1.0 / inv).astype(np.float32))
+
+
+def _hybrid_dims(hp, spec: ShardSpec) -> HybridDims:
+    """The shard's part of a hybrid model (backends/gguf/hybrid.py): which of its blocks are
+    delta-net layers, the gated attention's partial RoPE frequencies, the delta rule's sizes."""
+    from backends.gguf.hybrid import imrope_inv_freq
+
+    hy = hp.hybrid
+    R = hy.rope_dims
+    inv = (hp.rope_base ** (-np.arange(0, R, 2, dtype=np.float64) / R) if hy.rope_sections is None
+           else imrope_inv_freq(R, hp.rope_base, hy.rope_sections))  # fmt: skip
+    return HybridDims(recurrent=hy.recurrent[spec.first:spec.last], rope_inv=inv, k_heads=hy.k_heads,
+                      v_heads=hy.v_heads, state=hy.state, conv_kernel=hy.conv_kernel, interleaved=hy.interleaved)

@@ -32,6 +32,7 @@ shard's tensors are read (memory-mapped through the model index), not the whole 
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import mlx.core as mx
@@ -181,8 +182,40 @@ class BlockWeights:
 
 
 @dataclass(frozen=True)
+class HybridWeights:
+    """One hybrid block: its norms and FFN (dense or MoE), and either the delta-net's or the
+    gated attention's matrices."""
+
+    attn_norm: mx.array
+    ffn_norm: mx.array  # post_attention_norm: the FFN's input norm
+    gate: Linear | None
+    up: Linear | None
+    down: Linear | None
+    moe: MoEWeights | None
+    # gated attention
+    q: Linear | None = None  # per head D query rows then D gate rows
+    k: Linear | None = None
+    v: Linear | None = None
+    o: Linear | None = None
+    q_norm: mx.array | None = None
+    k_norm: mx.array | None = None
+    # delta net
+    qkv: Linear | None = None  # q | k | v channels (qwen3next: or ssm_in, per key head)
+    z: Linear | None = None  # attn_gate
+    beta: Linear | None = None
+    alpha: Linear | None = None
+    ba: Linear | None = None  # qwen3next's fused β, α (per key head)
+    ssm_in: Linear | None = None  # qwen3next's legacy fused q, k, v, z
+    conv: mx.array | None = None  # [C, K]
+    dt_bias: mx.array | None = None  # [Hv]
+    a: mx.array | None = None  # [Hv]
+    ssm_norm: mx.array | None = None  # [S]
+    out: Linear | None = None
+
+
+@dataclass(frozen=True)
 class ShardWeights:
-    blocks: tuple[BlockWeights, ...]  # blocks first .. last-1, in order
+    blocks: tuple[BlockWeights | HybridWeights, ...]  # blocks first .. last-1, in order
     embedding: Linear | None  # token_embd when it is also the lm_head (tied): rows are looked up
     output_norm: mx.array | None  # [hidden] (head shard)
     lm_head: Linear | None  # output.weight, or token_embd when tied (head shard)
@@ -249,7 +282,21 @@ def load_shard_weights(
     def dense(b: int, kind: str) -> Linear | None:
         return linear(f"blk.{b}.ffn_{kind}") if f"blk.{b}.ffn_{kind}.weight" in tensors else None
 
-    blocks = tuple(
+    def hybrid(b: int) -> HybridWeights:
+        p = f"blk.{b}."
+        has = lambda n: p + n in tensors  # noqa: E731
+        lin = lambda n: linear(p + n) if has(n + ".weight") else None  # noqa: E731
+        common = dict(attn_norm=vec(p + "attn_norm.weight"), ffn_norm=vec(p + "post_attention_norm.weight"),
+                      gate=dense(b, "gate"), up=dense(b, "up"), down=dense(b, "down"), moe=moe(b))  # fmt: skip
+        if not index.hparams.hybrid.recurrent[b]:
+            return HybridWeights(**common, q=lin("attn_q"), k=lin("attn_k"), v=lin("attn_v"), o=lin("attn_output"),
+                                 q_norm=vec(p + "attn_q_norm.weight"), k_norm=vec(p + "attn_k_norm.weight"))  # fmt: skip
+        return HybridWeights(**common, qkv=lin("attn_qkv"), z=lin("attn_gate"), beta=lin("ssm_beta"),
+                             alpha=lin("ssm_alpha"), ba=lin("ssm_ba"), ssm_in=None if has("attn_qkv.weight") else lin("ssm_in"),
+                             conv=vec(p + "ssm_conv1d.weight"), dt_bias=vec(p + "ssm_dt.bias"), a=vec(p + "ssm_a"),
+                             ssm_norm=vec(p + "ssm_norm.weight"), out=lin("ssm_out"))  # fmt: skip
+
+    blocks = tuple(hybrid(b) for b in range(first, last)) if index.hparams.hybrid is not None else tuple(
         BlockWeights(
             attn_norm=vec(f"blk.{b}.attn_norm.weight"),
             q=linear(f"blk.{b}.attn_q"),
@@ -286,26 +333,21 @@ def load_shard_weights(
 
 
 def _arrays(weights: ShardWeights) -> list[mx.array]:
+    """Every array the weights hold (a tied table once per holder): whatever the dataclasses'
+    fields, arrays, Linears, Experts, MoE weights and tuples of them."""
     out: list[mx.array] = []
 
-    def add_linear(lin: Linear | None) -> None:
-        if lin is not None:
-            out.extend(a for a in (lin.weight, lin.scales, lin.biases, lin.bias) if a is not None)
+    def add(value) -> None:
+        if isinstance(value, mx.array):
+            out.append(value)
+        elif isinstance(value, (tuple, list)):
+            for v in value:
+                add(v)
+        elif dataclasses.is_dataclass(value):
+            for f in dataclasses.fields(value):
+                add(getattr(value, f.name))
 
-    for b in weights.blocks:
-        out += [a for a in (b.attn_norm, b.ffn_norm, b.q_norm, b.k_norm, b.post_attn_norm, b.post_ffw_norm,
-                            b.sinks) if a is not None]  # fmt: skip
-        for lin in (b.q, b.k, b.v, b.o, b.gate, b.up, b.down):
-            add_linear(lin)
-        if b.moe is not None:
-            for lin in (b.moe.router, b.moe.shared_gate, *(b.moe.shared or ())):
-                add_linear(lin)
-            for e in (b.moe.gate, b.moe.up, b.moe.down):
-                out.extend(a for a in (e.weight, e.scales, e.biases, e.bias) if a is not None)
-    add_linear(weights.embedding)
-    add_linear(weights.lm_head)
-    if weights.output_norm is not None:
-        out.append(weights.output_norm)
+    add(weights)
     return out
 
 

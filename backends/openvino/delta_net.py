@@ -31,25 +31,12 @@ import openvino as ov
 import openvino.opset13 as ops
 import openvino.opset6 as ops6
 
+from backends.gguf.hybrid import imrope_inv_freq  # noqa: F401 (numpy; the MLX backend shares it)
 from backends.openvino.graph import I64, _i64, apply_rope, rms_norm
 from backends.openvino.moe import moe_ffn, shared_expert
 from backends.openvino.weights import F32
 
 MAX_I64 = np.iinfo(np.int64).max
-
-
-def imrope_inv_freq(rope_dims: int, base: float, sections: tuple[int, ...]) -> np.ndarray:
-    """[rope_dims/2] frequencies base^(−2i/rope_dims), 0 where llama.cpp's IMROPE reads the 4th
-    (extra) position, which is 0 for text tokens (llm_graph_input_pos::set_input)."""
-    inv = base ** (-np.arange(0, rope_dims, 2, dtype=np.float64) / rope_dims)
-    s0, s1, s2, s3 = sections
-    total = s0 + s1 + s2 + s3
-    for i in range(len(inv)):
-        sector = i % total if total else i
-        if not ((sector % 3 == 1 and sector < 3 * s1) or (sector % 3 == 2 and sector < 3 * s2)
-                or (sector % 3 == 0 and sector < 3 * s0)):  # fmt: skip
-            inv[i] = 0.0
-    return inv
 
 
 def partial_rope_tables(position_ids: ov.Output, inv_freq: np.ndarray) -> tuple[ov.Output, ov.Output]:
