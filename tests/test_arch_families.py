@@ -259,17 +259,19 @@ def test_real_gemma3_270m_past_its_window(tmp_path, backend):
         assert float(np.max(np.abs(logits - ref_logits))) < 0.1
 
 
-@needs_openvino
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
 @pytest.mark.parametrize("kind", ["gemma3", "qwen3moe", "gpt-oss"])
-def test_batched_rows_and_a_rewind_match_solo(tmp_path, kind):
+def test_batched_rows_and_a_rewind_match_solo(tmp_path, kind, backend):
     """Rows of different lengths in one inference (two users, drafts) give each slot's solo
     answer: the window is counted in each row's own logical positions (padding and a rewound
     tail masked out), and a row's experts are its own though the batch reads the union."""
     from backends.gguf import open_model
     from tests.test_batch_rows import REL_BOUND, Chain, rel, solo_run
 
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
     index = open_model(write_arch_gguf(tmp_path / "m.gguf", kind, blocks=BLOCKS, tiny_vocab=256))
-    chain = Chain(index, [(0, 1), (1, BLOCKS)], "f32")
+    chain = Chain(index, [(0, 1), (1, BLOCKS)], "f32", backend)
     prompts = ([5, 60, 200, 7, 58, 33, 9, 14, 90, 91, 92, 93], [17, 3], [99, 100, 101, 102, 103, 104, 105, 106, 107,
                                                                            108, 109, 110, 111, 112, 113, 114])  # fmt: skip
     steps = 6

@@ -252,9 +252,9 @@ class _HalfRightDrafter:
         pass
 
 
-@needs_openvino
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
 @pytest.mark.parametrize("name", ["qwen35-dense", "qwen35moe-moe", "qwen3next-moe"])
-def test_speculation_on_a_ring_gives_the_ids_without_it(name):
+def test_speculation_on_a_ring_gives_the_ids_without_it(name, backend):
     """The ring's speculation on llama.cpp's own random hybrid models (2 blocks, one a stage) at
     f32, drafts accepted and rejected at every step: every stage cuts its recurrent state back
     inside the verify step (Scheduler's `recurrent`), and the ids are those without speculation."""
@@ -262,9 +262,11 @@ def test_speculation_on_a_ring_gives_the_ids_without_it(name):
     from tests.llamacpp_files import llama_arch_models
     from tests.test_speculate import N_NEW, _exactness
 
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
     path = str(llama_arch_models(("qwen35", "qwen35moe", "qwen3next"))[name])
     index = open_model(path)
-    chain = LocalChain([load_shard("openvino", ShardSpec(path, a, a + 1, a == 0, a == 0), "f32", index=index)
+    chain = LocalChain([load_shard(backend, ShardSpec(path, a, a + 1, a == 0, a == 0), "f32", index=index)
                         for a in range(index.hparams.n_blocks)], chunk_tokens=CHUNK_TOKENS)  # fmt: skip
     prompt = [int(i) for i in np.random.default_rng(1).integers(0, 128, 30)]
     drafter = _HalfRightDrafter(prompt, list(chain.generate(prompt, N_NEW + 8)))

@@ -9,8 +9,8 @@ at test time from the llama-cpp-python sdist against that package's libllama
 (tests/llamacpp_files.py), so the models are exactly what llama.cpp 0.3.36 writes.
 
 Each model: a 40-id prompt (fed in chunks of 16, so chunk boundaries and decode both run) and 48
-greedy ids from llama.cpp (f32 KV) against Kafila's OpenVINO stage at --precision f32, at one stage
-(logits within the suite's bound at every step) and split over two stages (the same ids).
+greedy ids from llama.cpp (f32 KV) against Kafila's OpenVINO and MLX stages at --precision f32, at
+one stage (logits within the suite's bound at every step) and split over two stages (the same ids).
 """
 
 from __future__ import annotations
@@ -62,16 +62,18 @@ def test_llamacpp_writes_a_model_of_every_served_architecture(models):
 
 
 @needs_llamacpp
-@needs_openvino
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
 @pytest.mark.parametrize("name", MODELS)
-def test_one_and_two_stages_give_llamacpps_ids(reference, name):
+def test_one_and_two_stages_give_llamacpps_ids(reference, name, backend):
     from kafila.engine.chain import LocalChain
 
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
     path, index, ref_ids, ref_logits = reference(name)
     n = index.hparams.n_blocks
-    whole = load_shard("openvino", ShardSpec(path, 0, n, True, True), "f32", index=index)
+    whole = load_shard(backend, ShardSpec(path, 0, n, True, True), "f32", index=index)
     check_against_llamacpp(kafila_greedy(whole, PROMPT_IDS, N_TOKENS), ref_ids, ref_logits)
-    split = [load_shard("openvino", ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index)
+    split = [load_shard(backend, ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index)
              for a, b in ((0, n // 2), (n // 2, n))]  # fmt: skip
     assert list(LocalChain(split, chunk_tokens=CHUNK).generate(PROMPT_IDS, N_TOKENS)) == ref_ids
 
@@ -85,7 +87,7 @@ def test_the_scales_a_graph_ignores_are_read_and_not_applied(models):
     assert "blk.0.ffn_up.scale" in h.extras
 
 
-@pytest.mark.parametrize("backend", ["reference", "mlx"])
+@pytest.mark.parametrize("backend", ["reference"])
 def test_backends_without_output_scales_refuse_them_in_one_line(models, backend):
     if not status(backend).available:
         pytest.skip(status(backend).reason)

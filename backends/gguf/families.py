@@ -243,7 +243,7 @@ def ffn_tensors(arch: str, family: Family) -> tuple[str, ...]:
 
 
 def require_llama_blocks(h, backend: str, experts: bool = False, gemma: bool = False, gpt_oss: bool = False,
-                         biases: bool = False) -> None:
+                         biases: bool = False, scales: bool = False) -> None:
     """BadInput unless the model's blocks are Llama's (llama, qwen2, qwen3), or with `experts`
     also Llama's with a softmax-gated mixture of experts (qwen3moe, qwen2moe, Mixtral's layout):
     the backends that have not learnt the families' parts refuse them rather than compute them wrong."""
@@ -258,7 +258,8 @@ def require_llama_blocks(h, backend: str, experts: bool = False, gemma: bool = F
         serves = ("dense llama, qwen2, qwen3" + (", gemma3" if gemma else "") + (", gpt-oss" if gpt_oss else "")
                   + (", qwen3moe, qwen2moe and Mixtral-layout llama" if experts else ""))  # fmt: skip
         raise BadInput(f"backend {backend} does not serve {kind} (it serves {serves}); use --backend openvino")
-    extras = [n for n in h.extras if not (biases and n.endswith(".bias"))]  # `biases`: the backend adds them
+    # `biases`, `scales`: the backend applies them
+    extras = [n for n in h.extras if not (biases and n.endswith(".bias")) and not (scales and n.endswith(".scale"))]
     if extras:
         raise BadInput(f"backend {backend} does not apply tensor {extras[0]} ({len(extras)} output scales or "
                        f"biases in all; backends/gguf/optional.py); use --backend openvino")

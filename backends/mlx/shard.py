@@ -50,7 +50,7 @@ class MLXShard(HeadOps):
     ):
         index = index if index is not None else open_model(spec.model_path)
         hp = index.hparams
-        require_llama_blocks(hp, "mlx", experts=True, gemma=True, gpt_oss=True, biases=True)
+        require_llama_blocks(hp, "mlx", experts=True, gemma=True, gpt_oss=True, biases=True, scales=True)
         self.hybrid = None if hp.hybrid is None else _hybrid_dims(hp, spec)
         self._last: dict[int, tuple] = {}  # hybrid: a slot's last step of several positions (hybrid.py)
         if not 0 <= spec.first <= spec.last <= hp.n_blocks:

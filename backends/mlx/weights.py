@@ -39,6 +39,8 @@ import mlx.core as mx
 import numpy as np
 
 from backends.gguf import ModelIndex, open_model
+from backends.gguf.families import FUSED_GATE_UP_EXPS
+from backends.gguf.optional import applies_scale
 from backends.gguf.quant import FLOAT_TYPES, QuantBlocks, split_blocks
 
 GROUP_SIZE = 32  # MLX's group of every quantized matrix (Q6_K's 16 are padded to it)
@@ -54,9 +56,11 @@ class Linear:
     weight: mx.array  # uint32 [out, in'·bits/32] when quantized, float [out, in] when dense
     scales: mx.array | None  # [out, in'/32]
     biases: mx.array | None  # [out, in'/32]
-    bias: mx.array | None = None  # [out], Qwen2 q/k/v only
+    bias: mx.array | None = None  # [out], the file's .bias (q/k/v, o, FFN, lm_head)
     bits: int = 0  # bits per code; 0 when dense
     padded: bool = False  # Q6_K: in' = 2·in, each 16 inputs followed by 16 zero columns
+    out_scale: mx.array | None = None  # [1]: the file's .scale where the architecture applies it
+    bias_first: bool = False  # a feed-forward's: (W·x + b)·s (llama.cpp's build_ffn), else (W·x)·s + b
 
     def __call__(self, x: mx.array) -> mx.array:
         if self.scales is None:
@@ -66,7 +70,11 @@ class Linear:
                 pad16(x) if self.padded else x, self.weight, self.scales, self.biases,
                 transpose=True, group_size=GROUP_SIZE, bits=self.bits,
             )  # fmt: skip
-        return y if self.bias is None else y + self.bias
+        if self.out_scale is not None and not self.bias_first:
+            y = y * self.out_scale
+        if self.bias is not None:
+            y = y + self.bias
+        return y * self.out_scale if self.out_scale is not None and self.bias_first else y
 
     def rows(self, ids: mx.array) -> mx.array:
         """Rows `ids` of W, dequantized: the embedding lookup. ids [n] → [n, in]."""
@@ -138,6 +146,7 @@ class Experts:
     bits: int = 0
     padded: bool = False
     bias: mx.array | None = None  # [E, out]: gpt-oss's per-expert bias rows
+    out_scale: mx.array | None = None  # [E]: the file's per-expert .scale where the architecture applies it
 
     def __call__(self, x: mx.array, ids: mx.array) -> mx.array:
         """x [T, 1, 1, in] (or [T, k, 1, in]), ids [T, k] → [T, k, 1, out]."""
@@ -146,6 +155,8 @@ class Experts:
         else:
             y = mx.gather_qmm(pad16(x) if self.padded else x, self.weight, self.scales, self.biases, rhs_indices=ids,
                               transpose=True, group_size=GROUP_SIZE, bits=self.bits)  # fmt: skip
+        if self.out_scale is not None:
+            y = y * self.out_scale[ids][:, :, None, None]
         return y if self.bias is None else y + self.bias[ids][:, :, None, :]
 
 
@@ -237,41 +248,56 @@ def load_shard_weights(
     def vec(name: str) -> mx.array:
         return mx.array(index.dequantize(name, np.float32))
 
+    def out_scale(name: str) -> mx.array | None:  # the .scale llama.cpp's graph applies (optional.py)
+        matrix = name.removesuffix(".weight").rpartition(".")[2]
+        scale = name.removesuffix(".weight") + ".scale"
+        return vec(scale) if scale in tensors and applies_scale(index.hparams.arch, matrix) else None
+
     def linear(name: str) -> Linear:
         if name in made:  # a tied embedding and lm_head share one array
             return made[name]
         bias = vec(f"{name}.bias") if f"{name}.bias" in tensors else None
         w = f"{name}.weight"
+        extra = dict(out_scale=out_scale(w), bias_first=name.rpartition(".")[2].startswith(("ffn_gate", "ffn_up", "ffn_down")))
         if tensors[w].qtype in FLOAT_TYPES:  # dense
-            made[name] = Linear(vec(w), None, None, bias)
+            made[name] = Linear(vec(w), None, None, bias, **extra)
         else:
             codes, scales, biases, bits, padded = affine(index.blocks_of(w), f32)
             made[name] = Linear(mx.array(pack_codes(codes, bits)), mx.array(scales), mx.array(biases),
-                                bias, bits, padded)
+                                bias, bits, padded, **extra)
         return made[name]
 
-    def experts(name: str) -> Experts:
+    def experts(name: str, rows: tuple[int, int] | None = None, scale: str | None = None) -> Experts:
+        """A 3-D expert tensor (`rows`: a fused one's part, rows a..z of each expert; `scale`:
+        another tensor's .scale, as a fused gate_up takes up's)."""
         t = tensors[name]
         E, out, cols = t.shape
+        a, z = rows or (0, out)
         bias_name = name.removesuffix(".weight") + ".bias"
-        bias = vec(bias_name).reshape(E, out) if bias_name in tensors else None
+        bias = vec(bias_name).reshape(E, out)[:, a:z] if bias_name in tensors else None
+        s = out_scale(scale or name)
         if t.qtype in FLOAT_TYPES:
-            return Experts(mx.array(index.dequantize(name, np.float32).reshape(E, out, cols)), None, None, bias=bias)
+            w = index.dequantize(name, np.float32).reshape(E, out, cols)[:, a:z]
+            return Experts(mx.array(np.ascontiguousarray(w)), None, None, bias=bias, out_scale=s)
         b = split_blocks(t.qtype, index.raw(name), E * out, cols)
         codes, scales, biases, bits, padded = affine(b, f32)
-        packed = pack_codes(codes, bits)
-        return Experts(mx.array(packed.reshape(E, out, -1)), mx.array(scales.reshape(E, out, -1)),
-                       mx.array(biases.reshape(E, out, -1)), bits, padded, bias)  # fmt: skip
+        part = lambda v: mx.array(np.ascontiguousarray(v.reshape(E, out, -1)[:, a:z]))  # noqa: E731
+        return Experts(part(pack_codes(codes, bits)), part(scales), part(biases), bits, padded, bias, s)
 
     def moe(b: int) -> MoEWeights | None:
         p = f"blk.{b}."
-        if f"{p}ffn_gate_exps.weight" not in tensors:
+        fused = p + FUSED_GATE_UP_EXPS
+        if fused in tensors:  # qwen35moe, qwen3next: gate's F rows, then up's, scaled by up's .scale
+            F = tensors[fused].shape[1] // 2
+            gate_up = (experts(fused, (0, F), f"{p}ffn_up_exps.weight"), experts(fused, (F, 2 * F), f"{p}ffn_up_exps.weight"))
+        elif f"{p}ffn_gate_exps.weight" in tensors:
+            gate_up = (experts(f"{p}ffn_gate_exps.weight"), experts(f"{p}ffn_up_exps.weight"))
+        else:
             return None
         shared = None
         if f"{p}ffn_gate_shexp.weight" in tensors:
             shared = (linear(f"{p}ffn_gate_shexp"), linear(f"{p}ffn_up_shexp"), linear(f"{p}ffn_down_shexp"))
-        return MoEWeights(linear(f"{p}ffn_gate_inp"), experts(f"{p}ffn_gate_exps.weight"),
-                          experts(f"{p}ffn_up_exps.weight"), experts(f"{p}ffn_down_exps.weight"), shared,
+        return MoEWeights(linear(f"{p}ffn_gate_inp"), *gate_up, experts(f"{p}ffn_down_exps.weight"), shared,
                           linear(f"{p}ffn_gate_inp_shexp") if shared else None)  # fmt: skip
 
     post_norms = index.hparams.family.post_norms
