@@ -272,3 +272,30 @@ def test_speculation_on_a_ring_gives_the_ids_without_it(name, backend):
     drafter = _HalfRightDrafter(prompt, list(chain.generate(prompt, N_NEW + 8)))
     total = _exactness(chain.shards, index, [prompt], speculate="draft", drafter=drafter)
     print(f"drafts on the {name} ring: {total.accepted} of {total.drafted} accepted")
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
+@pytest.mark.parametrize("ftype", ["Q4_K_M", "Q8_0"])
+def test_a_quantized_hybrid_with_a_real_tokenizer_gives_llamacpps_ids(tmp_path, ftype, backend):
+    """A qwen35moe file with Qwen2's tokenizer, hidden 256 (K-quant rows), quantized by llama.cpp's
+    own quantizer: 128 greedy ids after a 150-id prompt (several prefill chunks) equal llama.cpp's
+    on the file's exactly dequantized weights, at 1 stage and 3 uneven stages, at f32."""
+    from kafila.engine.chain import LocalChain
+    from tests.llamacpp_ref import greedy_run, quantize
+    from tests.test_llamacpp_quant import write_f32_copy
+
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
+    shape = dict(hidden=256, head_dim=64, rope_dims=32, ffn=256, k_heads=2, v_heads=4, state=64)
+    src = write_qwen35_gguf(tmp_path / "f32.gguf", moe=True, tokenizer=True, shape=shape,
+                            experts=dict(ffn=256, shared_ffn=256))  # fmt: skip
+    path = quantize(src, str(tmp_path / f"{ftype}.gguf"), ftype)
+    index = open_model(path)
+    assert {t.qtype for t in index.tensors.values()} - {"F32"}, "nothing was quantized"
+    prompt = [int(i) for i in np.random.default_rng(5).integers(0, 150_000, 150)]
+    ref_ids, _ = greedy_run(write_f32_copy(path, str(tmp_path / "deq.gguf")), prompt, N_TOKENS)
+    assert len(set(ref_ids)) > 8, ref_ids
+    for ranges in ([(0, 4)], [(0, 1), (1, 3), (3, 4)]):
+        shards = [load_shard(backend, ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index) for a, b in ranges]
+        assert list(LocalChain(shards, chunk_tokens=CHUNK_TOKENS).generate(prompt, N_TOKENS)) == ref_ids, ranges
