@@ -135,6 +135,16 @@ def test_we_cannot_build_a_message_out_of_bounds_either() -> None:
         c.SessionTerms(context=64, concurrency=0)
 
 
+def test_the_prompt_cache_term_is_a_bool_or_whole_histories() -> None:
+    """A hybrid model's host sends "whole" (kafila/session/ring/prefix.py's WHOLE); nothing else
+    but true or false goes through."""
+    terms = c.SessionTerms.from_json({"context": 64, "concurrency": 1, "prompt_cache": "whole"})
+    assert c.SessionTerms.from_json(terms.to_json()).prompt_cache == "whole"
+    for bad in ("yes", 1, None):
+        with pytest.raises(c.ControlError, match="prompt_cache must be true, false or"):
+            c.SessionTerms(context=64, concurrency=1, prompt_cache=bad)
+
+
 def test_measured_pairs_that_are_not_are_dropped_and_only_the_first_are_kept() -> None:
     msg = c.decode({"t": "edge", "measured": [["a", 1], ["b"], [3, 1.0], ["c", "x"], ["d", True]]})
     assert msg.measured == (("a", 1.0),)
