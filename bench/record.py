@@ -51,6 +51,18 @@ SECTIONS = [
    "the ggml form), the other matrices Q8_0. Here ggml's form reaches 0.35x: the op's profile puts most of a "
    "step in its Q8_0 lm_head (133 MB a token), which llama.cpp runs with its repacked or llamafile kernels; "
    "not solved yet."),
+  ("Hybrid (Qwen3.5-MoE) against llama.cpp",
+   "How fast does one Kafila process run a hybrid file (gated delta-net layers, attention every 4th block, "
+   "experts), next to llama.cpp on the same file?",
+   "python -m bench.kquant_speed --file qwen35moe --rows kafila-exact,kafila-ggml,llamacpp --rounds 2",
+   "bench.llamacpp_speed's random qwen35moe file (tests/hybrid_gguf.py's layout at hidden 1024: 12 blocks, 9 "
+   "of them delta-net layers with 8 key and 16 value heads of 64; 32 experts of FFN 256, top 4, a shared "
+   "expert; Qwen2's vocabulary), Q4_K_M from llama.cpp's quantizer. A request's recurrent state is 2.58 MB "
+   "(`kafila inspect`: 215,040 bytes per block, the planner's figure; tests/test_arch_hybrid.py checks the "
+   "stage holds exactly that). OpenVINO runs the delta rule as a sequential Loop over a step's positions "
+   "(llama.cpp: a fused op), which prefill pays most. The greedy ids part from the first token on this random "
+   "file at serving precision, as for the MoE files; at the tests' shapes every form gives llama.cpp's ids at "
+   "f32."),
   ("Speed against openvino_genai",
    "Does Kafila's own graph run the model as fast as OpenVINO's own LLM pipeline on the same GGUF?",
    "python -m bench.local --stages 1,3 --no-mlx --no-memory --tokens 64 --repeats 3",
