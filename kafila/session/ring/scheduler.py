@@ -186,11 +186,9 @@ class Scheduler:
         """`draft_k`: the most drafts a step carries; `adaptive_k` False drafts that many
         whenever the drafter finds them (tests of verification), True lets choose_k decide.
         `prompt_cache`: a finished request's slot keeps its KV for a prompt that starts the same
-        way (prefix.py); off, every request starts in a reset slot. `recurrent`: the model keeps a
-        recurrent state (hybrid models), which masking cannot rewind: a verify step's rejected
-        drafts are cut off instead (the next step builds on the kept positions only, and every
-        stage cuts its state back inside the step: backends/openvino/recurrent.py), and the
-        prompt cache continues whole histories only (prefix.WHOLE)."""
+        way (prefix.py); off, every request starts in a reset slot. `recurrent` (hybrid models:
+        masking cannot rewind their state): rejected drafts are cut off, not masked (every stage
+        cuts back inside the step), and the prompt cache continues whole histories only."""
         if speculate not in SPECULATE_MODES:
             raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {speculate!r}")
         if not 0 <= draft_k <= MAX_DRAFT_K:
@@ -216,8 +214,7 @@ class Scheduler:
         self._free = list(range(slots - 1, -1, -1))  # pop() hands out slot 0 first
         self.prompt_cache = bool(prompt_cache)
         self.recurrent = recurrent
-        # finished requests' slots, KV kept (prompt caching); prefix.WHOLE: hybrid models'
-        self._parked = ParkedSlots(whole=prompt_cache == WHOLE or recurrent)
+        self._parked = ParkedSlots(whole=prompt_cache == WHOLE or recurrent)  # prompt caching
         self._queue: deque[str] = deque()
         self._requests: dict[str, _Request] = {}
 
@@ -415,8 +412,7 @@ class Scheduler:
             kept = len(tokens)  # positions that stay live: the last token and the accepted drafts
             if self.recurrent:  # cut off, not masked: the next step builds on the kept ones
                 fed = kept
-            else:
-                req.zeros.extend(range(req.cache_len + kept, req.cache_len + fed))
+            req.zeros.extend(range(req.cache_len + kept, req.cache_len + fed))  # none when cut off
             req.spec.add(len(draft), kept)
             req.acceptance.add(len(draft), kept - 1)
             self.acceptance.add(len(draft), kept - 1)
