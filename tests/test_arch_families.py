@@ -79,22 +79,14 @@ def test_mlx_experts_match_llamacpp_one_and_three_stages(family_model, kind):
 
 
 @needs_mlx
-def test_mlx_gemma3_matches_llamacpp_one_and_three_stages_past_the_window(family_model):
+@pytest.mark.parametrize("kind", ["gemma3", "gpt-oss"])
+def test_mlx_gemma3_and_gpt_oss_match_llamacpp_one_and_three_stages_past_the_window(family_model, kind):
     """MLX's Gemma 3 (GeGLU, post norms, embedding scale, q·k scale, windowed layers with their own
-    RoPE base and mask, soft-capped logits): llama.cpp's greedy ids over 64 tokens after a 40-id
+    RoPE base and mask, soft-capped logits) and gpt-oss (attention sinks, the kernel's; YaRN
+    periods and magnitude; biases on q/k/v/o, the router and every expert; top-k-then-softmax
+    routing; swiglu_oai; windowed layers): llama.cpp's greedy ids over 64 tokens after a 40-id
     prompt, well past the window of 8."""
-    path, index, ref_ids, ref_logits = family_model("gemma3")
-    for ranges in ([(0, BLOCKS)], UNEVEN):
-        check_against_llamacpp(kafila_greedy(_shards(path, index, ranges, "mlx"), PROMPT_IDS, N_TOKENS), ref_ids,
-                               ref_logits)  # fmt: skip
-
-
-@needs_mlx
-def test_mlx_gpt_oss_matches_llamacpp_one_and_three_stages(family_model):
-    """MLX's gpt-oss: attention sinks (the kernel's), YaRN (periods and magnitude), biases on
-    q/k/v/o, the router and every expert, top-k-then-softmax routing, swiglu_oai, MXFP4-able
-    experts, windowed layers: llama.cpp's greedy ids past the window."""
-    path, index, ref_ids, ref_logits = family_model("gpt-oss")
+    path, index, ref_ids, ref_logits = family_model(kind)
     for ranges in ([(0, BLOCKS)], UNEVEN):
         check_against_llamacpp(kafila_greedy(_shards(path, index, ranges, "mlx"), PROMPT_IDS, N_TOKENS), ref_ids,
                                ref_logits)  # fmt: skip

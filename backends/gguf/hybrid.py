@@ -59,6 +59,14 @@ class HybridParams:
     state: int  # S: key and value head size of the delta rule
     interleaved: bool = False  # qwen3next: value head j reads key head j // (Hv/Hk); β, α from ssm_ba
 
+    def rope_inv_freq(self, base: float) -> np.ndarray:
+        """[rope_dims/2] the gated attention's RoPE frequencies: IMROPE's (imrope_inv_freq), or
+        plain NEOX's base^(−2i/rope_dims) without sections (qwen3next)."""
+        R = self.rope_dims
+        if self.rope_sections is None:
+            return base ** (-np.arange(0, R, 2, dtype=np.float64) / R)
+        return imrope_inv_freq(R, base, self.rope_sections)
+
     @property
     def conv_channels(self) -> int:
         return (2 * self.k_heads + self.v_heads) * self.state

@@ -18,17 +18,13 @@ every one of them.
 
 from __future__ import annotations
 
-# the matrices llama.cpp multiplies through build_lora_mm(_id) with their optional .scale
-SCALED_MATRICES = (
-    "attn_q", "attn_k", "attn_v", "attn_output", "attn_qkv", "attn_gate", "ssm_in", "ssm_out", "ssm_alpha",
-    "ssm_beta", "ffn_gate", "ffn_up", "ffn_down", "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps",
-    "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp",
-)  # fmt: skip
 ATTENTION = ("attn_q", "attn_k", "attn_v", "attn_output")  # build_qkv and build_attn, every architecture
 DENSE_FFN = ("ffn_gate", "ffn_up", "ffn_down")
 EXPERTS = ("ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
 SHARED = ("ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 DELTA_NET = ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out")
+# the matrices llama.cpp multiplies through build_lora_mm(_id) with their optional .scale
+SCALED_MATRICES = (*ATTENTION, *DELTA_NET, "ssm_in", *DENSE_FFN, *EXPERTS, *SHARED)
 # the scales each architecture's graph applies besides ATTENTION's (src/models/<arch>.cpp's *_s)
 APPLIED_SCALES = {"llama": DENSE_FFN + EXPERTS, "qwen3": DENSE_FFN, "qwen3moe": EXPERTS,
                   "qwen35": DENSE_FFN + DELTA_NET, "qwen35moe": EXPERTS + SHARED + DELTA_NET,
@@ -37,7 +33,6 @@ QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")
 # block biases an architecture's loader reads besides q/k/v's (llama.cpp's src/models/<arch>.cpp)
 BLOCK_BIASES = {"llama": ("attn_output.bias", "ffn_gate.bias", "ffn_up.bias", "ffn_down.bias")}
 HEAD_EXTRAS = {"qwen2": ("output.bias",), "qwen3": ("cls.output.weight",)}
-UNUSED_HEAD_TENSORS = ("cls.output.weight",)
 
 
 def optional_block_tensors(arch: str, names) -> set[str]:
@@ -54,6 +49,20 @@ def optional_block_tensors(arch: str, names) -> set[str]:
 def applies_scale(arch: str, matrix: str) -> bool:
     """Whether llama.cpp's `arch` graph multiplies `matrix`'s output (e.g. "ffn_up_exps") by its .scale."""
     return matrix in ATTENTION or matrix in APPLIED_SCALES.get(arch, ())
+
+
+def applied_scale(arch: str, name: str, tensors) -> str | None:
+    """The .scale tensor llama.cpp's `arch` graph applies to matrix `name` ("blk.0.ffn_up.weight"
+    or "blk.0.ffn_up"), None when the file has none or the graph ignores it."""
+    base = name.removesuffix(".weight")
+    scale = base + ".scale"
+    return scale if scale in tensors and applies_scale(arch, base.rpartition(".")[2]) else None
+
+
+def bias_before_scale(name: str) -> bool:
+    """Whether matrix `name`'s bias is added before its scale: a feed-forward's (build_ffn,
+    dense and shared expert), (W·x + b)·s; elsewhere (W·x)·s + b."""
+    return name.removesuffix(".weight").rpartition(".")[2].startswith(DENSE_FFN)
 
 
 def output_extras(arch: str, tensors) -> list[str]:

@@ -50,9 +50,8 @@ class Dims:
     experts_used: int = 0  # k: experts a token goes through (MoE blocks)
     experts_renorm: bool = False  # the k weights divided by their sum (qwen3moe, Mixtral)
     experts_scale: float = 0.0  # the k weights × this (0 or 1: unscaled)
-    # Gemma 3 (backends/gguf/families.py): GeGLU, the outputs' own norms, the q·k scale
+    # Gemma 3 (backends/gguf/families.py): GeGLU and the q·k scale (its output norms: BlockWeights)
     gelu: bool = False  # GeGLU (gelu_tanh) instead of SwiGLU
-    post_norms: bool = False  # post_attention_norm / post_ffw_norm before each residual add
     attn_scale: float = 0.0  # q·k scale; 0: 1/sqrt(head size)
     # gpt-oss: experts' activation and routing, YaRN's magnitude on the rotated q and k
     swiglu_oai: bool = False  # x·sigmoid(1.702·x)·(y + 1) with x = min(gate, 7), y = clamp(up, ±7)

@@ -74,7 +74,7 @@ class MLXShard(HeadOps):
             rope_traditional=not hp.rope_neox, rope_scale=hp.rope_scale, rope_freqs=freqs,
             experts_used=hp.family.n_experts_used, experts_renorm=hp.family.experts_renorm,
             experts_scale=hp.family.experts_scale, gelu=hp.family.ffn_act == "gelu_tanh",
-            post_norms=hp.family.post_norms, attn_scale=hp.family.attn_scale,
+            attn_scale=hp.family.attn_scale,
             swiglu_oai=fam.ffn_act == "swiglu_oai", gating=fam.experts_gating,
             rope_magnitude=yarn_magnitude(fam.yarn) if fam.yarn is not None else 1.0,
         )  # fmt: skip
@@ -333,11 +333,7 @@ def _periods(head_dim: int, base: float, yarn: Yarn | None) -> mx.array | None:
 def _hybrid_dims(hp, spec: ShardSpec) -> HybridDims:
     """The shard's part of a hybrid model (backends/gguf/hybrid.py): which of its blocks are
     delta-net layers, the gated attention's partial RoPE frequencies, the delta rule's sizes."""
-    from backends.gguf.hybrid import imrope_inv_freq
-
     hy = hp.hybrid
-    R = hy.rope_dims
-    inv = (hp.rope_base ** (-np.arange(0, R, 2, dtype=np.float64) / R) if hy.rope_sections is None
-           else imrope_inv_freq(R, hp.rope_base, hy.rope_sections))  # fmt: skip
-    return HybridDims(recurrent=hy.recurrent[spec.first:spec.last], rope_inv=inv, k_heads=hy.k_heads,
-                      v_heads=hy.v_heads, state=hy.state, conv_kernel=hy.conv_kernel, interleaved=hy.interleaved)
+    return HybridDims(recurrent=hy.recurrent[spec.first:spec.last], rope_inv=hy.rope_inv_freq(hp.rope_base),
+                      k_heads=hy.k_heads, v_heads=hy.v_heads, state=hy.state, conv_kernel=hy.conv_kernel,
+                      interleaved=hy.interleaved)  # fmt: skip

@@ -40,7 +40,7 @@ import numpy as np
 
 from backends.gguf import ModelIndex, open_model
 from backends.gguf.families import FUSED_GATE_UP_EXPS
-from backends.gguf.optional import applies_scale
+from backends.gguf.optional import applied_scale, bias_before_scale
 from backends.gguf.quant import FLOAT_TYPES, QuantBlocks, split_blocks
 
 GROUP_SIZE = 32  # MLX's group of every quantized matrix (Q6_K's 16 are padded to it)
@@ -249,16 +249,15 @@ def load_shard_weights(
         return mx.array(index.dequantize(name, np.float32))
 
     def out_scale(name: str) -> mx.array | None:  # the .scale llama.cpp's graph applies (optional.py)
-        matrix = name.removesuffix(".weight").rpartition(".")[2]
-        scale = name.removesuffix(".weight") + ".scale"
-        return vec(scale) if scale in tensors and applies_scale(index.hparams.arch, matrix) else None
+        scale = applied_scale(index.hparams.arch, name, tensors)
+        return vec(scale) if scale else None
 
     def linear(name: str) -> Linear:
         if name in made:  # a tied embedding and lm_head share one array
             return made[name]
         bias = vec(f"{name}.bias") if f"{name}.bias" in tensors else None
         w = f"{name}.weight"
-        extra = dict(out_scale=out_scale(w), bias_first=name.rpartition(".")[2].startswith(("ffn_gate", "ffn_up", "ffn_down")))
+        extra = dict(out_scale=out_scale(w), bias_first=bias_before_scale(name))
         if tensors[w].qtype in FLOAT_TYPES:  # dense
             made[name] = Linear(vec(w), None, None, bias, **extra)
         else:

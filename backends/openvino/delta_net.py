@@ -31,7 +31,6 @@ import openvino as ov
 import openvino.opset13 as ops
 import openvino.opset6 as ops6
 
-from backends.gguf.hybrid import imrope_inv_freq  # noqa: F401 (numpy; the MLX backend shares it)
 from backends.openvino.graph import I64, _i64, apply_rope, rms_norm
 from backends.openvino.moe import moe_ffn, shared_expert
 from backends.openvino.weights import F32
@@ -148,9 +147,7 @@ class HybridBlocks:
         k = ops.transpose(k, _i64(0, 2, 1, 3))  # [B, nkv, L, D]
         v = ops.transpose(ops.reshape(v, _i64(0, 0, nkv, D), True), _i64(0, 2, 1, 3))
         if id(position_ids) not in self._tables:  # one pair of tables for the stage
-            inv = (h.rope_base ** (-np.arange(0, R, 2, dtype=np.float64) / R) if hy.rope_sections is None
-                   else imrope_inv_freq(R, h.rope_base, hy.rope_sections))  # fmt: skip
-            self._tables[id(position_ids)] = partial_rope_tables(position_ids, inv)
+            self._tables[id(position_ids)] = partial_rope_tables(position_ids, hy.rope_inv_freq(h.rope_base))
         cos, sin = self._tables[id(position_ids)]
         q, k = self._rope(q, cos, sin, R, D), self._rope(k, cos, sin, R, D)
         k_all = self.b._kv_cache(f"past_key_values.{b}.key", k, beam_idx, sinks)

@@ -31,7 +31,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from backends.gguf.families import FUSED_GATE_UP_EXPS, Family
-from backends.gguf.optional import applies_scale
+from backends.gguf.optional import applied_scale
 from backends.gguf.quant import CODE_BIAS, FLOAT_TYPES, split_blocks
 from backends.openvino.attention import swiglu_oai
 from backends.openvino.lowbit import pack_i4
@@ -166,8 +166,7 @@ def _gate_and_up(bank, prefix: str) -> tuple[Experts, Experts, tuple[str, str]]:
 def _scaled(bank, name: str) -> bool:
     """Whether llama.cpp multiplies by the per-expert factor `name` (present, and applied by the
     architecture's graph: backends/gguf/optional.py)."""
-    matrix = name.removesuffix(".scale").rpartition(".")[2]
-    return name in bank.index.tensors and applies_scale(bank.index.hparams.arch, matrix)
+    return applied_scale(bank.index.hparams.arch, name.removesuffix(".scale"), bank.index.tensors) is not None
 
 
 def _times_rows(bank, y: ov.Output, name: str, used: ov.Output) -> ov.Output:

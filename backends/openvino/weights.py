@@ -67,7 +67,7 @@ import openvino.opset13 as ops
 from backends import DEFAULT_KQUANT, KQUANTS
 from backends.errors import BadInput
 from backends.gguf import ModelIndex
-from backends.gguf.optional import applies_scale
+from backends.gguf.optional import applied_scale, bias_before_scale
 from backends.gguf.quant import FLOAT_TYPES, QuantBlocks, split_blocks
 from backends.openvino import ggml_kernels
 from backends.openvino.ggml_kernels import GGML_QTYPES
@@ -202,9 +202,6 @@ class Packed:
     cols: int
 
 
-BIAS_FIRST = ("ffn_gate", "ffn_up", "ffn_down")  # build_ffn adds a bias before the scale (dense and shexp)
-
-
 class WeightBank:
     """Builds constants and decompression subgraphs for one model's tensors."""
 
@@ -308,11 +305,10 @@ class WeightBank:
         """The matrix's optional .scale {1} and .bias applied as llama.cpp applies them
         (backends/gguf/optional.py): (W·x)·s + b, but (W·x + b)·s in a feed-forward (build_ffn)."""
         base = name.removesuffix(".weight")
-        matrix = base.rpartition(".")[2]
-        applied = base + ".scale" in self.index.tensors and applies_scale(self.index.hparams.arch, matrix)
-        scale = self.vector(base + ".scale") if applied else None
+        scale_name = applied_scale(self.index.hparams.arch, name, self.index.tensors)
+        scale = self.vector(scale_name) if scale_name else None
         bias = self.vector(base + ".bias", heads) if base + ".bias" in self.index.tensors else None
-        if scale is not None and not base.rpartition(".")[2].startswith(BIAS_FIRST):
+        if scale is not None and not bias_before_scale(name):
             y, scale = ops.multiply(y, scale).output(0), None
         if bias is not None:
             y = ops.add(y, bias).output(0)
