@@ -71,10 +71,58 @@ def test_qwen_xml_and_llama_json_calls_at_every_split(text, fmt, reply, calls):
         assert read(text, cut, fmt) == (reply, calls), cut
 
 
+GEMMA4_CALL = '<|tool_call>call:get_weather{city:<|"|>Oslo, "NO"<|"|>,days:3,opts:{units:<|"|>C<|"|>,alerts:[true,null]}}<tool_call|>'
+
+
+@pytest.mark.parametrize("text, fmt, reply, calls", [
+    ('Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo", "days": 2}[TOOL_CALLS]get_weather[ARGS]{"city": "Rome"}',
+     "mistral", "Checking.", [("get_weather", {"city": "Oslo", "days": 2}), ("get_weather", {"city": "Rome"})]),
+    ('[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Oslo"}', "mistral", "", [("get_weather", {"city": "Oslo"})]),
+    ('[TOOL_CALLS][{"name": "get_weather", "arguments": {"city": "Lima"}, "id": "a1b2c3d4e"}]', "mistral", "",
+     [("get_weather", {"city": "Lima"})]),  # Mistral Nemo's list
+    ('[TOOL_CALLS]rm_rf[ARGS]{}', "mistral", "[TOOL_CALLS]rm_rf[ARGS]{}", []),  # nobody offered it: text
+    ('[TOOL_CALLS]get_weather[ARGS]{"city": ', "mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": ', []),
+    ("A [TOOL_CALL", "mistral", "A [TOOL_CALL", []),
+    ('Hm.<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>get_weather\n```json\n{"city": "Oslo"}\n```'
+     "<｜tool▁call▁end｜><｜tool▁calls▁end｜>", "deepseek", "Hm.", [("get_weather", {"city": "Oslo"})]),  # R1
+    ('<｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Oslo"}<｜tool▁call▁end｜>'
+     '<｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Bergen"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>', "deepseek", "",
+     [("get_weather", {"city": "Oslo"}), ("get_weather", {"city": "Bergen"})]),  # V3.1
+    ('<｜DSML｜function_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" string="true">Oslo'
+     '</｜DSML｜parameter>\n<｜DSML｜parameter name="days" string="false">3</｜DSML｜parameter>\n</｜DSML｜invoke>\n'
+     "</｜DSML｜function_calls>", "dsml", "", [("get_weather", {"city": "Oslo", "days": 3})]),  # V3.2
+    ('Let me check. <｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n<｜DSML｜parameter name="city" '
+     'string="true">Oslo</｜DSML｜parameter>\n</｜DSML｜invoke>\n</｜DSML｜tool_calls>', "dsml", "Let me check. ",
+     [("get_weather", {"city": "Oslo"})]),  # V4
+    (GEMMA4_CALL, "gemma4", "",
+     [("get_weather", {"city": 'Oslo, "NO"', "days": 3, "opts": {"units": "C", "alerts": [True, None]}})]),
+    ("Sure. " + GEMMA4_CALL + GEMMA4_CALL.replace("Oslo", "Rome"), "gemma4", "Sure. ",
+     [("get_weather", {"city": 'Oslo, "NO"', "days": 3, "opts": {"units": "C", "alerts": [True, None]}}),
+      ("get_weather", {"city": 'Rome, "NO"', "days": 3, "opts": {"units": "C", "alerts": [True, None]}})]),
+    ('<|tool_call>call:get_weather{city:"Oslo"}<tool_call|>', "gemma4",  # JSON's quotes are not Gemma 4's
+     '<|tool_call>call:get_weather{city:"Oslo"}<tool_call|>', []),
+])  # fmt: skip
+def test_mistral_deepseek_and_gemma4_calls_at_every_split(text, fmt, reply, calls):
+    for cut in [None, *range(len(text) + 1)]:
+        assert read(text, cut, fmt) == (reply, calls), cut
+
+
+def test_mistral_call_ids_are_nine_letters_and_digits_as_its_templates_require():
+    reader = ToolCalls("mistral", NAMES)
+    reader.reply('[TOOL_CALLS]get_weather[ARGS]{"city": "Oslo"}')
+    (call,) = reader.finish()[1]
+    assert re.fullmatch(r"[A-Za-z0-9]{9}", call["id"])
+
+
 @pytest.mark.parametrize("template, fmt", [
     ("Qwen-Qwen2.5-7B-Instruct", "hermes"), ("Qwen-Qwen3-0.6B", "hermes"), ("Qwen3.5-4B", "hermes"),
     ("meta-llama-Llama-3.1-8B-Instruct", "json"), ("meta-llama-Llama-3.2-3B-Instruct", "json"),
-    ("meta-llama-Llama-3.3-70B-Instruct", "json"), ("google-gemma-4-31B-it", None),
+    ("meta-llama-Llama-3.3-70B-Instruct", "json"), ("google-gemma-4-31B-it", "gemma4"),
+    ("google-gemma-4-31B-it-interleaved", "gemma4"), ("Mistral-Small-3.2-24B-Instruct-2506", "mistral"),
+    ("mistralai-Ministral-3-14B-Reasoning-2512", "mistral"), ("mistralai-Mistral-Nemo-Instruct-2407", "mistral"),
+    ("unsloth-mistral-Devstral-Small-2507", "mistral"), ("llama-cpp-deepseek-r1", "deepseek"),
+    ("deepseek-ai-DeepSeek-V3.2", "dsml"), ("deepseek-ai-DeepSeek-V4", "dsml"),
+    ("deepseek-ai-DeepSeek-V3.1", None),  # its template shows the model no tools
 ])  # fmt: skip
 def test_a_call_the_real_template_writes_is_read_back_as_that_call(template, fmt):
     """llama.cpp's copy of each model's template: the form is told from the template, and an
@@ -91,14 +139,19 @@ def test_a_call_the_real_template_writes_is_read_back_as_that_call(template, fmt
     if fmt is None:
         return
     args = {"city": "Paris", "days": 3}
-    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": args}}
+    call = {"id": "a1b2c3d4e", "type": "function", "function": {"name": "get_weather", "arguments": args}}
     ask = [{"role": "user", "content": "Weather in Paris?"}]
     before = tokenizer.render_chat(ask, add_generation_prompt=True, tools=[WEATHER])
     after = tokenizer.render_chat([*ask, {"role": "assistant", "content": "", "tool_calls": [call]}],
                                   add_generation_prompt=False, tools=[WEATHER])  # fmt: skip
+    # the prompt ends where the call's turn begins; some open an empty thinking block there too
+    for empty_thinking in ("<|channel>thought\n<channel|>", "<think></think>", "<think>\n"):
+        before = before.removesuffix(empty_thinking)
     assert after.startswith(before), template
     written = after[len(before):]
-    for end in ("<|im_end|>", "<|eot_id|>", "<|eom_id|>"):  # the turn's end: generation stops before it
+    ends = ("<|im_end|>", "<|eot_id|>", "<|eom_id|>", "<｜end▁of▁sentence｜>", "<|tool_response>", "<turn|>",
+            *(tokenizer.tokens[i] for i in tokenizer.eos_ids))  # fmt: skip
+    for end in ends:  # the turn's end: generation stops before it
         written = written.split(end)[0]
     schemas = {"get_weather": {"properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}
     reader = ToolCalls(fmt, NAMES, schemas)
@@ -187,8 +240,60 @@ def test_tools_to_a_template_that_shows_none_are_refused(harmony_tokenizer):  # 
     server = loop.run(start_api(ScriptedEngine(tokenizer_from_metadata(md, "plain")), "127.0.0.1", 0))
     try:
         api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=30)
-        with pytest.raises(openai.BadRequestError, match="takes tools in no form Kafila reads"):
+        with pytest.raises(openai.BadRequestError, match="shows the model no tools in a form Kafila reads"):
             api.chat.completions.create(model="scripted", messages=MSGS, tools=[WEATHER])
+    finally:
+        loop.run(server.close())
+        loop.close()
+
+
+def _served_form(form: str):
+    """A tokenizer whose model calls in `form`, and the ids of its answer that calls get_weather:
+    Gemma 4's real vocabulary and template (its markers are user-defined tokens); Mistral's
+    template over a vocabulary where, as in Mistral's own, [TOOL_CALLS] and [ARGS] are control
+    tokens, which a decoder hides unless told to show them."""
+    from kafila.models.tokenizer import read_tokenizer_metadata, tokenizer_from_metadata
+    from tests import llamacpp_files
+
+    if form == "gemma4":
+        md = dict(read_tokenizer_metadata(str(llamacpp_files.vocab_file("gemma-4")), prefixes=("tokenizer.",)))
+        answer = '<|tool_call>call:get_weather{city:<|"|>Paris<|"|>}<tool_call|><|tool_response>'
+    else:
+        md = dict(read_tokenizer_metadata(str(llamacpp_files.vocab_file("qwen2")), prefixes=("tokenizer.",)))
+        md["tokenizer.ggml.tokens"] = [*md["tokenizer.ggml.tokens"], "[TOOL_CALLS]", "[ARGS]"]
+        md["tokenizer.ggml.token_type"] = [*md["tokenizer.ggml.token_type"], 3, 3]  # control
+        template = llamacpp_files.templates_dir() / "Mistral-Small-3.2-24B-Instruct-2506.jinja"
+        md["tokenizer.chat_template"] = template.read_text(encoding="utf-8")
+        answer = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}<|endoftext|>'
+    tokenizer = tokenizer_from_metadata(md, form)
+    ids = tokenizer.encode(answer, add_special=False, parse_special=True)
+    assert ids[-1] in tokenizer.eos_ids
+    return tokenizer, ids
+
+
+@pytest.mark.parametrize("form", ["gemma4", "mistral"])
+def test_gemma4_and_mistral_calls_come_back_through_the_api(form):
+    tokenizer, ids = _served_form(form)
+    loop = LoopThread()
+    engine = ScriptedEngine(tokenizer, context_length=4096, model_name=form)
+    engine.answer = lambda prompt_ids, n: ids[:n]
+    server = loop.run(start_api(engine, "127.0.0.1", 0))
+    try:
+        api = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=30)
+        ask = [{"role": "user", "content": "Weather in Paris?"}]
+        r = api.chat.completions.create(model=form, messages=ask, tools=[WEATHER], max_tokens=100)
+        choice = r.choices[0]
+        assert choice.finish_reason == "tool_calls" and not choice.message.content
+        (call,) = choice.message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == ("get_weather", {"city": "Paris"})
+        chunks = api.chat.completions.create(model=form, messages=ask, tools=[WEATHER], max_tokens=100, stream=True)
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        streamed = [t.function.name for d in deltas for t in (d.tool_calls or [])]
+        assert streamed == ["get_weather"] and not "".join(d.content or "" for d in deltas)
+        # the call and its result sent back: the template takes the id Kafila gave
+        back = [*ask, {"role": "assistant", "content": "", "tool_calls": [call.model_dump()]},
+                {"role": "tool", "tool_call_id": call.id, "content": '{"sky": "clear"}'}]  # fmt: skip
+        assert api.chat.completions.create(model=form, messages=back, tools=[WEATHER], max_tokens=5).choices
     finally:
         loop.run(server.close())
         loop.close()

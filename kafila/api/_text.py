@@ -26,9 +26,9 @@ def tool_calls_for(tokenizer, tools: tuple[dict, ...]) -> ToolCalls | None:
         return None
     fmt = tool_format(tokenizer)
     if fmt is None:
-        raise bad("unsupported", "this model's chat template takes tools in no form Kafila reads (it reads "
-                  "gpt-oss's harmony calls, the <tool_call> forms of Qwen 2.5/3/3.5 templates and Llama 3.x's "
-                  "JSON)", "tools")  # fmt: skip
+        raise bad("unsupported", "this model's chat template shows the model no tools in a form Kafila reads "
+                  "(it reads gpt-oss's harmony calls, the <tool_call> forms of Qwen 2.5/3/3.5, Llama 3.x's JSON, "
+                  "Mistral's [TOOL_CALLS], DeepSeek's and Gemma 4's)", "tools")  # fmt: skip
     return ToolCalls(fmt, frozenset(t["function"]["name"] for t in tools),
                      {t["function"]["name"]: t["function"]["parameters"] for t in tools})
 
@@ -40,7 +40,8 @@ class TextStream:
 
     def __init__(self, tokenizer, stops: tuple[str, ...], channels: bool = False, tools: ToolCalls | None = None,
                  think: str | None = None) -> None:  # fmt: skip
-        self.decoder = StreamDecoder(tokenizer)
+        shown = (tokenizer.token_to_id(m) for m in tools.markers) if tools is not None else ()
+        self.decoder = StreamDecoder(tokenizer, frozenset(i for i in shown if i is not None))
         self.thinking = StreamDecoder(tokenizer)
         self.called = StreamDecoder(tokenizer)  # a harmony call's arguments
         self.harmony = Harmony.of(tokenizer) if channels else None

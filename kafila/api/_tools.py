@@ -12,6 +12,8 @@ the reply and returned as `tool_calls`, with finish_reason "tool_calls". Two for
   "arguments": {…}}</tool_call>` in the reply's text, any number of them; inside the tags also
   Qwen3-Coder's and Qwen 3.5's XML, `<function=NAME><parameter=KEY>value</parameter></function>`.
 - JSON (Llama 3.x): a reply that is one `{"name": …, "parameters": {…}}` (after `<|python_tag|>`).
+- the forms whose calls close the answer, from an opener on (_tool_forms.py): Mistral's
+  `[TOOL_CALLS]`, DeepSeek's `<｜tool▁calls▁begin｜>` and DSML blocks, Gemma 4's `<|tool_call>`.
 
 A template that shows no tools in either form is refused with a 400 that says so: a model never
 told of the tools would answer as if there were none. Text that only looks like a call (JSON that
@@ -21,9 +23,12 @@ does not parse, a name that was not offered) stays in the reply, as the model wr
 from __future__ import annotations
 
 import json
+import random
 import re
+import string
 import uuid
 
+from kafila.api import _tool_forms
 from kafila.api._errors import bad
 from kafila.api._stops import partial_suffix
 
@@ -39,15 +44,26 @@ MAX_CALL_CHARS = 64 << 10  # one call's text: past it, the text is the reply's (
 
 def tool_format(tokenizer) -> str | None:
     """"harmony", "hermes" (`<tool_call>` around JSON or Qwen3's XML), "json" (Llama 3.x: the reply
-    is one JSON call), or None when the model's chat template takes no tools Kafila reads."""
+    is one JSON call), a form of _tool_forms.OPENERS, or None when the model's chat template shows
+    no tools in a form Kafila reads."""
     from kafila.api._harmony import Harmony
 
     if Harmony.of(tokenizer) is not None:
         return "harmony"
     template = tokenizer.chat_template or ""
-    if "tools" in template and HERMES_OPEN in template:
+    if "tools" not in template:
+        return None
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
+    if "<|tool_call>call:" in template:
+        return "gemma4"
+    if "DSML" in template:
+        return "dsml"
+    if _tool_forms.OPENERS["deepseek"][0] in template:
+        return "deepseek"
+    if HERMES_OPEN in template:
         return "hermes"
-    if "tools" in template and '"parameters"' in template:
+    if '"parameters"' in template:
         return "json"
     return None
 
@@ -127,7 +143,9 @@ def add_message_calls(message: dict, body: dict, index: int) -> int:
     return sum(len(json.dumps(c["function"]["arguments"])) for c in calls)
 
 
-def new_call_id() -> str:
+def new_call_id(fmt: str = "") -> str:
+    if fmt in _tool_forms.CALL_IDS_OF_NINE:  # nine letters and digits, as llama-server gives Mistral
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
@@ -148,7 +166,15 @@ class ToolCalls:
         self._whole = None  # the reply opens as JSON (True: held whole), as text (False), not yet known
         self._harmony: dict[str, list[str]] = {}
 
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The texts a reader of this form must see though they may be control tokens (llama.cpp's
+        preserved tokens): the decoder shows them."""
+        return _tool_forms.MARKERS.get(self.fmt, ())
+
     def reply(self, text: str) -> str:
+        if self.fmt in _tool_forms.OPENERS:
+            return self._closing(text)
         if self.fmt not in ("hermes", "json"):
             return text
         self._held += text
@@ -171,7 +197,12 @@ class ToolCalls:
     def finish(self) -> tuple[str, list[dict]]:
         """(text still held, now the reply's; the calls made)."""
         held, self._held = self._held, ""
-        if self._whole and self._take_hermes(_unfenced(held)):
+        if self._whole and self.fmt in _tool_forms.OPENERS:
+            calls = _tool_forms.parse(self.fmt, held)
+            if calls and all(self._offered(name, args) for name, args in calls):
+                self.calls += [self._call(name, json.dumps(args, ensure_ascii=False)) for name, args in calls]
+                held = ""
+        elif self._whole and self._take_hermes(_unfenced(held)):
             held = ""
         elif self._whole:  # not one call: read it as text, tags and all
             self._held, self._whole = held, False
@@ -180,11 +211,40 @@ class ToolCalls:
         for name, parts in self._harmony.items():
             args = "".join(parts).strip()
             if name in self.names and _json_object(args) is not None:
-                self.calls.append(_call(name, args))
+                self.calls.append(self._call(name, args))
             else:  # not a call after all: what the model wrote is the reply's
                 held += "".join(parts)
         self._harmony = {}
         return held, self.calls
+
+    def _closing(self, text: str) -> str:
+        """A form whose calls close the answer: the text up to an opener is the reply's; from it on
+        all is held (`_whole`) for finish() to read, up to the bound of a call's text."""
+        self._held += text
+        if self._whole is False:  # a call ran past its bound: the rest is text
+            out, self._held = self._held, ""
+            return out
+        if self._whole:
+            if len(self._held) <= MAX_CALL_CHARS:
+                return ""
+            self._whole = False
+            out, self._held = self._held, ""
+            return out
+        openers = _tool_forms.OPENERS[self.fmt]
+        starts = [i for i in (self._held.find(o) for o in openers) if i >= 0]
+        if starts:
+            out, self._held = self._held[: min(starts)], self._held[min(starts):]
+            self._whole = True
+            return out
+        keep = partial_suffix(self._held, openers)
+        out, self._held = self._held[: len(self._held) - keep], self._held[len(self._held) - keep:]
+        return out
+
+    def _offered(self, name: object, args: object) -> bool:
+        return isinstance(name, str) and name in self.names and isinstance(args, dict)
+
+    def _call(self, name: str, arguments: str) -> dict:
+        return {"id": new_call_id(self.fmt), "type": "function", "function": {"name": name, "arguments": arguments}}
 
     def _tagged(self) -> str:
         """The held text with its whole `<tool_call>` calls taken out, up to what may open one."""
@@ -221,7 +281,7 @@ class ToolCalls:
             args = _json_object(args)
         if not isinstance(args, dict):
             return False
-        self.calls.append(_call(call["name"], json.dumps(args, ensure_ascii=False)))
+        self.calls.append(self._call(call["name"], json.dumps(args, ensure_ascii=False)))
         return True
 
 
@@ -271,10 +331,6 @@ def _opens_call(lead: str) -> bool | None:
 def _unfenced(text: str) -> str:
     m = FENCE.match(text)
     return m.group(1) if m else text
-
-
-def _call(name: str, arguments: str) -> dict:
-    return {"id": new_call_id(), "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
 def _json_object(text: str) -> dict | None:

@@ -10,6 +10,7 @@ model; `load_tokenizer_file(path)` reads only the metadata, so a vocabulary-only
 
 from __future__ import annotations
 
+import collections.abc
 import datetime
 import functools
 import json
@@ -100,7 +101,7 @@ class Tokenizer:
                 out.append(b)
         return bytes(out)
 
-    def decode_bytes(self, ids: list[int], *, special: bool = False) -> bytes:
+    def decode_bytes(self, ids: list[int], *, special: bool = False, shown: frozenset[int] = frozenset()) -> bytes:
         """The bytes of `ids`, token pieces joined (llama.cpp's llama_detokenize, two choices apart).
 
         SentencePiece's added leading space is removed from the first token even after a BOS (as
@@ -108,7 +109,7 @@ class Tokenizer:
         and the lossy "clean_spaces" pass llama.cpp applies to some BPE vocabularies (" ," → ",")
         is not applied: the text is exactly what the tokens spell.
         """
-        pieces = [self.piece(t, special) for t in ids]
+        pieces = [self.piece(t, special or t in shown) for t in ids]
         if self.add_space_prefix and pieces:
             first = 1 if ids[0] == self.bos_id and len(pieces) > 1 else 0
             if pieces[first].startswith(b" "):
@@ -162,8 +163,17 @@ def _strftime_now(fmt: str) -> str:
 
 
 def _tojson(value, indent=None, ensure_ascii=False, separators=None, sort_keys=False) -> str:
-    # Hugging Face's tojson: plain JSON (jinja2's own escapes <, >, & and ' for HTML).
-    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys)
+    # Hugging Face's tojson: plain JSON (jinja2's own escapes <, >, & and ' for HTML); a filter's
+    # sequence (`tools | map(attribute='function')` is a generator in jinja2) as the list it is
+    # in llama.cpp's template engine
+    return json.dumps(value, indent=indent, ensure_ascii=ensure_ascii, separators=separators, sort_keys=sort_keys,
+                      default=_listed)  # fmt: skip
+
+
+def _listed(value):
+    if isinstance(value, collections.abc.Iterator):
+        return list(value)
+    raise TypeError(f"Object of type {type(value).__name__} is not JSON serializable")
 
 
 class _Generation(jinja2.ext.Extension):
@@ -196,8 +206,9 @@ def _chat_environment() -> ImmutableSandboxedEnvironment:
 class StreamDecoder:
     """Turns a growing list of token ids into text pieces, holding back incomplete UTF-8."""
 
-    def __init__(self, tokenizer: Tokenizer) -> None:
+    def __init__(self, tokenizer: Tokenizer, shown: frozenset[int] = frozenset()) -> None:
         self.tokenizer = tokenizer
+        self.shown = shown  # control tokens shown as their text (a tool-call form's markers)
         self.ids: list[int] = []
         self.emitted = ""
         self._bytes = b""  # decode_bytes(ids), grown a piece at a time (not re-joined per token)
@@ -205,9 +216,9 @@ class StreamDecoder:
     def push(self, token: int) -> str:
         self.ids.append(token)
         if len(self.ids) <= 2:  # the leading-space rule looks at the first two tokens only
-            self._bytes = self.tokenizer.decode_bytes(self.ids)
+            self._bytes = self.tokenizer.decode_bytes(self.ids, shown=self.shown)
         else:
-            self._bytes += self.tokenizer.piece(token, False)
+            self._bytes += self.tokenizer.piece(token, token in self.shown)
         text = self._bytes.decode("utf-8", errors="replace")
         if text.endswith("\ufffd"):
             return ""  # a multi-byte character still incomplete
