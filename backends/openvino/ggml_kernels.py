@@ -6,9 +6,9 @@ the type's vec_dot type with ggml's `from_float` (Q8_K for the K-quants, Q8_0/Q8
 and runs ggml's `vec_dot` on every weight row, over the CPU plugin's threads; a mixture-of-experts
 block's rows go through `GgmlMatMulId`, each row through its own k experts (llama.cpp's
 mul_mat_id). That is the arithmetic llama.cpp's CPU backend runs on plain buffers (the same
-functions of the same library), with its activation rounding. The op can also repack a matrix into
-llama.cpp's interleaved layout and run ggml's GEMM/GEMV on it (REPACK, below; tested, off: slower
-inside the plugin here).
+functions of the same library), with its activation rounding. Where ggml has an interleaved
+layout for the type on this CPU, the op repacks the matrix into it at the first step and runs
+ggml's GEMM/GEMV kernels on it (REPACK, below), as llama.cpp does by default.
 
 Which ggml: llama-cpp-python's (`llama_cpp/lib/libggml-cpu.so`, `libggml-base.so`). It is the
 maintained, pip-installable build of ggml that the suite already uses as its reference; pip builds
@@ -207,11 +207,12 @@ def _say_once(line: str) -> None:
     print(line, file=sys.stderr)
 
 
-# llama.cpp's repacked layout through a ggml graph on ggml's OpenMP threads: measured slower inside
-# the plugin than vec_dot over the plugin's own threads (Qwen2.5-Coder-1.5B Q4_K_M, 2 cores: decode
-# 0.65x llama.cpp against 0.83x, prefill 0.53x against 0.52x; the OpenMP team shares the cores with
-# the plugin's threads), so it is off until the repacked kernels run on the plugin's threads.
-REPACK = False
+# llama.cpp's repacked layout and its GEMM/GEMV kernels (llama.cpp's default), run on the plugin's
+# own threads, each over a slice of the rows (ggml_matmul.cpp). Through a ggml graph on ggml's own
+# OpenMP team it was slower than vec_dot (the team and the plugin's threads shared the cores);
+# on the plugin's threads, prefill of the real Qwen2.5-Coder-1.5B Q4_K_M went from 0.51x to 0.76x
+# llama.cpp and decode from 0.80x to 0.83x (docs/BENCHMARKS.md, "Speed against llama.cpp").
+REPACK = True
 
 
 def matmul(x, weights: np.ndarray, qtype: str, rows: int, cols: int, keep: list, repack: bool = REPACK):

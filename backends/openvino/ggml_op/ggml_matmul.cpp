@@ -64,6 +64,21 @@ static const uint8_t* quantize_rows(const float* x, size_t n, int64_t cols, ggml
     return out;
 }
 
+// A ggml threadpool of one thread for the calling thread (a plugin worker): a graph computed with
+// it runs on that thread alone (n_graph 1, so ggml's barriers return at once, OpenMP or not).
+static ggml_threadpool* own_threadpool() {
+    struct Pool {
+        ggml_threadpool* tp;
+        Pool() {
+            ggml_threadpool_params params = ggml_threadpool_params_default(1);
+            tp = ggml_threadpool_new(&params);
+        }
+        ~Pool() { ggml_threadpool_free(tp); }
+    };
+    thread_local Pool pool;
+    return pool.tp;
+}
+
 // llama.cpp's CPU_REPACK buffer type (its default for weights): the ggml CPU device's extra buffer
 // types, asked for by name through the registry, as llama.cpp asks; null where this ggml has none.
 static ggml_backend_buffer_type_t repack_buffer_type() {
@@ -190,23 +205,41 @@ public:
     }
 
 private:
-    // y = x · Wᵀ by ggml's own mul_mat on the repacked weights: a one-node ggml graph over the
-    // tensors in place, computed by ggml's threads (as many as this stage's OpenVINO threads).
+    // y = x · Wᵀ by ggml's own mul_mat on the repacked weights, on the plugin's threads: each
+    // task is a one-node ggml graph over a slice of the weight rows (whole groups of the
+    // interleaved rows), computed on the calling thread by a one-thread ggml threadpool of its
+    // own, so no OpenMP team competes with the plugin's threads for the cores. Each task quantizes
+    // x for itself (ggml's repacked mul_mat does so first), the cost of needing no barrier.
     void mul_mat_repacked(const float* x, float* y, size_t n_x) const {
-        const size_t meta = 4 * ggml_tensor_overhead() + ggml_graph_overhead_custom(4, false);
-        thread_local std::vector<uint8_t> meta_buf, work;
-        meta_buf.resize(meta);
-        ggml_context* ctx = ggml_init({meta, meta_buf.data(), true});
-        ggml_tensor* xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, m_cols, static_cast<int64_t>(n_x));
-        xt->data = const_cast<float*>(x);
-        ggml_tensor* yt = ggml_mul_mat(ctx, m_repacked->w, xt);
-        yt->data = y;
-        ggml_cgraph* graph = ggml_new_graph_custom(ctx, 4, false);
-        ggml_build_forward_expand(graph, yt);
-        ggml_cplan plan = ggml_graph_plan(graph, std::max(1, parallel_get_max_threads()), nullptr);
-        plan.work_data = scratch(work, plan.work_size);
-        ggml_graph_compute(graph, &plan);
-        ggml_free(ctx);
+        constexpr int64_t kGroup = 16;  // a multiple of every interleave ggml repacks with (4, 8)
+        const int64_t threads = std::max(1, parallel_get_max_threads());
+        const int64_t per = ((m_rows + threads - 1) / threads + kGroup - 1) / kGroup * kGroup;
+        const size_t tasks = static_cast<size_t>((m_rows + per - 1) / per);
+        const size_t w_bytes = row_bytes();
+        ov::parallel_for(tasks, [&](size_t t) {
+            const int64_t r0 = static_cast<int64_t>(t) * per, r1 = std::min(m_rows, r0 + per);
+            const size_t meta = 4 * ggml_tensor_overhead() + ggml_graph_overhead_custom(4, false);
+            thread_local std::vector<uint8_t> meta_buf, work;
+            meta_buf.resize(meta);
+            ggml_context* ctx = ggml_init({meta, meta_buf.data(), true});
+            // rows r0..r1 of the repacked matrix: its buffer and traits, so ggml takes the repacked kernels
+            ggml_tensor* w = ggml_new_tensor_2d(ctx, static_cast<ggml_type>(m_type), m_cols, r1 - r0);
+            w->data = static_cast<uint8_t*>(m_repacked->w->data) + r0 * w_bytes;
+            w->buffer = m_repacked->buffer;
+            w->extra = m_repacked->w->extra;
+            ggml_tensor* xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, m_cols, static_cast<int64_t>(n_x));
+            xt->data = const_cast<float*>(x);
+            ggml_tensor* yt = ggml_mul_mat(ctx, w, xt);  // [r1 - r0, n_x] within y's rows of m_rows
+            yt->nb[1] = static_cast<size_t>(m_rows) * sizeof(float);
+            yt->nb[2] = yt->nb[3] = yt->nb[1] * n_x;
+            yt->data = y + r0;
+            ggml_cgraph* graph = ggml_new_graph_custom(ctx, 4, false);
+            ggml_build_forward_expand(graph, yt);
+            ggml_cplan plan = ggml_graph_plan(graph, 1, own_threadpool());
+            plan.work_data = scratch(work, plan.work_size);
+            ggml_graph_compute(graph, &plan);
+            ggml_free(ctx);
+        });
     }
 
     const ggml_type_traits_cpu* type_traits() const {
