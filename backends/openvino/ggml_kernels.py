@@ -210,8 +210,8 @@ def _say_once(line: str) -> None:
 # llama.cpp's repacked layout and its GEMM/GEMV kernels (llama.cpp's default), run on the plugin's
 # own threads, each over a slice of the rows (ggml_matmul.cpp). Through a ggml graph on ggml's own
 # OpenMP team it was slower than vec_dot (the team and the plugin's threads shared the cores);
-# on the plugin's threads, prefill of the real Qwen2.5-Coder-1.5B Q4_K_M went from 0.51x to 0.76x
-# llama.cpp and decode from 0.80x to 0.83x (docs/BENCHMARKS.md, "Speed against llama.cpp").
+# on the plugin's threads, prefill of the real Qwen2.5-Coder-1.5B Q4_K_M went from 0.51x to 0.83x
+# llama.cpp and decode from 0.80x to 0.85x (docs/BENCHMARKS.md, "Speed against llama.cpp").
 REPACK = True
 
 
