@@ -67,10 +67,29 @@ EXPERT_BYTES_PER_WEIGHT: dict[str, dict[str, float]] = {
                  "MXFP4": 1.125},  # fmt: skip
 }
 EXPERT_TENSOR_SUFFIX = "_exps.weight"
+# --kquant ggml (backends/openvino/ggml_kernels.py): a quantized matrix, experts included, is held
+# as the file's own blocks (or ggml's repacked copy of them, the same bytes, with the file's pages
+# given back), so a weight takes its GGUF type's bytes: a block's bytes over its weights.
+GGML_KIND = "openvino-ggml"
+GGML_BYTES_PER_WEIGHT: dict[str, float] = {
+    "Q4_0": 18 / 32, "Q4_1": 20 / 32, "Q5_0": 22 / 32, "Q5_1": 24 / 32, "Q8_0": 34 / 32, "Q2_K": 84 / 256,
+    "Q3_K": 110 / 256, "Q4_K": 144 / 256, "Q5_K": 176 / 256, "Q6_K": 210 / 256, "IQ4_NL": 18 / 32,
+    "IQ4_XS": 136 / 256, "MXFP4": 17 / 32,
+}  # fmt: skip
+RESIDENT_BYTES_PER_WEIGHT[GGML_KIND] = {**GGML_BYTES_PER_WEIGHT, **_FLOAT}
+EXPERT_BYTES_PER_WEIGHT[GGML_KIND] = dict(GGML_BYTES_PER_WEIGHT)
 
 PROCESS_BYTES: dict[str, float] = {"openvino": 165e6, "mlx": 165e6, "reference": 165e6}
 ANCHOR_BYTES: dict[str, float] = {"openvino": 55e6, "mlx": 55e6, "reference": 55e6}
 RUN_PROCESS_BYTES: dict[str, float] = {"openvino": 211e6, "mlx": 211e6, "reference": 211e6}
+for _table in (PROCESS_BYTES, ANCHOR_BYTES, RUN_PROCESS_BYTES):
+    _table[GGML_KIND] = _table["openvino"]  # the same process; only its matrices' form differs
+
+
+def memory_kind(backend: str, form: str) -> str:
+    """The key of these tables for a stage on `backend` whose K-quant form is `form` (an OpenVINO
+    stage's resolved --kquant: "ggml" holds the file's blocks, the other forms the constants)."""
+    return GGML_KIND if backend == "openvino" and form == "ggml" else backend
 TOKENIZER_BYTES_PER_VOCAB = 450
 PREFILL_WORK_BYTES_PER_POSITION = 208  # per unit of hidden size
 PREFILL_WORK_BYTES = 416 << 20

@@ -23,6 +23,8 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:  # a command whose module fails to import is a bug: let it show
         importlib.import_module(f"kafila.commands.{name}").register(subparsers)
+    for sub in subparsers.choices.values():  # `kafila run --prompt hi` must not read as --prompt-ids
+        sub.allow_abbrev = False
     return parser
 
 

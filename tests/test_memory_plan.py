@@ -249,3 +249,27 @@ def test_mlx_holds_no_untied_embedding_table(tmp_path):
         assert (shard.weights.embedding is shard.weights.lm_head) if tied else shard.weights.embedding is None
         got = np.array(shard._embed(ids, len(ids)))
         assert np.array_equal(got, index.dequantize("token_embd.weight", np.float32)[ids])
+
+
+def test_the_ggml_form_holds_the_files_own_blocks(kquant_model):
+    """--kquant ggml keeps a matrix as the file's blocks (or ggml's repacked copy of them, the
+    same bytes): a weight takes its GGUF type's bytes, as gguf-py (llama.cpp's) sizes its blocks;
+    the host prices a ggml session by them, and the other forms by the constants."""
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    from backends.memory import GGML_BYTES_PER_WEIGHT, GGML_KIND, memory_kind
+    from kafila.session.control.host import _resident_model
+
+    for qtype, per in GGML_BYTES_PER_WEIGHT.items():
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[qtype]]
+        assert per == size / block, qtype
+    assert memory_kind("openvino", "ggml") == GGML_KIND
+    assert memory_kind("openvino", "exact") == memory_kind("openvino", "fast") == "openvino"
+    assert memory_kind("mlx", "ggml") == "mlx"
+    index = open_model(kquant_model)
+    ggml = _resident_model(index, {GGML_KIND})
+    blocks = [sum(t.n_bytes for t in index.block_tensors(b) if t.qtype != "F32") for b in range(2)]
+    floats = [4 * sum(int(np.prod(t.shape)) for t in index.block_tensors(b) if t.qtype == "F32") for b in range(2)]
+    assert ggml["block_resident_bytes"] == pytest.approx((sum(blocks) + sum(floats)) / 2)
+    assert ggml["block_resident_bytes"] < index.planner_model("openvino")["block_resident_bytes"]
+    assert ggml["process_bytes"] == index.planner_model("openvino")["process_bytes"]

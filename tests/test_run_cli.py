@@ -53,6 +53,14 @@ def test_bad_backend_list(synthetic_model):
                      "2 backends for 3 stages")
 
 
+def test_an_option_is_never_read_as_a_longer_one(synthetic_model):
+    """argparse would take `--prompt` for `--prompt-ids` and complain of JSON: it is refused as
+    the option it is."""
+    proc = kafila("run", "--model", synthetic_model, "--prompt", "Hello")
+    assert proc.returncode == 2 and "unrecognized arguments: --prompt" in proc.stderr, proc.stderr
+    assert "JSON" not in proc.stderr and "Traceback" not in proc.stderr
+
+
 def test_unknown_alias():
     assert_bad_input(kafila("run", "--model", "no-such-model", "Hi"), "unknown model")
 

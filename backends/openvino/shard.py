@@ -116,7 +116,7 @@ class OpenVINOShard(HeadOps):
         self.precision = precision
         self.index = index if index is not None else open_model(spec.model_path)
         self.index.check_range(spec.first, spec.last)
-        kquant = ggml_kernels.resolve(kquant, precision)
+        kquant = self.kquant = ggml_kernels.resolve(kquant, precision)  # the form built (backends.memory.memory_kind)
         cfg = dict(CONFIGS[precision]) if config is None else dict(config)
         if config is None and precision == "serving" and kquant == "fast":
             cfg.update(FAST_KQUANT_CONFIG)

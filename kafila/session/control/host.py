@@ -18,7 +18,7 @@ from dataclasses import replace
 from rich.console import Console
 
 from backends.errors import Refused, describe_error
-from backends.memory import RESIDENT_BYTES_PER_WEIGHT
+from backends.memory import RESIDENT_BYTES_PER_WEIGHT, memory_kind
 from kafila import __version__
 from kafila.net.codefile import write_private
 from kafila.session.control import driving, lifecycle
@@ -57,6 +57,16 @@ def _resident_model(index, kinds: set[str]) -> dict:
     for key in ("process_bytes", "anchor_bytes", "block_resident_bytes", "head_resident_bytes"):
         out[key] = max(m[key] for m in models)
     return out
+
+
+def _kquant_form(kquant: str, precision: str) -> str:
+    """The K-quant form the session's OpenVINO stages build: "auto" resolved as this host resolves
+    it (ggml where the op builds; every member of one install alike)."""
+    if kquant != "auto":
+        return kquant
+    from backends.openvino.ggml_kernels import resolve
+
+    return resolve(kquant, precision)
 
 
 class HostView:
@@ -460,7 +470,8 @@ class HostParticipant(driving.Driver):
         from planner import PlanInputError, plan_fleet
 
         cfg = self.cfg
-        devices, kinds = [], {cfg.backend}
+        form = _kquant_form(cfg.kquant, cfg.precision)
+        devices, kinds = [], {memory_kind(cfg.backend, form)}
         for name, info in self.stage.net.roster().items():
             d = info.descriptor or {}
             if why := control.protocol_mismatch(f"member {name}", d.get("protocol"), d.get("version")):
@@ -470,7 +481,7 @@ class HostParticipant(driving.Driver):
                    "rtt_ms": float(info.rtt_ms), **probe_fields(d)}  # fmt: skip
             devices.append(dev)
             if d.get("backend") in RESIDENT_BYTES_PER_WEIGHT:
-                kinds.add(d["backend"])
+                kinds.add(memory_kind(d["backend"], form))
         fleet = {"context": cfg.context, "concurrency": cfg.concurrency or 1, "anchor": cfg.name,
                  "model": {**_resident_model(index, kinds), **model_reads(index)}, "devices": devices}  # fmt: skip
         try:

@@ -470,14 +470,15 @@ class Stage:
 
     def _memory(self) -> dict:
         """RSS, peak RSS, PSS of this process against its shard's bytes (+ KV) and the plan's."""
+        from backends.memory import memory_kind
         from kafila.session.ring.memory import member_memory
 
         role, sess = self.role, self.state.session
         if role is None or self.index is None or not sess:
             return member_memory(None, 0, 0, False, 0, 0)
+        kind = memory_kind(self.cfg.backend, getattr(self.shard, "kquant", ""))
         return member_memory(self.index, role.first, role.last, role.head == self.cfg.name,
-                             int(sess["context"]), int(sess["concurrency"]), self.cfg.backend,
-                             self.is_host)  # fmt: skip
+                             int(sess["context"]), int(sess["concurrency"]), kind, self.is_host)  # fmt: skip
 
     # --- leaving ------------------------------------------------------------------------------------
 
