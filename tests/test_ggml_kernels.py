@@ -278,3 +278,34 @@ def test_why_the_default_stays_exact(default_model_path):
         gaps[kquant] = float(np.abs(got - want).max())
     print(f"prefix + rest against one step, max |Δlogit|: {gaps}")
     assert gaps["exact"] < 0.05, gaps
+
+
+@needs_ggml
+@pytest.mark.parametrize("L", [1, 7])
+def test_the_delta_rule_op_computes_what_the_loop_computes(L):
+    """KafilaDeltaRule (a hybrid layer's gated delta rule as one node) against the OpenVINO Loop it
+    replaces, on the same random step: outputs and final state equal to f32 rounding."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from backends.openvino import ggml_kernels
+    from backends.openvino.delta_net import _delta_rule_loop
+    from backends.openvino.shard import F32_CONFIG, core
+
+    B, H, S = 2, 3, 16
+    rng = np.random.default_rng(3)
+    unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731 (L2-normalised, as the layer feeds)
+    data = [unit(rng.normal(0, 1, (B, L, H, S))) / np.sqrt(S), unit(rng.normal(0, 1, (B, L, H, S))),
+            rng.normal(0, 1, (B, L, H, S)), -rng.uniform(0, 2, (B, L, H)), rng.uniform(0, 1, (B, L, H)),
+            rng.normal(0, 0.5, (B, H, S, S))]  # fmt: skip
+    data = [a.astype(np.float32) for a in data]
+    got = {}
+    for name in ("op", "loop"):
+        params = [ops.parameter(list(a.shape), ov.Type.f32) for a in data]
+        outs = [p.output(0) for p in params]
+        o, m = ggml_kernels.delta_rule(*outs) if name == "op" else _delta_rule_loop(*outs, H, S)
+        model = ov.Model([ops.result(o), ops.result(m)], params)
+        got[name] = core().compile_model(model, "CPU", F32_CONFIG).create_infer_request().infer(data)
+    for i in range(2):
+        want = got["loop"][i]
+        assert np.abs(got["op"][i] - want).max() <= 1e-5 * max(1.0, np.abs(want).max()), i

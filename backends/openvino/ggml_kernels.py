@@ -8,7 +8,9 @@ block's rows go through `GgmlMatMulId`, each row through its own k experts (llam
 mul_mat_id). That is the arithmetic llama.cpp's CPU backend runs on plain buffers (the same
 functions of the same library), with its activation rounding. Where ggml has an interleaved
 layout for the type on this CPU, the op repacks the matrix into it at the first step and runs
-ggml's GEMM/GEMV kernels on it (REPACK, below), as llama.cpp does by default.
+ggml's GEMM/GEMV kernels on it (REPACK, below), as llama.cpp does by default. The same library
+holds KafilaDeltaRule, a hybrid layer's gated delta rule as one node (`delta_rule`; every form
+uses it where the library loads).
 
 Which ggml: llama-cpp-python's (`llama_cpp/lib/libggml-cpu.so`, `libggml-base.so`). It is the
 maintained, pip-installable build of ggml that the suite already uses as its reference; pip builds
@@ -238,6 +240,15 @@ def main() -> int:
         print(f"kafila: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def delta_rule(q, k, v, g, beta, m0):
+    """The gated delta rule as one KafilaDeltaRule node (ggml_op/delta_rule.hpp): q, k, v
+    [B, L, H, S], g, β [B, L, H], m0 [B, H, S, S] → (o [B, L, H, S], final M [B, H, S, S]).
+    Raises KernelsMissing where the op library cannot be had (the caller builds a Loop)."""
+    require()
+    node = _factory().create("KafilaDeltaRule", [q, k, v, g, beta, m0], {})
+    return node.output(0), node.output(1)
 
 
 def matmul_id(x, ids, weights: np.ndarray, qtype: str, experts: int, rows: int, cols: int, keep: list):

@@ -13,6 +13,7 @@
 
 #include <mutex>
 
+#include "delta_rule.hpp"
 #include "ggml.h"
 #include "ggml-alloc.h"
 #include "ggml-backend.h"
@@ -363,4 +364,5 @@ private:
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<kafila::GgmlMatMul>>(),
     std::make_shared<ov::OpExtension<kafila::GgmlMatMulId>>(),
+    std::make_shared<ov::OpExtension<kafila::KafilaDeltaRule>>(),
 }));
