@@ -26,7 +26,7 @@ PRECISIONS = ("serving", "f32")  # serving: the backend's fast defaults; f32: f3
 # auto: ggml at serving precision where its kernels build here, else exact (and always exact at
 # --precision f32, whose yardstick is the file's exact weights). The default stays exact: ggml
 # decodes 1.8x and prefills 1.3x faster (0.85x and 0.83x llama.cpp on the real 1.5B file,
-# docs/BENCHMARKS.md) and holds 25% less, but its 8-bit activation rounding, llama.cpp's,
+# docs/BENCHMARKS.md) and holds the file's blocks (backends.memory), but its 8-bit activation rounding, llama.cpp's,
 # makes an answer depend on how its prompt was cut into steps and on the slot's past at near-ties
 # (tests/test_ggml_kernels.py), where the exact form's answers do not.
 KQUANTS = ("auto", "exact", "fast", "ggml")

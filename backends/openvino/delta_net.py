@@ -14,8 +14,8 @@ Delta-net layer (x [B, L, H] after attn_norm):
 Prefill and decode both run the recurrence as a sequential scan over the step's positions, as
 ggml-cpu's fused op does (exact at f32, not the chunked WY form): one KafilaDeltaRule node where
 the Kafila op library loads (backends/openvino/ggml_op/delta_rule.hpp), else an OpenVINO Loop
-(a dozen tiny nodes a position: on the bench's qwen35moe file the op ran a 512-token prompt's
-delta rule about 5× faster, 164 ms against 790).
+(a dozen tiny nodes a position, which prefill paid most: docs/BENCHMARKS.md, "Hybrid
+(Qwen3.5-MoE) against llama.cpp").
 The states live beside the KV cache: ReadValue → Gather(beam_idx) → … → Assign, so a slot's
 InferRequest holds its request's recurrent state. The matrix state is kept flat [B, Hv·S·S] and
 the conv state [B, K − 1, C]: only the KV cache has 4 dimensions, which the shard's restore reads.

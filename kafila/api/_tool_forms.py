@@ -46,43 +46,56 @@ Calls = list[tuple[str, object]]
 def parse(fmt: str, text: str) -> Calls | None:
     try:
         return _PARSERS[fmt](text)
-    except (ValueError, IndexError, TypeError):
+    except (ValueError, IndexError, TypeError):  # not calls in that form (_after, _tiled, JSON)
         return None
 
 
-def _mistral(text: str) -> Calls | None:
+def _after(text: str, mark: str) -> str:
+    """`text` past its leading `mark`; ValueError when it does not start so."""
+    if not text.startswith(mark):
+        raise ValueError(f"expected {mark}")
+    return text[len(mark):]
+
+
+def _tiled(pattern: re.Pattern, text: str) -> list[re.Match]:
+    """The matches of `pattern` that make up all of `text` but whitespace; ValueError when
+    anything else stands between or around them."""
+    found, at = [], 0
+    for m in pattern.finditer(text):
+        if text[at:m.start()].strip():
+            raise ValueError("text between the elements")
+        found.append(m)
+        at = m.end()
+    if text[at:].strip():
+        raise ValueError("text after the elements")
+    return found
+
+
+def _mistral(text: str) -> Calls:
     calls: Calls = []
     rest = text.strip()
     while rest:
-        if not rest.startswith("[TOOL_CALLS]"):
-            return None
-        rest = rest[len("[TOOL_CALLS]"):].lstrip()
+        rest = _after(rest, "[TOOL_CALLS]").lstrip()
         if rest.startswith("["):  # Nemo's list
             listed, end = _DECODER.raw_decode(rest)
             if not isinstance(listed, list) or not all(isinstance(c, dict) for c in listed):
-                return None
+                raise ValueError("not a list of calls")
             calls += [(c.get("name"), c.get("arguments", {})) for c in listed]
         else:
             head, args_sep, after = rest.partition("[ARGS]")
             if not args_sep:
-                return None
-            name = head.partition("[CALL_ID]")[0].strip()
-            after = after.lstrip()
-            args, end = _DECODER.raw_decode(after)
-            calls.append((name, args))
-            rest = after
+                raise ValueError("no [ARGS]")
+            rest = after.lstrip()
+            args, end = _DECODER.raw_decode(rest)
+            calls.append((head.partition("[CALL_ID]")[0].strip(), args))
         rest = rest[end:].lstrip()
     return calls
 
 
-def _deepseek(text: str) -> Calls | None:
-    body = text.strip()[len("<｜tool▁calls▁begin｜>"):]
-    body = body.removesuffix("<｜tool▁calls▁end｜>").rstrip()
+def _deepseek(text: str) -> Calls:
+    body = _after(text.strip(), "<｜tool▁calls▁begin｜>").removesuffix("<｜tool▁calls▁end｜>")
     calls: Calls = []
-    at = 0
-    for m in DS_CALL.finditer(body):
-        if body[at:m.start()].strip():
-            return None
+    for m in _tiled(DS_CALL, body):
         head, tail = m.group(1).strip(), m.group(2)
         if head == "function" and "\n" in tail:  # R1: the name, then the arguments fenced
             name, _, args = tail.partition("\n")
@@ -91,52 +104,35 @@ def _deepseek(text: str) -> Calls | None:
         else:  # V3.1: the name before the separator
             name, args = head, tail
         calls.append((name.strip(), json.loads(args)))
-        at = m.end()
-    return calls if calls and not body[at:].strip() else None
+    return calls
 
 
-def _dsml(text: str) -> Calls | None:
+def _dsml(text: str) -> Calls:
     text = text.strip()
-    block = next(b for b in ("function_calls", "tool_calls") if text.startswith(f"<｜DSML｜{b}>"))
-    body = text[len(f"<｜DSML｜{block}>"):]
-    close = f"</｜DSML｜{block}>"
-    if close in body:
-        body, _, after = body.partition(close)
-        if after.strip():
-            return None
+    block = "function_calls" if text.startswith("<｜DSML｜function_calls>") else "tool_calls"  # V3.2, V4
+    body, _, after = _after(text, f"<｜DSML｜{block}>").partition(f"</｜DSML｜{block}>")
+    if after.strip():
+        raise ValueError("text after the block")
     calls: Calls = []
-    at = 0
-    for m in DSML_INVOKE.finditer(body):
-        if body[at:m.start()].strip():
-            return None
-        args, inner_at = {}, 0
-        for p in DSML_PARAM.finditer(m.group(2)):
-            if m.group(2)[inner_at:p.start()].strip():
-                return None
+    for m in _tiled(DSML_INVOKE, body):
+        args = {}
+        for p in _tiled(DSML_PARAM, m.group(2)):
             key, is_string, value = p.groups()
             args[key] = value if is_string == "true" else json.loads(value)
-            inner_at = p.end()
-        if m.group(2)[inner_at:].strip():
-            return None
         calls.append((m.group(1), args))
-        at = m.end()
-    return calls if calls and not body[at:].strip() else None
+    return calls
 
 
-def _gemma4(text: str) -> Calls | None:
+def _gemma4(text: str) -> Calls:
     calls: Calls = []
     rest = text.strip()
     while rest:
-        if not rest.startswith("<|tool_call>call:"):
-            return None
-        rest = rest[len("<|tool_call>call:"):]
+        rest = _after(rest, "<|tool_call>call:")
         brace = rest.index("{")
         name = rest[:brace]
         args, end = _GemmaValue(rest, brace).dict()
-        if not rest.startswith("<tool_call|>", end):
-            return None
+        rest = _after(rest[end:], "<tool_call|>").strip()
         calls.append((name, args))
-        rest = rest[end + len("<tool_call|>"):].strip()
     return calls
 
 

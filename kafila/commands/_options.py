@@ -43,7 +43,7 @@ def add_kquant(p: argparse.ArgumentParser) -> None:
                         "(the file's weights to f32 rounding: llama.cpp's greedy tokens at --precision f32, "
                         "and an answer that does not depend on how its prompt was cut into steps), ggml "
                         "(ggml's own CPU kernels on the file's blocks: llama.cpp's arithmetic and speed, "
-                        "1.8x faster decoding, 1.3x faster prefill, a quarter less memory; built at install, needs llama-cpp-python and a C++ "
+                        "1.8x faster decoding, 1.3x faster prefill, less memory; built at install, needs llama-cpp-python and a C++ "
                         "compiler), auto (ggml at serving precision where it builds, else exact), or fast "
                         "(Q4_K/Q5_K offsets rounded to integer zero points, as openvino_genai does)")  # fmt: skip
 

@@ -62,8 +62,6 @@ def _resident_model(index, kinds: set[str]) -> dict:
 def _kquant_form(kquant: str, precision: str) -> str:
     """The K-quant form the session's OpenVINO stages build: "auto" resolved as this host resolves
     it (ggml where the op builds; every member of one install alike)."""
-    if kquant != "auto":
-        return kquant
     from backends.openvino.ggml_kernels import resolve
 
     return resolve(kquant, precision)
