@@ -9,12 +9,12 @@ The shard holds the whole model (embedding, every block, the head folded in: `ka
 backends/openvino/graph.causal_mask as it is (0 where a position is seen, the lowest f32
 elsewhere, added to the scores); "bool" turns that mask back into the boolean form the graph used
 before (seen = mask == 0), everything else equal. For each prompt length L, each round feeds a
-fresh slot L positions in chunks of kafila.session.ring.scheduler.prefill_chunk_tokens(hidden) (what
+fresh slot L positions in chunks of kafila.session.ring.chunks.prefill_chunk_tokens(hidden) (what
 the ring's head feeds a step) and times it; the forms alternate within a round (float, bool, then
 bool, float: load from elsewhere falls on both alike). Reported per L: the median prefill ms of
 each form, bool ÷ float, and the float form's prefill tok/s. The greedy token after the prompt is
 compared between the forms (the same, or how many differ, at serving precision a near-tie can flip).
-Chunks after the first are a quarter of the first (scheduler.later_chunk_tokens, as the head
+Chunks after the first are a quarter of the first (chunks.later_chunk_tokens, as the head
 feeds them); `--equal-chunks` adds a side fed in chunks of the full size throughout (the rule
 before), to compare the time. `--chunk N` sets the first chunk's size (the later ones a quarter of
 it). `--whole` adds a side, the float form fed each prompt in one forward (no chunks): a chunk
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.prefill: lengths and --chunk 1..32768, --rounds 1..20", file=sys.stderr)
         return 2
     from kafila.models.registry import resolve_model
-    from kafila.session.ring.scheduler import later_chunk_tokens, prefill_chunk_tokens
+    from kafila.session.ring.chunks import later_chunk_tokens, prefill_chunk_tokens
 
     if args.shape:
         from tests.big_gguf import big_model

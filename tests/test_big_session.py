@@ -4,7 +4,7 @@ greedy ids of `kafila run --stages 1` on the same file, and the time to the firs
 The model is tests/big_gguf.py's synthetic Q4_K_M file (4.9 GB for the 8B: 21 min on the 2-core
 VM at load ≈ 2; the 1B shape, 0.8 GB, runs the same test in 5 min). Both sides compute at f32 (`--precision f32`): a split
 chain matches one stage exactly there, whatever rows a prefill chunk holds. The prompt goes
-round the ring in chunks (scheduler.prefill_chunk_tokens: 512 positions the first step at hidden 4096, 128 each after);
+round the ring in chunks (chunks.prefill_chunk_tokens: 512 positions the first step at hidden 4096, 128 each after);
 `kafila run` feeds it whole. `--policy uniform`: the blocks are divided evenly whatever the
 three processes' probes say, so where the head lands and what each member holds does not depend
 on the machine's load. The two never run at once: `kafila run` has exited (its 8B build peaks

@@ -16,7 +16,8 @@ from kafila.engine.ring import RingEngine
 from kafila.session.wire.frames import MAX_FRAME_BYTES, Activation, EncodeError, Limits, encode
 from kafila.session.ring.node import RingNode
 from backends.memory import PREFILL_WORK_BYTES, PREFILL_WORK_BYTES_PER_POSITION
-from kafila.session.ring.scheduler import Scheduler, later_chunk_tokens, prefill_chunk_tokens
+from kafila.session.ring.chunks import later_chunk_tokens, prefill_chunk_tokens
+from kafila.session.ring.scheduler import Scheduler
 from tests.default_model import MODEL, needs_default_model
 from tests.fake_link import Pipe
 from tests.test_session_ring import H, LIM, V, shards
@@ -97,7 +98,7 @@ def test_scheduler_chunks_in_order():
         assert s.wants_token("a") is expect_token
         events = s.complete("a", 7 if expect_token else None)
         assert bool(events) is expect_token
-    # the first chunk whole, the later ones a quarter of it (scheduler.later_chunk_tokens)
+    # the first chunk whole, the later ones a quarter of it (chunks.later_chunk_tokens)
     assert got == [(list(range(1, 9)), 0, 0), ([9, 10], 8, 8), ([11, 12], 10, 10)]
     (step,) = s.steps()  # then decode, one position a step
     assert (step.tokens.tolist(), step.cache_len, step.pos0) == ([7], 12, 12)
@@ -218,7 +219,7 @@ def test_real_shards_chunked_round_the_ring_give_kafila_runs_ids():
         return got, rows
 
     got, rows = asyncio.run(main())
-    # the first chunk of 48 positions, then chunks of 12 (scheduler.later_chunk_tokens)
+    # the first chunk of 48 positions, then chunks of 12 (chunks.later_chunk_tokens)
     assert max(rows) == 48 and rows.count(48) == 3 and rows.count(12) >= 3 * 10
     assert got == [t for t in want if t not in tok.eos_ids]
 

@@ -7,7 +7,7 @@ length, the logical position and a `valid` vector over physical positions. Each 
 `rewind(k)` masks the last k live positions out and moves the logical position back by k.
 Hidden states cross from stage to stage as float32 (so stages may run on different backends).
 A prompt is fed in chunks, the first of at most `chunk_tokens` positions and the rest smaller
-(`prefill`), the rule the ring's head uses (kafila.session.ring.scheduler.prefill_chunk_tokens and
+(`prefill`), the rule the ring's head uses (kafila.session.ring.chunks.prefill_chunk_tokens and
 later_chunk_tokens), so a long prompt never runs one unbounded batch through a stage; only the
 last chunk's hidden states are kept.
 """
@@ -46,7 +46,7 @@ class Cursor:
 
 def _chunk_tokens(index: ModelIndex) -> int:
     """Prefill positions per feed: the ring head's rule (a frame's worth at this hidden size)."""
-    from kafila.session.ring.scheduler import prefill_chunk_tokens
+    from kafila.session.ring.chunks import prefill_chunk_tokens
 
     return prefill_chunk_tokens(index.hparams.hidden)
 
@@ -124,8 +124,8 @@ class LocalChain:
 
     def prefill(self, cursor: Cursor, tokens: Sequence[int] | np.ndarray) -> np.ndarray:
         """`feed` in chunks, as the ring's head does: the first of at most `chunk_tokens` positions,
-        the rest of scheduler.later_chunk_tokens; the last chunk's hidden states."""
-        from kafila.session.ring.scheduler import next_chunk
+        the rest of chunks.later_chunk_tokens; the last chunk's hidden states."""
+        from kafila.session.ring.chunks import next_chunk
 
         ids = np.asarray(tokens, dtype=np.int64)
         if len(ids) == 0:

@@ -46,15 +46,8 @@ from kafila.session.ring.speculation.dipsd_live import LiveDipsd, LiveSchedule, 
 from kafila.session.wire.frames import MAX_BATCH_ROWS, Activation, Frame, Limits, Request, Tokens
 from kafila.session.ring.microbatch import (ROW_MIN_SHARE, ROW_PRIOR_SLOPE, SHARED_BUSY_SHARE, MicroBatches, best_groups,
                                        prompt_batches)
-from kafila.session.ring.scheduler import (
-    Finished,
-    Scheduler,
-    SchedulerError,
-    SlotFreed,
-    Step,
-    TokenOut,
-    prefill_chunk_tokens,
-)  # fmt: skip
+from kafila.session.ring.chunks import prefill_chunk_tokens
+from kafila.session.ring.scheduler import Finished, Scheduler, SchedulerError, SlotFreed, Step, TokenOut
 from kafila.session.ring.slots import DEFAULT_MAX_QUEUED
 from kafila.session.ring.picks import Pick
 from kafila.session.ring.prefix import CACHED_STAT

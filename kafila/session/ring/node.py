@@ -81,7 +81,7 @@ class RingNode(HeadDriver):
                  edge_rtts: Callable[[], dict] | None = None, dipsd: bool = True,
                  padded_rows: bool = True, prompt_cache: bool = True, origin_drafter=None) -> None:  # fmt: skip
         """`prefill_chunk`: positions per prefill step; None (every session) derives it from the
-        hidden size and the frame limit (scheduler.prefill_chunk_tokens). A larger value makes
+        hidden size and the frame limit (chunks.prefill_chunk_tokens). A larger value makes
         frames over the limit: only tests set it, to exercise the per-request error.
         `speculate`: "off", "ngram" (the head's drafter, speculate.py) or "origin" (every member
         drafts for the requests typed at it, origin.py; the same on every member), at most `draft_k`

@@ -6,8 +6,8 @@ with a slot and no step in flight is given the next Step: first its whole prompt
 its last sampled token (decode). Several requests can be in flight round the ring at once, each
 in its own slot, so concurrent requests interleave and each gets exactly the tokens it gets
 alone. A prompt longer than `chunk_tokens` is fed in several steps: the first of that many
-positions, the rest of `later_chunk_tokens` (chunked prefill: every activation frame fits the
-frame limit and no stage runs an unbounded batch; see `prefill_chunk_tokens`); only the step
+positions, the rest of `chunks.later_chunk_tokens` (chunked prefill: every activation frame fits the
+frame limit and no stage runs an unbounded batch; see `chunks.prefill_chunk_tokens`); only the step
 with its last position samples a token. When a step returns, `complete(req_id, token)` records the greedy token and says whether the
 request is over (EOS, max_new or the context). Positions are logical and the mask is physical
 (the OpenVINO paper's mask-based rewind); the bookkeeping (cache_len, pos, zeros) travels in
@@ -38,9 +38,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from backends.memory import PREFILL_WORK_BYTES, PREFILL_WORK_BYTES_PER_POSITION
+from kafila.session.ring.chunks import next_chunk
 from kafila.session.wire.fields import MAX_ORIGIN_DRAFT
-from kafila.session.wire.frames import MAX_FRAME_BYTES
 from kafila.session.ring.speculation.origin import aligned_draft
 from kafila.session.ring.prefix import WHOLE, ParkedSlots
 from kafila.session.ring.speculation.speculate import (
@@ -54,38 +53,7 @@ from kafila.session.ring.speculation.speculate import (
     ngram_draft,
 )  # fmt: skip
 
-F32_BYTES = 4
 QUEUE_FULL_STATUS = 429  # the queue is full: the API answers Too Many Requests with Retry-After
-
-
-def prefill_chunk_tokens(hidden: int, frame_bytes: int = MAX_FRAME_BYTES,
-                         work_bytes: int = PREFILL_WORK_BYTES) -> int:  # fmt: skip
-    """The most prompt positions one prefill step feeds (the rule, in one place):
-
-        n × hidden × 4 B                                ≤ frame_bytes   (one activation frame)
-        n × hidden × PREFILL_WORK_BYTES_PER_POSITION    ≤ work_bytes    (one stage's working set,
-                                                                         backends.memory: measured)
-
-    hidden 4096 → 512 positions a step, 2048 → 1024, 576 → 3640; at least 1."""
-    return max(1, min(frame_bytes // (hidden * F32_BYTES), work_bytes // (hidden * PREFILL_WORK_BYTES_PER_POSITION)))
-
-
-# A prompt's chunks after its first attend to the KV already in the slot, and the CPU plugin runs
-# any such step in its one-query-at-a-time attention (docs/BENCHMARKS.md, "Prefill"), so chunks
-# of a quarter cost no more time than full ones (bench.prefill --equal-chunks: full chunks took
-# 1.10-1.13x as long on the 1B shape) and hold a smaller working set while they run. The first
-# chunk keeps its full size: a fresh prompt takes the fast attention kernel.
-LATER_CHUNK_SHARE = 4
-
-
-def later_chunk_tokens(chunk_tokens: int) -> int:
-    """Positions of a prefill step after a prompt's first (`chunk_tokens` positions)."""
-    return max(1, chunk_tokens // LATER_CHUNK_SHARE)
-
-
-def next_chunk(done: int, chunk_tokens: int) -> int:
-    """Positions of the prefill step that follows `done` fed positions of a prompt."""
-    return chunk_tokens if done == 0 else later_chunk_tokens(chunk_tokens)
 
 
 class SchedulerError(Exception):

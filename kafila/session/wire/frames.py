@@ -19,7 +19,7 @@ happens in three steps, each validated before the next allocates anything:
 Anything else raises FrameError (the peer's: a RemoteProtocolError), which the I/O layer turns into closing that edge with the reason.
 A frame of our own that cannot be encoded (a payload over the limit) raises EncodeError instead:
 that is our error, not the neighbour's, and it fails the request that made the frame, never the
-edge (a long prompt's activations travel in chunks that fit: scheduler.prefill_chunk_tokens).
+edge (a long prompt's activations travel in chunks that fit: chunks.prefill_chunk_tokens).
 No I/O here: `FrameDecoder.feed(bytes) -> [frames]` drives the same steps for tests and any
 transport; `read_frame` (streams.py) drives them over an asyncio stream.
 
