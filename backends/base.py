@@ -100,6 +100,9 @@ class Shard(Protocol):
     # Optional: `park(slot)`: the slot's request is over and its KV is kept for a prompt that
     # starts the same way (kafila/session/ring/prefix.py); a backend whose batched rows share a home
     # (OpenVINO's row groups) lets the slot out of it here. Backends without it need nothing.
+    # Optional for hybrid models: `checkpoint(slot)`: keep a copy of the slot's recurrent state
+    # as it is now (one per slot, replacing the last), so that a later `trim` to exactly that
+    # length goes back to it (a prompt's end: prefix.py); a trim before it drops it.
 
 
 class Sampler(Protocol):

@@ -91,6 +91,11 @@ def memory_kind(backend: str, form: str) -> str:
     stage's resolved --kquant: "ggml" holds the file's blocks, the other forms the constants)."""
     return GGML_KIND if backend == "openvino" and form == "ggml" else backend
 TOKENIZER_BYTES_PER_VOCAB = 450
+# A hybrid slot holds its recurrent state up to three times (backends/openvino/recurrent.py, the
+# MLX shard alike): the live state, its copy at the start of the slot's last step of several
+# positions (a verify step's cut goes back into it) and the copy kept at the end of the last
+# prompt (prompt caching goes back to it: kafila/session/ring/prefix.py). The plan prices all three.
+RECURRENT_STATE_COPIES = 3
 PREFILL_WORK_BYTES_PER_POSITION = 208  # per unit of hidden size
 PREFILL_WORK_BYTES = 416 << 20
 # A runtime keeps the buffers of the largest step it has run (the CPU plugin its intermediate

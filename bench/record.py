@@ -6,14 +6,16 @@ SECTIONS holds each section's title, question, command (run as `python -m …` w
 interpreter, from the checkout) and a line or two on what its table means. With --run each
 command (or those --only names) runs in turn and its stdout is kept in --outputs
 (default ~/.cache/kafila-bench/record/); without it the doc is rebuilt from the outputs kept
-there. A section whose output is missing is left out of the doc, and said so. The text under
-each table is written for the run it describes: after a new run, reread it.
+there. A section with no output kept here keeps its table in the doc as it is (a record made on
+another machine, say), and is named. The text under each table is written for the run it
+describes: after a new run, reread it.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -23,113 +25,121 @@ from bench._report import REPO
 
 SECTIONS = [
   # (title, question, command, what its table means)
-  ("Speed against llama.cpp",
-   "How fast does one Kafila process decode and prefill the real Qwen2.5-Coder-1.5B Q4_K_M in each weight "
-   "form, next to llama.cpp on the same file and threads?",
-   "python -m bench.kquant_speed --file qwen1.5b --rows kafila-exact,kafila-fast,kafila-ggml,llamacpp --rounds 2",
-   "Each row at its serving defaults, 2 threads, rows alternating round by round; llama.cpp runs in a process "
-   "of its own (its OpenMP defaults). `kafila-ggml` is `--kquant ggml`: ggml's vec_dot on the file's blocks "
-   "inside the OpenVINO stage (backends/openvino/ggml_kernels.py), the arithmetic llama.cpp runs; it "
-   "decodes 1.7x faster than the exact form (the default) but prefills slower, where llama.cpp's "
-   "repacked GEMM kernels do the work (the op's repacked path, run through a ggml graph on OpenMP threads, "
-   "measured 0.65x decode and 0.53x prefill inside the plugin, so it is off). The openvino GGUF frontend "
-   "row is not measured, for the reason printed."),
-  ("Speed against llama.cpp on an AVX2 CPU",
-   "The same question on a CPU without AVX-512 or VNNI: does each form keep its ratio, and where does "
-   "openvino_genai stand? (Run on an AVX2-only machine.)",
-   "python -m bench.kquant_speed --file qwen1.5b --rows kafila-exact,kafila-fast,kafila-ggml,genai,llamacpp --rounds 2",
-   'An AMD EPYC with AVX2 only, 2 threads. The ggml form keeps its decode ratio (0.86x here, 0.85x on '
-   "the AVX-512 EPYC above): ggml's AVX2 kernels, repacked Q4_K included, are what llama.cpp runs here "
-   "too. Its prefill (0.79x) is no faster than the exact form's on this CPU, and its two rounds spread "
-   'widely (31 and 52 tok/s; llama.cpp 46 and 57). The fast form gains nothing at decode: without VNNI '
-   'the CPU plugin takes no int8-activation path. openvino_genai (its own GGUF reader, u4 with integer '
-   'zero points) prefills at 0.97x and decodes at 0.51x.'),
-  ("Mixture of experts against llama.cpp",
-   "How fast does one Kafila process run a Qwen3-MoE file, next to llama.cpp on the same file?",
-   "python -m bench.kquant_speed --file qwen3moe --rows kafila-exact,kafila-ggml,llamacpp --rounds 2",
+  ('Speed against llama.cpp',
+   'How fast does one Kafila process decode and prefill the real Qwen2.5-Coder-1.5B Q4_K_M in each weight '
+   'form, next to llama.cpp on the same file and threads?',
+   'python -m bench.kquant_speed --file qwen1.5b --rows kafila-exact,kafila-fast,kafila-ggml,llamacpp --rounds 2',
+   'Each row at its serving defaults, 2 threads, rows alternating round by round; llama.cpp runs in a '
+   "process of its own (its OpenMP defaults). `kafila-ggml` is `--kquant ggml`: ggml's kernels on the file's"
+   ' blocks inside the OpenVINO stage (backends/openvino/ggml_kernels.py), the arithmetic llama.cpp runs: '
+   'where ggml has an interleaved layout for the type on this CPU (Q4_K here, not Q6_K), the matrix is '
+   "repacked at the first step and ggml's GEMM/GEMV run on the plugin's own threads, each over a slice of "
+   "the rows; else vec_dot per row. Before the repacked kernels ran on the plugin's threads the ggml form "
+   'prefilled at 0.51x (commit b02a401). The openvino GGUF frontend row is not measured, for the reason '
+   'printed.'),
+  ('Speed against llama.cpp on an AVX2 CPU',
+   'The same question on a CPU without AVX-512 or VNNI: does each form keep its ratio, and where does '
+   'openvino_genai stand? (Run on an AVX2-only machine.)',
+   'python -m bench.kquant_speed --file qwen1.5b --rows kafila-exact,kafila-fast,kafila-ggml,genai,llamacpp --rounds 2',
+   'An AMD EPYC with AVX2 only, 2 threads. The ggml form keeps its decode ratio (0.86x here, 0.85x on the '
+   "AVX-512 EPYC above): ggml's AVX2 kernels, repacked Q4_K included, are what llama.cpp runs here too. Its "
+   "prefill (0.79x) is no faster than the exact form's on this CPU, and its two rounds spread widely (31 and"
+   ' 52 tok/s; llama.cpp 46 and 57). The fast form gains nothing at decode: without VNNI the CPU plugin '
+   'takes no int8-activation path. openvino_genai (its own GGUF reader, u4 with integer zero points) '
+   'prefills at 0.97x and decodes at 0.51x.'),
+  ('Mixture of experts against llama.cpp',
+   'How fast does one Kafila process run a Qwen3-MoE file, next to llama.cpp on the same file?',
+   'python -m bench.kquant_speed --file qwen3moe --rows kafila-exact,kafila-ggml,llamacpp --rounds 2',
    "bench.llamacpp_speed's random Qwen3-MoE file (12 blocks, hidden 1024, 32 experts of FFN 256, top 4; "
-   "Q4_K_M from llama.cpp's quantizer: experts Q4_K and Q6_K). `kafila-ggml` runs each token through its own "
-   "k experts with ggml's vec_dot on the file's blocks (GgmlMatMulId, llama.cpp's mul_mat_id); the exact form "
-   "Gathers and decompresses the picked experts to f32 first. The greedy ids part from the first token on "
-   "these random files for every Kafila row (near-ties in the router's top-k are the suspect; at the tests' "
-   "shapes every form gives llama.cpp's ids at f32)."),
-  ("gpt-oss against llama.cpp",
-   "How fast does one Kafila process run a gpt-oss file (MXFP4 experts), next to llama.cpp on the same file?",
-   "python -m bench.kquant_speed --file gpt-oss --rows kafila-exact,kafila-ggml,llamacpp --rounds 2",
+   "Q4_K_M from llama.cpp's quantizer: experts Q4_K and Q6_K). `kafila-ggml` runs each token through its own"
+   " k experts with ggml's vec_dot on the file's blocks (GgmlMatMulId, llama.cpp's mul_mat_id); the exact "
+   'form Gathers and decompresses the picked experts to f32 first. The greedy ids part from the first token '
+   "on these random files for every Kafila row (near-ties in the router's top-k are the suspect; at the "
+   "tests' shapes every form gives llama.cpp's ids at f32)."),
+  ('gpt-oss against llama.cpp',
+   'How fast does one Kafila process run a gpt-oss file (MXFP4 experts), next to llama.cpp on the same file?',
+   'python -m bench.kquant_speed --file gpt-oss --rows kafila-exact,kafila-ggml,llamacpp --rounds 2',
    "bench.llamacpp_speed's random gpt-oss file (12 blocks, hidden 1024, 32 experts of FFN 256, top 4, a "
-   "128,256-row vocabulary), MXFP4_MOE from llama.cpp's quantizer: experts MXFP4 (held in their 4.25 bits by "
-   "the ggml form), the other matrices Q8_0. Here ggml's form reaches 0.35x: the op's profile puts most of a "
-   "step in its Q8_0 lm_head (133 MB a token), which llama.cpp runs with its repacked or llamafile kernels; "
-   "not solved yet."),
-  ("Hybrid (Qwen3.5-MoE) against llama.cpp",
-   "How fast does one Kafila process run a hybrid file (gated delta-net layers, attention every 4th block, "
-   "experts), next to llama.cpp on the same file?",
-   "python -m bench.kquant_speed --file qwen35moe --rows kafila-exact,kafila-ggml,llamacpp --rounds 2",
-   "bench.llamacpp_speed's random qwen35moe file (tests/hybrid_gguf.py's layout at hidden 1024: 12 blocks, 9 "
-   "of them delta-net layers with 8 key and 16 value heads of 64; 32 experts of FFN 256, top 4, a shared "
-   "expert; Qwen2's vocabulary), Q4_K_M from llama.cpp's quantizer. A request's recurrent state is 2.58 MB "
-   "(`kafila inspect`: 215,040 bytes per block, the planner's figure; tests/test_arch_hybrid.py checks the "
-   "stage holds exactly that). OpenVINO runs the delta rule as a sequential Loop over a step's positions "
-   "(llama.cpp: a fused op), which prefill pays most. The greedy ids part from the first token on this random "
-   "file at serving precision, as for the MoE files; at the tests' shapes every form gives llama.cpp's ids at "
-   "f32."),
-  ("Speed against openvino_genai",
+   "128,256-row vocabulary), MXFP4_MOE from llama.cpp's quantizer: experts MXFP4 (held in their 4.25 bits by"
+   " the ggml form), the other matrices Q8_0. The attention sinks now go in as the SDPA's own sink input, so"
+   ' the CPU plugin keeps its stateful attention with the KV cache updated in place: before, a zero key '
+   "appended for the sink made it copy every layer's cache each step, and the ggml form decoded at 0.35x "
+   '(commit 76ec607, `git log -p` has that table). What is left of the gap: the Q8_0 lm_head (140 MB a '
+   "token, about 4 ms here) and the plugin's per-step work outside the kernels."),
+  ('Hybrid (Qwen3.5-MoE) against llama.cpp',
+   'How fast does one Kafila process run a hybrid file (gated delta-net layers, attention every 4th block, '
+   'experts), next to llama.cpp on the same file?',
+   'python -m bench.kquant_speed --file qwen35moe --rows kafila-exact,kafila-ggml,llamacpp --rounds 2',
+   "bench.llamacpp_speed's random qwen35moe file (tests/hybrid_gguf.py's layout at hidden 1024: 12 blocks, 9"
+   ' of them delta-net layers with 8 key and 16 value heads of 64; 32 experts of FFN 256, top 4, a shared '
+   "expert; Qwen2's vocabulary), Q4_K_M from llama.cpp's quantizer. A request's live recurrent state is 2.58"
+   " MB (215,040 bytes per block; the plan prices it three times, with a verify step's copy and the copy "
+   "kept at a prompt's end, and tests/test_arch_hybrid.py checks the stage holds exactly that). The delta "
+   "rule now runs as one op of the Kafila op library (KafilaDeltaRule, llama.cpp's sequential scan) where "
+   "the library loads, and the dense Q4_K matrices in ggml's repacked kernels: the ggml form went from 0.65x"
+   " to 0.78x decode and 0.51x to 0.68x prefill (commit c7d65db had the Loop). The exact row's prefill "
+   'measured lower than at c7d65db (0.17x against 0.26x) on this run; not looked into. As for the MoE files,'
+   " the greedy ids part from the first token on this random file at serving precision; at the tests' shapes"
+   " every form gives llama.cpp's ids at f32. The GGUF frontend row is not measured (as above)."),
+  ('Speed against openvino_genai',
    "Does Kafila's own graph run the model as fast as OpenVINO's own LLM pipeline on the same GGUF?",
-   "python -m bench.local --stages 1,3 --no-mlx --no-memory --tokens 64 --repeats 3",
+   'python -m bench.local --stages 1,3 --no-mlx --no-memory --tokens 64 --repeats 3',
    "openvino_genai's LLMPipeline is the peer (1.00); every row is the median of per-round ratios. The "
-   "3-stage row is the same split a 3-member ring runs, in one process."),
-  ("Serving precision on this CPU",
-   "Which inference precision should serving compile here: is bf16 (the plugin's default on AVX-512-BF16 and AMX) "
-   "faster, and does it keep a question asked again and a split chain answering as before?",
-   "python -m bench.serving_precision --model qwen2.5-coder-1.5b-q4_k_m --rounds 3",
-   "Both precisions on the same 1-stage chain, rounds alternating (run before serving also turned the "
-   "plugin's int8 activations off; both rows had them). bf16 prefills 1.44x faster here and decodes 0.90x; its "
-   "asked-again gap is twice f32's on this file and 0.65 against 0.05 on the default model, where it flipped "
-   "the answer. Serving compiles f32 on every CPU (backends/openvino/shard.py) for that agreement; rerun this "
-   "on an AMX machine before trading it for bf16's prefill speed there."),
-  ("A ring against one process",
-   "What does splitting the model across 3 processes joined by QUIC cost against running the same split in one?",
-   "python -m bench.session --skip-latency --skip-hetero --runs 2 --max-tokens 48 --markdown",
-   "The one-process chain runs before and after the session and the ratio uses their mean; under the load "
+   '3-stage row is the same split a 3-member ring runs, in one process.'),
+  ('Serving precision on this CPU',
+   "Which inference precision should serving compile here: is bf16 (the plugin's default on AVX-512-BF16 and"
+   ' AMX) faster, and does it keep a question asked again and a split chain answering as before?',
+   'python -m bench.serving_precision --model qwen2.5-coder-1.5b-q4_k_m --rounds 3',
+   'Both precisions on the same 1-stage chain, rounds alternating (run before serving also turned the '
+   "plugin's int8 activations off; both rows had them). bf16 prefills 1.44x faster here and decodes 0.90x; "
+   "its asked-again gap is twice f32's on this file and 0.65 against 0.05 on the default model, where it "
+   'flipped the answer. Serving compiles f32 on every CPU (backends/openvino/shard.py) for that agreement; '
+   "rerun this on an AMX machine before trading it for bf16's prefill speed there."),
+  ('A ring against one process',
+   'What does splitting the model across 3 processes joined by QUIC cost against running the same split in '
+   'one?',
+   'python -m bench.session --skip-latency --skip-hetero --runs 2 --max-tokens 48 --markdown',
+   'The one-process chain runs before and after the session and the ratio uses their mean; under the load '
    "printed above the one-process runs were starved more than the session's three processes, so read the "
    "ratio as 'the ring costs no more than one process here', not as a speed-up."),
-  ("Many users",
+  ('Many users',
    "How does the aggregate rate grow, and each user's time per token, as more users ask at once?",
-   "python -m bench.multiuser --users 1,4,8 --latency 0 --rounds 1 --markdown",
-   "One 3-member loopback session with batched decode rows; the 1-user figure is the mean of a run first "
-   "and one last. One round (the default is 2) to fit the time this record had."),
-  ("Speculation",
-   "Does n-gram speculation on the ring make answers faster, and are they the same text?",
-   "python -m bench.spec --latency 0 --max-tokens 48 --markdown",
-   "Plain and speculating requests alternate on the same 3-member session, at 0 ms per hop only: the "
-   "default also runs 20 and 50 ms, where a verify step saves a round trip, but under this load the "
-   "20 ms case did not finish in 15 minutes. With no hop latency to save and both cores taken, speculation "
-   "cost time here (0.75× on grounded prompts, even on chat) although most drafts were accepted. At "
-   "serving precision a verify step runs other kernels than a 1-row step, so near-ties can part the "
-   "texts (the `same text` column counts them)."),
-  ("Churn",
-   "When a member leaves mid-answer, how long until the answers resume, and are they unchanged?",
-   "python -m bench.churn --members 3 --max-tokens 48",
-   "A 3-member session (f32; 4 members is the default) with 4 streaming answers loses a member to kill -9, "
-   "then another to SIGINT. `answers hit mid-answer`: answers with pieces before and after the leave. "
-   "Detection is well inside its 5 s target; the replan and replay seconds are inflated by the load "
-   "(load average about 20 on 2 cores), and every answer resumed to the undisturbed run's exact text."),
-  ("Memory",
+   'python -m bench.multiuser --users 1,4,8 --latency 0 --rounds 1 --markdown',
+   'One 3-member loopback session with batched decode rows; the 1-user figure is the mean of a run first and'
+   ' one last. One round (the default is 2) to fit the time this record had.'),
+  ('Speculation',
+   'Does n-gram speculation on the ring make answers faster, and are they the same text?',
+   'python -m bench.spec --latency 0 --max-tokens 48 --markdown',
+   'Plain and speculating requests alternate on the same 3-member session, at 0 ms per hop only: the default'
+   ' also runs 20 and 50 ms, where a verify step saves a round trip, but under this load the 20 ms case did '
+   'not finish in 15 minutes. With no hop latency to save and both cores taken, speculation cost time here '
+   '(0.75× on grounded prompts, even on chat) although most drafts were accepted. At serving precision a '
+   'verify step runs other kernels than a 1-row step, so near-ties can part the texts (the `same text` '
+   'column counts them).'),
+  ('Churn',
+   'When a member leaves mid-answer, how long until the answers resume, and are they unchanged?',
+   'python -m bench.churn --members 3 --max-tokens 48',
+   'A 3-member session (f32; 4 members is the default) with 4 streaming answers loses a member to kill -9, '
+   'then another to SIGINT. `answers hit mid-answer`: answers with pieces before and after the leave. '
+   'Detection is well inside its 5 s target; the replan and replay seconds are inflated by the load (load '
+   "average about 20 on 2 cores), and every answer resumed to the undisturbed run's exact text."),
+  ('Memory',
    "How much memory does Kafila's 1-stage chain take against openvino_genai for the same model?",
-   "python -m bench.memory_local --rounds 1",
-   "Each side is a fresh child process measured from the same baseline, 32 new tokens; one round (the "
-   "default is more). Memory does not move with the load the way speed does: these ratios are the "
-   "least noisy figures in this record."),
-  ("Weight transfer",
+   'python -m bench.memory_local --rounds 1',
+   'Each side is a fresh child process measured from the same baseline, 32 new tokens; one round (the '
+   'default is more). Memory does not move with the load the way speed does: these ratios are the least '
+   'noisy figures in this record.'),
+  ('Weight transfer',
    "How fast do a member's weights arrive from the host, and what memory and CPU does receiving take?",
-   "python -m bench.weights_transfer --members 2 --model smollm2-135m",
-   "The default model (not the default Llama-3.2-1B shape, whose 0.8 GB file this run had no time to "
-   "write) on loopback: the member's weight cache is empty, so it fetches its whole shard from the host."),
-  ("Planner",
-   "Does the planner's division beat GPipe's (uniform) and exo's (memory-proportional) on the paper's fleets?",
-   "python -m bench.plan_fleets",
-   "Predicted by the planner's cost model from fleets/*.json, nothing measured: the CPU line only says where "
-   "the command ran."),
+   'python -m bench.weights_transfer --members 2 --model smollm2-135m',
+   'The default model (not the default Llama-3.2-1B shape, whose 0.8 GB file this run had no time to write) '
+   "on loopback: the member's weight cache is empty, so it fetches its whole shard from the host."),
+  ('Planner',
+   "Does the planner's division beat GPipe's (uniform) and exo's (memory-proportional) on the paper's "
+   'fleets?',
+   'python -m bench.plan_fleets',
+   "Predicted by the planner's cost model from fleets/*.json, nothing measured: the CPU line only says where"
+   ' the command ran.'),
 ]
 
 HEAD = """# Kafila benchmarks: the current record
@@ -143,7 +153,6 @@ AMD EPYCs (AVX-512 with VNNI and BF16, except the section that says AVX2) shared
 (each header's load average), so absolute tok/s are low and noisy; each benchmark measures its
 comparisons side by side, alternating, so the ratios hold where the absolutes do not. The first
 five sections (bench.kquant_speed) are this wave's; the others ran before the ggml form existed.
-
 """
 
 def render(out: str) -> str:
@@ -175,13 +184,17 @@ def slug(title: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in title.lower()).strip("-")
 
 
-def build(outputs: Path) -> tuple[str, list[str]]:
-    """The doc from the kept outputs, and the titles left out for want of one."""
+def build(outputs: Path, current: str = "") -> tuple[str, list[str]]:
+    """The doc from the kept outputs, and the titles with none kept: those keep their section of
+    `current` (the doc as it is), or are left out where it has none."""
     doc, missing = [HEAD], []
+    old = {part.split("\n", 1)[0]: "## " + part.rstrip("\n") + "\n" for part in re.split(r"^## ", current, flags=re.M)[1:]}
     for title, question, command, means in SECTIONS:
         path = outputs / f"{slug(title)}.out"
         if not path.is_file() or not path.read_text().strip():
             missing.append(title)
+            if title in old:
+                doc.append(old[title])
             continue
         doc.append(f"## {title}\n\n{question}\n\n```sh\n{command}\n```\n\n{render(path.read_text())}\n\n{means}\n")
     return "\n".join(doc), missing
@@ -215,10 +228,11 @@ def main(argv: list[str] | None = None) -> int:
                       f"{run.stderr[-2000:]}", file=sys.stderr)  # fmt: skip
                 continue
             (args.outputs / f"{slug(title)}.out").write_text(run.stdout)
-    doc, missing = build(args.outputs)
+    doc, missing = build(args.outputs, args.doc.read_text() if args.doc.is_file() else "")
     args.doc.write_text(doc)
-    print(f"wrote {args.doc} ({len(doc.splitlines())} lines)" + (f"; no output yet for: {', '.join(missing)}"
-                                                                if missing else ""), file=sys.stderr)  # fmt: skip
+    print(f"wrote {args.doc} ({len(doc.splitlines())} lines)" + (f"; kept as they were (no output here): "
+                                                                f"{', '.join(missing)}" if missing else ""),
+          file=sys.stderr)  # fmt: skip
     return 0
 
 

@@ -170,8 +170,10 @@ def test_a_captured_hybrid_slot_restores_its_recurrent_state(tmp_path):
 
 def test_the_planner_prices_a_requests_state_per_block_and_kv_only_for_attention(tmp_path):
     """The planner's model entry: KV for the attention blocks only (a mean per block) and the
-    recurrent state as a fixed number of bytes per request (not per token); a slot's state as
-    the OpenVINO stage holds it is exactly that figure."""
+    recurrent state as a fixed number of bytes per request (not per token): the live state, a
+    verify step's start and a prompt's end kept (backends.memory.RECURRENT_STATE_COPIES); a
+    slot's state as the OpenVINO stage holds it is exactly that figure, its copies included."""
+    from backends.memory import RECURRENT_STATE_COPIES
     from planner import member_bytes, parse_fleet
 
     index = open_model(write_qwen35_gguf(tmp_path / "q.gguf"))
@@ -179,17 +181,23 @@ def test_the_planner_prices_a_requests_state_per_block_and_kv_only_for_attention
     per_kv = 2 * SHAPE["kv_heads"] * SHAPE["head_dim"] * 2
     assert raw["kv_bytes_per_token_per_block"] == per_kv * 2 / 4  # 2 of 4 blocks attend
     state = index.hparams.hybrid.state_bytes_per_request(0) * 2  # 2 delta-net blocks
-    assert raw["state_bytes_per_request_per_block"] == state / 4
+    assert raw["state_bytes_per_request_per_block"] == RECURRENT_STATE_COPIES * state / 4
     model = parse_fleet({"context": 64, "concurrency": 1, "anchor": "a", "model": raw,
                          "devices": [{"name": "a", "memory_gb": 1}]}).model  # fmt: skip
     one, three = (member_bytes(model, 4, True, 0, requests=n) for n in (1, 3))
-    assert three - one == pytest.approx(2 * state)
+    assert three - one == pytest.approx(2 * RECURRENT_STATE_COPIES * state)
     if status("openvino").available:
         shard = load_shard("openvino", ShardSpec(index.path, 0, 4, True, True), "f32", index=index)
         slot = shard.open_slot()
         shard.forward(slot, np.arange(5), np.arange(5), np.ones(5, np.int64))
         held = sum(s.state.data.nbytes for s in shard._reqs[slot].query_state() if s.name.startswith("recurrent."))
         assert held == index.state_bytes_per_request() == state
+        # a prompt's end kept, then a step of several positions (a verify step): the copies
+        shard.checkpoint(slot)
+        shard.forward(slot, np.arange(3), np.arange(5, 8), np.ones(8, np.int64))
+        steps = shard._steps
+        copies = [steps._last[slot].states, steps._kept[slot][1]]
+        assert held + sum(a.nbytes for c in copies for a in c.values()) == RECURRENT_STATE_COPIES * state
 
 
 def test_prompt_cache_rules_for_hybrids_continue_whole_histories_only():
@@ -200,6 +208,23 @@ def test_prompt_cache_rules_for_hybrids_continue_whole_histories_only():
     assert parked.best([5, 6, 7, 1, 2], 100) is None  # shares 3 of the 4 positions: starts afresh
     r = parked.best([5, 6, 7, 8, 1, 2], 100)
     assert (r.slot, r.shared, r.cache_len) == (0, 4, 4)
+
+
+def test_prompt_cache_rules_for_hybrids_go_back_to_the_kept_state_at_the_last_prompts_end():
+    """Every stage kept the state after the prompt (3 positions): a prompt that continues the
+    prompt but not the answer goes back there; one that stops inside the prompt starts afresh."""
+    from kafila.session.ring.prefix import ParkedSlots
+
+    parked = ParkedSlots(whole=True)
+    parked.park(0, [5, 6, 7, 8, 9], [], prompt=3, kept=3)
+    assert parked.best([5, 6, 1, 2], 100) is None  # stops before the kept state
+    r = parked.best([5, 6, 7, 1, 2], 100)  # the prompt again, another answer: the kept state
+    assert (r.slot, r.shared, r.cache_len) == (0, 3, 3)
+    parked.park(0, [5, 6, 7, 8, 9], [], prompt=3, kept=3)
+    r = parked.best([5, 6, 7, 8, 9, 4], 100)  # the whole history continued: all of it
+    assert (r.slot, r.shared, r.cache_len) == (0, 5, 5)
+    parked.park(0, [5, 6, 7, 8, 9], [], prompt=3)  # nothing kept (a stage without the state)
+    assert parked.best([5, 6, 7, 1, 2], 100) is None
 
 
 @needs_llamacpp
@@ -230,6 +255,46 @@ def test_on_three_stages_a_second_turn_feeds_only_what_is_new_and_answers_as_afr
         # the first turn's slot held its prompt and all of its answer but the last id (never fed)
         assert cached[4:8] == [len(p) + len(a) - 1 for p, a in zip(first, answers)], cached
         assert cached[8:] == [0] * 4, cached
+
+
+@needs_openvino
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
+def test_a_turn_whose_history_renders_the_answer_otherwise_goes_back_to_the_kept_prompt_end(tmp_path, backend):
+    """A chat template that re-renders an answer otherwise than it was generated (Qwen3.5's drops
+    the reasoning) shares only the last prompt with the slot: every stage goes back to the state it
+    kept at the prompt's end, the turn feeds only what follows (cached = the first prompt) and
+    answers as with the cache off, on the ring (3 stages) and in one process (`kafila serve`'s
+    engine), at f32."""
+    from kafila.engine import GenerationRequest, GenerationStats
+    from kafila.engine.chain import LocalChain
+    from kafila.engine.local import chain_source
+    from kafila.engine.prompt_cache import ParkedCursors
+    from kafila.session.ring.prefix import WHOLE
+    from kafila.session.wire.frames import Limits
+    from tests.test_prompt_cache import ring_turns
+
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
+    path = write_qwen35_gguf(tmp_path / "q.gguf", moe=True)
+    index = open_model(path)
+    chain = LocalChain([load_shard(backend, ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index)
+                        for a, b in ((0, 1), (1, 3), (3, 4))], chunk_tokens=CHUNK_TOKENS)  # fmt: skip
+    limits = Limits(hidden=SHAPE["hidden"], context=512, slots=4, vocab=SHAPE["vocab"])
+    rng = np.random.default_rng(11)
+    first = [[int(i) for i in rng.integers(0, SHAPE["vocab"], n)] for n in (20, 70, 33, 9)]
+    # the answer as the template renders it: not the ids generated (another answer of 6 ids)
+    edited = [p + [int(i) for i in rng.integers(0, SHAPE["vocab"], 6 + 5)] for p in first]
+    want, _ = ring_turns(chain, limits, [first, edited], prompt_cache=False, concurrent=False)
+    got, cached = ring_turns(chain, limits, [first, edited], prompt_cache=WHOLE, concurrent=False)
+    assert got == want
+    assert cached[4:] == [len(p) for p in first], cached
+    cache = ParkedCursors(chain, 4, whole=True)
+    source = chain_source(chain, frozenset(), 512, cache)
+    for p, e, w in zip(first, edited, want[4:]):
+        list(source(GenerationRequest(tuple(p), 16, stop_at_eos=False), GenerationStats()))
+        stats = GenerationStats()
+        assert list(source(GenerationRequest(tuple(e), 16, stop_at_eos=False), stats)) == w
+        assert stats.extra["cached_tokens"] == len(p)
 
 
 class _HalfRightDrafter:

@@ -34,6 +34,8 @@ def test_activation_roundtrip(chunk):
     np.testing.assert_array_equal(b.hidden, x)
     assert b.mask().tolist() == [1, 1, 0, 1, 1, 1, 1]
     assert b.positions().tolist() == [4, 5, 6]
+    assert not b.keep and "keep" not in msgpack.unpackb(F.encode(a)[8:8 + struct.unpack(">I", F.encode(a)[:4])[0]])
+    assert roundtrip(F.Activation("r1", 1, 4, 4, (2,), x, keep=True), chunk=chunk).keep  # a hybrid's prompt end
 
 
 def test_other_frames_roundtrip():
@@ -92,6 +94,8 @@ ACT = {"k": "act", "rid": "r", "slot": 0, "cache": 0, "pos0": 0, "zeros": [], "d
         ({**ACT, "rid": "x" * 65}, b"\0" * 32, "rid"),
         ({**ACT, "slot": True}, b"\0" * 32, "slot"),
         ({**ACT, "trace": [["m1", "x"]]}, b"\0" * 32, "trace"),
+        ({**ACT, "keep": 1}, b"\0" * 32, "keep"),
+        ({**ACT, "keep": False}, b"\0" * 32, "keep"),
         ({"k": "tok", "rid": "r", "dst": "m", "ids": [100], "done": False, "finish": "", "error": "", "status": 0}, b"", "vocabulary"),
         ({"k": "req", "rid": "r", "origin": "a", "dst": "b", "max_new": 1, "eos": True, "dtype": "i32", "shape": [33], "temp": 0.0, "top_p": 1.0, "seed": -1}, b"\0" * 132, "prompt"),
         ({"k": "req", "rid": "r", "origin": "a", "dst": "b", "max_new": 1, "eos": True, "dtype": "i32", "shape": [1], "temp": -1.0, "top_p": 1.0, "seed": -1}, b"\0" * 4, "temp"),

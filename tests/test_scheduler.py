@@ -132,3 +132,26 @@ def test_queue_bound():
         s.submit("d", "m", [1], 1)
     assert e.value.status == 429  # the API answers Too Many Requests, with Retry-After
     assert s.queued == 3 and [st.req_id for st in s.steps()] == ["a"]
+
+
+@pytest.mark.parametrize("prompt_cache", [True, False])
+def test_a_hybrids_prompt_end_is_kept_and_a_next_prompt_that_reaches_it_goes_back_there(prompt_cache):
+    """Recurrent (hybrid) models: the step that ends a prompt (its last chunk) asks every stage
+    to keep the state after it (Step.keep); a later prompt that repeats that prompt, with another
+    answer after it, starts there. Without prompt caching nothing is kept."""
+    s = Scheduler(slots=1, context=64, chunk_tokens=4, recurrent=True, prompt_cache=prompt_cache)
+    prompt = list(range(1, 11))  # 10 tokens: chunks of 4, 1 (a quarter of 4) ... the last ends it
+    s.submit("a", "m1", prompt, 3, stop_at_eos=False)
+    keeps, cache_lens = [], []
+    while steps := s.steps():
+        for st in steps:
+            keeps.append(st.keep)
+            cache_lens.append(st.cache_len)
+            s.complete(st.req_id, 5 if st.pos0 + len(st.tokens) >= len(prompt) else None)
+    assert keeps.count(True) == (1 if prompt_cache else 0)
+    if not prompt_cache:
+        return
+    assert cache_lens[keeps.index(True)] + 1 == len(prompt)  # the last chunk (here one token) is kept
+    s.submit("b", "m1", prompt + [9, 9, 9], 2, stop_at_eos=False)  # the answer rendered otherwise
+    step = s.steps()[0]
+    assert (step.cache_len, step.pos0, step.tokens.tolist()) == (len(prompt), len(prompt), [9])  # a later chunk

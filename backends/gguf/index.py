@@ -173,8 +173,11 @@ class ModelIndex:
             "head_bytes": float(self.head_bytes),
             "kv_bytes_per_token_per_block": self.kv_bytes_per_token_per_block(),
         }
-        if self.hparams.hybrid is not None:
-            out["state_bytes_per_request_per_block"] = self.state_bytes_per_request() / self.hparams.n_blocks
+        if self.hparams.hybrid is not None:  # the live state and its copies (backends.memory)
+            from backends.memory import RECURRENT_STATE_COPIES
+
+            out["state_bytes_per_request_per_block"] = (self.state_bytes_per_request() * RECURRENT_STATE_COPIES
+                                                        / self.hparams.n_blocks)  # fmt: skip
         if backend is not None:
             from backends.memory import (ANCHOR_BYTES, PREFILL_WORK_BYTES, PROCESS_BYTES, TOKENIZER_BYTES_PER_VOCAB,
                                          resident_bytes)  # fmt: skip

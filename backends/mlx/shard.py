@@ -53,6 +53,7 @@ class MLXShard(HeadOps):
         require_llama_blocks(hp, "mlx", experts=True, gemma=True, gpt_oss=True, biases=True, scales=True)
         self.hybrid = None if hp.hybrid is None else _hybrid_dims(hp, spec)
         self._last: dict[int, tuple] = {}  # hybrid: a slot's last step of several positions (hybrid.py)
+        self._kept: dict[int, tuple[int, dict]] = {}  # hybrid: a slot's kept state (checkpoint)
         if not 0 <= spec.first <= spec.last <= hp.n_blocks:
             raise BadInput(
                 f"block range [{spec.first}, {spec.last}) is outside the model's {hp.n_blocks} blocks"
@@ -111,6 +112,7 @@ class MLXShard(HeadOps):
         self._cache(slot)
         del self._slots[slot]
         self._last.pop(slot, None)
+        self._kept.pop(slot, None)
 
     def cache_len(self, slot: int) -> int:
         return self._cache(slot).length
@@ -121,13 +123,27 @@ class MLXShard(HeadOps):
         cache = self._cache(slot)
         if not 0 <= length <= cache.length:
             raise ValueError(f"slot {slot} holds {cache.length} positions, not {length}")
+        kept = self._kept.get(slot)
+        if kept is not None and kept[0] > length:  # a cut before the kept state drops it
+            del self._kept[slot]
         if self.hybrid is not None and 0 < length < cache.length:  # the state cannot be masked back
-            self._cut_recurrent(slot, cache, length)
+            if kept is not None and kept[0] == length:  # back to the state kept at a prompt's end
+                cache.length, cache.recurrent = length, dict(kept[1])
+                self._last.pop(slot, None)
+            else:
+                self._cut_recurrent(slot, cache, length)
             return
         cache.length = length
         if self.hybrid is not None and length == 0:
             init_state(cache, self.hybrid)
             self._last.pop(slot, None)
+
+    def checkpoint(self, slot: int) -> None:
+        """Keep the slot's recurrent state as it is now (backends.base.Shard): the arrays are
+        immutable, so the dict of them is the copy."""
+        if self.hybrid is not None:
+            cache = self._cache(slot)
+            self._kept[slot] = (cache.length, dict(cache.recurrent))
 
     def _cut_recurrent(self, slot: int, cache: SlotCache, length: int) -> None:
         """Back to `length` inside the slot's last step of several positions: its start state,
@@ -159,6 +175,7 @@ class MLXShard(HeadOps):
         if self.hybrid is not None:
             cache.recurrent = dict(state.recurrent or {})
             self._last.pop(slot, None)
+            self._kept.pop(slot, None)
 
     def _cache(self, slot: int) -> SlotCache:
         cache = self._slots.get(slot)

@@ -8,8 +8,11 @@ a cut to `length` inside the step puts the KV back to the step's start (the shar
 the recurrent variables back to the copy, and feeds the step's first `length − start` positions
 again: the state is then exactly as if only those had been fed (re-feed, not per-position
 snapshots: a step's states at every position would cost L × Hv·S² floats per layer, a prompt
-chunk's far too many). A cut further back (a prompt-cache prefix) is refused in one line.
-Steps of one position keep nothing: decoding without drafts is never cut back inside a step.
+chunk's far too many). Steps of one position keep nothing: decoding without drafts is never
+cut back inside a step. A cut further back goes only to a kept state: `keep` copies a slot's
+recurrent variables at the end of a prompt (the head says which step: Activation.keep), one per
+slot, and a cut to exactly that length puts them back (a prompt-cache prefix that ends where
+the last prompt ended: kafila/session/ring/prefix.py). Any other cut is refused in one line.
 """
 
 from __future__ import annotations
@@ -36,18 +39,33 @@ class RecurrentSteps:
 
     def __init__(self) -> None:
         self._last: dict[int, LastStep] = {}
+        self._kept: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # slot → (length, variables)
 
     def before(self, slot: int, req: ov.InferRequest, start: int, x: np.ndarray, positions: np.ndarray,
                mask: np.ndarray) -> None:
         if len(x) < 2:
             self._last.pop(slot, None)
             return
-        states = {s.name: s.state.data.copy() for s in req.query_state() if s.name.startswith(RECURRENT_PREFIX)}
-        self._last[slot] = LastStep(start, states, np.array(x, copy=True), np.array(positions, copy=True),
+        self._last[slot] = LastStep(start, _recurrent_states(req), np.array(x, copy=True), np.array(positions, copy=True),
                                     np.array(mask, copy=True))  # fmt: skip
 
-    def forget(self, slot: int) -> None:
+    def forget(self, slot: int, kept: bool = False) -> None:
+        """Drop the slot's last step (and with `kept` its kept state too)."""
         self._last.pop(slot, None)
+        if kept:
+            self._kept.pop(slot, None)
+
+    def keep(self, slot: int, req: ov.InferRequest, length: int) -> None:
+        """Copy the slot's recurrent variables as they are at `length` physical positions."""
+        self._kept[slot] = (length, _recurrent_states(req))
+
+    def kept_at(self, slot: int, length: int) -> dict[str, np.ndarray] | None:
+        """The variables kept at exactly `length` positions, if any; a kept state past `length`
+        is dropped (the slot is being cut back before it)."""
+        kept = self._kept.get(slot)
+        if kept is not None and kept[0] > length:
+            del self._kept[slot]
+        return kept[1] if kept is not None and kept[0] == length else None
 
     def cut(self, slot: int, length: int, held: int) -> LastStep:
         """The step to go back into for a cut of a slot holding `held` positions to `length`
@@ -63,3 +81,7 @@ class RecurrentSteps:
         for s in req.query_state():
             if s.name in states:
                 s.state = ov.Tensor(np.ascontiguousarray(states[s.name]))
+
+
+def _recurrent_states(req: ov.InferRequest) -> dict[str, np.ndarray]:
+    return {s.name: s.state.data.copy() for s in req.query_state() if s.name.startswith(RECURRENT_PREFIX)}

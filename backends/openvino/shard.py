@@ -175,7 +175,7 @@ class OpenVINOShard(HeadOps):
         self._held.pop(slot, None)
         self._live.pop(slot, None)
         if self._steps is not None:
-            self._steps.forget(slot)
+            self._steps.forget(slot, kept=True)
 
     def park(self, slot: int) -> None:
         """The slot's request is over but its KV is kept for the next prompt that starts the
@@ -202,7 +202,13 @@ class OpenVINOShard(HeadOps):
         held = self._held[slot]
         live = self._live.get(slot)
         if self._steps is not None and 0 < length < (held if live is None else len(live)):
-            self._cut_recurrent(slot, length, held if live is None else len(live))
+            kept = self._steps.kept_at(slot, length)
+            if kept is None:
+                self._cut_recurrent(slot, length, held if live is None else len(live))
+            else:  # back to the state kept at a prompt's end: the KV's own cut, then that state
+                self._without_steps(lambda: self.trim(slot, length))
+                self._steps.forget(slot)
+                self._steps.put_back(self._reqs[slot], kept)
             return
         if length > (held if live is None else len(live)):
             raise ValueError(f"slot {slot} holds {held if live is None else len(live)} positions, not {length}")
@@ -210,7 +216,7 @@ class OpenVINOShard(HeadOps):
         req = self._reqs[slot]
         if length == 0:
             if self._steps is not None:
-                self._steps.forget(slot)
+                self._steps.forget(slot, kept=True)
             req.reset_state()
             self._held[slot] = 0
             self._live.pop(slot, None)
@@ -226,15 +232,25 @@ class OpenVINOShard(HeadOps):
         """A hybrid slot back to `length` positions inside its last step (backends/openvino/recurrent.py)."""
         step = self._steps.cut(slot, length, held)
         self._steps.forget(slot)
-        steps, self._steps = self._steps, None  # the KV's own cut, then the step's head again
-        try:
-            self.trim(slot, step.start)
-        finally:
-            self._steps = steps
-        steps.put_back(self._reqs[slot], step.states)
+        self._without_steps(lambda: self.trim(slot, step.start))  # the KV's own cut, then the step's head again
+        self._steps.put_back(self._reqs[slot], step.states)
         n = length - step.start
         if n:
             self.forward(slot, step.x[:n], step.positions[:n], step.mask[:length])
+
+    def _without_steps(self, work) -> None:
+        """Run `work` (a KV cut) as on a model without recurrent state."""
+        steps, self._steps = self._steps, None
+        try:
+            work()
+        finally:
+            self._steps = steps
+
+    def checkpoint(self, slot: int) -> None:
+        """Keep the slot's recurrent state as it is now (backends.base.Shard; recurrent.py)."""
+        if self._steps is not None:
+            live = self._live.get(slot)
+            self._steps.keep(slot, self._reqs[slot], self._held[slot] if live is None else len(live))
 
     def capture(self, slot: int) -> Any:
         """{variable name: a copy of its state} (the plugin hands states back at their own precision)."""
@@ -251,8 +267,8 @@ class OpenVINOShard(HeadOps):
             s.state = ov.Tensor(np.ascontiguousarray(state[s.name]))
         self._held[slot] = next((a.shape[2] for a in state.values() if len(a.shape) == 4), 0)
         self._live.pop(slot, None)
-        if self._steps is not None:  # the restored state has no last step to go back into
-            self._steps.forget(slot)
+        if self._steps is not None:  # the restored state has no last step or kept state to go back to
+            self._steps.forget(slot, kept=True)
 
     # --- row groups (backends/openvino/rows.py) -----------------------------------------
 

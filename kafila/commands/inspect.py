@@ -27,8 +27,9 @@ Kafila serves the file is `open_model`'s verdict: its BadInput message is the re
   head_bytes      β_head: token_embd + output_norm + output (ModelIndex when served)
   kv_bytes_per_token_per_block   the planner's KV bytes per token per block (f16 values; a hybrid
                   model's mean over its blocks, whose delta-net layers hold none)
-  state_bytes_per_request_per_block   a hybrid model's recurrent state per request, the mean per
-                  block (f32; null for other models)
+  state_bytes_per_request_per_block   a hybrid model's recurrent state per request as the plan
+                  prices it, the mean per block: the live state and its two copies (f32;
+                  backends.memory.RECURRENT_STATE_COPIES; null for other models)
 
 Exit 0 for any readable GGUF, served or not; 2 when the file is missing, not a GGUF or damaged.
 """

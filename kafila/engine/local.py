@@ -236,10 +236,11 @@ def _decode(chain, request: GenerationRequest, stop, context, cache, stats) -> I
         stats.extra["cached_tokens"] = shared
     sampler = (Sampler(request.temperature, request.top_p, np.random.default_rng(request.seed))
                if request.temperature > 0 else None)  # its own stream
-    whole = False  # the cursor's KV is exactly `fed` on every shard (else a failure left it part-way)
+    whole, kept = False, 0  # whole: the cursor's KV is exactly `fed` on every shard (else a failure left it part-way)
     try:
         hidden = chain.prefill(cursor, prompt[shared:])
         fed, whole = list(prompt), True
+        kept = cache.keep(cursor) if cache is not None else 0
         for i in range(request.max_new_tokens):
             token = chain.next_token(hidden) if sampler is None else sampler.draw(chain.logits(hidden[-1:])[0])
             yield token
@@ -253,7 +254,7 @@ def _decode(chain, request: GenerationRequest, stop, context, cache, stats) -> I
         if cache is None:
             chain.close(cursor)
         elif whole:
-            cache.park(cursor, fed, len(prompt))
+            cache.park(cursor, fed, len(prompt), kept)
         else:
             cache.drop(cursor)
 

@@ -48,14 +48,26 @@ class ParkedCursors:
         self.chain.cut(cursor, reuse.cache_len, reuse.shared)
         return cursor, reuse.shared
 
-    def park(self, cursor: Cursor, history: Sequence[int], prompt: int) -> None:
+    def keep(self, cursor: Cursor) -> int:
+        """Hybrid models: every shard keeps the cursor's recurrent state as it is now (its
+        prompt's end, which a later prompt may go back to: prefix.py); the position kept (0: none)."""
+        if not self._parked.whole:
+            return 0
+        for shard, slot in zip(self.chain.shards, cursor.slots):
+            checkpoint = getattr(shard, "checkpoint", None)
+            if checkpoint is not None:
+                checkpoint(slot)
+        return cursor.cache_len
+
+    def park(self, cursor: Cursor, history: Sequence[int], prompt: int, kept: int = 0) -> None:
         """The request is over and its cursor's state is whole: keep it. `history`: the tokens
-        fed, in order (the cursor's visible positions); `prompt`: its prompt's length."""
+        fed, in order (the cursor's visible positions); `prompt`: its prompt's length; `kept`:
+        the position `keep` returned."""
         self.in_use -= 1
         key, self._next_key = self._next_key, self._next_key + 1
         zeros = np.flatnonzero(cursor.valid[: cursor.cache_len] == 0).tolist()
         self._cursors[key] = cursor
-        self._parked.park(key, history, zeros, prompt)
+        self._parked.park(key, history, zeros, prompt, kept)
 
     def drop(self, cursor: Cursor) -> None:
         """The request failed part-way (its KV may differ between shards): close its cursor."""

@@ -360,15 +360,16 @@ class HeadCore:
         """The head's stage ran `step` in `us` µs: the activation to send round the ring."""
         if len(step.tokens) == 1:
             self.measured.stage(self.name, us)
-        return Activation(step.req_id, step.slot, step.cache_len, step.pos0, step.zeros, hidden, ((self.name, us),))
+        return Activation(step.req_id, step.slot, step.cache_len, step.pos0, step.zeros, hidden, ((self.name, us),),
+                          keep=step.keep)  # fmt: skip
 
     def forwarded_rows(self, steps: Sequence[Step], hiddens: Sequence[np.ndarray], us: int) -> list[Activation]:
         """The head's stage ran a micro-batch (or a batch of prompts) in `us` µs: its rows, to
         send back to back."""
         if all(batchable(st) for st in steps):  # a prompt batch's cost grows with the prompts
             self.measured.stage(self.name, us)
-        return [Activation(st.req_id, st.slot, st.cache_len, st.pos0, st.zeros, h, ((self.name, us),), len(steps), i)
-                for i, (st, h) in enumerate(zip(steps, hiddens))]  # fmt: skip
+        return [Activation(st.req_id, st.slot, st.cache_len, st.pos0, st.zeros, h, ((self.name, us),), len(steps), i,
+                           keep=st.keep) for i, (st, h) in enumerate(zip(steps, hiddens))]  # fmt: skip
 
     # --- steps back ------------------------------------------------------------------------------
 

@@ -95,7 +95,7 @@ class HeadDriver:
         else:
             steps = list(work.steps)
             core.starting([st.req_id for st in steps], time.perf_counter(), [len(st.tokens) for st in steps])
-        hiddens, us = await self._compute(self._forward, [(st.slot, st.cache_len) for st in steps],
+        hiddens, us = await self._compute(self._forward, [(st.slot, st.cache_len, st.keep) for st in steps],
                                           [st.tokens for st in steps], [st.positions() for st in steps],
                                           [st.mask() for st in steps],
                                           rows=sum(len(st.tokens) for st in steps))  # fmt: skip

@@ -41,6 +41,13 @@ class LocalSlots:
         self.lengths[ring_slot] = cache_len + n
         return local
 
+    def checkpoint(self, ring_slot: int) -> None:
+        """Keep a copy of the slot's recurrent state as it is now (a hybrid's prompt end, which a
+        later prompt may go back to: prefix.py); shards without recurrent state have nothing to keep."""
+        keep = getattr(self.shard, "checkpoint", None)
+        if keep is not None:
+            keep(self.slots[ring_slot])
+
     def free(self, ring_slot: int) -> None:
         self.parked.discard(ring_slot)
         self.lengths.pop(ring_slot, None)

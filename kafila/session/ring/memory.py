@@ -49,6 +49,7 @@ def shard_memory(index, first: int, last: int, head: bool, context: int, concurr
     (what admission checked), planned_weights the same without KV (what a member holds before
     its KV fills). `process_bytes` replaces the backend's per-process term (`kafila run`);
     `anchor`: the member is the host (planner's anchor_bytes)."""
+    from backends.memory import RECURRENT_STATE_COPIES
     from planner import member_bytes, parse_fleet
 
     blocks = last - first
@@ -59,7 +60,7 @@ def shard_memory(index, first: int, last: int, head: bool, context: int, concurr
     model = parse_fleet({"context": 1, "concurrency": 1, "anchor": "a", "model": raw,
                          "devices": [{"name": "a", "memory_gb": 1}]}).model  # fmt: skip
     kv = int(model.kv_bytes_per_token_per_block * context * concurrency * blocks)
-    state = index.state_bytes_per_request(first, last) * concurrency  # hybrid models' recurrent state
+    state = index.state_bytes_per_request(first, last) * RECURRENT_STATE_COPIES * concurrency  # hybrids' state
     return {"shard_bytes": shard, "kv_bytes": kv, "state_bytes": state,
             "planned_bytes": int(member_bytes(model, blocks, head, context * concurrency, anchor, concurrency)),
             "planned_weights_bytes": int(member_bytes(model, blocks, head, 0, anchor))}  # fmt: skip

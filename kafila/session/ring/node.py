@@ -410,7 +410,7 @@ class RingNode(HeadDriver):
         if len(acts) > 1 and len({a.slot for a in acts}) != len(acts):
             raise FrameError("a micro-batch must hold distinct slots' steps")
         xs = [a.hidden for a in acts]
-        hiddens, us = await self._compute(self._forward, [(a.slot, a.cache_len) for a in acts], xs,
+        hiddens, us = await self._compute(self._forward, [(a.slot, a.cache_len, a.keep) for a in acts], xs,
                                           [a.positions() for a in acts], [a.mask() for a in acts],
                                           rows=sum(a.n for a in acts))  # fmt: skip
         if all(a.cache_len for a in acts) and (len(acts) > 1 or acts[0].n == 1):  # decode steps only:
@@ -429,18 +429,22 @@ class RingNode(HeadDriver):
         return replace(act, hidden=hidden, trace=act.trace + ((self.name, us),), draft=draft, dbase=dbase,
                        dus=dus)  # fmt: skip
 
-    def _forward(self, where: list[tuple[int, int]], xs, positions, masks) -> tuple[list[np.ndarray], int]:
+    def _forward(self, where: list[tuple[int, int, bool]], xs, positions, masks) -> tuple[list[np.ndarray], int]:
         """This stage's forward on the worker thread (the head's too: xs are token ids there): one
         slot alone (`forward`) or several as one (`forward_batch`), a fresh step resetting its slot;
-        the hidden states and the µs it took."""
+        the hidden states and the µs it took. `where`: (ring slot, cache_len, keep) per row; keep:
+        the slot's recurrent state after the step is kept (Activation.keep)."""
         with self.cores:
             t0 = time.perf_counter()
             if len(where) == 1:
-                (ring_slot, cache_len), = where
+                (ring_slot, cache_len, _), = where
                 hs = [self.shard.forward(self.slots.get(ring_slot, cache_len, len(positions[0])), xs[0], positions[0], masks[0])]
             else:
-                hs = self.shard.forward_batch([self.slots.get(s, c, len(p)) for (s, c), p in zip(where, positions)],
+                hs = self.shard.forward_batch([self.slots.get(s, c, len(p)) for (s, c, _), p in zip(where, positions)],
                                               xs, positions, masks)  # fmt: skip
+            for ring_slot, _, keep in where:
+                if keep:
+                    self.slots.checkpoint(ring_slot)
         self.batch_rows = len(where)
         self.forwards += 1
         return hs, int((time.perf_counter() - t0) * 1e6)

@@ -37,9 +37,12 @@ bf16 a near-tie can part, as with any change of chunking or batching.
 
 Hybrid models (WHOLE). A delta-net layer's recurrent state folds in the whole history and cannot
 be cut back like a KV cache (backends/openvino/recurrent.py), so a hybrid model's parked slot is
-taken only by a prompt that continues every visible position it holds: the next turn of its
-conversation, whose prompt repeats the last one and its answer. The masked tail of rejected
-drafts goes as before (the state never held them). Any other prompt starts afresh.
+taken by a prompt that continues every visible position it holds (the next turn of its
+conversation, whose prompt repeats the last one and its answer), or by one that continues the
+last request's prompt: every stage keeps a copy of the recurrent state at the end of each
+prompt (Step.keep, `kept`), and the slot goes back there. That is the next turn of a chat whose
+template re-renders the answer otherwise than it was generated (Qwen3's and Qwen3.5's drop an
+answer's reasoning from the history), and an edited last message. Any other prompt starts afresh.
 """
 
 from __future__ import annotations
@@ -80,6 +83,7 @@ class Parked:
     tokens: tuple[int, ...]
     zeros: frozenset[int]
     prompt: int = 0  # the length of the prompt of the request that left it
+    kept: int = 0  # hybrids: a physical position every stage holds the recurrent state of (0: none)
 
     @property
     def length(self) -> int:
@@ -121,10 +125,16 @@ def shared_prefix(parked: Parked, prompt: Sequence[int]) -> tuple[int, int]:
 def reuse_in(slot: int, parked: Parked, prompt: Sequence[int], room: int, whole: bool = False) -> Reuse | None:
     """How a prompt starts in `parked` (None: nothing shared, or too much masked). `room`: the
     positions the context leaves after the prompt; a reuse masks at most half of them. `whole`:
-    only a prompt that continues all of the slot's visible positions (hybrid models)."""
+    only a prompt that continues all of the slot's visible positions, or its positions up to
+    the kept state (hybrid models)."""
     shared, cut = shared_prefix(parked, prompt)
+    if whole and shared < len(parked.tokens):  # back to the kept state, if the prompt reaches it
+        kept = parked.kept - sum(1 for z in parked.zeros if z < parked.kept)  # its visible positions
+        if not 0 < kept <= shared:
+            return None
+        shared, cut = kept, parked.kept
     zeros = tuple(sorted(z for z in parked.zeros if z < cut))
-    if shared < MIN_SHARED or len(zeros) > min(MAX_WASTE, room // 2) or (whole and shared < len(parked.tokens)):
+    if shared < MIN_SHARED or len(zeros) > min(MAX_WASTE, room // 2):
         return None
     return Reuse(slot, shared, cut, zeros)
 
@@ -140,10 +150,11 @@ class ParkedSlots:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def park(self, slot: int, tokens: Sequence[int], zeros: Sequence[int], prompt: int = 0) -> None:
+    def park(self, slot: int, tokens: Sequence[int], zeros: Sequence[int], prompt: int = 0, kept: int = 0) -> None:
         """`slot` keeps its KV: the tokens of its visible positions (the history as fed), the
-        masked physical positions, and the length of the prompt of the request that leaves it."""
-        self._slots[slot] = Parked(tuple(tokens), frozenset(zeros), prompt)
+        masked physical positions, the length of the prompt of the request that leaves it, and
+        (hybrids) the physical position whose recurrent state every stage kept."""
+        self._slots[slot] = Parked(tuple(tokens), frozenset(zeros), prompt, kept)
         self._slots.move_to_end(slot)
 
     def best(self, prompt: Sequence[int], room: int) -> Reuse | None:

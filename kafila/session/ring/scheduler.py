@@ -76,6 +76,7 @@ class Step:
     zeros: tuple[int, ...]
     drafted: int = 0  # the last `drafted` tokens are drafts to verify (0: a plain step)
     want_draft: int = 0  # speculate="draft": the head asks its drafter for this many, then attach_draft
+    keep: bool = False  # the prompt's last step on a hybrid: every stage keeps the state after it (prefix.py)
 
     def positions(self) -> np.ndarray:
         """The logical positions of the step's tokens (frames.Activation carries the same)."""
@@ -138,6 +139,7 @@ class _Request:
     acceptance: Acceptance = field(default_factory=Acceptance)
     cached: int = 0  # prompt tokens its slot held already (prompt caching)
     refeed: tuple[int, ...] = ()  # after a compaction: the history fed again into the reset slot
+    kept: int = 0  # hybrids: the physical position whose recurrent state every stage keeps (0: none)
 
     @property
     def target(self) -> tuple[int, ...]:
@@ -156,7 +158,8 @@ class Scheduler:
         `prompt_cache`: a finished request's slot keeps its KV for a prompt that starts the same
         way (prefix.py); off, every request starts in a reset slot. `recurrent` (hybrid models:
         masking cannot rewind their state): rejected drafts are cut off, not masked (every stage
-        cuts back inside the step), and the prompt cache continues whole histories only."""
+        cuts back inside the step), and the prompt cache continues whole histories, or the history
+        up to the end of the last prompt, whose state every stage keeps (Step.keep)."""
         if speculate not in SPECULATE_MODES:
             raise ValueError(f"speculate must be one of {', '.join(SPECULATE_MODES)}, not {speculate!r}")
         if not 0 <= draft_k <= MAX_DRAFT_K:
@@ -183,6 +186,7 @@ class Scheduler:
         self.prompt_cache = bool(prompt_cache)
         self.recurrent = recurrent
         self._parked = ParkedSlots(whole=prompt_cache == WHOLE or recurrent)  # prompt caching
+        self._keeps = self.prompt_cache and self._parked.whole  # a state checkpoint at each prompt's end
         self._queue: deque[str] = deque()
         self._requests: dict[str, _Request] = {}
 
@@ -222,9 +226,12 @@ class Scheduler:
                 continue
             done = req.pos  # logical: the prompt tokens in the slot (a cached prefix included)
             target = req.target
-            if done < len(target):  # prefill, one chunk at a time
+            if done < len(target):  # prefill, one chunk at a time; a hybrid's stages keep the state at its end
                 feed = target[done : done + next_chunk(done, self.chunk_tokens)]
-            elif self.speculate == "draft" and (k := self._draft_k(req)):
+                req.in_flight = len(feed)
+                out.append(self._step(req, feed, keep=self._keeps and done + len(feed) == len(target)))
+                continue
+            if self.speculate == "draft" and (k := self._draft_k(req)):
                 req.in_flight, req.want_draft = 1, k  # the step is the head's until attach_draft
                 out.append(self._step(req, (req.generated[-1],), want_draft=k))
                 continue
@@ -250,9 +257,9 @@ class Scheduler:
         req.slot, req.cache_len, req.pos, req.cached = reuse.slot, reuse.cache_len, reuse.shared, reuse.shared
         req.zeros = list(reuse.zeros)
 
-    def _step(self, req: _Request, feed, want_draft: int = 0) -> Step:
+    def _step(self, req: _Request, feed, want_draft: int = 0, keep: bool = False) -> Step:
         return Step(req.req_id, req.slot, np.array(feed, dtype=np.int64), req.cache_len, req.pos,
-                    tuple(req.zeros), len(req.draft), want_draft)  # fmt: skip
+                    tuple(req.zeros), len(req.draft), want_draft, keep)  # fmt: skip
 
     def attach_draft(self, req_id: str, draft: tuple[int, ...]) -> Step | None:
         """The drafter's proposals for a step that asked for them (`Step.want_draft`): the step
@@ -389,8 +396,11 @@ class Scheduler:
             tokens = None if token is None else (int(token),)
             if req.speculate and req.pos >= len(req.target):
                 req.spec.add(0, 1)
+        prefill = req.pos < len(req.target)
         req.cache_len += fed
         req.pos += kept
+        if self._keeps and prefill and req.pos >= len(req.target):
+            req.kept = req.cache_len  # its step kept the state there on every stage (Step.keep)
         if req.cancelled:
             return self._finish(req, "cancelled")
         if req.pos < len(req.target):
@@ -456,7 +466,7 @@ class Scheduler:
             self._queue.remove(req.req_id)
         elif self.prompt_cache and finish != "error":  # the stages keep its KV: prefix.py
             # its visible positions hold its history as fed, logical position i its token i
-            self._parked.park(req.slot, self._history(req)[: req.pos], req.zeros, len(req.prompt))
+            self._parked.park(req.slot, self._history(req)[: req.pos], req.zeros, len(req.prompt), req.kept)
             events.append(SlotFreed(req.slot, parked=True))
         else:
             self._free.append(req.slot)

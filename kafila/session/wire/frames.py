@@ -23,9 +23,8 @@ edge (a long prompt's activations travel in chunks that fit: chunks.prefill_chun
 No I/O here: `FrameDecoder.feed(bytes) -> [frames]` drives the same steps for tests and any
 transport; `read_frame` (streams.py) drives them over an asyncio stream.
 
-A weight stream may also carry one `BulkOffer` (the server's answer to a `Hello` with `bulk`:
-where and with which key to fetch over TCP instead, kafila.session.weights.bulk); a peer from before
-that sends no such Hello and gets no offer.
+A weight stream may also carry one `BulkOffer` (the server's answer to a `Hello` with `bulk`: where and with
+which key to fetch over TCP instead, kafila.session.weights.bulk); a peer from before gets no offer.
 
 Frames that are not addressed to the member that reads them (requests, tokens, cancels) carry a
 destination `dst` and are forwarded along the ring: every control message travels in the ring's
@@ -154,6 +153,7 @@ class Activation(_Kind):
     draft: tuple[int, ...] = ()
     dbase: int = 0
     dus: int = 0  # and its draft model's measured µs per draft token (0: n-grams, ~free)
+    keep: bool = False  # every stage keeps the slot's recurrent state after it (a hybrid's prompt end: prefix.py)
     TAG: ClassVar[str] = "act"
     NOUN: ClassVar[str] = "an activation"
 
@@ -175,7 +175,7 @@ class Activation(_Kind):
         h = {"k": "act", "rid": self.req_id, "slot": self.slot, "cache": self.cache_len,
              "pos0": self.pos0, "zeros": list(self.zeros), "dtype": "f32",
              "shape": list(x.shape), "trace": [list(t) for t in self.trace],
-             **({"rows": self.rows, "row": self.row} if self.rows > 1 else {}),
+             **({"rows": self.rows, "row": self.row} if self.rows > 1 else {}), **({"keep": True} if self.keep else {}),
              **({"draft": list(self.draft), "dbase": self.dbase, "dus": self.dus} if self.draft else {})}  # fmt: skip
         return h, x.data.cast("B"), MAX_FRAME_BYTES if limits is None else limits.frame_bytes
 
@@ -186,8 +186,7 @@ class Activation(_Kind):
         cache = check_int(h, "cache", 0, limits.context - 1)
         n, hidden = check_shape(h, "f32", 2)
         if not 1 <= n <= limits.context - cache:
-            raise FrameError(f"activation of {n} positions does not fit the context "
-                             f"{limits.context} after {cache}")  # fmt: skip
+            raise FrameError(f"activation of {n} positions does not fit the context {limits.context} after {cache}")
         if hidden != limits.hidden:
             raise FrameError(f"activation width {hidden} is not the model's hidden size {limits.hidden}")
         check_int(h, "pos0", 0, limits.context - 1)
@@ -202,6 +201,8 @@ class Activation(_Kind):
             check_int(h, "row", 0, rows - 1)
         if "draft" in h or "dbase" in h or "dus" in h:
             check_draft(h, limits.vocab, limits.context)
+        if "keep" in h and h["keep"] is not True:
+            raise FrameError("act.keep must be true when present")
         size = n * hidden * 4
         if size > limits.frame_bytes:
             raise FrameError(f"activation of {size} bytes exceeds this ring's frame limit {limits.frame_bytes}")
@@ -212,8 +213,8 @@ class Activation(_Kind):
         # a writable copy of 4·hidden·n bytes: runtimes may share (and need to own) the buffer
         x = np.frombuffer(bytearray(payload), dtype="<f4").reshape(h["shape"])
         trace = tuple((a, b) for a, b in h.get("trace", []))
-        return cls(h["rid"], h["slot"], h["cache"], h["pos0"], tuple(h["zeros"]), x, trace,
-                   h.get("rows", 1), h.get("row", 0), tuple(h.get("draft", ())), h.get("dbase", 0), h.get("dus", 0))
+        return cls(h["rid"], h["slot"], h["cache"], h["pos0"], tuple(h["zeros"]), x, trace, h.get("rows", 1),
+                   h.get("row", 0), tuple(h.get("draft", ())), h.get("dbase", 0), h.get("dus", 0), h.get("keep", False))
 
 
 @dataclass(frozen=True)
@@ -226,8 +227,7 @@ class Free(_Kind):
     TAG: ClassVar[str] = "free"
 
     def _to_wire(self, limits: Limits | None) -> tuple[dict, Any, int]:
-        keep = {"keep": True} if self.keep else {}  # a plain Free is the bytes it always was
-        return {"k": "free", "slot": self.slot, **keep}, b"", MAX_FRAME_BYTES
+        return {"k": "free", "slot": self.slot, **({"keep": True} if self.keep else {})}, b"", MAX_FRAME_BYTES
 
     @staticmethod
     def _check(h: dict, payload_len: int, limits: Limits) -> int:
