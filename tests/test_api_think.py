@@ -76,3 +76,25 @@ def test_the_api_returns_the_thinking_apart():
     finally:
         loop.run(server.close())
         loop.close()
+
+
+@pytest.mark.parametrize("template", ["Qwen3.5-4B", "Qwen-Qwen3-0.6B", "Qwen-Qwen2.5-7B-Instruct"])
+def test_a_chat_says_where_its_messages_end_and_the_next_turn_repeats_them(template):
+    """chat_prompt's second value (GenerationRequest.keep_at, where a hybrid's stages keep their
+    state): the ids of the messages without the answer prefix. Qwen3.5's next turn renders the
+    answer without its reasoning and without the `<think>` the prompt opened, so it shares the
+    messages with the slot's history but not the whole prompt; every template's next turn
+    repeats at least the messages."""
+    from kafila.api._text import chat_prompt
+
+    tokenizer = qwen_tokenizer(template)
+    ids, keep_at = chat_prompt(tokenizer, MSGS)
+    assert 0 < keep_at < len(ids) and ids[keep_at - 2] == tokenizer.token_to_id("<|im_end|>")  # then "\n"
+    answer = tokenizer.encode("The user wants a colour.\n</think>\n\nBlue.<|im_end|>", add_special=False)
+    reply = {"role": "assistant", "content": "Blue.", "reasoning_content": "The user wants a colour."}
+    nxt, _ = chat_prompt(tokenizer, [*MSGS, reply, {"role": "user", "content": "Another?"}])
+    held = ids + answer
+    shared = next((i for i, (a, b) in enumerate(zip(held, nxt)) if a != b), len(held))
+    assert keep_at <= shared
+    if template == "Qwen3.5-4B":
+        assert shared < len(ids)  # the prompt's end is not repeated: only the kept state is reused

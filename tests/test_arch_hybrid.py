@@ -257,21 +257,53 @@ def test_on_three_stages_a_second_turn_feeds_only_what_is_new_and_answers_as_afr
         assert cached[8:] == [0] * 4, cached
 
 
+def _ring_answers(chain, limits, requests, prompt_cache):
+    """Each GenerationRequest in turn, typed at the members in turn, on a 3-member ring of
+    `chain`'s shards: (ids, cached_tokens) of each."""
+    import asyncio
+
+    from kafila.engine import GenerationStats
+    from kafila.engine.ring import RingEngine
+    from kafila.session.ring.node import RingNode
+    from tests.fake_link import Pipe
+
+    names = ["m1", "m2", "m3"]
+
+    async def main():
+        nodes = [RingNode(nm, "m1", names, s, limits, prompt_cache=prompt_cache) for nm, s in zip(names, chain.shards)]
+        pipes = [Pipe() for _ in names]
+        for i, node in enumerate(nodes):
+            node.start(pipes[i - 1].reader, pipes[i])
+        try:
+            out = []
+            for i, req in enumerate(requests):
+                e = RingEngine("m", limits.context, None, dict)
+                e.node, st = nodes[i % 3], GenerationStats()
+                out.append(([t async for t in e.generate(req, st)], st.extra.get("cached_tokens")))
+            return out
+        finally:
+            for n in nodes:
+                await n.close()
+
+    return asyncio.run(main())
+
+
 @needs_openvino
 @pytest.mark.parametrize("backend", ["openvino", "mlx"])
-def test_a_turn_whose_history_renders_the_answer_otherwise_goes_back_to_the_kept_prompt_end(tmp_path, backend):
-    """A chat template that re-renders an answer otherwise than it was generated (Qwen3.5's drops
-    the reasoning) shares only the last prompt with the slot: every stage goes back to the state it
-    kept at the prompt's end, the turn feeds only what follows (cached = the first prompt) and
-    answers as with the cache off, on the ring (3 stages) and in one process (`kafila serve`'s
-    engine), at f32."""
+@pytest.mark.parametrize("back", [0, 3])
+def test_a_turn_that_repeats_the_messages_but_not_the_answer_goes_back_to_the_kept_state(tmp_path, backend, back):
+    """A chat template that renders an answer otherwise than it was generated (Qwen3.5's drops the
+    reasoning and the `<think>` its prompt opened) shares only the messages with the slot: every
+    stage goes back to the state it kept where the first prompt's messages ended (keep_at, `back`
+    ids before the prompt's end; 0: the prompt's end), the turn feeds only what follows (cached =
+    keep_at) and answers as with the cache off: on the ring (3 stages) and in one process
+    (`kafila serve`'s engine), at f32."""
     from kafila.engine import GenerationRequest, GenerationStats
     from kafila.engine.chain import LocalChain
     from kafila.engine.local import chain_source
     from kafila.engine.prompt_cache import ParkedCursors
     from kafila.session.ring.prefix import WHOLE
     from kafila.session.wire.frames import Limits
-    from tests.test_prompt_cache import ring_turns
 
     if not status(backend).available:
         pytest.skip(status(backend).reason)
@@ -282,19 +314,21 @@ def test_a_turn_whose_history_renders_the_answer_otherwise_goes_back_to_the_kept
     limits = Limits(hidden=SHAPE["hidden"], context=512, slots=4, vocab=SHAPE["vocab"])
     rng = np.random.default_rng(11)
     first = [[int(i) for i in rng.integers(0, SHAPE["vocab"], n)] for n in (20, 70, 33, 9)]
-    # the answer as the template renders it: not the ids generated (another answer of 6 ids)
-    edited = [p + [int(i) for i in rng.integers(0, SHAPE["vocab"], 6 + 5)] for p in first]
-    want, _ = ring_turns(chain, limits, [first, edited], prompt_cache=False, concurrent=False)
-    got, cached = ring_turns(chain, limits, [first, edited], prompt_cache=WHOLE, concurrent=False)
-    assert got == want
-    assert cached[4:] == [len(p) for p in first], cached
-    cache = ParkedCursors(chain, 4, whole=True)
-    source = chain_source(chain, frozenset(), 512, cache)
-    for p, e, w in zip(first, edited, want[4:]):
-        list(source(GenerationRequest(tuple(p), 16, stop_at_eos=False), GenerationStats()))
+    keep = [len(p) - back for p in first]
+    # the next turn: the messages again, then the answer as the template renders it and a new message
+    edited = [p[:k] + [int(i) for i in rng.integers(0, SHAPE["vocab"], 6 + 5)] for p, k in zip(first, keep)]
+    asks = [GenerationRequest(tuple(p), 16, stop_at_eos=False, keep_at=k if back else 0) for p, k in zip(first, keep)]
+    asks += [GenerationRequest(tuple(e), 16, stop_at_eos=False) for e in edited]
+    want = [ids for ids, _ in _ring_answers(chain, limits, asks, prompt_cache=False)]
+    got = _ring_answers(chain, limits, asks, prompt_cache=WHOLE)
+    assert [ids for ids, _ in got] == want
+    assert [c for _, c in got[4:]] == keep
+    source = chain_source(chain, frozenset(), 512, ParkedCursors(chain, 4, whole=True))
+    for ask, again, w, k in zip(asks, asks[4:], want[4:], keep):
+        list(source(ask, GenerationStats()))
         stats = GenerationStats()
-        assert list(source(GenerationRequest(tuple(e), 16, stop_at_eos=False), stats)) == w
-        assert stats.extra["cached_tokens"] == len(p)
+        assert list(source(again, stats)) == w
+        assert stats.extra["cached_tokens"] == k
 
 
 class _HalfRightDrafter:

@@ -155,3 +155,13 @@ def test_a_hybrids_prompt_end_is_kept_and_a_next_prompt_that_reaches_it_goes_bac
     s.submit("b", "m1", prompt + [9, 9, 9], 2, stop_at_eos=False)  # the answer rendered otherwise
     step = s.steps()[0]
     assert (step.cache_len, step.pos0, step.tokens.tolist()) == (len(prompt), len(prompt), [9])  # a later chunk
+
+
+@pytest.mark.parametrize("recurrent", [True, False])
+def test_a_prompt_chunk_ends_where_a_hybrids_state_is_kept_and_nowhere_else(recurrent):
+    """keep_at (where a chat's messages end): a hybrid's prefill chunk stops there and that step
+    keeps the state; any other model feeds the prompt in its usual chunks, nothing kept."""
+    s = Scheduler(slots=1, context=64, chunk_tokens=16, recurrent=recurrent)
+    s.submit("a", "m1", list(range(1, 11)), 2, stop_at_eos=False, keep_at=7)
+    st = s.steps()[0]
+    assert (len(st.tokens), st.keep) == ((7, True) if recurrent else (10, False))

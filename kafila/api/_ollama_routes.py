@@ -86,15 +86,15 @@ class OllamaRoutes:
         shapes = OllamaShapes(True, params.model)
         if not params.messages:  # Ollama: "load" the model and answer at once
             return _json(shapes.final("", "load", None))
-        from kafila.api._text import chat_prompt_ids, tool_calls_for
+        from kafila.api._text import chat_prompt, tool_calls_for
 
         tokenizer = server.engine.tokenizer()
         tools = tool_calls_for(tokenizer, params.tools)
         try:
-            ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, list(params.messages), params.tools)
+            ids, keep_at = await asyncio.to_thread(chat_prompt, tokenizer, list(params.messages), params.tools)
         except BadInput as exc:
             raise bad("invalid_messages", str(exc), "messages") from None
-        return await self._run(request, shapes, ids, params.sampling, channels=True, tools=tools)
+        return await self._run(request, shapes, ids, params.sampling, channels=True, tools=tools, keep_at=keep_at)
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         server = self.server
@@ -120,13 +120,13 @@ class OllamaRoutes:
 
     async def _run(
         self, request: web.Request, shapes: OllamaShapes, ids: list[int], sampling: Sampling,
-        channels: bool, tools=None,
+        channels: bool, tools=None, keep_at: int = 0,
     ) -> web.StreamResponse:  # fmt: skip
         """One generation; `channels`: a chat template's answer (a harmony model's thinking apart);
         `tools`: the reader of its calls (_tools.ToolCalls) when tools were offered."""
         clock = Clock(time.perf_counter())
         default = self.server.limits.default_chat_max_tokens
-        async with self.server.generation(ids, sampling, default, channels, tools) as (gen, text, stats):
+        async with self.server.generation(ids, sampling, default, channels, tools, keep_at) as (gen, text, stats):
             if sampling.stream:
                 return await self._stream(request, shapes, gen, text, stats, clock, len(ids))
             tick = lambda: clock.token(time.perf_counter())  # noqa: E731

@@ -27,7 +27,7 @@ from kafila.api._format import Shapes, model_card, model_list, sse
 from kafila.api._guard import content_type_refusal, own_names, refusal
 from kafila.api._limits import DEFAULT_API_HOST, DEFAULT_API_PORT, ApiLimits
 from kafila.api._names import ModelNames, names_for
-from kafila.api._text import TextStream, chat_prompt_ids, tool_calls_for
+from kafila.api._text import TextStream, chat_prompt, tool_calls_for
 from kafila.api._think import think_mode
 from kafila.api._tools import ToolCalls
 from kafila.api._pieces import _END, text_pieces
@@ -281,12 +281,12 @@ class ApiServer:
         tokenizer = self.engine.tokenizer()
         tools = tool_calls_for(tokenizer, params.tools)
         try:
-            ids = await asyncio.to_thread(chat_prompt_ids, tokenizer, list(params.messages), params.tools)
+            ids, keep_at = await asyncio.to_thread(chat_prompt, tokenizer, list(params.messages), params.tools)
         except BadInput as exc:
             raise bad("invalid_messages", str(exc), "messages") from None
         default = self.limits.default_chat_max_tokens
         return await self._generate(
-            request, Shapes(True, params.model), ids, params.sampling, default, tools
+            request, Shapes(True, params.model), ids, params.sampling, default, tools, keep_at
         )
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -352,9 +352,10 @@ class ApiServer:
 
     @contextlib.asynccontextmanager
     async def generation(self, ids: list[int], sampling: Sampling, default: int, channels: bool = False,
-                         tools: ToolCalls | None = None):  # fmt: skip
+                         tools: ToolCalls | None = None, keep_at: int = 0):  # fmt: skip
         """Admit one generation (bounds, slots) → (token iterator, TextStream, stats); on exit,
-        however it ends, the engine stops its work on the request and frees its slot."""
+        however it ends, the engine stops its work on the request and frees its slot. `keep_at`:
+        where a chat's messages end (GenerationRequest.keep_at)."""
         if not ids:
             raise bad("empty_prompt", "the prompt is empty", "prompt")
         budget = token_budget(len(ids), sampling.max_tokens, default, self.engine.context_length)
@@ -367,7 +368,7 @@ class ApiServer:
         job = GenerationRequest(
             prompt_ids=tuple(ids), max_new_tokens=budget, stop_at_eos=True,
             temperature=sampling.temperature, top_p=sampling.top_p, seed=sampling.seed,
-            speculate=sampling.speculate,
+            speculate=sampling.speculate, keep_at=keep_at,
         )  # fmt: skip
         stats = GenerationStats(prompt_tokens=len(ids))
         tokenizer = self.engine.tokenizer()
@@ -383,9 +384,9 @@ class ApiServer:
 
     async def _generate(
         self, request: web.Request, shapes: Shapes, ids: list[int], sampling: Sampling, default: int,
-        tools: ToolCalls | None = None,
+        tools: ToolCalls | None = None, keep_at: int = 0,
     ) -> web.StreamResponse:  # fmt: skip
-        async with self.generation(ids, sampling, default, shapes.chat, tools) as (gen, text, stats):
+        async with self.generation(ids, sampling, default, shapes.chat, tools, keep_at) as (gen, text, stats):
             if sampling.stream:
                 return await self._stream(
                     request, shapes, gen, text, stats, len(ids), sampling.include_usage

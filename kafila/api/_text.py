@@ -10,14 +10,28 @@ from kafila.api._think import ThinkSplit
 from kafila.api._tools import ToolCalls, tool_format
 from kafila.api._validate import bad
 from kafila.engine import GenerationStats
+from backends.errors import BadInput
 from kafila.models import StreamDecoder
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], tools: tuple[dict, ...] = ()) -> list[int]:
     """The token ids of a chat: the model's template (shown the tools offered), then the tokenizer
     (as `kafila run` does)."""
+    return chat_prompt(tokenizer, messages, tools)[0]
+
+
+def chat_prompt(tokenizer, messages: list[dict], tools: tuple[dict, ...] = ()) -> tuple[list[int], int]:
+    """(the chat's token ids, where its messages end): the ids of the messages rendered without
+    the template's answer prefix, when they begin the prompt's ids, else 0. A hybrid model's
+    stages keep their state there (GenerationRequest.keep_at): the next turn repeats the
+    messages, not always that prefix (Qwen3.5's `<|im_start|>assistant\n<think>\n`)."""
     extra = {"tools": list(tools)} if tools else {}
-    return tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True, **extra))
+    ids = tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=True, **extra))
+    try:
+        head = tokenizer.encode(tokenizer.render_chat(messages, add_generation_prompt=False, **extra))
+    except BadInput:  # a template that cannot end on the messages (some want a user last)
+        return ids, 0
+    return ids, (len(head) if 0 < len(head) < len(ids) and ids[: len(head)] == head else 0)
 
 
 def tool_calls_for(tokenizer, tools: tuple[dict, ...]) -> ToolCalls | None:

@@ -33,6 +33,10 @@ class GenerationRequest:
     seed: int | None = None
     top_p: float = 1.0  # nucleus sampling when temperature > 0; 1 = the whole distribution
     speculate: bool = True  # False: never speculate for this request (a ring session's drafter)
+    # hybrid models' prompt cache: the prompt position (0 < keep_at < len(prompt_ids)) whose state
+    # the stages keep, the end of a chat's messages before the template's answer prefix (the next
+    # turn repeats those, not always the prefix: Qwen3.5's drops its `<think>`); 0: the prompt's end
+    keep_at: int = 0
 
 
 @dataclass

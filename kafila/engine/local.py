@@ -238,9 +238,14 @@ def _decode(chain, request: GenerationRequest, stop, context, cache, stats) -> I
                if request.temperature > 0 else None)  # its own stream
     whole, kept = False, 0  # whole: the cursor's KV is exactly `fed` on every shard (else a failure left it part-way)
     try:
-        hidden = chain.prefill(cursor, prompt[shared:])
-        fed, whole = list(prompt), True
+        # a hybrid's shards keep the state at keep_at (the chat's messages' end) or the prompt's end
+        keep_at = cache is not None and cache.keeps and shared < request.keep_at < len(prompt)
+        at = request.keep_at if keep_at else len(prompt)
+        hidden = chain.prefill(cursor, prompt[shared:at])
         kept = cache.keep(cursor) if cache is not None else 0
+        if at < len(prompt):
+            hidden = chain.prefill(cursor, prompt[at:])
+        fed, whole = list(prompt), True
         for i in range(request.max_new_tokens):
             token = chain.next_token(hidden) if sampler is None else sampler.draw(chain.logits(hidden[-1:])[0])
             yield token

@@ -48,10 +48,15 @@ class ParkedCursors:
         self.chain.cut(cursor, reuse.cache_len, reuse.shared)
         return cursor, reuse.shared
 
+    @property
+    def keeps(self) -> bool:
+        """Whether the shards keep a state for a later prompt (hybrid models)."""
+        return self._parked.whole
+
     def keep(self, cursor: Cursor) -> int:
         """Hybrid models: every shard keeps the cursor's recurrent state as it is now (its
         prompt's end, which a later prompt may go back to: prefix.py); the position kept (0: none)."""
-        if not self._parked.whole:
+        if not self.keeps:
             return 0
         for shard, slot in zip(self.chain.shards, cursor.slots):
             checkpoint = getattr(shard, "checkpoint", None)

@@ -177,7 +177,7 @@ class RingEngine:
         try:
             return await node.submit(prompt, max_new, request.stop_at_eos, request.temperature,
                                      getattr(request, "top_p", 1.0), request.seed,
-                                     getattr(request, "speculate", True))  # fmt: skip
+                                     getattr(request, "speculate", True), getattr(request, "keep_at", 0))  # fmt: skip
         except SchedulerError as exc:
             raise EngineError(str(exc), exc.status) from None
         except StreamClosed as exc:

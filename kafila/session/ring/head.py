@@ -234,7 +234,8 @@ class HeadCore:
             raise SchedulerError(f"the session is degraded: {self.halted}", 503)
         prompt = req.prompt.tolist()
         check_prompt(prompt, self.limits)
-        self.scheduler.submit(req.req_id, req.origin, prompt, req.max_new, req.stop_at_eos, req.speculate)
+        self.scheduler.submit(req.req_id, req.origin, prompt, req.max_new, req.stop_at_eos, req.speculate,
+                              req.keep_at)  # fmt: skip
         sampler = Sampler.of(req.temperature, req.top_p, None if req.seed < 0 else req.seed)
         if sampler is not None:
             self._samplers[req.req_id] = sampler

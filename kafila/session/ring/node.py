@@ -266,14 +266,15 @@ class RingNode(HeadDriver):
 
     async def submit(self, prompt: list[int], max_new: int, stop_at_eos: bool = True,
                      temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
-                     speculate: bool = True) -> tuple[str, Waiter]:  # fmt: skip
+                     speculate: bool = True, keep_at: int = 0) -> tuple[str, Waiter]:  # fmt: skip
         if self.degraded:
             raise SchedulerError(f"the session is degraded: {self.degraded}", 503)
         check_prompt(prompt, self.limits)
         self._counter += 1
         req_id = f"{self.name}:{self._counter}"
         req = Request(req_id, self.name, self.head, max_new, stop_at_eos, np.asarray(prompt, dtype=np.int32),
-                      float(temperature), float(top_p), -1 if seed is None else int(seed), bool(speculate))  # fmt: skip
+                      float(temperature), float(top_p), -1 if seed is None else int(seed), bool(speculate),
+                      keep_at=keep_at if 0 < keep_at < len(prompt) else 0)  # fmt: skip
         waiter = self.waiters[req_id] = Waiter()
         if self.origin_drafts is not None and speculate:
             self.origin_drafts.start(req_id, prompt)

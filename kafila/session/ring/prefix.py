@@ -39,10 +39,12 @@ Hybrid models (WHOLE). A delta-net layer's recurrent state folds in the whole hi
 be cut back like a KV cache (backends/openvino/recurrent.py), so a hybrid model's parked slot is
 taken by a prompt that continues every visible position it holds (the next turn of its
 conversation, whose prompt repeats the last one and its answer), or by one that continues the
-last request's prompt: every stage keeps a copy of the recurrent state at the end of each
-prompt (Step.keep, `kept`), and the slot goes back there. That is the next turn of a chat whose
-template re-renders the answer otherwise than it was generated (Qwen3's and Qwen3.5's drop an
-answer's reasoning from the history), and an edited last message. Any other prompt starts afresh.
+last request's conversation: every stage keeps a copy of the recurrent state at one point of
+each prompt (Step.keep, `kept`), and the slot goes back there. The point is the end of a chat's
+messages, before the template's answer prefix (GenerationRequest.keep_at; the prompt's end when
+not given): the next turn repeats the messages but not always that prefix or the answer as it was
+generated (Qwen3.5's template renders `<|im_start|>assistant\n<think>\n` for the answer to come
+and an earlier answer without its reasoning). Any other prompt starts afresh.
 """
 
 from __future__ import annotations
@@ -159,12 +161,13 @@ class ParkedSlots:
 
     def best(self, prompt: Sequence[int], room: int) -> Reuse | None:
         """The parked slot whose request `prompt` continues (it holds all of that request's
-        prompt but the last token, which is always fed again) with the longest shared prefix
-        (ties: the least waste), taken out of the parked set; None if there is none."""
+        prompt but the last token, which is always fed again, or reaches its kept state) with the
+        longest shared prefix (ties: the least waste), taken out of the parked set; None if there
+        is none."""
         found: Reuse | None = None
         for slot, parked in self._slots.items():
             r = reuse_in(slot, parked, prompt, room, self.whole)
-            if r is None or r.shared < parked.prompt - 1:
+            if r is None or (r.shared < parked.prompt - 1 and r.cache_len != parked.kept):
                 continue
             if found is None or (r.shared, -r.cache_len) > (found.shared, -found.cache_len):
                 found = r

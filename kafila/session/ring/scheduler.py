@@ -140,6 +140,8 @@ class _Request:
     cached: int = 0  # prompt tokens its slot held already (prompt caching)
     refeed: tuple[int, ...] = ()  # after a compaction: the history fed again into the reset slot
     kept: int = 0  # hybrids: the physical position whose recurrent state every stage keeps (0: none)
+    keep_at: int = 0  # hybrids: the prompt position to keep the state at (0: the prompt's end)
+    keeping: bool = False  # the step in flight keeps the state after it (Step.keep)
 
     @property
     def target(self) -> tuple[int, ...]:
@@ -193,8 +195,9 @@ class Scheduler:
     # --- inputs ------------------------------------------------------------------------------
 
     def submit(self, req_id: str, origin: str, prompt: list[int] | tuple[int, ...], max_new: int,
-               stop_at_eos: bool = True, speculate: bool = True) -> None:  # fmt: skip
-        """`speculate`: whether this request may speculate (when the session does; greedy only)."""
+               stop_at_eos: bool = True, speculate: bool = True, keep_at: int = 0) -> None:  # fmt: skip
+        """`speculate`: whether this request may speculate (when the session does; greedy only);
+        `keep_at`: hybrids, where in the prompt every stage keeps the state (0: at its end)."""
         if req_id in self._requests:
             raise SchedulerError(f"request id {req_id} is already in use")
         if not prompt:
@@ -213,7 +216,7 @@ class Scheduler:
         max_new = min(max_new, self.context - len(prompt))
         self._requests[req_id] = _Request(req_id, origin, tuple(int(t) for t in prompt), max_new, stop_at_eos,
                                        speculate=bool(speculate) and self.speculate != "off" and self.draft_k > 0,
-                                       acceptance=Acceptance(prior=self.acceptance.as_prior()))  # fmt: skip
+                                       acceptance=Acceptance(prior=self.acceptance.as_prior()), keep_at=keep_at)  # fmt: skip
         self._queue.append(req_id)
 
     def steps(self) -> list[Step]:
@@ -226,10 +229,13 @@ class Scheduler:
                 continue
             done = req.pos  # logical: the prompt tokens in the slot (a cached prefix included)
             target = req.target
-            if done < len(target):  # prefill, one chunk at a time; a hybrid's stages keep the state at its end
-                feed = target[done : done + next_chunk(done, self.chunk_tokens)]
-                req.in_flight = len(feed)
-                out.append(self._step(req, feed, keep=self._keeps and done + len(feed) == len(target)))
+            if done < len(target):  # prefill, one chunk at a time; a hybrid's stages keep the state at one point
+                keep_at = self._keeps and req.cached < req.keep_at < len(target) and not req.refeed
+                at = req.keep_at if keep_at else len(target)
+                end = done + next_chunk(done, self.chunk_tokens)
+                feed = target[done : at if done < at < end else end]
+                req.in_flight, req.keeping = len(feed), self._keeps and done + len(feed) == at
+                out.append(self._step(req, feed, keep=req.keeping))
                 continue
             if self.speculate == "draft" and (k := self._draft_k(req)):
                 req.in_flight, req.want_draft = 1, k  # the step is the head's until attach_draft
@@ -396,11 +402,10 @@ class Scheduler:
             tokens = None if token is None else (int(token),)
             if req.speculate and req.pos >= len(req.target):
                 req.spec.add(0, 1)
-        prefill = req.pos < len(req.target)
         req.cache_len += fed
         req.pos += kept
-        if self._keeps and prefill and req.pos >= len(req.target):
-            req.kept = req.cache_len  # its step kept the state there on every stage (Step.keep)
+        if req.keeping:  # the step kept the state there on every stage (Step.keep)
+            req.kept, req.keeping = req.cache_len, False
         if req.cancelled:
             return self._finish(req, "cancelled")
         if req.pos < len(req.target):

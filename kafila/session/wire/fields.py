@@ -1,4 +1,4 @@
-"""The frame codec's errors and its checks of a decoded header's fields (used by frames.py).
+"""The frame codec's errors, its Limits and its checks of a decoded header's fields (used by frames.py).
 
 FrameError is the peer's (a RemoteProtocolError: close its edge, name it); EncodeError is ours
 (a LocalProtocolError: a frame we cannot send). Each check returns the field or raises FrameError.
@@ -7,6 +7,7 @@ FrameError is the peer's (a RemoteProtocolError: close its edge, name it); Encod
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 from rendezvous.errors import LocalProtocolError, RemoteProtocolError
 
@@ -15,6 +16,27 @@ MAX_TRACE_ENTRIES = 64
 MAX_HOPS = 255  # the wire's bound on a routed frame's hops; the ring's own is len(ring) + 1
 MAX_ORIGIN_DRAFT = 65  # an origin's draft on an activation: 2 × speculate.MAX_DRAFT_K + 1 tokens
 MAX_DRAFT_US = 10_000_000  # an origin draft model's cost per token (µs) an activation may carry
+MAX_FRAME_BYTES = 16 << 20  # payload: 16 MiB bounds a prefill of 4096 positions × hidden 1024
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What the session's plan and model allow on the wire."""
+
+    hidden: int  # the model's hidden size: activations are float32 [n, hidden]
+    context: int  # the most physical positions one slot may hold
+    slots: int  # ring slot ids are 0..slots-1 (the session's concurrency)
+    vocab: int  # token ids are 0..vocab-1
+    # the largest activation payload one frame may carry on this ring: MAX_FRAME_BYTES in every
+    # session; a test lowers it (on every node alike) to make a short prompt need several chunks
+    frame_bytes: int = MAX_FRAME_BYTES
+
+    def __post_init__(self) -> None:
+        if not 0 < int(self.frame_bytes) <= MAX_FRAME_BYTES:
+            raise ValueError(f"Limits.frame_bytes must be in 1..{MAX_FRAME_BYTES}")
+        for name in ("hidden", "context", "slots", "vocab"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"Limits.{name} must be >= 1")
 
 
 class FrameError(RemoteProtocolError):

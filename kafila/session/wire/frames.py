@@ -44,14 +44,13 @@ import msgpack
 import numpy as np
 
 from kafila.net.roster import is_ip
-# MAX_HOPS, MAX_NAME_CHARS, MAX_TRACE_ENTRIES, FrameError and EncodeError stay importable from here
-from kafila.session.wire.fields import (KEY_RE, MAX_HOPS, MAX_NAME_CHARS, MAX_TRACE_ENTRIES, EncodeError, FrameError,
-                                   check_bool, check_draft, check_float, check_hops, check_int, check_pairs,
-                                   check_shape, check_str)  # fmt: skip
+# Limits, MAX_HOPS, MAX_NAME_CHARS, MAX_TRACE_ENTRIES, FrameError and EncodeError stay importable from here
+from kafila.session.wire.fields import (KEY_RE, MAX_FRAME_BYTES, MAX_HOPS, MAX_NAME_CHARS, MAX_TRACE_ENTRIES,
+                                   EncodeError, FrameError, Limits, check_bool, check_draft, check_float,
+                                   check_hops, check_int, check_pairs, check_shape, check_str)  # fmt: skip
 
 PREFIX = struct.Struct(">II")
 MAX_HEADER_BYTES = 64 << 10  # mask zeros and prompts' ids live in payloads or stay small
-MAX_FRAME_BYTES = 16 << 20  # payload: 16 MiB bounds a prefill of 4096 positions × hidden 1024
 MAX_TOKENS_PER_FRAME = 256
 MAX_ERROR_CHARS = 500
 MAX_BATCH_ROWS = 32  # activations of one micro-batch (the head's slots are at most 32)
@@ -61,26 +60,6 @@ FINISH_REASONS = ("", "stop", "length", "error")
 PURPOSES = ("ring", "weights")
 MAX_BULK_HOSTS = 8  # addresses a bulk lane offer names
 MAX_HOST_CHARS = 45  # the longest IPv6 literal
-
-
-@dataclass(frozen=True)
-class Limits:
-    """What the session's plan and model allow on the wire."""
-
-    hidden: int  # the model's hidden size: activations are float32 [n, hidden]
-    context: int  # the most physical positions one slot may hold
-    slots: int  # ring slot ids are 0..slots-1 (the session's concurrency)
-    vocab: int  # token ids are 0..vocab-1
-    # the largest activation payload one frame may carry on this ring: MAX_FRAME_BYTES in every
-    # session; a test lowers it (on every node alike) to make a short prompt need several chunks
-    frame_bytes: int = MAX_FRAME_BYTES
-
-    def __post_init__(self) -> None:
-        if not 0 < int(self.frame_bytes) <= MAX_FRAME_BYTES:
-            raise ValueError(f"Limits.frame_bytes must be in 1..{MAX_FRAME_BYTES}")
-        for name in ("hidden", "context", "slots", "vocab"):
-            if int(getattr(self, name)) < 1:
-                raise ValueError(f"Limits.{name} must be >= 1")
 
 
 # --- frames: each kind with its wire form ---------------------------------------------------------
@@ -256,6 +235,7 @@ class Request(_Kind):
     seed: int = -1  # -1: none
     speculate: bool = True  # False: this request must not speculate (the API's "speculate": false)
     hops: int = 0  # members that passed it on so far (0 from its origin)
+    keep_at: int = 0  # hybrids: the prompt position whose state the stages keep (GenerationRequest)
     TAG: ClassVar[str] = "req"
     NOUN: ClassVar[str] = "a request"
 
@@ -264,7 +244,8 @@ class Request(_Kind):
         h = {"k": "req", "rid": self.req_id, "origin": self.origin, "dst": self.dst,
              "max_new": self.max_new, "eos": self.stop_at_eos, "dtype": "i32",
              "shape": list(p.shape), "temp": float(self.temperature), "top_p": float(self.top_p),
-             "seed": int(self.seed), "spec": bool(self.speculate), "hops": self.hops}  # fmt: skip
+             "seed": int(self.seed), "spec": bool(self.speculate), "hops": self.hops,
+             **({"keep": self.keep_at} if self.keep_at else {})}  # fmt: skip
         return h, p.data.cast("B"), MAX_FRAME_BYTES
 
     @staticmethod
@@ -282,13 +263,16 @@ class Request(_Kind):
         (n,) = check_shape(h, "i32", 1)
         if not 1 <= n <= limits.context:
             raise FrameError(f"prompt of {n} tokens is outside 1..{limits.context}")
+        if "keep" in h:
+            check_int(h, "keep", 1, n - 1)
         return n * 4
 
     @classmethod
     def _from_wire(cls, h: dict, payload: bytes) -> Request:
         p = np.frombuffer(payload, dtype="<i4")
         return cls(h["rid"], h["origin"], h["dst"], h["max_new"], h["eos"], p,
-                   float(h["temp"]), float(h["top_p"]), h["seed"], h.get("spec", True), h.get("hops", 0))  # fmt: skip
+                   float(h["temp"]), float(h["top_p"]), h["seed"], h.get("spec", True), h.get("hops", 0),
+                   h.get("keep", 0))  # fmt: skip
 
 
 @dataclass(frozen=True)
