@@ -1,6 +1,6 @@
 """The planner against GPipe's and exo's divisions on the paper's fleets (its Table IV), predicted.
 
-    .venv/bin/python -m bench.plan_fleets [--fleets DIR] [--tables]
+    .venv/bin/python -m bench.plan_fleets [--fleets DIR] [--tables] [--compact]
 
 For the three fleets in fleets and qwen3-8b/14b/32b, runs
 `kafila plan --fleet F --model M --compare --json` (and, with --tables, the rich table each
@@ -9,8 +9,9 @@ is measured: the devices are the paper's, and the models are shapes only (block 
 in fleets/*.json; the runtime serves the qwen3 architecture, but no Qwen3 8B/14B/32B weights
 were loaded or served for these figures). It prints first the median over fleet × model cells
 of the planner's predicted bottleneck reduction and predicted tok/s against uniform and
-memory-proportional divisions, then one markdown row per cell and policy, then the largest
-reduction beside the paper's own (measured) figure.
+memory-proportional divisions, then one markdown row per cell and policy (`--compact`: one row
+per cell, Kafila's division with the baselines' bottlenecks as multiples of its own), then the
+largest reduction beside the paper's own (measured) figure.
 """
 
 from __future__ import annotations
@@ -70,12 +71,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--fleets", type=Path, default=ROOT / "fleets")
     parser.add_argument("--tables", action="store_true", help="also print each rich table")
+    parser.add_argument("--compact", action="store_true", help="one row per fleet and model")
     args = parser.parse_args()
     from bench._report import header
 
     print(header(), flush=True)
 
-    rows = []
+    rows, compact = [], []
     reduction: dict[str, list[float]] = {b: [] for b in BASELINES}  # cells where both fit
     speedup: dict[str, list[float]] = {b: [] for b in BASELINES}
     kafila_tok_s: list[float] = []
@@ -93,6 +95,12 @@ def main() -> None:
             ours = metrics(plans["kafila"])
             if plans["kafila"]["feasible"]:
                 kafila_tok_s.append(ours["tok_s"])
+            theirs = {b: metrics(plans[b])["bneck"] / ours["bneck"] for b in BASELINES}
+            compact.append(f"| {fleet} | {model} | {plans['kafila']['head']}: "
+                           + "/".join(str(n) for n in plans["kafila"]["blocks"].values())
+                           + f" | {ours['bneck']:.2f} | {ours['tok_s']:.1f} | "
+                           + " | ".join(f"{theirs[b]:.2f}×{'' if plans[b]['feasible'] else ' (no fit)'}" for b in BASELINES)
+                           + f" | {'yes' if plans['kafila']['feasible'] else 'no'} |")  # fmt: skip
             for policy in ("kafila", "memory", "uniform"):
                 m = metrics(plans[policy])
                 plan = plans[policy]
@@ -125,13 +133,17 @@ def main() -> None:
         f"{statistics.median(kafila_tok_s):.1f} "
         f"({min(kafila_tok_s):.1f}–{max(kafila_tok_s):.1f})\n"
     )
-    print(
-        "| fleet | model (shape only) | allocation | blocks (head first, ring order) "
-        "| pred. imbal. max/min | pred. bneck ms | pred. bneck vs Kafila | pred. util. "
-        "| pred. tok/s | fits |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    if args.compact:
+        print("| fleet | model (shape only) | Kafila's blocks (head first, ring order) | pred. bneck ms | pred. tok/s "
+              "| GPipe's bneck × Kafila's | exo's bneck × Kafila's | fits |")
+        print("|---|---|---|---|---|---|---|---|")
+        print("\n".join(compact))
+    else:
+        print("| fleet | model (shape only) | allocation | blocks (head first, ring order) "
+              "| pred. imbal. max/min | pred. bneck ms | pred. bneck vs Kafila | pred. util. "
+              "| pred. tok/s | fits |")
+        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("\n".join(rows))
     largest = {b: max(reduction[b], default=math.nan) for b in BASELINES}
     print(
         f"\nlargest predicted bottleneck reduction (cells where both fit): "
