@@ -137,7 +137,7 @@ SECTIONS = [
   ('Planner',
    "Does the planner's division beat GPipe's (uniform) and exo's (memory-proportional) on the paper's "
    'fleets?',
-   'python -m bench.plan_fleets',
+   "python -m bench.plan_fleets --compact",
    "Predicted by the planner's cost model from fleets/*.json, nothing measured: the CPU line only says where"
    ' the command ran.'),
 ]
