@@ -108,3 +108,22 @@ def quantize(src: str, dst: str, ftype: str, *, threads: int = 2) -> str:
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize({src} → {ftype}) failed with {rc}")
     return str(dst)
+
+
+def f32_copy(src: str, dst: str, *, threads: int = 2) -> str:
+    """llama.cpp's own quantizer writing `src` with every matrix as F32: its dequantization of the
+    file's blocks, the exact values a quantized file stands for (a reference that does not round
+    activations as llama.cpp's K-quant dot products do, so it does not depend on the CPU's kernels)."""
+    import ctypes
+
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
+    params.allow_requantize = True
+    params.nthread = threads
+    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
+    if rc != 0:
+        raise RuntimeError(f"llama_model_quantize({src} → F32) failed with {rc}")
+    return str(dst)
