@@ -211,6 +211,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--skip-session", action="store_true")
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args(argv)
+    from bench._report import header
+
+    print(header(), flush=True)
     if not 0 <= args.prompt_tokens < args.context - args.max_tokens:
         ap.error("--prompt-tokens must leave room for --max-tokens inside --context")
     from tests.big_gguf import big_model, cache_dir

@@ -61,18 +61,22 @@ def test_the_big_writers_gpt_oss_layout_gives_llamacpps_ids_in_the_ggml_form(tmp
 @pytest.mark.session
 @pytest.mark.timeout(7200)
 def test_gpt_oss_20bs_shape_across_three_members_holds_the_memory_the_planner_predicts():
-    """After one answer, each member's RSS over the planner's figure at the KV it holds
-    (bench.memory_big.predicted_now) is within ±10%."""
+    """After one answer to a 1,000-token prompt (its prefill routes tokens to nearly every expert:
+    the experts are the file's pages, resident once read), each member's RSS over the planner's
+    figure at the KV it holds (bench.memory_big.predicted_now) is within ±10%. The run recorded
+    in docs/BENCHMARKS.md measured 0.89x, 0.94x and 0.95x: the head below, by about the prefill
+    working set (backends.memory.PREFILL_WORK_BYTES) that the plan holds and the shard hands back
+    after a long prompt."""
     _ggml_or_skip()
     import os
 
-    from bench.memory_big import predicted_now, session
+    from bench.memory_big import long_prompt, predicted_now, session
     from tests.big_gguf import cache_dir
 
-    context, concurrency = 2048, 2
+    context, concurrency = 2048, 4
     model = big_model("gpt-oss-20b")
     cache = os.path.join(cache_dir(), "member-caches", "gpt-oss-20b")
-    rows = session(model, "openvino", 3, context, concurrency, 16, cache, kquant="ggml")
+    rows = session(model, "openvino", 3, context, concurrency, 16, cache, long_prompt(model, 1000), kquant="ggml")
     assert len(rows) == 3
     for row in rows:
         ratio = row["rss_bytes"] / predicted_now(row, context, concurrency)
