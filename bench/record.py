@@ -81,11 +81,6 @@ SECTIONS = [
    'measured lower than at c7d65db (0.17x against 0.26x) on this run; not looked into. As for the MoE files,'
    " the greedy ids part from the first token on this random file at serving precision; at the tests' shapes"
    " every form gives llama.cpp's ids at f32. The GGUF frontend row is not measured (as above)."),
-  ('Speed against openvino_genai',
-   "Does Kafila's own graph run the model as fast as OpenVINO's own LLM pipeline on the same GGUF?",
-   'python -m bench.local --stages 1,3 --no-mlx --no-memory --tokens 64 --repeats 3',
-   "openvino_genai's LLMPipeline is the peer (1.00); every row is the median of per-round ratios. The "
-   '3-stage row is the same split a 3-member ring runs, in one process.'),
   ('Serving precision on this CPU',
    "Which inference precision should serving compile here: is bf16 (the plugin's default on AVX-512-BF16 and"
    ' AMX) faster, and does it keep a question asked again and a split chain answering as before?',
@@ -136,10 +131,9 @@ SECTIONS = [
    "tests/big_gguf.py's gpt-oss-20b shape (11.6 GB: experts MXFP4, the rest Q8_0; Llama 3's vocabulary), "
    "every stage in the ggml form, which holds the file's own blocks (the exact form's experts would take "
    "2.1x the file). A member's experts are pages of the file, resident once a token is routed to them: after"
-   ' a 32-token prompt the members held 0.78-0.90x the plan, after this 999-token one 0.89-0.95x. What the '
-   'head lacks is about the prefill working set the plan holds (PREFILL_WORK_BYTES) and the shard hands back'
-   " after a long prompt. tests/test_big_moe.py (KAFILA_BIG=1) asserts the issue's 0.90-1.10x; the head "
-   'misses it by 0.01.'),
+   ' a 32-token prompt the members held 0.78-0.90x the plan (commit 4e944bb), after this 999-token one '
+   '0.91-0.95x, the head lowest by about the prefill working set (PREFILL_WORK_BYTES) that the plan holds '
+   'and the shard hands back after a long prompt. tests/test_big_moe.py (KAFILA_BIG=1) asserts 0.90-1.10x.'),
   ('Weight transfer',
    "How fast do a member's weights arrive from the host, and what memory and CPU does receiving take?",
    'python -m bench.weights_transfer --members 2 --model smollm2-135m',
@@ -155,15 +149,15 @@ SECTIONS = [
 
 HEAD = """# Kafila benchmarks: the current record
 
-One section per question: its one command (`.venv/bin/python -m bench.X …` from a checkout) and
-the table it printed verbatim, with the CPU, its ISA flags and the commit. The record, not a diary:
-earlier runs are in git (`git log -p docs/BENCHMARKS.md`; the diary code comments cite by section
-name is `git show 3ba472b:docs/BENCHMARKS.md`, the rooms move's record `git show 4fd7460:…`).
-`python -m bench.record --run` reruns every command and rebuilds this file. Where they ran: 2-core
-AMD EPYCs (AVX-512 with VNNI and BF16, except the section that says AVX2) shared with other jobs
-(each header's load average), so absolute tok/s are low and noisy; each benchmark measures its
-comparisons side by side, alternating, so the ratios hold where the absolutes do not. The first
-five sections (bench.kquant_speed) are this wave's; the others ran before the ggml form existed.
+One section per question: its one command (`.venv/bin/python -m bench.X …`) and the table it
+printed verbatim, with the CPU, its ISA flags and the commit. Earlier runs are in git (`git log -p
+docs/BENCHMARKS.md`): the diary that code comments cite by section name is
+`git show 3ba472b:docs/BENCHMARKS.md`, the rooms move's record `git show 4fd7460:…` and the table
+against openvino_genai at 1 and 3 stages `git show 3ddda38:…`. `python -m bench.record --run`
+reruns every command and rebuilds this file. They ran on 2-core AMD EPYCs (AVX-512 with VNNI and
+BF16, unless a section says AVX2) shared with other jobs, so absolute tok/s are low and noisy; each
+benchmark measures its comparisons side by side, alternating, so the ratios hold where the
+absolutes do not. The first five sections (bench.kquant_speed) are this wave's.
 """
 
 def render(out: str) -> str:
