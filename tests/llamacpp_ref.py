@@ -96,34 +96,32 @@ def tokenize(path: str, text: str, *, add_special: bool = False, parse_special: 
 
 def quantize(src: str, dst: str, ftype: str, *, threads: int = 2) -> str:
     """llama.cpp's own quantizer: `src` (F32/F16 GGUF) → `dst` as `ftype` ("Q4_K_M", "Q5_K_M", "Q6_K", …)."""
-    import ctypes
-
     import llama_cpp
 
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}")
-    params.nthread = threads
-    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
-        rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
-    if rc != 0:
-        raise RuntimeError(f"llama_model_quantize({src} → {ftype}) failed with {rc}")
-    return str(dst)
+    return _llama_quantize(src, dst, getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{ftype}"), ftype, threads)
 
 
 def f32_copy(src: str, dst: str, *, threads: int = 2) -> str:
     """llama.cpp's own quantizer writing `src` with every matrix as F32: its dequantization of the
     file's blocks, the exact values a quantized file stands for (a reference that does not round
     activations as llama.cpp's K-quant dot products do, so it does not depend on the CPU's kernels)."""
+    import llama_cpp
+
+    return _llama_quantize(src, dst, llama_cpp.LLAMA_FTYPE_ALL_F32, "F32", threads, requantize=True)
+
+
+def _llama_quantize(src: str, dst: str, ftype: int, label: str, threads: int, requantize: bool = False) -> str:
+    """llama_model_quantize(src → dst as `ftype`); `requantize`: from a file already quantized."""
     import ctypes
 
     import llama_cpp
 
     params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = llama_cpp.LLAMA_FTYPE_ALL_F32
-    params.allow_requantize = True
+    params.ftype = ftype
+    params.allow_requantize = requantize
     params.nthread = threads
     with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
         rc = llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), ctypes.byref(params))
     if rc != 0:
-        raise RuntimeError(f"llama_model_quantize({src} → F32) failed with {rc}")
+        raise RuntimeError(f"llama_model_quantize({src} → {label}) failed with {rc}")
     return str(dst)

@@ -264,26 +264,16 @@ def _ring_answers(chain, limits, requests, prompt_cache):
 
     from kafila.engine import GenerationStats
     from kafila.engine.ring import RingEngine
-    from kafila.session.ring.node import RingNode
-    from tests.fake_link import Pipe
-
-    names = ["m1", "m2", "m3"]
+    from tests.test_prompt_cache import ring_nodes
 
     async def main():
-        nodes = [RingNode(nm, "m1", names, s, limits, prompt_cache=prompt_cache) for nm, s in zip(names, chain.shards)]
-        pipes = [Pipe() for _ in names]
-        for i, node in enumerate(nodes):
-            node.start(pipes[i - 1].reader, pipes[i])
-        try:
+        async with ring_nodes(chain, limits, prompt_cache) as nodes:
             out = []
             for i, req in enumerate(requests):
                 e = RingEngine("m", limits.context, None, dict)
                 e.node, st = nodes[i % 3], GenerationStats()
                 out.append(([t async for t in e.generate(req, st)], st.extra.get("cached_tokens")))
             return out
-        finally:
-            for n in nodes:
-                await n.close()
 
     return asyncio.run(main())
 

@@ -9,6 +9,7 @@ their first turn's tokens in the KV."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 
 import pytest
@@ -346,19 +347,29 @@ def test_an_openvino_slot_cut_back_copies_nothing_and_a_long_dead_tail_is_compac
 # --- the real ring ------------------------------------------------------------------------------
 
 
-def ring_turns(chain, limits, turns, prompt_cache: bool, concurrent: bool):
+@contextlib.asynccontextmanager
+async def ring_nodes(chain, limits, prompt_cache):
+    """A 3-member ring of `chain`'s shards over fake links: its nodes, closed on exit."""
     from kafila.session.ring.node import RingNode
     from tests.fake_link import Pipe
-    from tests.test_speculate import _generate
 
     names = ["m1", "m2", "m3"]
+    nodes = [RingNode(nm, "m1", names, s, limits, prompt_cache=prompt_cache) for nm, s in zip(names, chain.shards)]
+    pipes = [Pipe() for _ in names]
+    for i, node in enumerate(nodes):
+        node.start(pipes[i - 1].reader, pipes[i])
+    try:
+        yield nodes
+    finally:
+        for n in nodes:
+            await n.close()
+
+
+def ring_turns(chain, limits, turns, prompt_cache: bool, concurrent: bool):
+    from tests.test_speculate import _generate
 
     async def main():
-        nodes = [RingNode(nm, "m1", names, s, limits, prompt_cache=prompt_cache) for nm, s in zip(names, chain.shards)]
-        pipes = [Pipe() for _ in names]
-        for i, node in enumerate(nodes):
-            node.start(pipes[i - 1].reader, pipes[i])
-        try:
+        async with ring_nodes(chain, limits, prompt_cache) as nodes:
             out = []
             for turn in turns:
                 if concurrent:
@@ -367,9 +378,6 @@ def ring_turns(chain, limits, turns, prompt_cache: bool, concurrent: bool):
                 else:
                     out += [await _generate(nodes[i % 3], limits.context, ids, 16, False) for i, ids in enumerate(turn)]
             return [t for t, _ in out], [st.extra.get("cached_tokens") for _, st in out]
-        finally:
-            for n in nodes:
-                await n.close()
 
     return asyncio.run(main())
 
