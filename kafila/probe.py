@@ -48,6 +48,8 @@ from typing import Any
 import numpy as np
 import psutil
 
+from kafila.cgroups import cgroup_cpu_quota, cgroup_memory_room_bytes  # noqa: F401 (re-exported)
+
 MIB = 1 << 20
 BYTES_PER_GB = 1e9
 FULL_BUFFER_MIN_BYTES = 512 * MIB
@@ -96,6 +98,7 @@ class ProbeResult:
     block_us: float | None = None  # a block's fixed compute beyond its bytes (openvino)
     block_gbps: float | None = None  # the rate a block's 4-bit weights stream at (openvino)
     head_us: float | None = None  # the head pick's fixed compute (openvino)
+    cpu_quota: float | None = None  # CPUs this process's cgroup allows (None: no quota)
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -116,6 +119,7 @@ class ProbeResult:
             "block_us": self.block_us,
             "block_gbps": self.block_gbps,
             "head_us": self.head_us,
+            "cpu_quota": self.cpu_quota,
         }
         entry.update(extra)
         return entry
@@ -171,6 +175,7 @@ def probe_device(quick: bool = False, backend: str = "openvino") -> ProbeResult:
         block_us=_median(block_us),
         block_gbps=_median(block_gbps),
         head_us=_median(head),
+        cpu_quota=(cgroup_cpu_quota() or (None,))[0],
     )
 
 
@@ -525,41 +530,6 @@ def free_memory_bytes() -> float:
     available = float(psutil.virtual_memory().available)
     room = cgroup_memory_room_bytes()
     return available if room is None else min(available, room)
-
-
-def cgroup_memory_room_bytes(
-    root: Path = Path("/sys/fs/cgroup"), membership: Path = Path("/proc/self/cgroup")
-) -> float | None:
-    """limit − usage of this process's memory cgroup (v2 or v1), None when unlimited."""
-    try:
-        lines = membership.read_text().splitlines()
-    except OSError:
-        return None
-    candidates: list[tuple[Path, str, str]] = []
-    for line in lines:
-        if line.count(":") < 2:
-            continue
-        _, controllers, path = line.split(":", 2)
-        relative = path.lstrip("/")
-        if controllers == "":  # cgroup v2
-            for base in (root / relative, root):
-                candidates.append((base, "memory.max", "memory.current"))
-        elif "memory" in controllers.split(","):
-            for base in (root / "memory" / relative, root / "memory"):
-                candidates.append((base, "memory.limit_in_bytes", "memory.usage_in_bytes"))
-    for base, limit_name, usage_name in candidates:
-        try:
-            limit_text = (base / limit_name).read_text().strip()
-            usage = float((base / usage_name).read_text().strip())
-        except (OSError, ValueError):
-            continue
-        if limit_text == "max":
-            return None
-        limit = float(limit_text)
-        if limit >= 1 << 60:  # v1 writes "unlimited" as a huge number
-            return None
-        return max(0.0, limit - usage)
-    return None
 
 
 def last_level_cache_bytes() -> int | None:

@@ -12,10 +12,16 @@ models are not bandwidth-bound: each block also pays its ops' dispatch, a fixed 
 measures on the device (`Device.block_us`), and the head its own (`Device.head_us`: the
 embedding, lm_head and pick), so in the full tier
 
-    fixed(i) = o_i + [i = head]·(h_i + β_head/r_i),  per(i) = u_i + β_block/r_i
+    fixed(i) = o_i + s + [i = head]·(h_i + e + β_head/r_i),  per(i) = (u_i + β_block/r_i)·g
 
 with u_i, h_i = 0 where the device did not measure them, and r_i the rate weights stream at
-through the backend's quantized matmuls (`Device.block_gbps`), b̄_i where not measured.
+through the backend's quantized matmuls (`Device.block_gbps`), b̄_i where not measured. g, s, e
+are the model's own (`Model.block_scale`, `stage_us`, `embed_us`): its real blocks timed on the host
+against the host's probe (kafila/session/control/calibrate.py), 1, 0, 0 where not measured. A
+member that shares its machine with others also pays `Model.shared_us` more a stage and
+`Model.shared_scale` times a block: the others' forwards run between its own (unless it runs
+under a CPU quota, `Device.cpu_quota`: its probe's sustained runs already hold the quota's
+stalls, and caches refill while it stalls).
 
 Units: bandwidth in GB/s (1e9 bytes/s), overhead in µs, every cost returned in ms.
 Bytes / (GB/s) = bytes / (b·1e9) s = bytes / (b·1e6) ms.
@@ -56,6 +62,7 @@ __all__ = [
     "block_limit",
     "bytes_per_block",
     "member_bytes",
+    "pick_ms",
     "shared_cost",
     "sharers",
     "short_bytes",
@@ -99,9 +106,17 @@ def stage_cost(device: Device, fleet: Fleet, tier: Tier, is_head: bool) -> Stage
         # probe gave it, else the plain read
         rate = device.block_gbps if device.block_gbps is not None else device.bandwidth_gbps
         per_byte_ms = 1.0 / (rate * _BYTES_PER_GB_MS)
-        head = (device.head_us or 0.0) * _MS_PER_US + model.head_read * per_byte_ms
-        fixed = device.overhead_us * _MS_PER_US + (head if is_head else 0.0)
+        head = model.embed_us * _MS_PER_US + pick_ms(device, fleet)
+        fixed = (device.overhead_us + model.stage_us) * _MS_PER_US + (head if is_head else 0.0)
         per_block = (device.block_us or 0.0) * _MS_PER_US + model.block_read_bytes * per_byte_ms
+        if device.block_us is not None:  # probed the block graph: the model's own blocks scale it
+            per_block *= model.block_scale
+        # the others' work runs between its forwards (cold caches); not priced for a member under a
+        # CPU quota: its probe's sustained runs already hold the quota's stalls, which caches
+        # refill during
+        if sharers(device, fleet) > 1 and device.cpu_quota is None:
+            fixed += model.shared_us * _MS_PER_US
+            per_block *= model.shared_scale
         return StageCost(fixed, per_block)
     if tier is Tier.THROUGHPUT:
         if device.tflops is None:
@@ -109,6 +124,15 @@ def stage_cost(device: Device, fleet: Fleet, tier: Tier, is_head: bool) -> Stage
         flops = FLOP_PER_WEIGHT_BYTE * model.block_read_bytes
         return StageCost(0.0, flops / (device.tflops * _FLOP_PER_TFLOP_MS))
     raise ValueError("the memory tier prices nothing")
+
+
+def pick_ms(device: Device, fleet: Fleet) -> float:
+    """The head's token pick in the full tier: its fixed cost and the lm_head's bytes (part of
+    the head's stage cost; the head times it apart from its stage's forward)."""
+    if device.bandwidth_gbps is None:
+        raise ValueError(f"device {device.name!r} is not measured for the full tier")
+    rate = device.block_gbps if device.block_gbps is not None else device.bandwidth_gbps
+    return (device.head_us or 0.0) * _MS_PER_US + fleet.model.head_read / (rate * _BYTES_PER_GB_MS)
 
 
 def sharers(device: Device, fleet: Fleet) -> int:

@@ -28,8 +28,10 @@ embedding row; absent: `head_bytes`). Per device, besides bandwidth and overhead
 may give `block_us` (a block's fixed compute beyond its bytes: the backend's dispatch of its
 ops, measured), `block_gbps` (the rate weights stream at through the backend's quantized
 matrix-vector products, which a token's bytes pay instead of the plain read `bandwidth_gbps`
-measures), `head_us` (the head's, likewise) and `machine` (an identity members on one
-computer share: they compute one at a time, planner.plan prices them so).
+measures), `head_us` (the head's, likewise), `machine` (an identity members on one
+computer share: they compute one at a time, planner.plan prices them so) and `cpu_quota` (the
+CPUs a cgroup quota allows the member: planner.cost prices the stall it meets when a stage
+needs more).
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ MAX_BANDWIDTH_GBPS = 1e6
 MAX_OVERHEAD_US = 1e8  # 100 s a step
 MAX_TFLOPS = 1e6
 MAX_RTT_MS = 1e6
+MAX_CPUS = 1e5
+MAX_SCALE = 1e3  # a calibration ratio (Model.block_scale, shared_scale)
 MAX_BYTES = 1e15  # one block's or the head's bytes
 MAX_BLOCKS = 100_000
 MAX_CONTEXT_TOKENS = 1 << 24
@@ -91,6 +95,12 @@ class Model:
     # Hybrid (recurrent) models: a request's fixed state per block (a mean over the blocks: the
     # delta-net layers' conv and matrix states), held per request whatever its length (0: none).
     state_bytes_per_request_per_block: float = 0.0
+    # the model's own blocks timed on the host against its probe (kafila/session/control/calibrate.py):
+    block_scale: float = 1.0  # a block's time over what the probe's figures predict for its bytes
+    stage_us: float = 0.0  # a stage's fixed time beyond the probe's dispatch overhead, µs
+    embed_us: float = 0.0  # the head stage's token embedding, µs
+    shared_scale: float = 1.0  # a block's time, members sharing a machine, over its time alone
+    shared_us: float = 0.0  # the fixed time members sharing a machine add, µs
 
     @property
     def head_read(self) -> float:
@@ -139,6 +149,7 @@ class Device:
     block_gbps: float | None = None  # the rate a block's weights stream at in its matmuls, GB/s
     head_us: float | None = None  # the head's fixed compute (embedding, lm_head, pick), µs
     machine: str | None = None  # members on one machine share its cores (one computes at a time)
+    cpu_quota: float | None = None  # CPUs a quota (cgroup) allows this member; None: none set
 
     @property
     def memory_bytes(self) -> float:
@@ -239,7 +250,20 @@ def _model(raw: Any, key: str | None) -> Model:
         expert_bytes=experts[2],
         head_read_bytes=_optional(raw, "head_read_bytes", where),
         state_bytes_per_request_per_block=_optional(raw, "state_bytes_per_request_per_block", where) or 0.0,
+        block_scale=_calibration(raw, "block_scale", where, 1.0, MAX_SCALE),
+        stage_us=_calibration(raw, "stage_us", where, 0.0, MAX_OVERHEAD_US),
+        embed_us=_calibration(raw, "embed_us", where, 0.0, MAX_OVERHEAD_US),
+        shared_scale=_calibration(raw, "shared_scale", where, 1.0, MAX_SCALE),
+        shared_us=_calibration(raw, "shared_us", where, 0.0, MAX_OVERHEAD_US),
     )
+
+
+def _calibration(raw: Mapping[str, Any], key: str, where: str, default: float, high: float) -> float:
+    """A calibration figure of the model: absent or null → `default`, else a number 0..high
+    (a scale must be above 0)."""
+    if raw.get(key) is None:
+        return default
+    return _number(raw, key, where, positive=default > 0, high=high)
 
 
 def _experts(raw: Mapping[str, Any], where: str, block_bytes: float) -> tuple[int, int, float]:
@@ -302,6 +326,7 @@ def _devices(data: Mapping[str, Any]) -> tuple[Device, ...]:
                 block_gbps=_measured(entry, "block_gbps", where, MAX_BANDWIDTH_GBPS),
                 head_us=_measured(entry, "head_us", where, MAX_OVERHEAD_US, zero_ok=True),
                 machine=None if machine is None else _string(entry, "machine", where),
+                cpu_quota=_measured(entry, "cpu_quota", where, MAX_CPUS),
             )
         )
     return tuple(devices)

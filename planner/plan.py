@@ -31,7 +31,7 @@ from typing import Any
 
 from planner.admission import Refusal, choose_tier, refusals
 from planner.baselines import memory_proportional_counts, uniform_counts
-from planner.cost import Tier, stage_cost
+from planner.cost import Tier, pick_ms, stage_cost
 from planner.errors import PlanInputError
 from planner.fleet import Device, Fleet, parse_fleet
 from planner.head import place_head
@@ -230,8 +230,7 @@ def make_plan(fleet: Fleet, policy: Policy | str = Policy.KAFILA) -> Plan:
             stage_cost(d, fleet, tier, is_head=(i == 0)).at(n)
             for i, (d, n) in enumerate(zip(order, counts, strict=True))
         )
-        head_ms = (stage_cost(order[0], fleet, tier, is_head=True).fixed_ms
-                   - stage_cost(order[0], fleet, tier, is_head=False).fixed_ms)
+        head_ms = pick_ms(order[0], fleet) if tier is Tier.FULL else 0.0
     refused = refusals(order, counts, fleet)
     return Plan(
         feasible=not refused,

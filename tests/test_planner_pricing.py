@@ -98,3 +98,29 @@ def test_predictions_side_by_side() -> None:
     assert got["tok_s"]["error"] == pytest.approx(0.0, abs=1e-3)
     assert predictions(None, {}, None)["stages"] == {}
     assert predictions(None, {}, None)["tok_s"] == {"predicted": None, "measured": None, "error": None}
+
+
+def test_the_models_own_block_timing_scales_each_stage_and_sharing_a_machine_adds_the_cold_cost():
+    from planner import make_plan, parse_fleet
+
+    dev = {"memory_gb": 16, "bandwidth_gbps": 20, "overhead_us": 10, "block_us": 50, "block_gbps": 10, "head_us": 30}
+    model = {"name": "m", "blocks": 12, "block_bytes": 1e6, "head_bytes": 2e6, "kv_bytes_per_token_per_block": 0}
+    fleet = {"context": 64, "concurrency": 1, "anchor": "a", "model": model,
+             "devices": [{"name": "a", **dev}, {"name": "b", **dev}]}
+    plain = make_plan(parse_fleet(fleet))
+    tuned = make_plan(parse_fleet({**fleet, "model": {**model, "block_scale": 2.0, "stage_us": 100, "embed_us": 40}}))
+    per = 50e-3 + 1e6 / 10e6  # ms a block: its fixed part and its bytes at the probed rate
+    b = plain.ring.index("b")
+    assert plain.stage_ms[b] == pytest.approx(10e-3 + plain.blocks[b] * per)
+    assert tuned.stage_ms[b] == pytest.approx(110e-3 + tuned.blocks[b] * 2 * per)
+    assert tuned.head_ms == pytest.approx(plain.head_ms)  # the pick alone: the embedding is the stage's
+    # two members of one machine: each pays the shared figures, unless it runs under a CPU quota
+    shared = {**model, "shared_scale": 1.5, "shared_us": 200}
+    one = [{"name": "a", **dev, "machine": "x"}, {"name": "b", **dev, "machine": "x"}]
+    both = make_plan(parse_fleet({**fleet, "model": shared, "devices": one}))
+    b = both.ring.index("b")
+    assert both.stage_ms[b] == pytest.approx(210e-3 + both.blocks[b] * 1.5 * per)
+    quota = [one[0], {**one[1], "cpu_quota": 0.25}]
+    q = make_plan(parse_fleet({**fleet, "model": shared, "devices": quota}))
+    b = q.ring.index("b")
+    assert q.stage_ms[b] == pytest.approx(10e-3 + q.blocks[b] * per)

@@ -161,3 +161,19 @@ def test_the_descriptor_is_measured_on_the_serving_backend(monkeypatch: pytest.M
 def test_unknown_probe_backend_is_refused() -> None:
     with pytest.raises(ValueError, match="no probe for backend"):
         probe_device(quick=True, backend="cuda")
+
+
+def test_cgroup_cpu_quota_v1_and_v2(tmp_path: Path) -> None:
+    from kafila.probe import cgroup_cpu_quota
+
+    _write(tmp_path / "self", "1:cpu,cpuacct:/kt\n")
+    _write(tmp_path / "fs/cpu,cpuacct/kt/cpu.cfs_quota_us", "2500\n")
+    _write(tmp_path / "fs/cpu,cpuacct/kt/cpu.cfs_period_us", "10000\n")
+    assert cgroup_cpu_quota(tmp_path / "fs", tmp_path / "self") == (0.25, 0.01)
+    _write(tmp_path / "fs/cpu,cpuacct/kt/cpu.cfs_quota_us", "-1\n")  # v1's "no limit"
+    assert cgroup_cpu_quota(tmp_path / "fs", tmp_path / "self") is None
+    _write(tmp_path / "self2", "0::/job\n")
+    _write(tmp_path / "v2/job/cpu.max", "50000 100000\n")
+    assert cgroup_cpu_quota(tmp_path / "v2", tmp_path / "self2") == (0.5, 0.1)
+    _write(tmp_path / "v2/job/cpu.max", "max 100000\n")
+    assert cgroup_cpu_quota(tmp_path / "v2", tmp_path / "self2") is None

@@ -31,7 +31,7 @@ from kafila.session.control.pricing import choose_context, model_reads, probe_fi
 from kafila.session.control.preview import members_table, plan_summary, plan_table, predicted_tok_s  # noqa: F401
 from kafila.session.control.replans import ReplanPacer
 from kafila.session.control.stage import STATUS_EVERY_S, Stage
-from kafila.session.control.system import cancel_and_wait, close_quietly, edge_stats, lan_ip
+from kafila.session.control.system import cancel_and_wait, close_quietly, edge_stats, lan_ip, machine_id
 from kafila.session.ring.load import MAX_REPORTED_REQUESTS
 from kafila.session.ring.prefix import WHOLE
 from kafila.session.ring.slots import auto_slots, parse_concurrency, parse_max_queued
@@ -114,6 +114,7 @@ class HostParticipant(driving.Driver):
         self._planning_now = asyncio.Event()  # Enter while waiting for the members: plan now
         self._pacer = ReplanPacer()
         self._index = None
+        self._calibration: dict = {}  # the model's own blocks timed here (calibrate.py)
         self.session: dict = {}
         self._context_asked: int | None = cfg.context  # None: the model's own, capped by memory at each plan
         self._context_why: str | None = None  # the last context note said, said again only when it changes
@@ -145,6 +146,7 @@ class HostParticipant(driving.Driver):
         await self._wait_for_members()
         await self._hash(index, digests_task)
         self._index = index
+        self._calibration = await self._calibrate(index)  # with the members in: their probes are done
         cfg = self.cfg
         # "concurrency" is each plan's (auto: what its memory holds, set in _form)
         self.session = {"context": cfg.context, "concurrency": cfg.concurrency or 1, "precision": cfg.precision,
@@ -195,6 +197,35 @@ class HostParticipant(driving.Driver):
             return d
 
         return index, stage.spawn(asyncio.to_thread(digests), "digests")
+
+    async def _calibrate(self, index) -> dict:
+        """The model's own blocks timed on this machine against its probe (calibrate.py): the
+        plan's model fields; {} where they cannot be measured (the plan then uses the probe alone)."""
+        from kafila.session.control.calibrate import calibrate, too_big
+        from kafila.session.ring.cores import CoreLock
+
+        cfg, desc = self.cfg, await self._desc_task
+        if cfg.backend != "openvino" or too_big(index):
+            return {}
+
+        def measure() -> dict:
+            lock = CoreLock(machine_id())  # as the probes: members of one machine measure one at a time
+            try:
+                with lock:
+                    return calibrate(index, desc, _kquant_form(cfg.kquant, cfg.precision), cfg.precision)
+            finally:
+                lock.close()
+
+        try:
+            out = await asyncio.to_thread(measure)
+        except Exception as exc:  # noqa: BLE001 - a failed measurement prices with the probe alone
+            self.stage.say(f"{cfg.name}: could not time {index.name}'s blocks ({type(exc).__name__}: {exc}); "
+                           "the plan prices them from the probe alone")  # fmt: skip
+            return {}
+        if out:
+            self.stage.say(f"{cfg.name}: {index.name}'s blocks timed here: {out['block_scale']:.2f}× what the probe "
+                           f"predicts, {out['shared_scale']:.2f}× that again beside other members on one machine")
+        return out
 
     async def _open_session(self) -> None:
         """Register with the rendezvous (an embedded one without --rendezvous) and print the code."""
@@ -481,7 +512,8 @@ class HostParticipant(driving.Driver):
             if d.get("backend") in RESIDENT_BYTES_PER_WEIGHT:
                 kinds.add(memory_kind(d["backend"], form))
         fleet = {"context": cfg.context, "concurrency": cfg.concurrency or 1, "anchor": cfg.name,
-                 "model": {**_resident_model(index, kinds), **model_reads(index)}, "devices": devices}  # fmt: skip
+                 "model": {**_resident_model(index, kinds), **model_reads(index), **self._calibration},
+                 "devices": devices}  # fmt: skip
         try:
             # the context: the asked one, or the model's own capped by what the members' memory holds
             fleet["context"], why = choose_context(fleet, self._context_asked, index.hparams.context_length,

@@ -20,7 +20,8 @@ from typing import Any
 
 from backends.errors import Refused
 
-PROBE_FIELDS = ("bandwidth_gbps", "overhead_us", "tflops", "block_us", "block_gbps", "head_us", "machine")
+PROBE_FIELDS = ("bandwidth_gbps", "overhead_us", "tflops", "block_us", "block_gbps", "head_us", "cpu_quota",
+                "machine")
 # With --concurrency auto the context is capped so that memory holds this many requests at it
 # (as llama-server's default parallel slots); auto then gives as many slots as memory holds.
 CONTEXT_ROOM_REQUESTS = 4

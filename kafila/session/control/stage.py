@@ -191,7 +191,7 @@ class Stage:
             lock.close()
         return {"backend": self.cfg.backend, "probed_on": p.backend, "memory_gb": round(p.memory_gb, 3),
                 "bandwidth_gbps": p.bandwidth_gbps, "overhead_us": p.overhead_us,
-                "tflops": p.tflops, "block_us": p.block_us, "block_gbps": p.block_gbps, "head_us": p.head_us,
+                "tflops": p.tflops, "block_us": p.block_us, "block_gbps": p.block_gbps, "head_us": p.head_us, "cpu_quota": p.cpu_quota,
                 "machine": machine_id(),
                 "protocol": control.PROTOCOL, "version": __version__}  # fmt: skip
 
