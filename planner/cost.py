@@ -102,10 +102,7 @@ def stage_cost(device: Device, fleet: Fleet, tier: Tier, is_head: bool) -> Stage
     if tier is Tier.FULL:
         if device.bandwidth_gbps is None or device.overhead_us is None:
             raise ValueError(f"device {device.name!r} is not measured for the full tier")
-        # weights stream through the backend's quantized matmuls: their measured rate where the
-        # probe gave it, else the plain read
-        rate = device.block_gbps if device.block_gbps is not None else device.bandwidth_gbps
-        per_byte_ms = 1.0 / (rate * _BYTES_PER_GB_MS)
+        per_byte_ms = 1.0 / (_rate(device) * _BYTES_PER_GB_MS)
         head = model.embed_us * _MS_PER_US + pick_ms(device, fleet)
         fixed = (device.overhead_us + model.stage_us) * _MS_PER_US + (head if is_head else 0.0)
         per_block = (device.block_us or 0.0) * _MS_PER_US + model.block_read_bytes * per_byte_ms
@@ -129,10 +126,16 @@ def stage_cost(device: Device, fleet: Fleet, tier: Tier, is_head: bool) -> Stage
 def pick_ms(device: Device, fleet: Fleet) -> float:
     """The head's token pick in the full tier: its fixed cost and the lm_head's bytes (part of
     the head's stage cost; the head times it apart from its stage's forward)."""
-    if device.bandwidth_gbps is None:
-        raise ValueError(f"device {device.name!r} is not measured for the full tier")
+    return (device.head_us or 0.0) * _MS_PER_US + fleet.model.head_read / (_rate(device) * _BYTES_PER_GB_MS)
+
+
+def _rate(device: Device) -> float:
+    """GB/s weights stream at: through the backend's quantized matmuls where the probe measured
+    it, else the plain read."""
     rate = device.block_gbps if device.block_gbps is not None else device.bandwidth_gbps
-    return (device.head_us or 0.0) * _MS_PER_US + fleet.model.head_read / (rate * _BYTES_PER_GB_MS)
+    if rate is None:
+        raise ValueError(f"device {device.name!r} is not measured for the full tier")
+    return rate
 
 
 def sharers(device: Device, fleet: Fleet) -> int:

@@ -62,9 +62,8 @@ def calibrate(index: Any, probe: dict, kquant: str, precision: str) -> dict:
     w1, wk, c1, ck, e1 = _medians_ms([(steps[0], None), (steps[1], None), (steps[0], cold), (steps[1], cold),
                                       (steps[2], None)])  # fmt: skip
     per_warm, per_cold = (wk - w1) / (deep - 1), (ck - c1) / (deep - 1)
-    block_bytes = [sum(t.n_bytes for name, t in index.tensors.items() if name.startswith(f"blk.{b}."))
-                   for b in range(first, first + deep)]  # fmt: skip
-    mean_bytes = _read_bytes(index, sum(block_bytes) / deep)
+    mean_bytes = _read_bytes(index, sum(t.n_bytes for b in range(first, first + deep) for t in index.block_tensors(b))
+                             / deep)  # fmt: skip
     predicted = probe["block_us"] / 1e3 + mean_bytes / (probe["block_gbps"] * 1e6)
     out = {"block_scale": per_warm / predicted, "shared_scale": per_cold / per_warm if per_warm > 0 else 0.0}
     if not all(SCALE_BOUNDS[0] <= v <= SCALE_BOUNDS[1] for v in out.values()):
@@ -86,12 +85,11 @@ def _read_bytes(index: Any, block_bytes: float) -> float:
     """What a token reads of a block of `block_bytes`: of an MoE block, the dense part and k of E
     experts (as the planner prices it, kafila/session/control/pricing.model_reads)."""
     from kafila.session.control.pricing import model_reads
+    from planner.fleet import Model
 
-    reads = model_reads(index)
-    e, k = reads.get("expert_count", 0), reads.get("experts_used", 0)
-    if not e:
-        return block_bytes
-    return block_bytes - (e - k) * reads["expert_bytes"]
+    reads = {k: v for k, v in model_reads(index).items() if k in ("expert_count", "experts_used", "expert_bytes")}
+    return Model(name="", blocks=1, block_bytes=block_bytes, head_bytes=0.0, kv_bytes_per_token_per_block=0.0,
+                 **reads).block_read_bytes  # fmt: skip
 
 
 def _stepper(shard: Any, hidden: int):

@@ -31,7 +31,7 @@ from kafila.session.control.pricing import choose_context, model_reads, probe_fi
 from kafila.session.control.preview import members_table, plan_summary, plan_table, predicted_tok_s  # noqa: F401
 from kafila.session.control.replans import ReplanPacer
 from kafila.session.control.stage import STATUS_EVERY_S, Stage
-from kafila.session.control.system import cancel_and_wait, close_quietly, edge_stats, lan_ip, machine_id
+from kafila.session.control.system import alone_on_machine, cancel_and_wait, close_quietly, edge_stats, lan_ip
 from kafila.session.ring.load import MAX_REPORTED_REQUESTS
 from kafila.session.ring.prefix import WHOLE
 from kafila.session.ring.slots import auto_slots, parse_concurrency, parse_max_queued
@@ -202,22 +202,13 @@ class HostParticipant(driving.Driver):
         """The model's own blocks timed on this machine against its probe (calibrate.py): the
         plan's model fields; {} where they cannot be measured (the plan then uses the probe alone)."""
         from kafila.session.control.calibrate import calibrate, too_big
-        from kafila.session.ring.cores import CoreLock
 
         cfg, desc = self.cfg, await self._desc_task
         if cfg.backend != "openvino" or too_big(index):
             return {}
-
-        def measure() -> dict:
-            lock = CoreLock(machine_id())  # as the probes: members of one machine measure one at a time
-            try:
-                with lock:
-                    return calibrate(index, desc, _kquant_form(cfg.kquant, cfg.precision), cfg.precision)
-            finally:
-                lock.close()
-
-        try:
-            out = await asyncio.to_thread(measure)
+        form = _kquant_form(cfg.kquant, cfg.precision)
+        try:  # as the probes: members of one machine measure one at a time
+            out = await asyncio.to_thread(alone_on_machine, lambda: calibrate(index, desc, form, cfg.precision))
         except Exception as exc:  # noqa: BLE001 - a failed measurement prices with the probe alone
             self.stage.say(f"{cfg.name}: could not time {index.name}'s blocks ({type(exc).__name__}: {exc}); "
                            "the plan prices them from the probe alone")  # fmt: skip

@@ -37,7 +37,8 @@ from kafila.session.control.status import (
     history_entry,
     rounded,
 )
-from kafila.session.control.system import SEND_ERRORS, cancel_and_wait, close_quietly, edge_stats, machine_id
+from kafila.session.control.system import (SEND_ERRORS, alone_on_machine, cancel_and_wait, close_quietly, edge_stats,
+                                           machine_id)
 from kafila.session.ring.load import MAX_REPORTED_REQUESTS, clean_head, clean_stage, ring_load
 from kafila.session.ring.node import RingNode
 from kafila.session.ring.prefix import WHOLE
@@ -181,14 +182,8 @@ class Stage:
     def descriptor(self) -> dict:
         from kafila.probe import probe_device
 
-        from kafila.session.ring.cores import CoreLock
-
-        lock = CoreLock(machine_id())  # members of one machine probe one at a time, not each other
-        try:
-            with lock:
-                p = probe_device(quick=True, backend=self.cfg.backend)  # measured on what it will serve on
-        finally:
-            lock.close()
+        # measured on what it will serve on; members of one machine probe one at a time
+        p = alone_on_machine(lambda: probe_device(quick=True, backend=self.cfg.backend))
         return {"backend": self.cfg.backend, "probed_on": p.backend, "memory_gb": round(p.memory_gb, 3),
                 "bandwidth_gbps": p.bandwidth_gbps, "overhead_us": p.overhead_us,
                 "tflops": p.tflops, "block_us": p.block_us, "block_gbps": p.block_gbps, "head_us": p.head_us, "cpu_quota": p.cpu_quota,

@@ -63,6 +63,19 @@ def machine_id() -> str:
     return hashlib.sha256(f"kafila-machine|{socket.gethostname()}".encode()).hexdigest()[:16]
 
 
+def alone_on_machine(measure):
+    """`measure()` while no other member of this machine computes or measures (the machine's
+    CoreLock): probes and timings of one machine's members do not disturb each other."""
+    from kafila.session.ring.cores import CoreLock
+
+    lock = CoreLock(machine_id())
+    try:
+        with lock:
+            return measure()
+    finally:
+        lock.close()
+
+
 def lan_ip() -> str:
     """This machine's address on the route out (its LAN address behind a home router)."""
     import socket
@@ -104,5 +117,5 @@ def edge_stats(edge, lane=None) -> dict:
     return row | (lane.as_dict() if lane is not None else {})
 
 
-__all__ = ["CLOSE_ERRORS", "SEND_ERRORS", "cancel_and_wait", "close_quietly", "edge_stats", "lan_ip",
+__all__ = ["CLOSE_ERRORS", "SEND_ERRORS", "alone_on_machine", "cancel_and_wait", "close_quietly", "edge_stats", "lan_ip",
            "machine_id", "punched_host", "stdin_is_terminal"]  # fmt: skip
