@@ -66,9 +66,11 @@ class Rows:
             self.shard.forward(slot, x, p, m)
         self.lengths = [n + 1 for n in self.lengths]
 
-    def step_batched(self) -> None:
-        self.shard.forward_batch(self.slots, *self._inputs())
+    def step_batched(self) -> list:
+        """One decode step of every row in one forward; each row's hidden [1, H]."""
+        hiddens = self.shard.forward_batch(self.slots, *self._inputs())
         self.lengths = [n + 1 for n in self.lengths]
+        return hiddens
 
     def close(self) -> None:
         for slot in self.slots:

@@ -3,8 +3,9 @@ costs measured in this process (bench.multiuser prints it beside what the sessio
 
 For a plan whose stage s runs blocks [first_s, last_s) (the head's with the embedding and the
 lm_head), t_s(b) is one decode step of b rows through that stage, one `forward_batch` (rows of
-different cache lengths, bench.batch_rows.Rows), measured here, one process, one stage at a
-time. A ring of those stages on one machine computes one stage at a time (the core lock,
+different cache lengths, bench.batch_rows.Rows) and at the head the rows' token picks (one
+lm_head over them, `greedy_rows`, as the ring's micro-batch), measured here, in one process, the
+stages timed in turn as the ring runs them. A ring of those stages on one machine computes one stage at a time (the core lock,
 kafila/session/ring/cores.py), so with N users split into g micro-batches of b = ⌈N/g⌉ rows:
 
     C(b)     = Σ_s t_s(b)                      one micro-batch's compute round the ring
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import math
 import statistics
+import time
 
 import numpy as np
 
@@ -30,36 +32,45 @@ REPEATS = 3
 
 def stage_costs(model_path: str, stages: list[tuple[int, int]], rows: list[int], context: int = 64,
                 precision: str = "serving") -> list[dict[int, float]]:  # fmt: skip
-    """Per stage (the first is the head's: embedding and lm_head), {b: ms of one b-row decode step}."""
+    """Per stage (the first is the head's: embedding and lm_head), {b: ms of one b-row decode step}.
+    The stages are timed in turn, round after round, as a ring on one machine runs them: each
+    stage's step meets the caches the others' steps left (timed alone, back to back, a stage
+    whose weights fit the last-level cache would find them there every time)."""
     from backends import ShardSpec
     from backends.gguf import open_model
     from backends.openvino import OpenVINOShard
     from bench.batch_rows import Rows
 
     index = open_model(model_path)
-    out = []
-    for i, (first, last) in enumerate(stages):
-        shard = OpenVINOShard(ShardSpec(index.path, first, last, embed=i == 0, head=i == 0), precision, index=index)
-        costs = {}
-        for b in rows:
-            rng = np.random.default_rng(b)
-            r = Rows(shard, [rng.integers(0, 1000, context + 8 * j) for j in range(b)], index.hparams.hidden, rng)
-            try:
-                r.step_batched()  # the group's join and first-shape compile, outside the clock
-                times = []
-                for _ in range(REPEATS):
-                    import time
-
+    shards = [OpenVINOShard(ShardSpec(index.path, first, last, embed=i == 0, head=i == 0), precision, index=index)
+              for i, (first, last) in enumerate(stages)]  # fmt: skip
+    out: list[dict[int, float]] = [{} for _ in shards]
+    for b in rows:
+        rng = np.random.default_rng(b)
+        prompts = [rng.integers(0, 1000, context + 8 * j) for j in range(b)]
+        groups = [Rows(shard, prompts, index.hparams.hidden, rng) for shard in shards]
+        try:
+            # the head's step ends in its rows' token picks (one lm_head over them, as the ring's
+            # micro-batch: kafila/session/ring/picks.py)
+            steps = [_head_step(shards[0], groups[0])] + [g.step_batched for g in groups[1:]]
+            for step in steps:
+                step()  # the group's join and first-shape compile, outside the clock
+            times: list[list[float]] = [[] for _ in steps]
+            for _ in range(REPEATS * STEPS):
+                for step, t in zip(steps, times):
                     t0 = time.perf_counter()
-                    for _ in range(STEPS):
-                        r.step_batched()
-                    times.append((time.perf_counter() - t0) / STEPS * 1000)
-                costs[b] = statistics.median(times)
-            finally:
-                r.close()
-        out.append(costs)
-        del shard
+                    step()
+                    t.append((time.perf_counter() - t0) * 1000)
+            for costs, t in zip(out, times):
+                costs[b] = statistics.median(t)
+        finally:
+            for g in groups:
+                g.close()
     return out
+
+
+def _head_step(shard, rows):
+    return lambda: shard.greedy_rows(rows.step_batched())
 
 
 def ring_compute_ms(costs: list[dict[int, float]], b: int) -> float:
