@@ -98,19 +98,31 @@ SECTIONS = [
    "printed above the one-process runs were starved more than the session's three processes, so read the "
    "ratio as 'the ring costs no more than one process here', not as a speed-up."),
   ('Many users',
-   "How does the aggregate rate grow, and each user's time per token, as more users ask at once?",
-   'python -m bench.multiuser --users 1,4,8 --latency 0 --rounds 1 --markdown',
-   'One 3-member loopback session with batched decode rows; the 1-user figure is the mean of a run first and'
-   ' one last. One round (the default is 2) to fit the time this record had.'),
-  ('Speculation',
-   'Does n-gram speculation on the ring make answers faster, and are they the same text?',
-   'python -m bench.spec --latency 0 --max-tokens 48 --markdown',
-   'Plain and speculating requests alternate on the same 3-member session, at 0 ms per hop only: the default'
-   ' also runs 20 and 50 ms, where a verify step saves a round trip, but under this load the 20 ms case did '
-   'not finish in 15 minutes. With no hop latency to save and both cores taken, speculation cost time here '
-   '(0.75× on grounded prompts, even on chat) although most drafts were accepted. At serving precision a '
-   'verify step runs other kernels than a 1-row step, so near-ties can part the texts (the `same text` '
-   'column counts them).'),
+   "How does the aggregate rate grow, and each user's time per token, as more users ask at once, against what "
+   "the machine's own compute allows?",
+   'python -m bench.multiuser --users 1,4,8,16 --latency 0,20 --rounds 1',
+   "One 3-member loopback session per hop latency, batched decode rows on. The bound (bench/ring_bound.py) is"
+   " what a ring of the plan's stages on this one machine could deliver: each stage's batched step, the "
+   "head's with its rows' token picks, timed in this process with the stages in turn as the ring runs them, "
+   "and the head's measured network time per trip. Timed alone and back to back instead (each stage finding"
+   " its weights in the cache) and without the picks, the bound was 1.2-1.3x higher and the 0 ms session "
+   'reached 0.59-0.63 of it (commit 4253c6e).'),
+  ('DiP-SD with a draft model',
+   'Do 4 users, each drafting with the real draft model at the member they typed at, get more tokens a '
+   'second than batched plain decoding, 20 ms a hop?',
+   'python -m bench.dipsd --model qwen2.5-coder-1.5b-q4_k_m --draft qwen2.5-coder-0.5b --latency 20 --users 4 '
+   '--rounds 1',
+   'The real pair (Qwen2.5-Coder-1.5B-Instruct Q4_K_M, its 0.5B sibling drafting), a 3-member loopback session. '
+   "All three members and their draft models share this machine's 2 cores: a draft's forward waits for the "
+   "stages' (the core lock) and theirs for it, so drafting is not hidden behind the ring's work as on "
+   'machines of their own, and speculation cost time here despite 3.4 tokens a trip.'),
+  ('A draft model at the head',
+   'Does one user, the draft model drafting at the head, get answers faster at 50 ms a hop?',
+   'python -m bench.dipsd --model qwen2.5-coder-1.5b-q4_k_m --draft qwen2.5-coder-0.5b --latency 50 --users 1 '
+   '--requests 4 --speculate draft --rounds 1',
+   'The same pair and session; one user asks the 4 grounded prompts one after another, plain and drafting '
+   'alternating. With one user the ring waits for each trip, so a trip that commits several tokens saves its '
+   'network time.'),
   ('Churn',
    'When a member leaves mid-answer, how long until the answers resume, and are they unchanged?',
    'python -m bench.churn --members 3 --max-tokens 48',
@@ -145,6 +157,14 @@ SECTIONS = [
    "python -m bench.plan_fleets --compact",
    "Predicted by the planner's cost model from fleets/*.json, nothing measured: the CPU line only says where"
    ' the command ran.'),
+  ('Predictions',
+   "Does the plan predict what each stage measures, and the answer's tok/s?",
+   'python -m bench.plan_predict --cases demo,1b,throttled,1.5b --tokens 48',
+   "Each case a 3-member session on this machine, planned from the members' probes and the host's timing of"
+   ' the model\'s own blocks (kafila/session/control/calibrate.py); measured: each stage\'s decode compute'
+   " (the head's EMA) and the answer's tok/s. The member under a 25 % CPU quota (10 ms periods) is priced at"
+   " its probe's sustained rate; in the ring it computes in short bursts that the quota often lets through"
+   ' whole, so it measures well under the price, and by how much moves from run to run (1.2-2.1 ms).'),
 ]
 
 HEAD = """# Kafila benchmarks: the current record

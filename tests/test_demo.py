@@ -35,6 +35,10 @@ def test_demo_json_two_members(tmp_path):
     assert set(out) == {"text", "tokens", "tok_s", "ttft_ms", "plan", "memory", "speculation", "prediction"}
     assert out["text"] and 1 <= out["tokens"] <= 12
     assert out["ttft_ms"] > 0 and (out["tokens"] == 1 or out["tok_s"] > 0)
+    # the plan's prediction a person reads first: within 2x of what the answer measured (issue 37)
+    tok_s = out["prediction"]["tok_s"]
+    if out["tokens"] > 1:
+        assert 0.5 <= tok_s["predicted"] / tok_s["measured"] <= 2.0, tok_s
     plan = out["plan"]
     assert plan["feasible"] and sorted(plan["ring"]) == ["m1", "m2"] and sum(plan["blocks"].values()) == 30
     assert set(plan) >= {"feasible", "tier", "policy", "head", "ring", "blocks", "stage_ms",

@@ -177,14 +177,14 @@ def test_api_refuses_a_speculate_that_is_not_a_boolean():
 # --- real shards: exactness round a ring of three OpenVINO stages --------------------------------
 
 
-def _ring(shards, limits, eos_ids, speculate="ngram", adaptive_k=False, drafter=None):
+def _ring(shards, limits, eos_ids, speculate="ngram", adaptive_k=False, drafter=None, delay_s=0.0):
     """adaptive_k False: draft whenever the drafter can (choose_k would rightly draft little on a
     compute-bound in-process ring, and these tests are about verifying drafts)."""
     names = [f"m{i + 1}" for i in range(len(shards))]
     nodes = [RingNode(nm, "m1", names, s, limits, eos_ids=frozenset(eos_ids), speculate=speculate,
                       adaptive_k=adaptive_k, drafter=drafter if nm == "m1" else None)
              for nm, s in zip(names, shards)]  # fmt: skip
-    pipes = [Pipe() for _ in names]
+    pipes = [Pipe(delay_s=delay_s) for _ in names]
     for i, node in enumerate(nodes):
         node.start(pipes[i - 1].reader, pipes[i])
     return nodes
@@ -198,11 +198,15 @@ async def _generate(node, context, ids, n, speculate):
     return [t async for t in e.generate(req, st)], st
 
 
-def _exactness(shards, index, prompts, asked_at=1, speculate="ngram", drafter=None, rejections=True):
+def _exactness(shards, index, prompts, asked_at=1, speculate="ngram", drafter=None, rejections=True, delay_s=0.0,
+               seen=None):  # fmt: skip
+    """`delay_s`: each hop's latency; `seen`: a list the ring's nodes are put in."""
     limits = Limits(hidden=index.hparams.hidden, context=1024, slots=2, vocab=index.hparams.vocab)
 
     async def main():
-        nodes = _ring(shards, limits, (), speculate, drafter=drafter)
+        nodes = _ring(shards, limits, (), speculate, drafter=drafter, delay_s=delay_s)
+        if seen is not None:
+            seen.extend(nodes)
         total = SpecStats()
         try:
             for ids in prompts:
@@ -287,6 +291,21 @@ def test_a_draft_model_on_three_openvino_stages_gives_the_ids_without_speculatio
 
 
 @pytest.mark.model
+def test_drafts_made_while_a_step_is_out_are_used_and_change_nothing(chain_factory, prompt_ids, default_index):
+    """20 ms a hop: while each verifying step is out, the head's draft model drafts on from the
+    drafts it sent (head_driver._draft_ahead). The model drafting for itself at f32 agrees with
+    the ring, so the next step's drafts are ready when the step is back; the ids are the plain
+    ones and every request's cursor is freed."""
+    chain = chain_factory("openvino", 3, "f32")
+    drafter = ModelDrafter(chain_factory("openvino", 1, "f32"), max_positions=2048)
+    nodes = []
+    _exactness(chain.shards, default_index, prompt_ids[:2], speculate="draft", drafter=drafter, rejections=False,
+               delay_s=0.02, seen=nodes)  # fmt: skip
+    assert nodes[0].drafts_ahead_used > 0
+    assert not drafter._states
+
+
+@pytest.mark.model
 def test_the_draft_models_rewind_equals_drafting_afresh(chain_factory, prompt_ids):
     """After the ring rejects some of its drafts, the drafter masks them out of its own KV: what it
     proposes next equals what a drafter that never saw the rejected drafts proposes."""
@@ -344,3 +363,15 @@ def test_masked_rewind_on_every_stage_equals_never_feeding_the_drafts(chain_fact
         for s, a, b in zip(shards, plain, spec):
             s.close_slot(a)
             s.close_slot(b)
+
+
+def test_drafts_made_ahead_hold_only_after_every_draft_and_the_guessed_token():
+    from kafila.session.ring.speculation.draft import ahead_drafts
+
+    base = (1, 2, 3, 7, 8)  # history 1 2 3, drafts 7 8 sent
+    ahead = (9, 4, 5)  # the guess at the target's token after 8, then two more
+    assert ahead_drafts(base, ahead, (*base, 9)) == (4, 5)
+    assert ahead_drafts(base, ahead, (*base, 6)) == ()  # the target gave another token
+    assert ahead_drafts(base, ahead, (1, 2, 3, 7, 6)) == ()  # a draft was rejected
+    assert ahead_drafts(base, (9,), (*base, 9)) == ()  # only the guess: nothing to send
+    assert ahead_drafts(base, ahead, (*base, 9, 4)) == ()  # not the history it was made for

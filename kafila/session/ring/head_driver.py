@@ -11,6 +11,7 @@ import contextlib
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 
 from kafila.session.ring.head import (
     Action,
@@ -29,11 +30,26 @@ from kafila.session.ring.head import (
     Work,
 )  # fmt: skip
 from kafila.session.ring.scheduler import Step
+from kafila.session.ring.speculation.draft import ahead_drafts
+from kafila.session.ring.timing import ema
 from kafila.session.ring.watchdog import StageHung
 from kafila.session.wire.frames import EncodeError, Frame, Free
 from kafila.session.wire.streams import StreamClosed
 
 log = logging.getLogger("kafila.session.ring.node")  # its messages stay the ring node's
+
+
+@dataclass
+class _Ahead:
+    """Drafts made while a verifying step is out (speculation/draft.py, "Drafting ahead")."""
+
+    req_id: str
+    base: tuple[int, ...]  # the history with the drafts the step sent
+    most: int  # tokens to draft at most: the target's next token's guess, then the continuation
+    sent: float  # when the step left (perf_counter)
+    tokens: list[int] = field(default_factory=list)  # appended on the compute thread
+    stop: bool = False  # the step is back: the compute thread is wanted for its pick
+    task: asyncio.Future | None = None
 
 
 class HeadDriver:
@@ -73,6 +89,10 @@ class HeadDriver:
         elif isinstance(ev, Solved):
             core.dipsd_solved(ev, time.perf_counter())
         elif isinstance(ev, Back):  # one step, or a micro-batch's rows: all done before the next pump
+            for act in ev.acts:
+                if (ahead := self._ahead.get(act.req_id)) is not None:
+                    ahead.stop = True
+                    self._away_ms = ema(self._away_ms, (time.perf_counter() - ahead.sent) * 1000)
             tokens, pick_us = await self._compute(self._pick, core.picks(ev.acts))
             await self._carry_out(core.complete(ev.acts, tokens, time.perf_counter(), pick_us / 1000))
             if core.depth_due(time.perf_counter()):
@@ -111,6 +131,39 @@ class HeadDriver:
         except EncodeError as exc:  # nothing was written: these requests alone fail
             log.warning("request(s) %s failed: %s", ", ".join(st.req_id for st in steps), exc)
             await self._carry_out(core.send_failed([st.req_id for st in steps], str(exc)))
+            return
+        if isinstance(work, Forward) and steps[0].drafted and self._ahead_pays():
+            self._draft_ahead(steps[0])
+
+    def _ahead_pays(self) -> bool:
+        """Whether to draft ahead while a verifying step is out: the head's draft model drafts, one
+        request is in flight (its compute thread is otherwise idle), and a step has been out long
+        enough for two draft tokens (the draft stops when the step is back, so a short trip
+        costs at most the token being drafted)."""
+        tok = self._draft_tok_ms
+        return (self.drafter is not None and self.core.scheduler.active == 1 and tok is not None
+                and (self._away_ms is None or self._away_ms >= 2 * tok))  # fmt: skip
+
+    def _draft_ahead(self, step: Step) -> None:
+        base = self.core.history(step.req_id) + tuple(int(t) for t in step.tokens[1:])
+        ahead = self._ahead[step.req_id] = _Ahead(step.req_id, base, step.drafted + 1, time.perf_counter())
+
+        def run() -> None:  # on the compute thread: a token at a time, each under the machine's lock
+            while len(ahead.tokens) < ahead.most and not ahead.stop:
+                got, _ = self._draft(ahead.req_id, ahead.base + tuple(ahead.tokens), 1)
+                if not got:
+                    return
+                ahead.tokens.append(got[0])
+
+        ahead.task = asyncio.ensure_future(self._compute(run))
+        ahead.task.add_done_callback(lambda f: f.cancelled() or f.exception())  # a failed draft is no draft
+
+    def _draft(self, req_id: str, history: tuple[int, ...], k: int) -> tuple[tuple[int, ...], float]:
+        """The head's draft model's k proposals after `history` (the compute thread), under the
+        machine's compute lock as a stage's forward, and the ms it took."""
+        with self.cores:
+            t0 = time.perf_counter()
+            return self.drafter.propose(req_id, history, k), (time.perf_counter() - t0) * 1000
 
     def _solve(self, work: SolveDipsd) -> None:
         """The live optimiser's solve on its own thread (a MILP takes tens of ms, SCIP's import
@@ -138,12 +191,21 @@ class HeadDriver:
         drafter is an optimisation, never a reason to fail a request)."""
         if self.drafter is None:
             return ()
-        history = self.core.history(step.req_id)
+        history, k = self.core.history(step.req_id), step.want_draft
+        got: tuple[int, ...] = ()
         try:
-            return await self._compute(self.drafter.propose, step.req_id, history, step.want_draft)
+            if (ahead := self._ahead.pop(step.req_id, None)) is not None:
+                with contextlib.suppress(Exception):
+                    await ahead.task
+                got = ahead_drafts(ahead.base, ahead.tokens, history)[:k]
+                self.drafts_ahead_used += bool(got)
+            if len(got) < k:
+                more, ms = await self._compute(self._draft, step.req_id, history + got, k - len(got))
+                self._draft_tok_ms = ema(self._draft_tok_ms, ms / (k - len(got)))
+                got += more
         except Exception as exc:
             log.warning("the draft model failed (%s: %s): this step goes without drafts", type(exc).__name__, exc)
-            return ()
+        return got
 
     async def _carry_out(self, actions: list[Action]) -> None:
         tokens: list[Frame] = []  # tokens for other members, in order: one write for a batch's rows
@@ -159,7 +221,12 @@ class HeadDriver:
                 if self.out is not None and not self.degraded:
                     await self._send(Free(a.slot, a.keep))
             elif isinstance(a, Ended) and self.drafter is not None:
-                self.drafter.release(a.req_id)
+                ahead = self._ahead.pop(a.req_id, None)
+                if ahead is not None and ahead.task is not None and not ahead.task.done():
+                    ahead.stop = True  # its cursor is freed once the draft ahead is off the thread
+                    ahead.task.add_done_callback(lambda _, req_id=a.req_id: self.drafter.release(req_id))
+                else:
+                    self.drafter.release(a.req_id)
         await self._send_tokens(tokens)
 
     async def _send_tokens(self, frames: list[Frame]) -> None:

@@ -142,6 +142,10 @@ class RingNode(HeadDriver):
         self._tasks: list[asyncio.Task] = []
         self._counter = 0
         self.drafter = drafter
+        self._ahead: dict = {}  # req_id → its drafts made while its verifying step is out (head_driver)
+        self._draft_tok_ms: float | None = None  # the head's draft model, ms a token (EMA)
+        self._away_ms: float | None = None  # a verifying step's time out of the head (EMA)
+        self.drafts_ahead_used = 0  # steps whose drafts were made while the step before was out
         self.stage_hang_s = stage_hang_s
         self.edge_rtts = edge_rtts
         self._rows_in: list[Activation] = []  # a micro-batch arriving, row by row

@@ -9,6 +9,13 @@ as one step, and each greedy draft is fed in turn to get the next (k forwards; t
 never fed: verifying it is the ring's job). When masked positions would take the cursor past
 its bound, the request's cursor is rebuilt from its history (the masked positions reclaimed).
 
+Drafting ahead. While a verifying step is out round the ring, the head's compute thread is idle
+(one request in flight): the driver (head_driver.py) has the drafter go on from the drafts it
+sent, one token at a time, as if the ring accepted them all: the first token guesses the target's
+own token after them, the rest continue it. When the step comes back with every draft accepted
+and that token, the next step's drafts are ready (`ahead_drafts`); else they are masked out as
+any rejected draft is.
+
 Slots are opened and closed on the worker thread only: `release` (called from the event loop
 when a request ends) just queues the request, and the next `propose` or `close` frees it.
 """
@@ -106,6 +113,17 @@ class ModelDrafter:
         for st in self._states.values():
             self.chain.close(st.cursor)
         self._states.clear()
+
+
+def ahead_drafts(base: Sequence[int], ahead: Sequence[int], history: Sequence[int]) -> tuple[int, ...]:
+    """The drafts made ahead that still hold. `ahead` continues `base` (a request's history with
+    the drafts its verifying step sent), its first token a guess at the target's token after
+    them; the rest hold when the ring accepted every draft and gave that token, i.e. `history`
+    is now `base` and that token. () otherwise."""
+    n = len(base)
+    if len(ahead) < 2 or len(history) != n + 1 or history[n] != ahead[0] or tuple(history[:n]) != tuple(base):
+        return ()
+    return tuple(int(t) for t in ahead[1:])
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
