@@ -117,9 +117,15 @@ class DraftUser:
     draft_ms_per_token: float  # drafter time per draft token, ms (>= 0)
     network_ms: float = 0.0  # per-round device ↔ target delay τ_m, ms (>= 0)
     draft_overhead_ms: float = 0.0  # fixed drafting cost per round, ms (>= 0)
+    # its drafter computes on the machine whose compute is the verifier's serial part (members of
+    # one machine compute one at a time): its drafting adds to that machine's time, overlapping
+    # no other batch's verification (only its network_ms stays before its batch's verification)
+    serial: bool = False
 
     def __post_init__(self) -> None:
         where = f"user {self.id!r}"
+        if not isinstance(self.serial, bool):
+            raise PlanInputError(f'{where}: "serial" must be true or false, not {self.serial!r}')
         if not isinstance(self.id, str) or not self.id:
             raise PlanInputError(f'user "id" must be a non-empty string, not {self.id!r}')
         if not _is_number(self.alpha) or not 0 <= self.alpha < 1:
@@ -135,6 +141,17 @@ class DraftUser:
         if length == 0:
             return 0.0
         return self.draft_overhead_ms + self.network_ms + self.draft_ms_per_token * length
+
+    def compute_ms(self, length: int) -> float:
+        """What its drafter computes for l drafts, ms (draft_ms less the network)."""
+        return 0.0 if length == 0 else self.draft_overhead_ms + self.draft_ms_per_token * length
+
+    def before_verify_ms(self, length: int) -> float:
+        """What its batch's verification waits for: d_m(l), or a serial drafter's network alone
+        (its compute is the verifier machine's, `compute_ms`)."""
+        if not self.serial:
+            return self.draft_ms(length)
+        return 0.0 if length == 0 else self.network_ms
 
 
 @dataclass(frozen=True)
@@ -307,9 +324,12 @@ def evaluate(
 def _batch_times(
     problem: DipsdProblem, batch: Sequence[int], lengths: Sequence[int]
 ) -> tuple[float, float]:
-    """(D_n, v_n) of one batch (D_n with the target's ring delay)."""
-    draft = max(problem.users[m].draft_ms(lengths[m]) for m in batch) + problem.target.ring_ms
-    return draft, problem.target.verify_ms([lengths[m] for m in batch])
+    """(D_n, v_n) of one batch (D_n with the target's ring delay; v_n with its serial users'
+    drafting, DraftUser.serial)."""
+    users = problem.users
+    draft = max(users[m].before_verify_ms(lengths[m]) for m in batch) + problem.target.ring_ms
+    serial = sum(users[m].compute_ms(lengths[m]) for m in batch if users[m].serial)
+    return draft, problem.target.verify_ms([lengths[m] for m in batch]) + serial
 
 
 def _span(times: Any) -> float:
@@ -701,6 +721,7 @@ def parse_dipsd(data: Any) -> DipsdProblem:
                 draft_ms_per_token=_required(entry, "draft_ms_per_token", where),
                 network_ms=entry.get("network_ms", 0.0),
                 draft_overhead_ms=entry.get("draft_overhead_ms", 0.0),
+                serial=entry.get("serial", False),
             )
         )
     max_draft = _integral(data.get("max_draft", DEFAULT_MAX_DRAFT))

@@ -17,7 +17,8 @@ beat λ is pruned at the root (the x/y form with big-M epigraphs took seconds on
   D[k] >= Σ_j d_m(j)·z[m,k,j] for each m                       (draft completion, epigraph);
   ragged: T[k] = Σ_{m,j} (j+1)·z[m,k,j];
   padded: Lk[k] >= Σ_j j·z[m,k,j], q[m,k] >= Lk[k] + 1 − (L+1)·(1 − x[m,k]), T[k] = Σ_m q[m,k];
-  v[k] = c + β·T[k];  S >= Σ_k v[k];  S >= D[k] + ring + v[k];  maximise U − λ·S.
+  v[k] = c + β·T[k] (+ the serial users' drafting, DraftUser.serial: D[k] then holds only
+  their network);  S >= Σ_k v[k];  S >= D[k] + ring + v[k];  maximise U − λ·S.
 Every auxiliary is bounded below only; minimising S makes the bounds tight, so the MILP's value
 is the model's (`planner.dipsd.evaluate` recomputes U and S of every solution anyway).
 
@@ -178,8 +179,11 @@ class _Milp:
                 for m in range(count)
                 if (m, k) in x
             }
+            serial = []  # drafting on the verifier's machine: its time, not before it (DraftUser.serial)
             for m, pairs in mine.items():
-                model.addCons(done >= quicksum(users[m].draft_ms(j) * var for j, var in pairs))
+                model.addCons(done >= quicksum(users[m].before_verify_ms(j) * var for j, var in pairs))
+                if users[m].serial:
+                    serial += [users[m].compute_ms(j) * var for j, var in pairs]
             if target.padded:
                 longest = model.addVar(vtype="C", name=f"L{k}", lb=0.0, ub=float(top))
                 positions = []
@@ -191,7 +195,7 @@ class _Milp:
                 total = quicksum(positions)
             else:
                 total = quicksum((j + 1) * var for pairs in mine.values() for j, var in pairs)
-            verify = target.c_ms + target.beta_ms * total
+            verify = target.c_ms + target.beta_ms * total + quicksum(serial)
             model.addCons(span >= done + target.ring_ms + verify)
             verify_total.append(verify)
         model.addCons(span >= quicksum(verify_total))

@@ -3,6 +3,7 @@ Dinkelbach's convergence, the time-limit fallback and input validation. No socke
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 from collections.abc import Iterator
@@ -138,6 +139,33 @@ def test_milp_equals_brute_force_on_small_instances(
     result = optimise(problem)
     assert result.optimal and result.fallback is None and result.method == "dinkelbach-milp"
     assert result.tokens_per_s == pytest.approx(brute_force(problem), rel=REL)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    raw=st.lists(st.tuples(users_strategy, st.booleans()), min_size=1, max_size=3),
+    c=st.floats(20.0, 150.0),
+    beta=st.floats(0.0, 10.0),
+    max_draft=st.integers(1, 8),
+    padded=st.booleans(),
+)
+def test_milp_equals_brute_force_with_drafters_on_the_verifiers_machine(raw, c, beta, max_draft, padded) -> None:
+    users = tuple(dataclasses.replace(user(f"u{i}", *r), serial=serial) for i, (r, serial) in enumerate(raw))
+    problem = DipsdProblem(users, Verifier(c, beta, None, padded), max_draft)
+    result = optimise(problem)
+    assert result.optimal and result.tokens_per_s == pytest.approx(brute_force(problem), rel=REL)
+
+
+def test_a_drafter_on_the_verifiers_machine_drafts_in_its_serial_time() -> None:
+    apart = DipsdProblem((user("a", 0.8, 5.0), user("b", 0.8, 5.0, network=4.0)), Verifier(10.0, 2.0), 6)
+    shared = dataclasses.replace(apart, users=tuple(dataclasses.replace(u, serial=True) for u in apart.users))
+    # apart: verification waits for the slower draft (4 + 3·5 ms), then 10 + 2·8 ms; on the
+    # verifier's machine both drafts are its time (2 × 15 ms) and only b's network comes before
+    assert evaluate(apart, [[0, 1]], [3, 3])[1] == pytest.approx(19.0 + 26.0)
+    assert evaluate(shared, [[0, 1]], [3, 3])[1] == pytest.approx(max(26.0 + 30.0, 4.0 + 56.0))
+    # drafting that costs the verifier's own time is worth fewer drafts
+    assert sum(optimise(shared).draft_lengths[i][1] for i in range(2)) < sum(
+        optimise(apart).draft_lengths[i][1] for i in range(2))
 
 
 def test_milp_equals_brute_force_with_a_batch_cap() -> None:

@@ -50,6 +50,15 @@ def test_the_head_fits_the_serial_part_from_the_traces_and_the_ring_from_the_edg
     fit = rig.core._ring_fit()
     assert fit.c_ms + fit.beta_ms == pytest.approx(3 * STAGE_US / 1000, rel=0.5)  # one machine: all three stages
     assert fit.ring_ms == pytest.approx(3 * 20.0)  # each edge's RTT/2; no other machine
+    assert fit.machine == rig.core.machines["m1"]  # the busiest: the one machine
+
+
+def test_a_drafter_on_the_busiest_machine_is_serial_in_the_problem():
+    fit = RingFit(c_ms=20.0, beta_ms=1.0, ring_ms=60.0, max_rows=32, machine="box")
+    there = LiveUser("a", 0.6, draft_ms_per_token=8.0, machine="box")
+    elsewhere = LiveUser("b", 0.6, draft_ms_per_token=8.0, machine="laptop")
+    problem = LiveDipsd(8).due(0.0, [there, elsewhere, LiveUser("c", 0.6)], fit)
+    assert [u.serial for u in problem.users] == [True, False, False]
 
 
 def test_padded_rows_make_a_batch_draft_alike():
@@ -152,7 +161,7 @@ def test_the_planned_length_is_capped_by_the_room_and_wanted_invariant():
     sched.planned["a"] = 0
     assert sched._draft_k(req) == 0  # the optimiser said: do not draft
     del sched.planned["a"]
-    assert sched.speculating() == [("a", req.acceptance.rate)]
+    assert sched.speculating() == [("a", req.acceptance.rate, req.origin)]
 
 
 def test_a_request_leaving_drops_from_the_schedule_even_while_a_solve_is_out():

@@ -307,7 +307,8 @@ class HeadCore:
                     work.append(ForwardRows(tuple(group)))
         work += [Forward(s) for s in steps]
         if self.dipsd is not None:
-            users = [LiveUser(r, a, self._draft_ms.get(r, 0.0)) for r, a in self.scheduler.speculating()]
+            users = [LiveUser(r, a, self._draft_ms.get(r, 0.0), machine=self.machines.get(o, o))
+                     for r, a, o in self.scheduler.speculating()]  # fmt: skip
             problem = self.dipsd.due(now, users, self._ring_fit())
             self._follow()
             if problem is not None:
@@ -339,7 +340,7 @@ class HeadCore:
         others = sum(busy.values()) - max(busy.values())  # other machines' compute: off the serial part
         c, beta = self.serial_cost.fit()
         return RingFit(c, beta, (self._net_ms or 0.0) + others, min(MAX_BATCH_ROWS, self.limits.slots),
-                       self.padded_rows)  # fmt: skip
+                       self.padded_rows, max(busy, key=busy.get))  # fmt: skip
 
     def _follow(self) -> None:
         """Hand the schedule in force (if it changed) to the scheduler and the micro-batches."""

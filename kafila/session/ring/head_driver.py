@@ -195,8 +195,10 @@ class HeadDriver:
         got: tuple[int, ...] = ()
         try:
             if (ahead := self._ahead.pop(step.req_id, None)) is not None:
-                with contextlib.suppress(Exception):
+                try:
                     await ahead.task
+                except Exception as exc:  # noqa: BLE001 - what it drafted before failing still holds
+                    log.debug("drafting ahead for %s stopped: %s", step.req_id, exc)
                 got = ahead_drafts(ahead.base, ahead.tokens, history)[:k]
                 self.drafts_ahead_used += bool(got)
             if len(got) < k:

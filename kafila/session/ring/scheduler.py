@@ -499,9 +499,9 @@ class Scheduler:
     def parked_slots(self) -> list[int]:
         return self._parked.slots()
 
-    def speculating(self) -> list[tuple[str, float]]:
-        """(req_id, α) of every request with a slot that may draft (the live optimiser's users)."""
-        return [(r.req_id, r.acceptance.rate) for r in self._requests.values()
+    def speculating(self) -> list[tuple[str, float, str]]:
+        """(req_id, α, origin) of every request with a slot that may draft (the live optimiser's users)."""
+        return [(r.req_id, r.acceptance.rate, r.origin) for r in self._requests.values()
                 if r.speculate and r.slot is not None and not r.cancelled]  # fmt: skip
 
     def in_flight(self) -> list[str]:

@@ -19,7 +19,10 @@ live figures:
   batched holds the other rows' cost in its slope);
 - each request's acceptance α (`speculate.Acceptance.rate`), its drafting cost per token (the
   head's n-gram: ~0 ms) and per-round network delay (0 at the head; the fields an origin-side
-  drafter fills in), and the rows a micro-batch holds (`Verifier.max_batch_users`).
+  drafter fills in), and the rows a micro-batch holds (`Verifier.max_batch_users`). A drafter on
+  the busiest machine (its origin member's machine, `LiveUser.machine`, is `RingFit.machine`)
+  computes one at a time with that machine's stages: its drafting is serial time, not hidden
+  behind other batches' verification (DraftUser.serial).
 
 `due(now, users, fit)` says when to solve: the set of speculating requests changed, or a
 request's α moved by more than `alpha_drift` since the last solve, and not within `every_s` of
@@ -71,6 +74,7 @@ class LiveUser:
     draft_ms_per_token: float = 0.0  # the head's n-gram: ~0; a drafter's measured ms per token
     network_ms: float = 0.0  # per-round delay between the drafter and the head (0 at the head)
     draft_overhead_ms: float = 0.0  # fixed drafting cost per round
+    machine: str | None = None  # the machine its drafter computes on (its origin member's)
 
 
 @dataclass(frozen=True)
@@ -82,6 +86,7 @@ class RingFit:
     ring_ms: float  # the rest of a trip: hops, the other machines' compute
     max_rows: int  # rows a micro-batch may hold
     padded: bool = False  # a stage pads a batch's rows to its longest (OpenVINO; MLX's are ragged)
+    machine: str | None = None  # the busiest machine, whose compute c + β·T is: drafters there are serial
 
     def verifier(self) -> Verifier:
         return Verifier(c_ms=max(self.c_ms, MIN_SERIAL_MS), beta_ms=max(self.beta_ms, 0.0),
@@ -140,7 +145,7 @@ class LiveDipsd:
             abs(u.alpha - self._alphas[u.req_id]) > self.alpha_drift for u in users)  # fmt: skip
         if not changed or (self._last_at is not None and now - self._last_at < self.every_s):
             return None
-        problem = DipsdProblem(tuple(_draft_user(u) for u in users), fit.verifier(), self.max_draft)
+        problem = DipsdProblem(tuple(_draft_user(u, fit) for u in users), fit.verifier(), self.max_draft)
         self.pending, self._last_at, self._gone = True, now, set()
         self._alphas = {u.req_id: u.alpha for u in users}
         return problem
@@ -235,9 +240,12 @@ class LiveDipsd:
                 "requests": [{"id": r, "l": s.lengths[r], "batch": s.batches[r]} for r in s.lengths]}  # fmt: skip
 
 
-def _draft_user(u: LiveUser) -> DraftUser:
+def _draft_user(u: LiveUser, fit: RingFit) -> DraftUser:
+    """The planner's user; a drafter on the busiest machine computes serially with the verifier
+    (the machine's members compute one at a time, cores.py): DraftUser.serial."""
+    serial = u.machine is not None and u.machine == fit.machine
     return DraftUser(u.req_id, min(max(float(u.alpha), 0.0), MAX_ALPHA), max(0.0, u.draft_ms_per_token),
-                     max(0.0, u.network_ms), max(0.0, u.draft_overhead_ms))  # fmt: skip
+                     max(0.0, u.network_ms), max(0.0, u.draft_overhead_ms), serial)  # fmt: skip
 
 
 def _relabel(batches: Sequence[Sequence[str]], old: dict[str, int]) -> dict[str, int]:
