@@ -47,7 +47,7 @@ import sys
 import tempfile
 import time
 
-from bench.llamacpp_speed import machine
+from bench._report import header
 from bench.multiuser import one_level
 from bench.spec import PROMPTS
 
@@ -67,14 +67,6 @@ def spec_totals(levels: list[dict]) -> dict:
     return {**tot, "acceptance": tot["accepted"] / tot["drafted"] if tot["drafted"] else None,
             "tokens_per_trip": statistics.mean(per_trip) if per_trip else None,
             "origin_share": tot["origin_steps"] / steps if steps else None}  # fmt: skip
-
-
-def commit() -> str:
-    import subprocess
-
-    r = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False)
-    return (r.stdout.strip() or "?") + (" (+ changes)" if subprocess.run(["git", "diff", "--quiet", "HEAD"],
-                                                                       check=False).returncode else "")
 
 
 def model_path(name: str | None) -> str | None:
@@ -154,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.dipsd: --users 1..16, --max-tokens 1..1024, --rounds 1..20, --requests 1..16, latencies ≥ 0",
               file=sys.stderr)
         return 2
-    print(machine(), "commit", commit(), flush=True)
+    print(header(), flush=True)
     print(f"3 members on loopback, {args.model} at {args.precision} precision, {args.users} users typed at m1, m2, m3 "
           f"in turn, grounded prompts, {args.requests} request(s) each one after another, {args.max_tokens} tokens "
           f"each, median of {args.rounds} A/B rounds, "

@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
-import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -99,21 +100,20 @@ def main(argv: list[str] | None = None) -> int:
     cases = [c for c in args.cases.split(",") if c]
     if unknown := set(cases) - set(CASES):
         ap.error(f"unknown cases {sorted(unknown)}")
-    from bench.llamacpp_speed import machine
+    from bench._report import header
 
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    print(machine(), f"commit {commit or '?'}", flush=True)
+    print(header(), flush=True)
     results = []
     for case in cases:
         results.append(run_case(case, args.tokens))
-        print(f"{case}: done", flush=True)
+        print(f"{case}: done", file=sys.stderr, flush=True)
     text, errors = table(results)
     print(text)
     if errors:
         med, worst = statistics.median(errors), max(errors)
         print(f"\nover {len(errors)} stages: median error {100 * med:.0f} % (target ≤ {100 * MEDIAN_TARGET:.0f} %), "
               f"worst {100 * worst:.0f} % (target ≤ {100 * WORST_TARGET:.0f} %)")  # fmt: skip
-    print(machine())  # the load at the end too
+    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     if args.json:
         print(json.dumps(results))
     return 0
