@@ -279,7 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                                    for a, b in zip(other["table"], r["table"]))  # fmt: skip
                 print(f"  aggregate tok/s, {what}, by users: {ratios}", flush=True)
     if args.bound == "on":
-        print("\n| hop ms | users | bound tok/s (g micro-batches × rows) | measured decode tok/s | measured ÷ bound "
+        print("\nbound: bench/ring_bound.py; H = the head's measured network ms per trip: "
+              + ", ".join(f"{r['latency_ms']:g} ms/hop {r['network_ms']:.1f} ms" for r in out.values()))
+        print("| hop ms | users | bound tok/s (g micro-batches × rows) | measured decode tok/s | measured ÷ bound "
               "| aggregate tok/s (prefill included) | TPOT ms | ÷ solo | slowest ÷ solo | TTFT ms |"
               "\n|---|---|---|---|---|---|---|---|---|---|")
         for r in out.values():
@@ -289,8 +291,6 @@ def main(argv: list[str] | None = None) -> int:
                       f"| {row['decode_tok_s']:.1f} | {row['decode_tok_s'] / b['tok_s']:.2f} "
                       f"| {row['aggregate_tok_s']:.1f} | {row['tpot_ms']:.1f} | {row['tpot_ratio']:.2f}× "
                       f"| {row['tpot_max_ratio']:.2f}× | {row['ttft_ms']:.0f} |")
-        print("(bound: bench/ring_bound.py; H = the head's measured network ms per trip: "
-              + ", ".join(f"{r['latency_ms']:g} ms/hop {r['network_ms']:.1f} ms" for r in out.values()) + ")")
     if args.markdown:
         print("\n" + markdown(["session", "users", "aggregate tok/s", "÷ 1 user", "TPOT ms", "÷ solo", "slowest ÷ solo",
                                 "TTFT ms"],

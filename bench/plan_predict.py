@@ -108,12 +108,12 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_case(case, args.tokens))
         print(f"{case}: done", file=sys.stderr, flush=True)
     text, errors = table(results)
-    print(text)
+    load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     if errors:
         med, worst = statistics.median(errors), max(errors)
-        print(f"\nover {len(errors)} stages: median error {100 * med:.0f} % (target ≤ {100 * MEDIAN_TARGET:.0f} %), "
-              f"worst {100 * worst:.0f} % (target ≤ {100 * WORST_TARGET:.0f} %)")  # fmt: skip
-    print(f"load average at the end: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
+        print(f"over {len(errors)} stages: median error {100 * med:.0f} % (target ≤ {100 * MEDIAN_TARGET:.0f} %), "
+              f"worst {100 * worst:.0f} % (target ≤ {100 * WORST_TARGET:.0f} %); load average at the end {load}")
+    print(text)
     if args.json:
         print(json.dumps(results))
     return 0
