@@ -97,8 +97,8 @@ SECTIONS = [
    "One 3-member loopback session per hop latency, batched decode rows on. The bound (bench/ring_bound.py) is"
    " what a ring of the plan's stages on this one machine could deliver: each stage's batched step, the "
    "head's with its rows' token picks, timed in this process with the stages in turn as the ring runs them, "
-   "and the head's measured network time per trip. It is not a strict ceiling at one user (the session beat "
-   "it there: one process's row set-up costs more than the ring's). Timed alone and back to back instead, each"
+   "and the head's measured network time per trip. It is not a strict ceiling at one user: there other runs"
+   " measured 1.08-1.17 of it (one process's row set-up costs about what the ring's does). Timed alone and back to back instead, each"
    " stage finding its weights in the cache, and without the picks, the bound was 1.2-1.3x higher and the 0 ms"
    " session reached 0.59-0.63 of it (commit 4253c6e). What the session loses past 4 users is per-row work "
    "outside the forwards (token streaming, frames, the bench's own clients) on the same 2 cores."),
@@ -111,7 +111,7 @@ SECTIONS = [
    "All three members and their draft models share this machine's 2 cores: each origin's draft model runs a"
    " forward for every token its request commits (to stay ahead), unbatched, on the cores the ring needs. The"
    ' live optimiser now counts that drafting as the machine\'s own time (DraftUser.serial) and chose short '
-   'drafts (1.1-1.3 tokens a trip; 3.4 before, which measured 0.58x), but the drafting itself still ran: on'
+   'drafts (1.0-1.3 tokens a trip; 3.4 before, which measured 0.58x), but the drafting itself still ran: on'
    ' machines of their own the drafters would not take the ring\'s cores.'),
   ('A draft model at the head',
    'Does one user, the draft model drafting at the head, get answers faster at 50 ms a hop?',
@@ -120,8 +120,8 @@ SECTIONS = [
    'The same pair and session; one user asks the 4 grounded prompts one after another, plain and drafting '
    'alternating. The head drafts ahead while each verifying step is out (head_driver._draft_ahead): 2.11x '
    'before it on this machine (commit b2f74e1), where the drafting ahead still takes the core lock the other '
-   "stages need. The acceptance (0.69) is the serving precision's: a near-tie can flip between a 1-row and a "
-   'K+1-row step (2 of 4 texts the same).'),
+   "stages need. The texts part at serving precision (2 of 4 the same): a near-tie can flip between a 1-row "
+   'and a K+1-row step; at f32 drafting changes no token (tests/test_speculate.py).'),
   ('Churn',
    'When a member leaves mid-answer, how long until the answers resume, and are they unchanged?',
    'python -m bench.churn --members 3 --max-tokens 48',
@@ -168,10 +168,10 @@ One section per question: its one command (`.venv/bin/python -m bench.X …`), t
 verbatim, the CPU with its ISA flags, and the commit. `python -m bench.record --run` reruns every
 command and rebuilds this file; earlier runs are in git (`git log -p docs/BENCHMARKS.md`; the diary
 that code comments cite by section name is `git show 3ba472b:docs/BENCHMARKS.md`, the rooms move's
-`4fd7460`, the table against openvino_genai at 1 and 3 stages `3ddda38`, a ring against one process
-and weight transfer `b9b7e05`). They ran on
-2-core AMD EPYCs (AVX-512 with VNNI and BF16 unless a section says AVX2) shared with other jobs:
-absolute figures are noisy, and each benchmark measures its comparisons side by side, alternating.
+`4fd7460`, the table against openvino_genai at 1 and 3 stages `3ddda38`; a ring against one process,
+n-gram speculation and weight transfer `b9b7e05`). They ran on 2-core AMD EPYCs (AVX-512 with VNNI
+and BF16 unless a section says AVX2) shared with other jobs: absolute figures are noisy, and each
+benchmark measures its comparisons side by side, alternating.
 """
 
 def render(out: str) -> str:
