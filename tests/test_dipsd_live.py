@@ -209,9 +209,12 @@ def test_the_head_with_the_live_optimiser_gives_every_request_its_plain_tokens()
         if dipsd:
             rig.core.dipsd.every_s = 0.005  # a few re-solves within the run
         for r, p in prompts.items():
-            rig.submit(r, p, max_new=24, stop_at_eos=False)
+            rig.submit(r, p, max_new=24, stop_at_eos=False, origin="m2")  # typed at m2: its tokens are sent
         rig.run()
         assert dict(rig.tokens) == plain, dipsd
+        # each token frame tells the origin the drafts planned for the request (-1: no plan)
+        wants = {t.want for t in rig.sent if t.ids}
+        assert (wants - {-1} and wants <= {-1, *range(DRAFT_K + 1)}) if dipsd else wants == {-1}, wants
         drafted = sum(dict(rig.done[r].stats)["spec:drafted"] for r in prompts)
         assert drafted > 0
         if dipsd:

@@ -72,6 +72,19 @@ def test_routed_frames_carry_their_hops_within_a_bound():
             F.FrameDecoder(LIM).feed(raw({"k": "cancel", "rid": "r", "dst": "m", "hops": hops}))
 
 
+def test_tokens_carry_the_heads_planned_drafts_for_the_origin():
+    """frames.Tokens.want: the live optimiser's draft length for the request, the origin's
+    budget; absent (a head before it) or -1 is no plan; outside -1..MAX_ORIGIN_DRAFT refused."""
+    assert roundtrip(F.Tokens("r", "m2", (4,), want=3)).want == 3
+    assert roundtrip(F.Tokens("r", "m2", (4,))).want == -1
+    head = {"k": "tok", "rid": "r", "dst": "m", "ids": [4], "done": False, "finish": "", "error": "", "status": 0,
+            "stats": []}  # fmt: skip
+    assert F.FrameDecoder(LIM).feed(raw({**head, "want": 0}))[0].want == 0
+    for want in (-2, F.MAX_ORIGIN_DRAFT + 1, True, "1"):
+        with pytest.raises(F.FrameError, match="want"):
+            F.FrameDecoder(LIM).feed(raw({**head, "want": want}))
+
+
 def raw(header, payload=b""):
     h = msgpack.packb(header)
     return struct.pack(">II", len(h), len(payload)) + h + payload

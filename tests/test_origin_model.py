@@ -135,6 +135,19 @@ def test_a_model_draft_is_kept_while_the_head_agrees_and_extended_a_chunk_at_a_t
     assert o.wanted() == [] and not o.put("r", 6, (1,))
 
 
+def test_a_model_drafts_only_as_far_as_the_heads_plan():
+    o = OriginDrafts(10, model=True)
+    o.start("r", [1, 2, 3])
+    o.add("r", [4], want=2)  # the head plans 2 drafts a step: 2·2 + 1 ahead at most
+    assert o.wanted() == [("r", (1, 2, 3, 4), (), 4)]
+    assert o.put("r", 4, (5, 6, 7, 8))
+    assert o.wanted() == [("r", (1, 2, 3, 4), (5, 6, 7, 8), 1)]
+    o.add("r", [5], want=0)  # no drafts planned: the draft model leaves this request alone
+    assert o.wanted() == []
+    o.add("r", [6], want=-1)  # no plan (one request speculating): the full length again
+    assert o.wanted() == [("r", (1, 2, 3, 4, 5, 6), (7, 8), 4)]
+
+
 def test_the_heads_optimiser_sees_the_origins_draft_cost():
     from kafila.session.ring.head import HeadCore
     from kafila.session.wire.frames import Request

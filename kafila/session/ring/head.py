@@ -495,7 +495,8 @@ class HeadCore:
                 if now is not None:
                     first, _, n = self._pace.get(ev.req_id, (now, now, 0))
                     self._pace[ev.req_id] = (first, now, n + 1)
-                out.append(self._to_origin(Tokens(ev.req_id, ev.origin, (ev.token,))))
+                want = self.scheduler.planned.get(ev.req_id, -1)  # the live optimiser's l: the origin's budget
+                out.append(self._to_origin(Tokens(ev.req_id, ev.origin, (ev.token,), want=want)))
             elif isinstance(ev, Finished):
                 self.batches.leave(ev.req_id)
                 if self.dipsd is not None:

@@ -478,7 +478,7 @@ class RingNode(HeadDriver):
             w.queue.put_nowait(frame)
             self._forget(frame.req_id)
         elif self.origin_drafts is not None and frame.ids:
-            self.origin_drafts.add(frame.req_id, frame.ids)  # drafting ahead of the next activation
+            self.origin_drafts.add(frame.req_id, frame.ids, frame.want)  # drafting ahead of the next activation
             self._offer_draft(frame.req_id)
             self._wake_drafter()
 

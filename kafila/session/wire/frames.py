@@ -45,7 +45,8 @@ import numpy as np
 
 from kafila.net.roster import is_ip
 # Limits, MAX_HOPS, MAX_NAME_CHARS, MAX_TRACE_ENTRIES, FrameError and EncodeError stay importable from here
-from kafila.session.wire.fields import (KEY_RE, MAX_FRAME_BYTES, MAX_HOPS, MAX_NAME_CHARS, MAX_TRACE_ENTRIES,
+from kafila.session.wire.fields import (KEY_RE, MAX_FRAME_BYTES, MAX_HOPS, MAX_NAME_CHARS, MAX_ORIGIN_DRAFT,
+                                   MAX_TRACE_ENTRIES,
                                    EncodeError, FrameError, Limits, check_bool, check_draft, check_float,
                                    check_hops, check_int, check_pairs, check_shape, check_str)  # fmt: skip
 
@@ -288,6 +289,7 @@ class Tokens(_Kind):
     status: int = 0  # HTTP status for an error before any token (0: none)
     stats: tuple[tuple[str, float], ...] = ()  # with done: the ring's latest measurements
     hops: int = 0  # members that passed it on so far (0 from the head)
+    want: int = -1  # the drafts the head plans for the request's steps (-1: none planned): its origin's budget
     TAG: ClassVar[str] = "tok"
     NOUN: ClassVar[str] = "a tokens"
 
@@ -295,6 +297,8 @@ class Tokens(_Kind):
         h = {"k": "tok", "rid": self.req_id, "dst": self.dst, "ids": list(self.ids),
              "done": self.done, "finish": self.finish, "error": self.error,
              "status": self.status, "stats": [list(t) for t in self.stats], "hops": self.hops}  # fmt: skip
+        if self.want >= 0:
+            h["want"] = self.want
         return h, b"", MAX_FRAME_BYTES
 
     @staticmethod
@@ -313,13 +317,15 @@ class Tokens(_Kind):
         check_int(h, "status", 0, 599)
         check_pairs(h, "stats", (int, float))
         check_hops(h)
+        if "want" in h:  # absent from a head before it: no plan
+            check_int(h, "want", -1, MAX_ORIGIN_DRAFT)
         return 0
 
     @classmethod
     def _from_wire(cls, h: dict, payload: bytes) -> Tokens:
         stats = tuple((a, b) for a, b in h.get("stats", []))
         return cls(h["rid"], h["dst"], tuple(h["ids"]), h["done"], h["finish"], h["error"], h["status"], stats,
-                   h.get("hops", 0))  # fmt: skip
+                   h.get("hops", 0), h.get("want", -1))  # fmt: skip
 
 
 @dataclass(frozen=True)

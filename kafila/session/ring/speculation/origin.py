@@ -66,16 +66,22 @@ class OriginDrafts:
         self.model = model
         self._history: dict[str, list[int]] = {}
         self._draft: dict[str, tuple[int, tuple[int, ...]]] = {}
+        self._budget: dict[str, int] = {}  # tokens worth drafting ahead, from the head's plan (`add`)
 
     def start(self, req_id: str, prompt: Sequence[int]) -> None:
         self._history[req_id] = [int(t) for t in prompt]
         self._redraft(req_id)
 
-    def add(self, req_id: str, ids: Sequence[int]) -> None:
-        """Tokens of `req_id` came back from the head (ignored for a request not drafted here)."""
+    def add(self, req_id: str, ids: Sequence[int], want: int = -1) -> None:
+        """Tokens of `req_id` came back from the head (ignored for a request not drafted here);
+        `want`: the drafts the head plans for its steps (frames.Tokens.want; -1: none planned).
+        A draft model drafts at most 2·want + 1 ahead (a step's drafts, and the next step's if
+        the step in flight accepts them all), none when the head plans none: on a machine the
+        ring computes on too, a draft nobody verifies costs the ring its cores."""
         h = self._history.get(req_id)
         if h is None or not ids:
             return
+        self._budget[req_id] = self.length if want < 0 else min(self.length, 2 * want + 1 if want else 0)
         h.extend(int(t) for t in ids)
         self._redraft(req_id)
 
@@ -86,10 +92,12 @@ class OriginDrafts:
     def end(self, req_id: str) -> None:
         self._history.pop(req_id, None)
         self._draft.pop(req_id, None)
+        self._budget.pop(req_id, None)
 
     def clear(self) -> None:
         self._history.clear()
         self._draft.clear()
+        self._budget.clear()
 
     def __len__(self) -> int:
         return len(self._history)
@@ -100,9 +108,9 @@ class OriginDrafts:
         to draft after history + kept. Empty without a model."""
         out = []
         for req_id, h in self._history.items() if self.model else ():
-            kept = self._kept(req_id, h)
-            if len(kept) < self.length:
-                out.append((req_id, tuple(h), kept, min(CHUNK, self.length - len(kept))))
+            kept, budget = self._kept(req_id, h), self._budget.get(req_id, self.length)
+            if len(kept) < budget:
+                out.append((req_id, tuple(h), kept, min(CHUNK, budget - len(kept))))
         return out
 
     def put(self, req_id: str, history_len: int, tokens: Sequence[int]) -> bool:
