@@ -108,11 +108,12 @@ SECTIONS = [
    'python -m bench.dipsd --model qwen2.5-coder-1.5b-q4_k_m --draft qwen2.5-coder-0.5b --latency 20 --users 4 '
    '--rounds 1',
    'The real pair (Qwen2.5-Coder-1.5B-Instruct Q4_K_M, its 0.5B sibling drafting), a 3-member loopback session. '
-   "All three members and their draft models share this machine's 2 cores: each origin's draft model runs a"
-   " forward for every token its request commits (to stay ahead), unbatched, on the cores the ring needs. The"
-   ' live optimiser now counts that drafting as the machine\'s own time (DraftUser.serial) and chose short '
-   'drafts (1.0-1.3 tokens a trip; 3.4 before, which measured 0.58x), but the drafting itself still ran: on'
-   ' machines of their own the drafters would not take the ring\'s cores.'),
+   "All three members and their draft models share this machine's 2 cores, so drafting is not hidden behind the"
+   " ring's work as on machines of their own. The live optimiser counts a drafter on the busiest machine as "
+   "that machine's time (DraftUser.serial) and here plans almost no drafts (1.05 tokens a trip; before, 3.4 "
+   "and 0.58x), and the head tells each origin what it plans (frames.Tokens.want): an origin drafting for no"
+   " one took the ring's cores at 0.51x (commit f89dfdb). What is left is the drafting before the first plan,"
+   " during the prompts (TTFT 4.4 s against 3.0 s)."),
   ('A draft model at the head',
    'Does one user, the draft model drafting at the head, get answers faster at 50 ms a hop?',
    'python -m bench.dipsd --model qwen2.5-coder-1.5b-q4_k_m --draft qwen2.5-coder-0.5b --latency 50 --users 1 '
