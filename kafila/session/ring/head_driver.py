@@ -39,6 +39,9 @@ from kafila.session.wire.streams import StreamClosed
 log = logging.getLogger("kafila.session.ring.node")  # its messages stay the ring node's
 
 
+AFTER_MISS = 2  # drafts a step takes after a rejection while the rest is drafted ahead meanwhile
+
+
 @dataclass
 class _Ahead:
     """Drafts made while a verifying step is out (speculation/draft.py, "Drafting ahead")."""
@@ -146,7 +149,8 @@ class HeadDriver:
 
     def _draft_ahead(self, step: Step) -> None:
         base = self.core.history(step.req_id) + tuple(int(t) for t in step.tokens[1:])
-        ahead = self._ahead[step.req_id] = _Ahead(step.req_id, base, step.drafted + 1, time.perf_counter())
+        most = max(step.drafted, self.core.scheduler.draft_k) + 1  # the guess, then a full step's drafts
+        ahead = self._ahead[step.req_id] = _Ahead(step.req_id, base, most, time.perf_counter())
 
         def run() -> None:  # on the compute thread: a token at a time, each under the machine's lock
             while len(ahead.tokens) < ahead.most and not ahead.stop:
@@ -201,6 +205,10 @@ class HeadDriver:
                     log.debug("drafting ahead for %s stopped: %s", step.req_id, exc)
                 got = ahead_drafts(ahead.base, ahead.tokens, history)[:k]
                 self.drafts_ahead_used += bool(got)
+                if not got and self._ahead_pays():
+                    # a draft was rejected: a short step leaves now and the rest is drafted ahead
+                    # while it is out, rather than every token before it leaves
+                    k = min(k, AFTER_MISS)
             if len(got) < k:
                 more, ms = await self._compute(self._draft, step.req_id, history + got, k - len(got))
                 self._draft_tok_ms = ema(self._draft_tok_ms, ms / (k - len(got)))
