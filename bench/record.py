@@ -119,9 +119,10 @@ SECTIONS = [
    'python -m bench.dipsd --model qwen2.5-coder-1.5b-q4_k_m --draft qwen2.5-coder-0.5b --latency 50 --users 1 '
    '--requests 4 --speculate draft --rounds 1',
    'The same pair and session; one user asks the 4 grounded prompts one after another, plain and drafting '
-   'alternating. The head drafts ahead while each verifying step is out (head_driver._draft_ahead): 2.11x '
-   'before it on this machine (commit b2f74e1), where the drafting ahead still takes the core lock the other '
-   "stages need. The texts part at serving precision (2 of 4 the same): a near-tie can flip between a 1-row "
+   'alternating. The head drafts ahead while each verifying step is out (head_driver._draft_ahead), and after'
+   ' a rejection sends a short step at once and drafts the rest meanwhile: 2.11x without drafting ahead '
+   '(commit b2f74e1), 2.26x with it but every draft of a step after a rejection made before it left '
+   "(f89dfdb). On this machine drafting ahead still takes the core lock the other stages need. The texts part at serving precision (2 of 4 the same): a near-tie can flip between a 1-row "
    'and a K+1-row step; at f32 drafting changes no token (tests/test_speculate.py).'),
   ('Churn',
    'When a member leaves mid-answer, how long until the answers resume, and are they unchanged?',
