@@ -21,8 +21,6 @@ HTTP streaming and the API processes are outside the bound (they cost the measur
 from __future__ import annotations
 
 import math
-import statistics
-import time
 
 import numpy as np
 
@@ -40,6 +38,7 @@ def stage_costs(model_path: str, stages: list[tuple[int, int]], rows: list[int],
     from backends.gguf import open_model
     from backends.openvino import OpenVINOShard
     from bench.batch_rows import Rows
+    from kafila.session.control.calibrate import medians_ms
 
     index = open_model(model_path)
     shards = [OpenVINOShard(ShardSpec(index.path, first, last, embed=i == 0, head=i == 0), precision, index=index)
@@ -55,14 +54,8 @@ def stage_costs(model_path: str, stages: list[tuple[int, int]], rows: list[int],
             steps = [_head_step(shards[0], groups[0])] + [g.step_batched for g in groups[1:]]
             for step in steps:
                 step()  # the group's join and first-shape compile, outside the clock
-            times: list[list[float]] = [[] for _ in steps]
-            for _ in range(REPEATS * STEPS):
-                for step, t in zip(steps, times):
-                    t0 = time.perf_counter()
-                    step()
-                    t.append((time.perf_counter() - t0) * 1000)
-            for costs, t in zip(out, times):
-                costs[b] = statistics.median(t)
+            for costs, ms in zip(out, medians_ms([(step, None) for step in steps], REPEATS * STEPS)):
+                costs[b] = ms
         finally:
             for g in groups:
                 g.close()

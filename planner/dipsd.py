@@ -138,9 +138,7 @@ class DraftUser:
     def draft_ms(self, length: int) -> float:
         """d_m(l): from the bonus token's arrival to l drafts at the target, ms (0: no drafts,
         nothing to wait for)."""
-        if length == 0:
-            return 0.0
-        return self.draft_overhead_ms + self.network_ms + self.draft_ms_per_token * length
+        return 0.0 if length == 0 else self.network_ms + self.compute_ms(length)
 
     def compute_ms(self, length: int) -> float:
         """What its drafter computes for l drafts, ms (draft_ms less the network)."""

@@ -59,7 +59,7 @@ def calibrate(index: Any, probe: dict, kquant: str, precision: str) -> dict:
     def cold() -> None:
         np.bitwise_or.reduce(junk)
 
-    w1, wk, c1, ck, e1 = _medians_ms([(steps[0], None), (steps[1], None), (steps[0], cold), (steps[1], cold),
+    w1, wk, c1, ck, e1 = medians_ms([(steps[0], None), (steps[1], None), (steps[0], cold), (steps[1], cold),
                                       (steps[2], None)])  # fmt: skip
     per_warm, per_cold = (wk - w1) / (deep - 1), (ck - c1) / (deep - 1)
     mean_bytes = _read_bytes(index, sum(t.n_bytes for b in range(first, first + deep) for t in index.block_tensors(b))
@@ -114,11 +114,11 @@ def _stepper(shard: Any, hidden: int):
     return step
 
 
-def _medians_ms(ways: list) -> list[float]:
+def medians_ms(ways: list, rounds: int = CALIBRATE_STEPS) -> list[float]:
     """The median ms of each (step, before) way's step, the ways timed in turn round by round so
     that load drifting on the machine falls on all alike; `before` (None: nothing) runs untimed."""
     times: list[list[float]] = [[] for _ in ways]
-    for _ in range(CALIBRATE_STEPS):
+    for _ in range(rounds):
         for (step, before), out in zip(ways, times):
             if before is not None:
                 before()
@@ -128,4 +128,4 @@ def _medians_ms(ways: list) -> list[float]:
     return [statistics.median(t) for t in times]
 
 
-__all__ = ["CALIBRATE_BLOCKS", "calibrate", "too_big"]
+__all__ = ["CALIBRATE_BLOCKS", "calibrate", "medians_ms", "too_big"]

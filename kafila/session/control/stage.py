@@ -24,7 +24,7 @@ from kafila.session.control import lifecycle
 from kafila.session.control import messages as control
 from kafila.session.control.config import SessionConfig
 from kafila.session.control.fetch import fetch_weights_from
-from kafila.session.control.pricing import predictions
+from kafila.session.control.pricing import PROBE_FIELDS, predictions
 from kafila.session.control.ring_forming import RingLinks, step
 from kafila.session.control.status import (
     HISTORY_KINDS,
@@ -184,11 +184,9 @@ class Stage:
 
         # measured on what it will serve on; members of one machine probe one at a time
         p = alone_on_machine(lambda: probe_device(quick=True, backend=self.cfg.backend))
-        return {"backend": self.cfg.backend, "probed_on": p.backend, "memory_gb": round(p.memory_gb, 3),
-                "bandwidth_gbps": p.bandwidth_gbps, "overhead_us": p.overhead_us,
-                "tflops": p.tflops, "block_us": p.block_us, "block_gbps": p.block_gbps, "head_us": p.head_us, "cpu_quota": p.cpu_quota,
-                "machine": machine_id(),
-                "protocol": control.PROTOCOL, "version": __version__}  # fmt: skip
+        figures = {k: getattr(p, k) for k in PROBE_FIELDS if k != "machine"}  # what the host plans with
+        return {"backend": self.cfg.backend, "probed_on": p.backend, "memory_gb": round(p.memory_gb, 3), **figures,
+                "machine": machine_id(), "protocol": control.PROTOCOL, "version": __version__}  # fmt: skip
 
     # --- plan → weights → shard → ring ----------------------------------------------------------
 
