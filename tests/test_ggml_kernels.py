@@ -94,6 +94,64 @@ def ggml_reference(qtype: str, raw: np.ndarray, rows: int, cols: int, x: np.ndar
     return y
 
 
+def ggml_mul_mat_reference(qtype: str, raw: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+    """x @ Wᵀ as llama.cpp's CPU backend computes a mul_mat node on plain (not repacked) weights:
+    a one-node graph built and computed through libggml's public API (ctypes), so ggml picks its
+    kernel as llama.cpp does (vec_dot below 8 rows of x, its tiled K-quant GEMM from 8)."""
+    import ctypes as C
+
+    import llama_cpp  # noqa: F401  (loads libggml-base and libggml-cpu)
+
+    from backends.openvino.ggml_kernels import _ggml_lib, type_id
+
+    lib_dir = _ggml_lib()[0]
+    cpu, base = C.CDLL(str(lib_dir / "libggml-cpu.so")), C.CDLL(str(lib_dir / "libggml-base.so"))
+
+    class InitParams(C.Structure):
+        _fields_ = [("mem_size", C.c_size_t), ("mem_buffer", C.c_void_p), ("no_alloc", C.c_bool)]
+
+    base.ggml_init.restype, base.ggml_init.argtypes = C.c_void_p, [InitParams]
+    base.ggml_new_tensor_2d.restype = C.c_void_p
+    base.ggml_new_tensor_2d.argtypes = [C.c_void_p, C.c_int, C.c_int64, C.c_int64]
+    base.ggml_mul_mat.restype, base.ggml_mul_mat.argtypes = C.c_void_p, [C.c_void_p] * 3
+    base.ggml_new_graph.restype, base.ggml_new_graph.argtypes = C.c_void_p, [C.c_void_p]
+    base.ggml_build_forward_expand.argtypes = [C.c_void_p, C.c_void_p]
+    base.ggml_get_data.restype, base.ggml_get_data.argtypes = C.c_void_p, [C.c_void_p]
+    base.ggml_free.argtypes = [C.c_void_p]
+    cpu.ggml_graph_compute_with_ctx.argtypes = [C.c_void_p, C.c_void_p, C.c_int]
+    cpu.ggml_cpu_init()
+    raw = np.ascontiguousarray(raw, np.uint8).reshape(rows, -1)
+    x = np.ascontiguousarray(x, np.float32)
+    ctx = base.ggml_init(InitParams(raw.nbytes + 3 * x.nbytes + len(x) * rows * 4 + (64 << 20), None, False))
+    try:
+        w = base.ggml_new_tensor_2d(ctx, type_id(qtype), cols, rows)
+        xt = base.ggml_new_tensor_2d(ctx, 0, cols, len(x))  # GGML_TYPE_F32
+        C.memmove(base.ggml_get_data(w), raw.ctypes.data, raw.nbytes)
+        C.memmove(base.ggml_get_data(xt), x.ctypes.data, x.nbytes)
+        y = base.ggml_mul_mat(ctx, w, xt)
+        graph = base.ggml_new_graph(ctx)
+        base.ggml_build_forward_expand(graph, y)
+        cpu.ggml_graph_compute_with_ctx(ctx, graph, 1)
+        return np.ctypeslib.as_array(C.cast(base.ggml_get_data(y), C.POINTER(C.c_float)), (len(x), rows)).copy()
+    finally:
+        base.ggml_free(ctx)
+
+
+@needs_ggml
+@needs_llamacpp
+@pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])
+def test_a_prompts_rows_get_llamacpps_own_mul_mat(qtype):
+    """Prefill's many rows go through the kernel llama.cpp's mul_mat picks for them (its tiled
+    K-quant GEMM from 8 rows), so a prompt's products are llama.cpp's bit for bit, as a decode
+    step's are."""
+    rows, cols = 48, 512
+    raw = random_raw(qtype, rows, cols, seed=3)
+    x = np.random.default_rng(5).normal(0.2, 1, (16, cols)).astype(np.float32)
+    ours = _op(qtype, raw, rows, cols, x)
+    assert np.array_equal(ours, ggml_mul_mat_reference(qtype, raw, rows, cols, x))
+    assert np.array_equal(_op(qtype, raw, rows, cols, x[:3]), ggml_mul_mat_reference(qtype, raw, rows, cols, x[:3]))
+
+
 @needs_ggml
 @needs_llamacpp
 @pytest.mark.parametrize("qtype", ["Q4_K", "Q5_K", "Q6_K"])

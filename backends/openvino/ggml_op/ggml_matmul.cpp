@@ -180,38 +180,23 @@ public:
             if (m_repack) m_repacked = std::make_shared<Repacked>(m_type, m_rows, m_cols, w, m_rows * row_bytes());
         });
         if (m_repacked && m_repacked->w != nullptr) {
-            mul_mat_repacked(x, y, n_x);
-            return true;
+            mul_mat(static_cast<const uint8_t*>(m_repacked->w->data), m_repacked->buffer, m_repacked->w->extra, x, y, n_x);
+        } else {
+            mul_mat(w, nullptr, nullptr, x, y, n_x);
         }
-        const size_t w_bytes = row_bytes();
-        const size_t q_bytes = ggml_row_size(act_type, m_cols);
-        const uint8_t* q = quantize_rows(x, n_x, m_cols, act_type);
-        // Tiles of kRowTile weight rows × kXTile rows of x, so both stay in cache while every
-        // pair's dot product runs (prefill and batched rows read each weight row once per tile).
-        constexpr size_t kRowTile = 32, kXTile = 16;
-        const size_t tasks = (m_rows + kRowTile - 1) / kRowTile;
-        ov::parallel_for(tasks, [&](size_t t) {
-            const size_t r0 = t * kRowTile, r1 = std::min<size_t>(m_rows, r0 + kRowTile);
-            for (size_t i0 = 0; i0 < n_x; i0 += kXTile) {
-                const size_t i1 = std::min(n_x, i0 + kXTile);
-                for (size_t r = r0; r < r1; ++r) {
-                    const uint8_t* wr = w + r * w_bytes;
-                    for (size_t i = i0; i < i1; ++i) {
-                        traits->vec_dot(static_cast<int>(m_cols), y + i * m_rows + r, 0, wr, 0, q + i * q_bytes, 0, 1);
-                    }
-                }
-            }
-        });
         return true;
     }
 
 private:
-    // y = x · Wᵀ by ggml's own mul_mat on the repacked weights, on the plugin's threads: each
-    // task is a one-node ggml graph over a slice of the weight rows (whole groups of the
-    // interleaved rows), computed on the calling thread by a one-thread ggml threadpool of its
-    // own, so no OpenMP team competes with the plugin's threads for the cores. Each task quantizes
-    // x for itself (ggml's repacked mul_mat does so first), the cost of needing no barrier.
-    void mul_mat_repacked(const float* x, float* y, size_t n_x) const {
+    // y = x · Wᵀ by ggml's own mul_mat, on the plugin's threads: each task is a one-node ggml graph
+    // over a slice of the weight rows (whole groups of any interleaved rows), computed on the
+    // calling thread by a one-thread ggml threadpool of its own, so no OpenMP team competes with
+    // the plugin's threads for the cores. ggml picks the kernel llama.cpp would: the repacked
+    // GEMM/GEMV where `buffer` and `extra` are a repacked matrix's, else its tiled K-quant GEMM for
+    // 8 rows of x or more and vec_dot below that. Each task quantizes x for itself (ggml's mul_mat
+    // does so first), the cost of needing no barrier.
+    void mul_mat(const uint8_t* weights, ggml_backend_buffer_t buffer, void* extra, const float* x, float* y,
+                 size_t n_x) const {
         constexpr int64_t kGroup = 16;  // a multiple of every interleave ggml repacks with (4, 8)
         const int64_t threads = std::max(1, parallel_get_max_threads());
         const int64_t per = ((m_rows + threads - 1) / threads + kGroup - 1) / kGroup * kGroup;
@@ -223,11 +208,11 @@ private:
             thread_local std::vector<uint8_t> meta_buf, work;
             meta_buf.resize(meta);
             ggml_context* ctx = ggml_init({meta, meta_buf.data(), true});
-            // rows r0..r1 of the repacked matrix: its buffer and traits, so ggml takes the repacked kernels
+            // rows r0..r1 of the matrix; a repacked one's buffer and traits make ggml take its kernels
             ggml_tensor* w = ggml_new_tensor_2d(ctx, static_cast<ggml_type>(m_type), m_cols, r1 - r0);
-            w->data = static_cast<uint8_t*>(m_repacked->w->data) + r0 * w_bytes;
-            w->buffer = m_repacked->buffer;
-            w->extra = m_repacked->w->extra;
+            w->data = const_cast<uint8_t*>(weights) + r0 * w_bytes;
+            w->buffer = buffer;
+            w->extra = extra;
             ggml_tensor* xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, m_cols, static_cast<int64_t>(n_x));
             xt->data = const_cast<float*>(x);
             ggml_tensor* yt = ggml_mul_mat(ctx, w, xt);  // [r1 - r0, n_x] within y's rows of m_rows
