@@ -216,6 +216,8 @@ private:
             ggml_tensor* xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, m_cols, static_cast<int64_t>(n_x));
             xt->data = const_cast<float*>(x);
             ggml_tensor* yt = ggml_mul_mat(ctx, w, xt);  // [r1 - r0, n_x] within y's rows of m_rows
+            // named, or building the graph names each by snprintf (a few µs a step per matrix)
+            ggml_set_name(w, "w"), ggml_set_name(xt, "x"), ggml_set_name(yt, "y");
             yt->nb[1] = static_cast<size_t>(m_rows) * sizeof(float);
             yt->nb[2] = yt->nb[3] = yt->nb[1] * n_x;
             yt->data = y + r0;
