@@ -1,14 +1,16 @@
 """ggml's own CPU matmul kernels inside an OpenVINO graph: `--kquant ggml` (issue 36 item 3).
 
 A quantized matrix becomes one `GgmlMatMul` node (backends/openvino/ggml_op/ggml_matmul.cpp) over
-the GGUF file's own blocks (u8 bytes mapped from the file, read in place). Each step quantizes x to
-the type's vec_dot type with ggml's `from_float` (Q8_K for the K-quants, Q8_0/Q8_1 for the others)
-and runs ggml's `vec_dot` on every weight row, over the CPU plugin's threads; a mixture-of-experts
-block's rows go through `GgmlMatMulId`, each row through its own k experts (llama.cpp's
-mul_mat_id). That is the arithmetic llama.cpp's CPU backend runs on plain buffers (the same
-functions of the same library), with its activation rounding. Where ggml has an interleaved
-layout for the type on this CPU, the op repacks the matrix into it at the first step and runs
-ggml's GEMM/GEMV kernels on it (REPACK, below), as llama.cpp does by default. The same library
+the GGUF file's own blocks (u8 bytes mapped from the file, read in place). Each step computes it as
+a ggml mul_mat node, a slice of the weight rows on each of the CPU plugin's threads, so ggml picks
+the kernel llama.cpp's CPU backend would pick for the same matrix and rows: x quantized to the
+type's vec_dot type by `from_float` (Q8_K for the K-quants, Q8_0/Q8_1 for the others), then its
+repacked GEMM/GEMV where ggml has an interleaved layout for the type on this CPU (the op repacks
+the matrix at the first step, as llama.cpp does by default: REPACK, below), its tiled K-quant GEMM
+for 8 rows of x or more (a prompt's chunk), `vec_dot` per weight row otherwise. A mixture-of-
+experts block's rows go through `GgmlMatMulId`, each row through its own k experts (llama.cpp's
+mul_mat_id, by vec_dot). That is the arithmetic llama.cpp runs (the same functions of the same
+library), with its activation rounding. The same library
 holds KafilaDeltaRule, a hybrid layer's gated delta rule as one node (`delta_rule`; every form
 uses it where the library loads).
 

@@ -1,8 +1,8 @@
 // GgmlMatMul: y[..., rows] = x[..., cols] · W[rows, cols]ᵀ for W in a GGUF block type, computed by
-// ggml's own CPU kernels (llama-cpp-python's libggml-cpu): each row of x is quantized to the type's
-// vec_dot type by ggml's from_float (Q8_K for the K-quants, Q8_0 for Q4_0/Q8_0), then every weight
-// row's dot product is ggml's vec_dot for that type on the file's own bytes, which is the arithmetic
-// llama.cpp's mul_mat runs on a CPU. The CPU plugin has no kernel for this op, so it calls
+// ggml's own CPU kernels (llama-cpp-python's libggml-cpu): a ggml mul_mat node over a slice of the
+// weight rows per thread, so ggml quantizes x to the type's vec_dot type (from_float) and picks the
+// kernel llama.cpp's mul_mat picks (repacked GEMM/GEMV, tiled K-quant GEMM, vec_dot), which is the
+// arithmetic llama.cpp runs on a CPU. The CPU plugin has no kernel for this op, so it calls
 // evaluate() once per inference on one thread with the tensors in place; the rows are divided
 // over the plugin's own thread pool here (ov::parallel_for).
 #include <algorithm>
