@@ -94,15 +94,15 @@ def ggml_reference(qtype: str, raw: np.ndarray, rows: int, cols: int, x: np.ndar
     return y
 
 
-def ggml_mul_mat_reference(qtype: str, raw: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
-    """x @ Wᵀ as llama.cpp's CPU backend computes a mul_mat node on plain (not repacked) weights:
-    a one-node graph built and computed through libggml's public API (ctypes), so ggml picks its
-    kernel as llama.cpp does (vec_dot below 8 rows of x, its tiled K-quant GEMM from 8)."""
+def _ggml_graph(build, outputs: int, out_shape: tuple[int, int], nbytes: int) -> np.ndarray:
+    """Runs `build(lib, ctx, tensor)` (which adds nodes through libggml's public API and returns
+    the last) as llama.cpp's CPU backend computes a graph on plain (not repacked) weights; returns
+    that node's values [out_shape]. `tensor(type, cols, rows, array)` makes a tensor holding array."""
     import ctypes as C
 
     import llama_cpp  # noqa: F401  (loads libggml-base and libggml-cpu)
 
-    from backends.openvino.ggml_kernels import _ggml_lib, type_id
+    from backends.openvino.ggml_kernels import _ggml_lib
 
     lib_dir = _ggml_lib()[0]
     cpu, base = C.CDLL(str(lib_dir / "libggml-cpu.so")), C.CDLL(str(lib_dir / "libggml-base.so"))
@@ -113,28 +113,41 @@ def ggml_mul_mat_reference(qtype: str, raw: np.ndarray, rows: int, cols: int, x:
     base.ggml_init.restype, base.ggml_init.argtypes = C.c_void_p, [InitParams]
     base.ggml_new_tensor_2d.restype = C.c_void_p
     base.ggml_new_tensor_2d.argtypes = [C.c_void_p, C.c_int, C.c_int64, C.c_int64]
-    base.ggml_mul_mat.restype, base.ggml_mul_mat.argtypes = C.c_void_p, [C.c_void_p] * 3
+    for binary in ("ggml_mul_mat", "ggml_swiglu_split"):
+        getattr(base, binary).restype, getattr(base, binary).argtypes = C.c_void_p, [C.c_void_p] * 3
     base.ggml_new_graph.restype, base.ggml_new_graph.argtypes = C.c_void_p, [C.c_void_p]
     base.ggml_build_forward_expand.argtypes = [C.c_void_p, C.c_void_p]
     base.ggml_get_data.restype, base.ggml_get_data.argtypes = C.c_void_p, [C.c_void_p]
     base.ggml_free.argtypes = [C.c_void_p]
     cpu.ggml_graph_compute_with_ctx.argtypes = [C.c_void_p, C.c_void_p, C.c_int]
     cpu.ggml_cpu_init()
-    raw = np.ascontiguousarray(raw, np.uint8).reshape(rows, -1)
-    x = np.ascontiguousarray(x, np.float32)
-    ctx = base.ggml_init(InitParams(raw.nbytes + 3 * x.nbytes + len(x) * rows * 4 + (64 << 20), None, False))
+    ctx = base.ggml_init(InitParams(nbytes + (64 << 20), None, False))
     try:
-        w = base.ggml_new_tensor_2d(ctx, type_id(qtype), cols, rows)
-        xt = base.ggml_new_tensor_2d(ctx, 0, cols, len(x))  # GGML_TYPE_F32
-        C.memmove(base.ggml_get_data(w), raw.ctypes.data, raw.nbytes)
-        C.memmove(base.ggml_get_data(xt), x.ctypes.data, x.nbytes)
-        y = base.ggml_mul_mat(ctx, w, xt)
+        def tensor(type_: int, cols: int, rows: int, array: np.ndarray):
+            t = base.ggml_new_tensor_2d(ctx, type_, cols, rows)
+            array = np.ascontiguousarray(array)
+            C.memmove(base.ggml_get_data(t), array.ctypes.data, array.nbytes)
+            return t
+
+        y = build(base, ctx, tensor)
         graph = base.ggml_new_graph(ctx)
         base.ggml_build_forward_expand(graph, y)
         cpu.ggml_graph_compute_with_ctx(ctx, graph, 1)
-        return np.ctypeslib.as_array(C.cast(base.ggml_get_data(y), C.POINTER(C.c_float)), (len(x), rows)).copy()
+        return np.ctypeslib.as_array(C.cast(base.ggml_get_data(y), C.POINTER(C.c_float)), out_shape).copy()
     finally:
         base.ggml_free(ctx)
+
+
+def ggml_mul_mat_reference(qtype: str, raw: np.ndarray, rows: int, cols: int, x: np.ndarray) -> np.ndarray:
+    """x @ Wᵀ as llama.cpp's CPU backend computes a mul_mat node on plain (not repacked) weights:
+    a one-node graph through libggml's public API (ctypes), so ggml picks its kernel as llama.cpp
+    does (vec_dot below 8 rows of x, its tiled K-quant GEMM from 8)."""
+    from backends.openvino.ggml_kernels import type_id
+
+    def build(lib, ctx, tensor):
+        return lib.ggml_mul_mat(ctx, tensor(type_id(qtype), cols, rows, raw), tensor(0, cols, len(x), x.astype(np.float32)))
+
+    return _ggml_graph(build, 1, (len(x), rows), raw.nbytes + 2 * x.nbytes + len(x) * rows * 4)
 
 
 @needs_ggml
@@ -150,6 +163,44 @@ def test_a_prompts_rows_get_llamacpps_own_mul_mat(qtype):
     ours = _op(qtype, raw, rows, cols, x)
     assert np.array_equal(ours, ggml_mul_mat_reference(qtype, raw, rows, cols, x))
     assert np.array_equal(_op(qtype, raw, rows, cols, x[:3]), ggml_mul_mat_reference(qtype, raw, rows, cols, x[:3]))
+
+
+@needs_ggml
+@needs_llamacpp
+@pytest.mark.parametrize("n", [1, 3, 16])
+def test_a_feed_forward_is_llamacpps_build_ffn(n):
+    """GgmlFfn is llama.cpp's SwiGLU feed-forward (gate and up in parallel, ggml_swiglu_split,
+    down) bit for bit on the blocks as the file holds them, for a decode step's row, a few rows
+    and a prompt's (the tiled GEMM); repacked (the default), that answer to float rounding."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from backends.openvino import ggml_kernels
+    from backends.openvino.shard import SERVING_CONFIG, core
+    from backends.openvino.ggml_kernels import type_id
+
+    hidden, ffn, types = 256, 512, ("Q4_K", "Q5_K", "Q6_K")
+    raws = [random_raw(types[0], ffn, hidden, seed=11), random_raw(types[1], ffn, hidden, seed=12),
+            random_raw(types[2], hidden, ffn, seed=13)]  # fmt: skip
+    # scaled so the SiLU sees values of both signs and every size
+    x = (np.random.default_rng(14).normal(0, 1, (n, hidden)) * 1e-3).astype(np.float32)
+
+    def build(lib, ctx, tensor):
+        xt = tensor(0, hidden, n, x)
+        g = lib.ggml_mul_mat(ctx, tensor(type_id(types[0]), hidden, ffn, raws[0]), xt)
+        u = lib.ggml_mul_mat(ctx, tensor(type_id(types[1]), hidden, ffn, raws[1]), xt)
+        return lib.ggml_mul_mat(ctx, tensor(type_id(types[2]), ffn, hidden, raws[2]), lib.ggml_swiglu_split(ctx, g, u))
+
+    want = _ggml_graph(build, 1, (n, hidden), sum(r.nbytes for r in raws) + 8 * n * (ffn + hidden))
+    got = {}
+    for repack in (False, True):
+        keep: list = []
+        x_in = ops.parameter([-1, hidden], ov.Type.f32)
+        y = ggml_kernels.swiglu_ffn(x_in.output(0), [r.copy() for r in raws], list(types), ffn, hidden, keep, repack=repack)
+        model = ov.Model([ops.result(y)], [x_in])
+        got[repack] = core().compile_model(model, "CPU", SERVING_CONFIG).create_infer_request().infer({0: x})[0].copy()
+    assert np.array_equal(got[False], want)
+    assert np.abs(got[True] - want).max() <= 1e-5 * np.abs(want).max()
 
 
 @needs_ggml

@@ -234,6 +234,24 @@ def matmul(x, weights: np.ndarray, qtype: str, rows: int, cols: int, keep: list,
     return node.output(0)
 
 
+def swiglu_ffn(x, weights: list[np.ndarray], qtypes: list[str], ffn: int, hidden: int, keep: list,
+               repack: bool | None = None):
+    """x [..., hidden] through a SwiGLU feed-forward as llama.cpp's build_ffn computes it:
+    W_down · (silu(W_gate · x) ⊙ (W_up · x)), with ggml_swiglu_split, as one GgmlFfn node;
+    `weights` the file's blocks of gate, up [ffn rows] and down [hidden rows] (see matmul)."""
+    import openvino as ov
+
+    consts = []
+    for raw in weights:
+        flat = np.ascontiguousarray(raw).reshape(-1)
+        keep.append(flat)
+        consts.append(ov.op.Constant(ov.Tensor(flat, shared_memory=True)).output(0))
+    repack = REPACK if repack is None else repack
+    attrs = {"gate_type": type_id(qtypes[0]), "up_type": type_id(qtypes[1]), "down_type": type_id(qtypes[2]),
+             "ffn": ffn, "hidden": hidden, "repack": repack}  # fmt: skip
+    return _factory().create("GgmlFfn", [x, *consts], attrs).output(0)
+
+
 def main() -> int:
     """Build ahead (scripts/bootstrap.sh): prints the library, or why not (exit 1)."""
     try:

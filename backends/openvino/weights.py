@@ -319,17 +319,39 @@ class WeightBank:
         blocks: rows are whole blocks, so un-permuting and concatenating move bytes, not values."""
         infos = [self.index.tensors[name] for name, _ in run]
         parts = []
-        for (name, heads), t in zip(run, infos):
-            # [rows, row bytes]: the file's pages, mapped copy-on-write (OpenVINO wants a writable
-            # buffer to share; nothing writes it)
-            raw = np.memmap(self.index.path, np.uint8, "c", t.offset, (t.shape[0], t.n_bytes // t.shape[0]))
-            if ggml_kernels.REPACK:  # the op keeps its repacked copy; else it reads these pages every step
-                self.file_maps.append(raw)
+        for name, heads in run:
+            raw = self._file_blocks(name)
             parts.append(unpermute_rows(raw, heads) if heads else raw)
         raw = parts[0] if len(parts) == 1 else np.concatenate(parts)
         if len(parts) > 1 and self.spill is not None and ggml_kernels.REPACK:  # droppable once repacked
             raw = self.spill.put(raw)
         return ggml_kernels.matmul(x, raw, infos[0].qtype, raw.shape[0], infos[0].shape[1], self.keep)
+
+    def _file_blocks(self, name: str) -> np.ndarray:
+        """[rows, row bytes] of a ggml op's matrix: the file's pages, mapped copy-on-write
+        (OpenVINO wants a writable buffer to share; nothing writes it)."""
+        t = self.index.tensors[name]
+        raw = np.memmap(self.index.path, np.uint8, "c", t.offset, (t.shape[0], t.n_bytes // t.shape[0]))
+        if ggml_kernels.REPACK:  # the op keeps its repacked copy; else it reads these pages every step
+            self.file_maps.append(raw)
+        return raw
+
+    def swiglu_ffn(self, x: ov.Output, prefix: str) -> ov.Output | None:
+        """x through block `prefix`'s SwiGLU feed-forward as one GgmlFfn node (llama.cpp's
+        build_ffn, its SiLU included), where the ggml form serves all three matrices and none has
+        a bias or scale; else None (the caller builds it of projections)."""
+        names = [prefix + f"ffn_{m}.weight" for m in ("gate", "up", "down")]
+        if self.kquant != "ggml" or any(n not in self.index.tensors for n in names):
+            return None
+        infos = [self.index.tensors[n] for n in names]
+        arch = self.index.hparams.arch
+        if any(t.qtype not in GGML_QTYPES for t in infos) or any(
+                n.removesuffix(".weight") + ".bias" in self.index.tensors or applied_scale(arch, n, self.index.tensors)
+                for n in names):  # fmt: skip
+            return None
+        ffn, hidden = infos[0].shape[0], infos[2].shape[0]
+        return ggml_kernels.swiglu_ffn(x, [self._file_blocks(n) for n in names], [t.qtype for t in infos],
+                                       ffn, hidden, self.keep)  # fmt: skip
 
     def quantized_linear(self, x: ov.Output, b: QuantBlocks) -> ov.Output:
         """x [..., in] @ w[out, in]ᵀ for GGML blocks b, exactly (see the module docstring)."""

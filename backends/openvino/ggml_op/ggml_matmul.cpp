@@ -121,6 +121,102 @@ struct Repacked {
     }
 };
 
+// One weight matrix of the file's blocks as llama.cpp holds it: repacked at its first use where
+// ggml has an interleaved layout for the type here (and `repack` asks for it), else the blocks in
+// place. A slice of its rows is a ggml tensor whose buffer and traits make ggml's mul_mat take the
+// kernel llama.cpp's would (the repacked GEMM/GEMV; else the tiled K-quant GEMM for 8 rows of x or
+// more, vec_dot below that).
+class Matrix {
+public:
+    Matrix(int64_t type, int64_t rows, int64_t cols, bool repack)
+        : type(type), rows(rows), cols(cols), m_repack(repack) {}
+
+    size_t row_bytes() const { return ggml_row_size(static_cast<ggml_type>(type), cols); }
+    bool valid() const {
+        ggml_ready();
+        if (type < 0 || type >= GGML_TYPE_COUNT) return false;
+        const auto* traits = ggml_get_type_traits_cpu(static_cast<ggml_type>(type));
+        return traits->vec_dot != nullptr && cols % ggml_blck_size(static_cast<ggml_type>(type)) == 0;
+    }
+
+    // Rows r0..r1 of the matrix whose file bytes are `data` (the same bytes at every step).
+    ggml_tensor* slice(ggml_context* ctx, const uint8_t* data, int64_t r0, int64_t r1) const {
+        std::call_once(m_once, [&] {
+            if (m_repack) m_repacked = std::make_shared<Repacked>(type, rows, cols, data, rows * row_bytes());
+        });
+        const bool packed = m_repacked && m_repacked->w != nullptr;
+        ggml_tensor* w = ggml_new_tensor_2d(ctx, static_cast<ggml_type>(type), cols, r1 - r0);
+        w->data = (packed ? static_cast<uint8_t*>(m_repacked->w->data) : const_cast<uint8_t*>(data)) + r0 * row_bytes();
+        w->buffer = packed ? m_repacked->buffer : nullptr;
+        w->extra = packed ? m_repacked->w->extra : nullptr;
+        ggml_set_name(w, "w");  // named, or building the graph names each by snprintf (µs a step)
+        return w;
+    }
+
+    int64_t type, rows, cols;
+
+private:
+    bool m_repack;
+    mutable std::once_flag m_once;
+    mutable std::shared_ptr<Repacked> m_repacked;
+};
+
+// The row slices a matrix of `rows` rows is divided into over the plugin's threads: whole groups
+// of 16 (a multiple of every interleave ggml repacks with), one slice per thread.
+static int64_t slice_rows(int64_t rows) {
+    constexpr int64_t kGroup = 16;
+    const int64_t threads = std::max(1, parallel_get_max_threads());
+    return ((rows + threads - 1) / threads + kGroup - 1) / kGroup * kGroup;
+}
+
+// An f32 tensor [cols, n] over `data` (row stride `stride` floats), named.
+static ggml_tensor* f32_view(ggml_context* ctx, float* data, int64_t cols, int64_t n, int64_t stride, const char* name) {
+    ggml_tensor* t = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, cols, n);
+    t->data = data;
+    t->nb[1] = static_cast<size_t>(stride) * sizeof(float);
+    t->nb[2] = t->nb[3] = t->nb[1] * n;
+    ggml_set_name(t, name);
+    return t;
+}
+
+// Runs `build` (which adds nodes to a fresh context and returns the last) as a ggml graph on the
+// calling thread, by a one-thread ggml threadpool of its own: no OpenMP team competes with the
+// plugin's threads for the cores. Each task quantizes x for itself (ggml's mul_mat does so first),
+// the cost of needing no barrier between the plugin's threads.
+template <class Build>
+static void compute_here(int nodes, Build build) {
+    const size_t size = 4 * nodes;  // the graph's room for its nodes and leaves (its hash set)
+    const size_t meta = size * ggml_tensor_overhead() + ggml_graph_overhead_custom(size, false);
+    thread_local std::vector<uint8_t> meta_buf, work;
+    meta_buf.resize(meta);
+    ggml_context* ctx = ggml_init({meta, meta_buf.data(), true});
+    ggml_cgraph* graph = ggml_new_graph_custom(ctx, size, false);
+    ggml_build_forward_expand(graph, build(ctx));
+    ggml_cplan plan = ggml_graph_plan(graph, 1, own_threadpool());
+    plan.work_data = scratch(work, plan.work_size);
+    ggml_graph_compute(graph, &plan);
+    ggml_free(ctx);
+}
+
+static void check_weights(const ov::Node* node, size_t port, const Matrix& m) {
+    const auto& w = node->get_input_partial_shape(port);
+    NODE_VALIDATION_CHECK(node, node->get_input_element_type(port) == ov::element::u8, "weights must be u8 bytes");
+    NODE_VALIDATION_CHECK(node, w.is_static() && ov::shape_size(w.to_shape()) == m.rows * m.row_bytes(),
+                          "weights hold ", w, " bytes, not ", m.rows, " rows of ", m.row_bytes());
+}
+
+// x's shape with its last dimension `cols` replaced by `out` (validated).
+static ov::PartialShape out_shape(const ov::Node* node, int64_t cols, int64_t out) {
+    NODE_VALIDATION_CHECK(node, node->get_input_element_type(0) == ov::element::f32, "x must be f32");
+    auto shape = node->get_input_partial_shape(0);
+    NODE_VALIDATION_CHECK(node, shape.rank().is_static() && shape.rank().get_length() >= 1, "x needs a rank");
+    const auto last = shape.rank().get_length() - 1;
+    NODE_VALIDATION_CHECK(node, shape[last].compatible(cols), "x's last dimension ", shape[last], " is not ", cols);
+    shape[last] = out;
+    return shape;
+}
+
+// y = x · Wᵀ as a ggml mul_mat node per row slice, on the plugin's threads.
 class GgmlMatMul : public ov::op::Op {
 public:
     OPENVINO_OP("GgmlMatMul", "kafila");
@@ -133,22 +229,10 @@ public:
     }
 
     void validate_and_infer_types() override {
-        const auto traits = type_traits();
-        NODE_VALIDATION_CHECK(this, traits != nullptr && traits->vec_dot != nullptr,
-                              "ggml type ", m_type, " has no CPU dot product");
-        NODE_VALIDATION_CHECK(this, m_cols % ggml_blck_size(static_cast<ggml_type>(m_type)) == 0,
-                              "cols ", m_cols, " is not a whole number of blocks");
-        NODE_VALIDATION_CHECK(this, get_input_element_type(0) == ov::element::f32, "x must be f32");
-        NODE_VALIDATION_CHECK(this, get_input_element_type(1) == ov::element::u8, "weights must be u8 bytes");
-        const auto& w = get_input_partial_shape(1);
-        NODE_VALIDATION_CHECK(this, w.is_static() && ov::shape_size(w.to_shape()) == m_rows * row_bytes(),
-                              "weights hold ", w, " bytes, not ", m_rows, " rows of ", row_bytes());
-        auto shape = get_input_partial_shape(0);
-        NODE_VALIDATION_CHECK(this, shape.rank().is_static() && shape.rank().get_length() >= 1, "x needs a rank");
-        const auto last = shape.rank().get_length() - 1;
-        NODE_VALIDATION_CHECK(this, shape[last].compatible(m_cols), "x's last dimension ", shape[last], " is not ", m_cols);
-        shape[last] = m_rows;
-        set_output_type(0, ov::element::f32, shape);
+        if (!m_w) m_w = std::make_shared<Matrix>(m_type, m_rows, m_cols, m_repack);  // keeps a repacked copy made
+        NODE_VALIDATION_CHECK(this, m_w->valid(), "ggml type ", m_type, " has no CPU dot product for ", m_cols, " columns");
+        check_weights(this, 1, *m_w);
+        set_output_type(0, ov::element::f32, out_shape(this, m_cols, m_rows));
     }
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
@@ -167,82 +251,135 @@ public:
     bool has_evaluate() const override { return true; }
 
     bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
-        const auto* traits = type_traits();
-        const auto act_type = traits->vec_dot_type;
         ov::Shape shape = inputs[0].get_shape();
-        const size_t n_x = ov::shape_size(shape) / m_cols;
+        const int64_t n_x = static_cast<int64_t>(ov::shape_size(shape)) / m_cols;
         shape.back() = m_rows;
         outputs[0].set_shape(shape);
-        const float* x = inputs[0].data<const float>();
+        auto* x = const_cast<float*>(inputs[0].data<const float>());
         const auto* w = static_cast<const uint8_t*>(inputs[1].data());
         float* y = outputs[0].data<float>();
-        std::call_once(m_repack_once, [&] {
-            if (m_repack) m_repacked = std::make_shared<Repacked>(m_type, m_rows, m_cols, w, m_rows * row_bytes());
+        const int64_t per = slice_rows(m_rows);
+        ov::parallel_for(static_cast<size_t>((m_rows + per - 1) / per), [&](size_t t) {
+            const int64_t r0 = static_cast<int64_t>(t) * per, r1 = std::min(m_rows, r0 + per);
+            compute_here(1, [&](ggml_context* ctx) {
+                ggml_tensor* yt = ggml_mul_mat(ctx, m_w->slice(ctx, w, r0, r1), f32_view(ctx, x, m_cols, n_x, m_cols, "x"));
+                yt->data = y + r0;  // [r1 - r0, n_x] within y's rows of m_rows
+                yt->nb[1] = static_cast<size_t>(m_rows) * sizeof(float);
+                yt->nb[2] = yt->nb[3] = yt->nb[1] * n_x;
+                ggml_set_name(yt, "y");
+                return yt;
+            });
         });
-        if (m_repacked && m_repacked->w != nullptr) {
-            mul_mat(static_cast<const uint8_t*>(m_repacked->w->data), m_repacked->buffer, m_repacked->w->extra, x, y, n_x);
-        } else {
-            mul_mat(w, nullptr, nullptr, x, y, n_x);
-        }
         return true;
     }
 
 private:
-    // y = x · Wᵀ by ggml's own mul_mat, on the plugin's threads: each task is a one-node ggml graph
-    // over a slice of the weight rows (whole groups of any interleaved rows), computed on the
-    // calling thread by a one-thread ggml threadpool of its own, so no OpenMP team competes with
-    // the plugin's threads for the cores. ggml picks the kernel llama.cpp would: the repacked
-    // GEMM/GEMV where `buffer` and `extra` are a repacked matrix's, else its tiled K-quant GEMM for
-    // 8 rows of x or more and vec_dot below that. Each task quantizes x for itself (ggml's mul_mat
-    // does so first), the cost of needing no barrier.
-    void mul_mat(const uint8_t* weights, ggml_backend_buffer_t buffer, void* extra, const float* x, float* y,
-                 size_t n_x) const {
-        constexpr int64_t kGroup = 16;  // a multiple of every interleave ggml repacks with (4, 8)
-        const int64_t threads = std::max(1, parallel_get_max_threads());
-        const int64_t per = ((m_rows + threads - 1) / threads + kGroup - 1) / kGroup * kGroup;
-        const size_t tasks = static_cast<size_t>((m_rows + per - 1) / per);
-        const size_t w_bytes = row_bytes();
-        ov::parallel_for(tasks, [&](size_t t) {
-            const int64_t r0 = static_cast<int64_t>(t) * per, r1 = std::min(m_rows, r0 + per);
-            const size_t meta = 4 * ggml_tensor_overhead() + ggml_graph_overhead_custom(4, false);
-            thread_local std::vector<uint8_t> meta_buf, work;
-            meta_buf.resize(meta);
-            ggml_context* ctx = ggml_init({meta, meta_buf.data(), true});
-            // rows r0..r1 of the matrix; a repacked one's buffer and traits make ggml take its kernels
-            ggml_tensor* w = ggml_new_tensor_2d(ctx, static_cast<ggml_type>(m_type), m_cols, r1 - r0);
-            w->data = const_cast<uint8_t*>(weights) + r0 * w_bytes;
-            w->buffer = buffer;
-            w->extra = extra;
-            ggml_tensor* xt = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, m_cols, static_cast<int64_t>(n_x));
-            xt->data = const_cast<float*>(x);
-            ggml_tensor* yt = ggml_mul_mat(ctx, w, xt);  // [r1 - r0, n_x] within y's rows of m_rows
-            // named, or building the graph names each by snprintf (a few µs a step per matrix)
-            ggml_set_name(w, "w"), ggml_set_name(xt, "x"), ggml_set_name(yt, "y");
-            yt->nb[1] = static_cast<size_t>(m_rows) * sizeof(float);
-            yt->nb[2] = yt->nb[3] = yt->nb[1] * n_x;
-            yt->data = y + r0;
-            ggml_cgraph* graph = ggml_new_graph_custom(ctx, 4, false);
-            ggml_build_forward_expand(graph, yt);
-            ggml_cplan plan = ggml_graph_plan(graph, 1, own_threadpool());
-            plan.work_data = scratch(work, plan.work_size);
-            ggml_graph_compute(graph, &plan);
-            ggml_free(ctx);
-        });
-    }
-
-    const ggml_type_traits_cpu* type_traits() const {
-        ggml_ready();
-        if (m_type < 0 || m_type >= GGML_TYPE_COUNT) return nullptr;
-        return ggml_get_type_traits_cpu(static_cast<ggml_type>(m_type));
-    }
-    size_t row_bytes() const { return ggml_row_size(static_cast<ggml_type>(m_type), m_cols); }
-
     bool m_repack = true;  // llama.cpp's repacked layout where ggml has one (its default)
-    mutable std::once_flag m_repack_once;
-    mutable std::shared_ptr<Repacked> m_repacked;
     int64_t m_type = 0;
     int64_t m_rows = 0;
     int64_t m_cols = 0;
+    std::shared_ptr<Matrix> m_w;  // the one clone the plugin executes holds its repacked copy
+};
+
+// GgmlFfn: a SwiGLU feed-forward as llama.cpp computes it (build_ffn: gate and up in parallel,
+// ggml_swiglu_split, down): y = W_down · (silu(W_gate · x) ⊙ (W_up · x)), three matrices in the
+// file's block types. One node where the graph had five (two matmuls with a split, the SiLU, the
+// product, the down matmul), and the SiLU is ggml's own, as llama.cpp's. Two passes over the
+// plugin's threads: slices of the F hidden units (gate, up and their product), then slices of
+// down's rows over the whole product.
+class GgmlFfn : public ov::op::Op {
+public:
+    OPENVINO_OP("GgmlFfn", "kafila");
+
+    GgmlFfn() = default;
+    GgmlFfn(const ov::OutputVector& args, int64_t gate_type, int64_t up_type, int64_t down_type, int64_t ffn,
+            int64_t hidden, bool repack = true)
+        : Op(args), m_repack(repack), m_gate_type(gate_type), m_up_type(up_type), m_down_type(down_type),
+          m_ffn(ffn), m_hidden(hidden) {
+        constructor_validate_and_infer_types();
+    }
+
+    void validate_and_infer_types() override {
+        if (!m_gate) {  // (once: a repacked copy made at a step is kept)
+            m_gate = std::make_shared<Matrix>(m_gate_type, m_ffn, m_hidden, m_repack);
+            m_up = std::make_shared<Matrix>(m_up_type, m_ffn, m_hidden, m_repack);
+            m_down = std::make_shared<Matrix>(m_down_type, m_hidden, m_ffn, m_repack);
+        }
+        size_t port = 1;
+        for (const auto* m : {m_gate.get(), m_up.get(), m_down.get()}) {
+            NODE_VALIDATION_CHECK(this, m->valid(), "ggml type ", m->type, " has no CPU dot product for ", m->cols, " columns");
+            check_weights(this, port++, *m);
+        }
+        set_output_type(0, ov::element::f32, out_shape(this, m_hidden, m_hidden));
+    }
+
+    std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+        check_new_args_count(this, args);
+        return std::make_shared<GgmlFfn>(args, m_gate_type, m_up_type, m_down_type, m_ffn, m_hidden, m_repack);
+    }
+
+    bool visit_attributes(ov::AttributeVisitor& visitor) override {
+        visitor.on_attribute("gate_type", m_gate_type);
+        visitor.on_attribute("up_type", m_up_type);
+        visitor.on_attribute("down_type", m_down_type);
+        visitor.on_attribute("ffn", m_ffn);
+        visitor.on_attribute("hidden", m_hidden);
+        visitor.on_attribute("repack", m_repack);
+        return true;
+    }
+
+    bool has_evaluate() const override { return true; }
+
+    bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
+        const ov::Shape shape = inputs[0].get_shape();
+        const int64_t n_x = static_cast<int64_t>(ov::shape_size(shape)) / m_hidden;
+        outputs[0].set_shape(shape);
+        auto* x = const_cast<float*>(inputs[0].data<const float>());
+        const auto* gate = static_cast<const uint8_t*>(inputs[1].data());
+        const auto* up = static_cast<const uint8_t*>(inputs[2].data());
+        const auto* down = static_cast<const uint8_t*>(inputs[3].data());
+        float* y = outputs[0].data<float>();
+        thread_local std::vector<uint8_t> act_buf;  // the calling thread's: its address is taken here
+        float* act = reinterpret_cast<float*>(scratch(act_buf, static_cast<size_t>(n_x * m_ffn) * sizeof(float)));
+        const int64_t per_f = slice_rows(m_ffn);
+        ov::parallel_for(static_cast<size_t>((m_ffn + per_f - 1) / per_f), [&](size_t t) {
+            const int64_t r0 = static_cast<int64_t>(t) * per_f, r1 = std::min(m_ffn, r0 + per_f);
+            thread_local std::vector<uint8_t> gu_buf;
+            auto* gu = reinterpret_cast<float*>(scratch(gu_buf, static_cast<size_t>(2 * n_x * (r1 - r0)) * sizeof(float)));
+            compute_here(3, [&](ggml_context* ctx) {
+                ggml_tensor* xt = f32_view(ctx, x, m_hidden, n_x, m_hidden, "x");
+                ggml_tensor* g = ggml_mul_mat(ctx, m_gate->slice(ctx, gate, r0, r1), xt);
+                ggml_tensor* u = ggml_mul_mat(ctx, m_up->slice(ctx, up, r0, r1), xt);
+                g->data = gu, u->data = gu + n_x * (r1 - r0);
+                ggml_set_name(g, "g"), ggml_set_name(u, "u");
+                ggml_tensor* a = ggml_swiglu_split(ctx, g, u);  // [r1 - r0, n_x] within act's rows of m_ffn
+                a->data = act + r0;
+                a->nb[1] = static_cast<size_t>(m_ffn) * sizeof(float);
+                a->nb[2] = a->nb[3] = a->nb[1] * n_x;
+                ggml_set_name(a, "a");
+                return a;
+            });
+        });
+        const int64_t per_h = slice_rows(m_hidden);
+        ov::parallel_for(static_cast<size_t>((m_hidden + per_h - 1) / per_h), [&](size_t t) {
+            const int64_t r0 = static_cast<int64_t>(t) * per_h, r1 = std::min(m_hidden, r0 + per_h);
+            compute_here(1, [&](ggml_context* ctx) {
+                ggml_tensor* yt = ggml_mul_mat(ctx, m_down->slice(ctx, down, r0, r1), f32_view(ctx, act, m_ffn, n_x, m_ffn, "a"));
+                yt->data = y + r0;
+                yt->nb[1] = static_cast<size_t>(m_hidden) * sizeof(float);
+                yt->nb[2] = yt->nb[3] = yt->nb[1] * n_x;
+                ggml_set_name(yt, "y");
+                return yt;
+            });
+        });
+        return true;
+    }
+
+private:
+    bool m_repack = true;
+    int64_t m_gate_type = 0, m_up_type = 0, m_down_type = 0;
+    int64_t m_ffn = 0, m_hidden = 0;
+    std::shared_ptr<Matrix> m_gate, m_up, m_down;
 };
 
 // GgmlMatMulId: mixture-of-experts rows, as llama.cpp's mul_mat_id: y[t, j] = x[t, j or 0] · W[ids[t, j]]ᵀ
@@ -350,6 +487,7 @@ private:
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<kafila::GgmlMatMul>>(),
+    std::make_shared<ov::OpExtension<kafila::GgmlFfn>>(),
     std::make_shared<ov::OpExtension<kafila::GgmlMatMulId>>(),
     std::make_shared<ov::OpExtension<kafila::KafilaDeltaRule>>(),
 }));
