@@ -216,6 +216,14 @@ static ov::PartialShape out_shape(const ov::Node* node, int64_t cols, int64_t ou
     return shape;
 }
 
+// Points mul_mat's result [r1 - r0, n_x] at rows r0.. of y [n_x, rows].
+static void place(ggml_tensor* yt, float* y, int64_t r0, int64_t rows, int64_t n_x) {
+    yt->data = y + r0;
+    yt->nb[1] = static_cast<size_t>(rows) * sizeof(float);
+    yt->nb[2] = yt->nb[3] = yt->nb[1] * n_x;
+    ggml_set_name(yt, "y");
+}
+
 // y = x · Wᵀ as a ggml mul_mat node per row slice, on the plugin's threads.
 class GgmlMatMul : public ov::op::Op {
 public:
@@ -263,10 +271,7 @@ public:
             const int64_t r0 = static_cast<int64_t>(t) * per, r1 = std::min(m_rows, r0 + per);
             compute_here(1, [&](ggml_context* ctx) {
                 ggml_tensor* yt = ggml_mul_mat(ctx, m_w->slice(ctx, w, r0, r1), f32_view(ctx, x, m_cols, n_x, m_cols, "x"));
-                yt->data = y + r0;  // [r1 - r0, n_x] within y's rows of m_rows
-                yt->nb[1] = static_cast<size_t>(m_rows) * sizeof(float);
-                yt->nb[2] = yt->nb[3] = yt->nb[1] * n_x;
-                ggml_set_name(yt, "y");
+                place(yt, y, r0, m_rows, n_x);
                 return yt;
             });
         });
@@ -365,10 +370,7 @@ public:
             const int64_t r0 = static_cast<int64_t>(t) * per_h, r1 = std::min(m_hidden, r0 + per_h);
             compute_here(1, [&](ggml_context* ctx) {
                 ggml_tensor* yt = ggml_mul_mat(ctx, m_down->slice(ctx, down, r0, r1), f32_view(ctx, act, m_ffn, n_x, m_ffn, "a"));
-                yt->data = y + r0;
-                yt->nb[1] = static_cast<size_t>(m_hidden) * sizeof(float);
-                yt->nb[2] = yt->nb[3] = yt->nb[1] * n_x;
-                ggml_set_name(yt, "y");
+                place(yt, y, r0, m_hidden, n_x);
                 return yt;
             });
         });
