@@ -1,7 +1,7 @@
 """K-quant decode and prefill on CPU, side by side on one GGUF: Kafila's OpenVINO stage (each
 weight form), openvino_genai's GGUF reader and llama.cpp, on the same threads (issue 36).
 
-    .venv/bin/python -m bench.kquant_speed [--file qwen1.5b|llama-3-8b|qwen3moe|gpt-oss|qwen35moe|PATH] [--threads 2]
+    .venv/bin/python -m bench.kquant_speed [--file qwen1.5b|llama-3-8b|qwen3moe|gpt-oss|qwen35moe|PATH[,…]] [--threads 2]
         [--prompt-tokens 512] [--tokens 32] [--rounds 2] [--rows kafila-exact,kafila-fast,kafila-ggml,genai,llamacpp]
 
 Every row is built first, then `--rounds` rounds each run every row once in turn (A B C D A B C D),
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -179,36 +180,9 @@ def build(name: str, path: str, threads: int, prompt_len: int, tokens: int):
     return {"genai": genai_row, "llamacpp": llamacpp_row}[name](path, threads, prompt_len, tokens)
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench.kquant_speed", description=__doc__.splitlines()[0])
-    ap.add_argument("--file", default="qwen1.5b", help="qwen1.5b | llama-3-8b | qwen3moe | gpt-oss | qwen35moe | a GGUF path")
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--prompt-tokens", type=int, default=512)
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--rows", default=",".join(ROWS))
-    args = ap.parse_args(argv)
-    if not 1 <= args.prompt_tokens <= 4096 or not 2 <= args.tokens <= 1024 or not 1 <= args.rounds <= 20:
-        ap.error("--prompt-tokens 1..4096, --tokens 2..1024, --rounds 1..20")
-    rows = [r for r in args.rows.split(",") if r]
-    if unknown := [r for r in rows if r not in ROWS]:
-        ap.error(f"unknown rows {unknown} (choose from {', '.join(ROWS)})")
-
-    from kafila.cli import import_openvino_without_telemetry
-
-    import_openvino_without_telemetry()
-    import openvino as ov
-
-    import backends.openvino.ggml_kernels  # noqa: F401  (OpenMP passive, before llama_cpp loads it)
-
-    path = gguf_path(args.file)
-    print(machine())
-    print(f"commit: {commit()}; openvino {ov.__version__}; file {os.path.basename(path)}; "
-          f"{args.threads} threads; prompt {args.prompt_tokens} tokens, {args.tokens} new; {args.rounds} rounds")  # fmt: skip
-    with contextlib.suppress(ImportError):
-        import llama_cpp
-
-        print("llama.cpp:", llama_cpp.__version__, llama_cpp.llama_print_system_info().decode().strip())
+def measure(path: str, rows: list[str], args) -> None:
+    """Builds `rows` on one file, runs the rounds and prints the file's table."""
+    print(f"\nfile {os.path.basename(path)}")
     prompt = prompt_ids(path, args.prompt_tokens)
     runs = {}
     for name in rows:
@@ -241,6 +215,42 @@ def main(argv: list[str] | None = None) -> int:
     print(f"| openvino GGUF frontend | — | — | — | — | {FRONTEND_NOTE} |")
     print("samples:", json.dumps({"decode": {k: [round(x, 2) for x in v] for k, v in dec.items()},
                                    "prefill": {k: [round(x, 1) for x in v] for k, v in pre.items()}}))  # fmt: skip
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.kquant_speed", description=__doc__.splitlines()[0])
+    ap.add_argument("--file", default="qwen1.5b",
+                    help="qwen1.5b | llama-3-8b | qwen3moe | gpt-oss | qwen35moe | a GGUF path; several: a table each, in turn")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rows", default=",".join(ROWS))
+    args = ap.parse_args(argv)
+    if not 1 <= args.prompt_tokens <= 4096 or not 2 <= args.tokens <= 1024 or not 1 <= args.rounds <= 20:
+        ap.error("--prompt-tokens 1..4096, --tokens 2..1024, --rounds 1..20")
+    rows = [r for r in args.rows.split(",") if r]
+    if unknown := [r for r in rows if r not in ROWS]:
+        ap.error(f"unknown rows {unknown} (choose from {', '.join(ROWS)})")
+
+    from kafila.cli import import_openvino_without_telemetry
+
+    import_openvino_without_telemetry()
+    import openvino as ov
+
+    import backends.openvino.ggml_kernels  # noqa: F401  (OpenMP passive, before llama_cpp loads it)
+
+    files = [f for f in args.file.split(",") if f]
+    print(machine())
+    print(f"commit: {commit()}; openvino {ov.__version__}; {args.threads} threads; "
+          f"prompt {args.prompt_tokens} tokens, {args.tokens} new; {args.rounds} rounds")  # fmt: skip
+    with contextlib.suppress(ImportError):
+        import llama_cpp
+
+        print("llama.cpp:", llama_cpp.__version__, llama_cpp.llama_print_system_info().decode().strip())
+    for which in files:  # one file's rows at a time: the next file's are built once these are gone
+        measure(gguf_path(which), rows, args)
+        gc.collect()
     print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     return 0
 

@@ -285,7 +285,7 @@ Q4_K_BLOCK_BYTES = 144  # a Q4_K super-block: 256 weights
 
 
 class _ProbeWeights:
-    """A WeightBank's two calls (vector, project) over random constants: the real block graph
+    """A WeightBank's calls (vector, project, swiglu) over random constants: the real block graph
     (StageBuilder.block) at a probe's shape; `packed`: 4-bit codes with a scale and zero point a
     group, the compressed FullyConnected the shards build (WeightBank.packed_linear), else f32."""
 
@@ -319,6 +319,11 @@ class _ProbeWeights:
                 y, ops.constant((self.rng.standard_normal((rows, width)) * 0.02).astype(np.float32)), False, True,
             ).output(0))  # fmt: skip
         return out
+
+    def swiglu(self, x: Any, prefix: str, suffix: str = "") -> Any:
+        from backends.openvino.weights import swiglu_of_projections
+
+        return swiglu_of_projections(self, x, [prefix + f"ffn_{m}{suffix}.weight" for m in ("gate", "up", "down")])
 
     def _linear(self, y: Any, rows: int, cols: int) -> Any:
         import openvino as ov

@@ -141,8 +141,7 @@ class HybridBlocks:
         if h.family.n_experts:  # qwen35moe: routed experts and the gated shared expert
             down = ops.add(moe_ffn(self.w, y, p, h.family), shared_expert(self.w, y, p)).output(0)
         else:
-            gate, up = self.w.project(y, [(p + "ffn_gate.weight", 0), (p + "ffn_up.weight", 0)])
-            (down,) = self.w.project(ops.multiply(ops.swish(gate), up).output(0), [(p + "ffn_down.weight", 0)])
+            down = self.w.swiglu(y, p)
         return ops.add(x, down).output(0)
 
     def attention(self, b: int, y: ov.Output, position_ids: ov.Output, mask: ov.Output, beam_idx: ov.Output,

@@ -171,11 +171,11 @@ class StageBuilder:
                 down = ops.add(down, shared_expert(self.w, y, p)).output(0)
             return ops.add(x, down).output(0)  # [B, L, H]
         # feed-forward (SwiGLU; Gemma: GeGLU)
-        down = self.w.swiglu_ffn(y, p) if fam.ffn_act == "silu" else None  # ggml's, one node
-        if down is None:
+        if fam.ffn_act == "gelu_tanh":
             gate, up = self.w.project(y, [(p + "ffn_gate.weight", 0), (p + "ffn_up.weight", 0)])  # [B, L, F] ×2
-            act = gelu_tanh(gate) if fam.ffn_act == "gelu_tanh" else ops.swish(gate)
-            (down,) = self.w.project(ops.multiply(act, up).output(0), [(p + "ffn_down.weight", 0)])
+            (down,) = self.w.project(ops.multiply(gelu_tanh(gate), up).output(0), [(p + "ffn_down.weight", 0)])
+        else:
+            down = self.w.swiglu(y, p)  # [B, L, H]
         if fam.post_norms:
             down = rms_norm(down, self.w.vector(p + "post_ffw_norm.weight"), h.rms_eps)
         return ops.add(x, down).output(0)  # [B, L, H]

@@ -232,8 +232,7 @@ def _plus_rows(bank, y: ov.Output, name: str, used: ov.Output) -> ov.Output:
 
 def shared_expert(bank, x: ov.Output, prefix: str) -> ov.Output:
     """qwen2moe's shared expert: sigmoid(ffn_gate_inp_shexp · x) · down(silu(gate · x) ⊙ up · x)."""
-    gate, up = bank.project(x, [(prefix + "ffn_gate_shexp.weight", 0), (prefix + "ffn_up_shexp.weight", 0)])
-    (down,) = bank.project(ops.multiply(ops.swish(gate), up).output(0), [(prefix + "ffn_down_shexp.weight", 0)])
+    down = bank.swiglu(x, prefix, "_shexp")
     gate_w = bank.vector(prefix + "ffn_gate_inp_shexp.weight")  # [H]
     g = ops.sigmoid(ops.reduce_sum(ops.multiply(x, gate_w), _i64(-1), keep_dims=True))  # [B, L, 1]
     return ops.multiply(down, g).output(0)

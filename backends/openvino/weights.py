@@ -336,22 +336,20 @@ class WeightBank:
             self.file_maps.append(raw)
         return raw
 
-    def swiglu_ffn(self, x: ov.Output, prefix: str) -> ov.Output | None:
-        """x through block `prefix`'s SwiGLU feed-forward as one GgmlFfn node (llama.cpp's
-        build_ffn, its SiLU included), where the ggml form serves all three matrices and none has
-        a bias or scale; else None (the caller builds it of projections)."""
-        names = [prefix + f"ffn_{m}.weight" for m in ("gate", "up", "down")]
-        if self.kquant != "ggml" or any(n not in self.index.tensors for n in names):
-            return None
+    def swiglu(self, x: ov.Output, prefix: str, suffix: str = "") -> ov.Output:
+        """x through block `prefix`'s SwiGLU feed-forward, down(silu(gate · x) ⊙ up · x), of
+        ffn_gate{suffix}, ffn_up{suffix}, ffn_down{suffix} ("_shexp": a shared expert). In the
+        ggml form, one GgmlFfn node (llama.cpp's build_ffn, its SiLU included) where it serves all
+        three matrices and none has a bias or scale; else of projections."""
+        names = [prefix + f"ffn_{m}{suffix}.weight" for m in ("gate", "up", "down")]
         infos = [self.index.tensors[n] for n in names]
         arch = self.index.hparams.arch
-        if any(t.qtype not in GGML_QTYPES for t in infos) or any(
+        if self.kquant == "ggml" and all(t.qtype in GGML_QTYPES for t in infos) and not any(
                 n.removesuffix(".weight") + ".bias" in self.index.tensors or applied_scale(arch, n, self.index.tensors)
                 for n in names):  # fmt: skip
-            return None
-        ffn, hidden = infos[0].shape[0], infos[2].shape[0]
-        return ggml_kernels.swiglu_ffn(x, [self._file_blocks(n) for n in names], [t.qtype for t in infos],
-                                       ffn, hidden, self.keep)  # fmt: skip
+            return ggml_kernels.swiglu_ffn(x, [self._file_blocks(n) for n in names], [t.qtype for t in infos],
+                                           infos[0].shape[0], infos[2].shape[0], self.keep)  # fmt: skip
+        return swiglu_of_projections(self, x, names)
 
     def quantized_linear(self, x: ov.Output, b: QuantBlocks) -> ov.Output:
         """x [..., in] @ w[out, in]ᵀ for GGML blocks b, exactly (see the module docstring)."""
@@ -468,6 +466,14 @@ def _integer_zero_point_form(b: QuantBlocks) -> tuple[np.ndarray, np.ndarray, np
     4.9 ms with f16 scales, 7.0 ms with f32 ones, 11.3 ms in the exact split form (bench.ov_kernels)."""
     codes, scale, zero = _zero_point_form(b)
     return codes, scale.astype(np.float16), np.clip(np.rint(zero), 0, 255).astype(np.uint8)
+
+
+def swiglu_of_projections(bank, x: ov.Output, names: list[str]) -> ov.Output:
+    """down(silu(gate · x) ⊙ up · x) of the matrices `names` (gate, up, down) built of `bank`'s
+    projections (a WeightBank, or the probe's stand-in)."""
+    gate, up = bank.project(x, [(names[0], 0), (names[1], 0)])
+    (down,) = bank.project(ops.multiply(ops.swish(gate), up).output(0), [(names[2], 0)])
+    return down
 
 
 def linear(x: ov.Output, weight: ov.Output) -> ov.Output:
