@@ -47,25 +47,23 @@ SECTIONS = [
    ' 52 tok/s; llama.cpp 46 and 57). The fast form gains nothing at decode: without VNNI the CPU plugin '
    'takes no int8-activation path. openvino_genai (its own GGUF reader, u4 with integer zero points) '
    'prefills at 0.97x and decodes at 0.51x.'),
+  ('The 8B shape against llama.cpp',
+   "How fast does the ggml form decode and prefill a Llama-3-8B-shaped Q4_K_M file, next to llama.cpp?",
+   'python -m bench.kquant_speed --file llama-3-8b --rows kafila-ggml,llamacpp --rounds 2',
+   "tests/big_gguf.py's random-weight file of Llama-3-8B's shape in Q4_K_M's layout (4.9 GB: Q4_K, Q6_K for"
+   " half the attn_v and ffn_down and the output), 2 threads. Its greedy ids part from llama.cpp's at once:"
+   " random weights give near-tied logits, where float rounding picks the winner."),
   ('Mixture of experts against llama.cpp',
-   'How fast does one Kafila process run a Qwen3-MoE file, next to llama.cpp on the same file?',
-   'python -m bench.kquant_speed --file qwen3moe --rows kafila-exact,kafila-ggml,llamacpp --rounds 2',
-   "bench.llamacpp_speed's random Qwen3-MoE file (12 blocks, hidden 1024, 32 experts of FFN 256, top 4; "
-   "Q4_K_M from llama.cpp's quantizer: experts Q4_K and Q6_K). `kafila-ggml` runs each token through its own"
-   " k experts with ggml's vec_dot on the file's blocks (GgmlMatMulId, llama.cpp's mul_mat_id); the exact "
-   'form Gathers and decompresses the picked experts to f32 first. The greedy ids part from the first token '
-   "on these random files for every Kafila row (near-ties in the router's top-k are the suspect; at the "
-   "tests' shapes every form gives llama.cpp's ids at f32)."),
-  ('gpt-oss against llama.cpp',
-   'How fast does one Kafila process run a gpt-oss file (MXFP4 experts), next to llama.cpp on the same file?',
-   'python -m bench.kquant_speed --file gpt-oss --rows kafila-exact,kafila-ggml,llamacpp --rounds 2',
-   "bench.llamacpp_speed's random gpt-oss file (12 blocks, hidden 1024, 32 experts of FFN 256, top 4, a "
-   "128,256-row vocabulary), MXFP4_MOE from llama.cpp's quantizer: experts MXFP4 (held in their 4.25 bits by"
-   " the ggml form), the other matrices Q8_0. The attention sinks now go in as the SDPA's own sink input, so"
-   ' the CPU plugin keeps its stateful attention with the KV cache updated in place: before, a zero key '
-   "appended for the sink made it copy every layer's cache each step, and the ggml form decoded at 0.35x "
-   '(commit 76ec607, `git log -p` has that table). What is left of the gap: the Q8_0 lm_head (140 MB a '
-   "token, about 4 ms here) and the plugin's per-step work outside the kernels."),
+   'How fast does one Kafila process run a Qwen3-MoE file and a gpt-oss file (MXFP4 experts), next to '
+   'llama.cpp on the same file?',
+   'python -m bench.kquant_speed --file qwen3moe,gpt-oss --rows kafila-exact,kafila-ggml,llamacpp --rounds 2',
+   "bench.llamacpp_speed's random files, 12 blocks, hidden 1024, 32 experts of FFN 256, top 4. Qwen3-MoE: "
+   "Q4_K_M from llama.cpp's quantizer (experts Q4_K and Q6_K). gpt-oss: MXFP4_MOE (experts MXFP4, held in "
+   "their 4.25 bits by the ggml form; the other matrices Q8_0; a 128,256-row vocabulary) with attention "
+   "sinks. `kafila-ggml` runs each token through its own k experts with ggml's vec_dot on the file's blocks "
+   "(GgmlMatMulId, llama.cpp's mul_mat_id); the exact form Gathers and decompresses the picked experts to f32"
+   " first. The greedy ids part from the first token on these random files for every Kafila row (near-ties"
+   " in the router's top-k are the suspect; at the tests' shapes every form gives llama.cpp's ids at f32)."),
   ('Hybrid (Qwen3.5-MoE) against llama.cpp',
    'How fast does one Kafila process run a hybrid file (gated delta-net layers, attention every 4th block, '
    'experts), next to llama.cpp on the same file?',
