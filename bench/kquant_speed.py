@@ -40,6 +40,7 @@ import json
 import os
 import statistics
 import subprocess
+import sys
 import time
 
 import numpy as np
@@ -182,14 +183,14 @@ def build(name: str, path: str, threads: int, prompt_len: int, tokens: int):
 
 def measure(path: str, rows: list[str], args) -> None:
     """Builds `rows` on one file, runs the rounds and prints the file's table."""
-    print(f"\nfile {os.path.basename(path)}")
+    print(f"file {os.path.basename(path)}")
     prompt = prompt_ids(path, args.prompt_tokens)
     runs = {}
     for name in rows:
         t = time.perf_counter()
         runs[name] = build(name, path, args.threads, args.prompt_tokens, args.tokens)
         runs[name](prompt[:16], 4)  # warm-up: compile both shapes' kernels
-        print(f"built {name} in {time.perf_counter() - t:.1f} s", flush=True)
+        print(f"built {name} in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)  # progress, not record
     pre: dict[str, list[float]] = {n: [] for n in rows}
     dec: dict[str, list[float]] = {n: [] for n in rows}
     ids: dict[str, list[int]] = {}

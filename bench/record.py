@@ -122,13 +122,6 @@ SECTIONS = [
    '(commit b2f74e1), 2.26x with it but every draft of a step after a rejection made before it left '
    "(f89dfdb). On this machine drafting ahead still takes the core lock the other stages need. The texts part at serving precision (2 of 4 the same): a near-tie can flip between a 1-row "
    'and a K+1-row step; at f32 drafting changes no token (tests/test_speculate.py).'),
-  ('Churn',
-   'When a member leaves mid-answer, how long until the answers resume, and are they unchanged?',
-   'python -m bench.churn --members 3 --max-tokens 48',
-   'A 3-member session (f32; 4 members is the default) with 4 streaming answers loses a member to kill -9, '
-   'then another to SIGINT. `answers hit mid-answer`: answers with pieces before and after the leave. '
-   'Detection is well inside its 5 s target; the replan and replay seconds are inflated by the load (load '
-   "average about 20 on 2 cores), and every answer resumed to the undisturbed run's exact text."),
   ('Memory',
    "How much memory does Kafila's 1-stage chain take against openvino_genai for the same model?",
    'python -m bench.memory_local --rounds 1',
@@ -169,9 +162,9 @@ verbatim, the CPU with its ISA flags, and the commit. `python -m bench.record --
 command and rebuilds this file; earlier runs are in git (`git log -p docs/BENCHMARKS.md`; the diary
 that code comments cite by section name is `git show 3ba472b:docs/BENCHMARKS.md`, the rooms move's
 `4fd7460`, the table against openvino_genai at 1 and 3 stages `3ddda38`; a ring against one process,
-n-gram speculation and weight transfer `b9b7e05`). They ran on 2-core AMD EPYCs (AVX-512 with VNNI
-and BF16 unless a section says AVX2) shared with other jobs: absolute figures are noisy, and each
-benchmark measures its comparisons side by side, alternating.
+n-gram speculation and weight transfer `b9b7e05`; churn `5e1587d`). They ran on 2-core AMD EPYCs
+(AVX-512 with VNNI and BF16 unless a section says AVX2) shared with other jobs: absolute figures are
+noisy, and each benchmark measures its comparisons side by side, alternating.
 """
 
 def render(out: str) -> str:
