@@ -31,12 +31,12 @@ SECTIONS = [
    'python -m bench.kquant_speed --file qwen1.5b --rows kafila-exact,kafila-fast,kafila-ggml,llamacpp --rounds 2',
    'Each row at its serving defaults, 2 threads, rows alternating round by round; llama.cpp runs in a '
    "process of its own (its OpenMP defaults). `kafila-ggml` is `--kquant ggml`: ggml's kernels on the file's"
-   ' blocks inside the OpenVINO stage (backends/openvino/ggml_kernels.py), the arithmetic llama.cpp runs: '
-   'where ggml has an interleaved layout for the type on this CPU (Q4_K here, not Q6_K), the matrix is '
-   "repacked at the first step and ggml's GEMM/GEMV run on the plugin's own threads, each over a slice of "
-   "the rows; else vec_dot per row. Before the repacked kernels ran on the plugin's threads the ggml form "
-   'prefilled at 0.51x (commit b02a401). The openvino GGUF frontend row is not measured, for the reason '
-   'printed.'),
+   ' blocks inside the OpenVINO stage (backends/openvino/ggml_kernels.py). Each matrix is a ggml mul_mat '
+   "node over a slice of its rows per plugin thread, so ggml picks llama.cpp's kernel: the repacked GEMM/GEMV"
+   " (Q4_K here), its tiled K-quant GEMM for a prompt's rows (Q6_K), vec_dot for one row. A block's SwiGLU "
+   "feed-forward is one node computed as llama.cpp's build_ffn (GgmlFfn). The last table before these two "
+   '(commit d736276, `git log -p`) had the ggml form at 0.85x decode and 0.83x prefill. The openvino GGUF '
+   'frontend row is not measured, for the reason printed.'),
   ('Speed against llama.cpp on an AVX2 CPU',
    'The same question on a CPU without AVX-512 or VNNI: does each form keep its ratio, and where does '
    'openvino_genai stand? (Run on an AVX2-only machine.)',
