@@ -97,7 +97,8 @@ def ggml_reference(qtype: str, raw: np.ndarray, rows: int, cols: int, x: np.ndar
 def _ggml_graph(build, outputs: int, out_shape: tuple[int, int], nbytes: int) -> np.ndarray:
     """Runs `build(lib, ctx, tensor)` (which adds nodes through libggml's public API and returns
     the last) as llama.cpp's CPU backend computes a graph on plain (not repacked) weights; returns
-    that node's values [out_shape]. `tensor(type, cols, rows, array)` makes a tensor holding array."""
+    that node's values [out_shape]. `tensor(type, cols, rows, array, planes=0)` makes a tensor
+    [planes,] rows × cols holding array."""
     import ctypes as C
 
     import llama_cpp  # noqa: F401  (loads libggml-base and libggml-cpu)
@@ -113,8 +114,17 @@ def _ggml_graph(build, outputs: int, out_shape: tuple[int, int], nbytes: int) ->
     base.ggml_init.restype, base.ggml_init.argtypes = C.c_void_p, [InitParams]
     base.ggml_new_tensor_2d.restype = C.c_void_p
     base.ggml_new_tensor_2d.argtypes = [C.c_void_p, C.c_int, C.c_int64, C.c_int64]
-    for binary in ("ggml_mul_mat", "ggml_swiglu_split"):
+    base.ggml_new_tensor_3d.restype = C.c_void_p
+    base.ggml_new_tensor_3d.argtypes = [C.c_void_p, C.c_int, C.c_int64, C.c_int64, C.c_int64]
+    for binary in ("ggml_mul_mat", "ggml_swiglu_split", "ggml_mul", "ggml_add"):
         getattr(base, binary).restype, getattr(base, binary).argtypes = C.c_void_p, [C.c_void_p] * 3
+    for ternary in ("ggml_mul_mat_id", "ggml_add_id"):
+        getattr(base, ternary).restype, getattr(base, ternary).argtypes = C.c_void_p, [C.c_void_p] * 4
+    base.ggml_swiglu_oai.restype = C.c_void_p
+    base.ggml_swiglu_oai.argtypes = [C.c_void_p, C.c_void_p, C.c_void_p, C.c_float, C.c_float]
+    base.ggml_view_2d.restype = C.c_void_p
+    base.ggml_view_2d.argtypes = [C.c_void_p, C.c_void_p, C.c_int64, C.c_int64, C.c_size_t, C.c_size_t]
+    base.ggml_cont.restype, base.ggml_cont.argtypes = C.c_void_p, [C.c_void_p, C.c_void_p]
     base.ggml_new_graph.restype, base.ggml_new_graph.argtypes = C.c_void_p, [C.c_void_p]
     base.ggml_build_forward_expand.argtypes = [C.c_void_p, C.c_void_p]
     base.ggml_get_data.restype, base.ggml_get_data.argtypes = C.c_void_p, [C.c_void_p]
@@ -123,8 +133,9 @@ def _ggml_graph(build, outputs: int, out_shape: tuple[int, int], nbytes: int) ->
     cpu.ggml_cpu_init()
     ctx = base.ggml_init(InitParams(nbytes + (64 << 20), None, False))
     try:
-        def tensor(type_: int, cols: int, rows: int, array: np.ndarray):
-            t = base.ggml_new_tensor_2d(ctx, type_, cols, rows)
+        def tensor(type_: int, cols: int, rows: int, array: np.ndarray, planes: int = 0):
+            t = (base.ggml_new_tensor_3d(ctx, type_, cols, rows, planes) if planes
+                 else base.ggml_new_tensor_2d(ctx, type_, cols, rows))  # fmt: skip
             array = np.ascontiguousarray(array)
             C.memmove(base.ggml_get_data(t), array.ctypes.data, array.nbytes)
             return t
@@ -201,6 +212,55 @@ def test_a_feed_forward_is_llamacpps_build_ffn(n):
         got[repack] = core().compile_model(model, "CPU", SERVING_CONFIG).create_infer_request().infer({0: x})[0].copy()
     assert np.array_equal(got[False], want)
     assert np.abs(got[True] - want).max() <= 1e-5 * np.abs(want).max()
+
+
+@needs_ggml
+@needs_llamacpp
+@pytest.mark.parametrize("T, k, oai", [(1, 2, False), (3, 4, True), (16, 2, False), (32, 4, True)])
+def test_the_experts_are_llamacpps_build_moe_ffn(T, k, oai):
+    """GgmlMoe is llama.cpp's build_moe_ffn after the router, bit for bit: mul_mat_id of gate and
+    up, add_id of their biases, the GLU (swiglu_split, or gpt-oss's swiglu_oai), down, its bias,
+    × the weights, the slots summed in order; for a decode row, a few rows and a prompt's (8 rows
+    an expert and more: the tiled GEMM)."""
+    import openvino as ov
+    import openvino.opset13 as ops
+
+    from backends.openvino import ggml_kernels
+    from backends.openvino.ggml_kernels import type_id
+    from backends.openvino.shard import SERVING_CONFIG, core
+
+    E, hidden, ffn, types = 8, 256, 512, ("Q4_K", "Q5_K", "Q6_K")
+    raws = [random_raw(types[0], E * ffn, hidden, seed=21), random_raw(types[1], E * ffn, hidden, seed=22),
+            random_raw(types[2], E * hidden, ffn, seed=23)]  # fmt: skip
+    rng = np.random.default_rng(24)
+    x = (rng.normal(0, 1, (T, hidden)) * 1e-3).astype(np.float32)
+    ids = np.stack([rng.permutation(E)[:k] for _ in range(T)]).astype(np.int64)
+    w = rng.uniform(0, 1, (T, k)).astype(np.float32)
+    biases = [rng.normal(0, 1, (E, n)).astype(np.float32) for n in (ffn, ffn, hidden)]
+
+    def build(lib, ctx, tensor):
+        xt, it = tensor(0, hidden, 1, x, planes=T), tensor(26, k, T, ids.astype(np.int32))  # f32, i32
+        g = lib.ggml_add_id(ctx, lib.ggml_mul_mat_id(ctx, tensor(type_id(types[0]), hidden, ffn, raws[0], planes=E), xt, it),
+                            tensor(0, ffn, E, biases[0]), it)  # fmt: skip
+        u = lib.ggml_add_id(ctx, lib.ggml_mul_mat_id(ctx, tensor(type_id(types[1]), hidden, ffn, raws[1], planes=E), xt, it),
+                            tensor(0, ffn, E, biases[1]), it)  # fmt: skip
+        a = lib.ggml_swiglu_oai(ctx, g, u, 1.702, 7.0) if oai else lib.ggml_swiglu_split(ctx, g, u)
+        d = lib.ggml_add_id(ctx, lib.ggml_mul_mat_id(ctx, tensor(type_id(types[2]), ffn, hidden, raws[2], planes=E), a, it),
+                            tensor(0, hidden, E, biases[2]), it)  # fmt: skip
+        e = lib.ggml_mul(ctx, d, tensor(0, 1, k, w, planes=T))
+        out = lib.ggml_view_2d(ctx, e, hidden, T, 4 * hidden * k, 0)
+        for j in range(1, k):
+            out = lib.ggml_add(ctx, out, lib.ggml_view_2d(ctx, e, hidden, T, 4 * hidden * k, 4 * hidden * j))
+        return out
+
+    want = _ggml_graph(build, 1, (T, hidden), sum(r.nbytes for r in raws) + 64 * T * k * (ffn + hidden) + (8 << 20))
+    keep: list = []
+    x_in, ids_in, w_in = ops.parameter([-1, hidden], ov.Type.f32), ops.parameter([-1, k], ov.Type.i64), ops.parameter([-1, k], ov.Type.f32)
+    y = ggml_kernels.moe(x_in.output(0), ids_in.output(0), w_in.output(0), [r.copy() for r in raws], list(types), E, ffn,
+                         hidden, keep, oai=oai, biases=[ops.constant(b).output(0) for b in biases])  # fmt: skip
+    model = ov.Model([ops.result(y)], [x_in, ids_in, w_in])
+    got = core().compile_model(model, "CPU", SERVING_CONFIG).create_infer_request().infer({0: x, 1: ids, 2: w})[0]
+    assert np.array_equal(got, want)
 
 
 @needs_ggml

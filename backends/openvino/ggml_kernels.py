@@ -9,8 +9,12 @@ repacked GEMM/GEMV where ggml has an interleaved layout for the type on this CPU
 the matrix at the first step, as llama.cpp does by default: REPACK, below), its tiled K-quant GEMM
 for 8 rows of x or more (a prompt's chunk), `vec_dot` per weight row otherwise. A mixture-of-
 experts block's rows go through `GgmlMatMulId`, each row through its own k experts (llama.cpp's
-mul_mat_id, by vec_dot). That is the arithmetic llama.cpp runs (the same functions of the same
-library), with its activation rounding. The same library
+mul_mat_id, by vec_dot). Where llama.cpp's graph puts a few ggml nodes together the stage has them
+as one node too, so the plugin's own ops (and their cost at each step) sit only between them:
+`GgmlFfn`, a SwiGLU feed-forward (llama.cpp's build_ffn: gate and up, ggml_swiglu_split, down), and
+`GgmlMoe`, a mixture-of-experts feed-forward after its router (build_moe_ffn: mul_mat_id, add_id,
+the GLU, down, the weights, the slots summed in order). That is the arithmetic llama.cpp runs (the
+same functions of the same library), with its activation rounding. The same library
 holds KafilaDeltaRule, a hybrid layer's gated delta rule as one node (`delta_rule`; every form
 uses it where the library loads).
 
@@ -250,6 +254,26 @@ def swiglu_ffn(x, weights: list[np.ndarray], qtypes: list[str], ffn: int, hidden
     attrs = {"gate_type": type_id(qtypes[0]), "up_type": type_id(qtypes[1]), "down_type": type_id(qtypes[2]),
              "ffn": ffn, "hidden": hidden, "repack": repack}  # fmt: skip
     return _factory().create("GgmlFfn", [x, *consts], attrs).output(0)
+
+
+def moe(x, ids, weights, experts: list[np.ndarray], qtypes: list[str], n_experts: int, ffn: int, hidden: int,
+        keep: list, oai: bool = False, biases: list | None = None):
+    """A mixture-of-experts feed-forward as llama.cpp's build_moe_ffn computes it once routed, one
+    GgmlMoe node: x [T, hidden], ids and weights [T, k] (the router's picks and their weights) →
+    [T, hidden] = Σ_j weights[t, j] · down_i(act(gate_i · x_t + b, up_i · x_t + b) + b), i = ids[t, j],
+    summed in slot order; act ggml_swiglu_split, or ggml_swiglu_oai (`oai`: gpt-oss); `experts`
+    the file's blocks of gate, up [E, ffn, hidden] and down [E, hidden, ffn]; `biases` f32
+    outputs [E, ffn], [E, ffn], [E, hidden] where the file has them."""
+    import openvino as ov
+
+    consts = []
+    for raw in experts:
+        flat = np.ascontiguousarray(raw).reshape(-1)
+        keep.append(flat)
+        consts.append(ov.op.Constant(ov.Tensor(flat, shared_memory=True)).output(0))
+    attrs = {"gate_type": type_id(qtypes[0]), "up_type": type_id(qtypes[1]), "down_type": type_id(qtypes[2]),
+             "experts": n_experts, "ffn": ffn, "hidden": hidden, "oai": oai, "bias": biases is not None}  # fmt: skip
+    return _factory().create("GgmlMoe", [x, ids, weights, *consts, *(biases or [])], attrs).output(0)
 
 
 def main() -> int:

@@ -17,6 +17,10 @@ exact (a 0 weight times a finite value), at U/k times the decode FLOPs of a per-
 compute a bandwidth-bound decode step has to spare; a prompt's chunk computes E/k times its
 FFN work.
 
+In the ggml form (`--kquant ggml`) the experts after the router are one GgmlMoe node, llama.cpp's
+own arithmetic on the file's blocks (backends/openvino/ggml_kernels.py), where no per-expert
+scale applies; GgmlMatMulId's rows otherwise.
+
 Expert weights are kept as codes and f32 scales and offsets [E, out, groups, 1]: u4 / i4 codes
 [E, out, groups, group] for Q4_0, Q4_1, Q4_K, Q2_K and Q3_K (two a byte), one byte a code for
 the others (i8 / u8; MXFP4 and IQ4 as their tables' values); F32/F16/BF16 experts are f32
@@ -204,6 +208,8 @@ def _ggml_moe(bank, xt: ov.Output, weights: ov.Output, ids: ov.Output, prefix: s
         raw = np.memmap(bank.index.path, np.uint8, "c", t.offset, (t.n_bytes,))
         return ggml_kernels.matmul_id(x, ids, raw, t.qtype, E, out, cols, bank.keep)
 
+    if (fused := _ggml_moe_node(bank, xt, weights, ids, prefix, fam)) is not None:
+        return fused
     xk = ops.unsqueeze(xt, _i64(1)).output(0)  # [T, 1, H]
     g = _times_picked(bank, experts(xk, "ffn_gate_exps.weight"), prefix + "ffn_gate_exps.scale", ids)  # [T, k, F]
     u = _times_picked(bank, experts(xk, "ffn_up_exps.weight"), prefix + "ffn_up_exps.scale", ids)
@@ -216,6 +222,26 @@ def _ggml_moe(bank, xt: ov.Output, weights: ov.Output, ids: ov.Output, prefix: s
     if fam.expert_biases:
         d = _plus_picked(bank, d, prefix + "ffn_down_exps.bias", ids)
     return ops.reduce_sum(ops.multiply(d, ops.unsqueeze(weights, _i64(2))), _i64(1), keep_dims=False).output(0)
+
+
+def _ggml_moe_node(bank, xt: ov.Output, weights: ov.Output, ids: ov.Output, prefix: str, fam: Family) -> ov.Output | None:
+    """The experts' weighted sum [T, H] as one GgmlMoe node (llama.cpp's build_moe_ffn after the
+    router: its GLU and its slot-order sum included), where no per-expert scale applies and the
+    biases are all three or none; else None."""
+    from backends.openvino import ggml_kernels
+
+    names = [prefix + n for n in EXPERT_TENSORS]
+    biases = [n.removesuffix(".weight") + ".bias" for n in names]
+    have = [b in bank.index.tensors for b in biases]
+    if fam.ffn_act not in ("silu", "swiglu_oai") or any(have) != all(have) or any(
+            _scaled(bank, n.removesuffix(".weight") + ".scale") for n in names):  # fmt: skip
+        return None
+    tensors = [bank.index.tensors[n] for n in names]
+    raws = [np.memmap(bank.index.path, np.uint8, "c", t.offset, (t.n_bytes,)) for t in tensors]
+    E, F, H = tensors[0].shape[0], tensors[0].shape[1], tensors[2].shape[1]
+    bias_outs = [bank._const(bank.index.dequantize(b, np.float32)).output(0) for b in biases] if all(have) else None
+    return ggml_kernels.moe(xt, ids, weights, raws, [t.qtype for t in tensors], E, F, H, bank.keep,
+                            oai=fam.ffn_act == "swiglu_oai", biases=bias_outs)  # fmt: skip
 
 
 def _plus_picked(bank, y: ov.Output, name: str, ids: ov.Output) -> ov.Output:

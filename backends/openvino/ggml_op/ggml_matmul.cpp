@@ -4,7 +4,9 @@
 // kernel llama.cpp's mul_mat picks (repacked GEMM/GEMV, tiled K-quant GEMM, vec_dot), which is the
 // arithmetic llama.cpp runs on a CPU. The CPU plugin has no kernel for this op, so it calls
 // evaluate() once per inference on one thread with the tensors in place; the rows are divided
-// over the plugin's own thread pool here (ov::parallel_for).
+// over the plugin's own thread pool here (ov::parallel_for). GgmlFfn (a SwiGLU feed-forward) and
+// GgmlMoe (a mixture of experts after its router) are several such nodes as one op, as llama.cpp's
+// graph has them; GgmlMatMulId is mixture-of-experts rows by vec_dot.
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
@@ -485,11 +487,197 @@ private:
     int64_t m_cols = 0;
 };
 
+// A 3-D expert tensor [E, rows, cols] of the file's blocks: rows r0..r1 of every expert, as the
+// `as` of a ggml mul_mat_id (plain blocks: llama.cpp's repacked mul_mat_id is not used here, see
+// ggml_kernels.matmul_id).
+static ggml_tensor* experts_slice(ggml_context* ctx, int64_t type, int64_t experts, int64_t rows, int64_t cols,
+                                  const uint8_t* data, int64_t r0, int64_t r1) {
+    const size_t row = ggml_row_size(static_cast<ggml_type>(type), cols);
+    ggml_tensor* t = ggml_new_tensor_3d(ctx, static_cast<ggml_type>(type), cols, r1 - r0, experts);
+    t->data = const_cast<uint8_t*>(data) + r0 * row;
+    t->nb[2] = row * rows;
+    t->nb[3] = t->nb[2] * experts;
+    ggml_set_name(t, "experts");
+    return t;
+}
+
+// GgmlMoe: a mixture-of-experts feed-forward as llama.cpp's build_moe_ffn computes it once the
+// router has picked (ids [T, k]) and weighed (w [T, k]): for row t and slot j with i = ids[t, j],
+// e_j = (W_down[i] · act(W_gate[i] · x_t (+ b_gate[i]), W_up[i] · x_t (+ b_up[i])) (+ b_down[i])) · w[t, j],
+// y_t = e_0 + e_1 + … in slot order; act is ggml_swiglu_split, or ggml_swiglu_oai (gpt-oss). Every
+// step is the ggml node llama.cpp's graph has (mul_mat_id, add_id, the GLU, mul, add), on the
+// file's blocks: only the picked experts are read. Two passes over the plugin's threads: slices of
+// the F hidden units of every expert (gate, up, the GLU), then slices of down's H rows.
+class GgmlMoe : public ov::op::Op {
+public:
+    OPENVINO_OP("GgmlMoe", "kafila");
+
+    GgmlMoe() = default;
+    GgmlMoe(const ov::OutputVector& args, int64_t gate_type, int64_t up_type, int64_t down_type, int64_t experts,
+            int64_t ffn, int64_t hidden, bool oai, bool bias)
+        : Op(args), m_oai(oai), m_bias(bias), m_gate_type(gate_type), m_up_type(up_type), m_down_type(down_type),
+          m_experts(experts), m_ffn(ffn), m_hidden(hidden) {
+        constructor_validate_and_infer_types();
+    }
+
+    void validate_and_infer_types() override {
+        NODE_VALIDATION_CHECK(this, get_input_size() == (m_bias ? 9u : 6u), "x, ids, w, gate, up, down (and their biases)");
+        const Matrix gate(m_gate_type, m_experts * m_ffn, m_hidden, false), up(m_up_type, m_experts * m_ffn, m_hidden, false),
+            down(m_down_type, m_experts * m_hidden, m_ffn, false);
+        size_t port = 3;
+        for (const auto* m : {&gate, &up, &down}) {
+            NODE_VALIDATION_CHECK(this, m->valid(), "ggml type ", m->type, " has no CPU dot product for ", m->cols, " columns");
+            check_weights(this, port++, *m);
+        }
+        NODE_VALIDATION_CHECK(this, get_input_element_type(1).is_integral() && get_input_element_type(2) == ov::element::f32,
+                              "ids must be integers and w f32");
+        const auto& ids = get_input_partial_shape(1);
+        NODE_VALIDATION_CHECK(this, ids.rank().compatible(2) && get_input_partial_shape(2).rank().compatible(2),
+                              "ids and w [T, k]");
+        if (m_bias) {
+            for (const auto& [p, n] : {std::pair<size_t, int64_t>{6, m_ffn}, {7, m_ffn}, {8, m_hidden}}) {
+                const auto& b = get_input_partial_shape(p);
+                NODE_VALIDATION_CHECK(this, get_input_element_type(p) == ov::element::f32 && b.is_static() &&
+                                      ov::shape_size(b.to_shape()) == static_cast<size_t>(m_experts * n),
+                                      "bias ", p, " must be f32 [", m_experts, ", ", n, "]");
+            }
+        }
+        set_output_type(0, ov::element::f32, out_shape(this, m_hidden, m_hidden));
+    }
+
+    std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+        check_new_args_count(this, args);
+        return std::make_shared<GgmlMoe>(args, m_gate_type, m_up_type, m_down_type, m_experts, m_ffn, m_hidden, m_oai, m_bias);
+    }
+
+    bool visit_attributes(ov::AttributeVisitor& visitor) override {
+        visitor.on_attribute("gate_type", m_gate_type);
+        visitor.on_attribute("up_type", m_up_type);
+        visitor.on_attribute("down_type", m_down_type);
+        visitor.on_attribute("experts", m_experts);
+        visitor.on_attribute("ffn", m_ffn);
+        visitor.on_attribute("hidden", m_hidden);
+        visitor.on_attribute("oai", m_oai);
+        visitor.on_attribute("bias", m_bias);
+        return true;
+    }
+
+    bool has_evaluate() const override { return true; }
+
+    bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
+        const ov::Shape is = inputs[1].get_shape();
+        const int64_t T = static_cast<int64_t>(is[0]), k = static_cast<int64_t>(is[1]);
+        OPENVINO_ASSERT(static_cast<int64_t>(ov::shape_size(inputs[0].get_shape())) == T * m_hidden &&
+                        inputs[2].get_shape() == is, "GgmlMoe: x, ids and w disagree on T and k");
+        outputs[0].set_shape(inputs[0].get_shape());
+        // the ids as ggml's i32 [k, T] (the plugin may hand them over as i64), checked
+        thread_local std::vector<int32_t> ids_buf;
+        ids_buf.resize(static_cast<size_t>(T * k));
+        const bool wide = inputs[1].get_element_type() == ov::element::i64;
+        for (size_t p = 0; p < ids_buf.size(); ++p) {
+            const int64_t e = wide ? inputs[1].data<const int64_t>()[p] : inputs[1].data<const int32_t>()[p];
+            OPENVINO_ASSERT(e >= 0 && e < m_experts, "GgmlMoe: expert id ", e, " of ", m_experts);
+            ids_buf[p] = static_cast<int32_t>(e);
+        }
+        int32_t* ids = ids_buf.data();
+        auto* x = const_cast<float*>(inputs[0].data<const float>());
+        auto* w = const_cast<float*>(inputs[2].data<const float>());
+        auto bytes = [&](size_t p) { return static_cast<const uint8_t*>(inputs[p].data()); };
+        auto bias = [&](size_t p) { return m_bias ? const_cast<float*>(inputs[p].data<const float>()) : nullptr; };
+        float* y = outputs[0].data<float>();
+        thread_local std::vector<uint8_t> act_buf;  // [T, k, F], the calling thread's
+        float* act = reinterpret_cast<float*>(scratch(act_buf, static_cast<size_t>(T * k * m_ffn) * sizeof(float)));
+
+        const int64_t per_f = slice_rows(m_ffn);
+        ov::parallel_for(static_cast<size_t>((m_ffn + per_f - 1) / per_f), [&](size_t t) {
+            const int64_t r0 = static_cast<int64_t>(t) * per_f, r1 = std::min(m_ffn, r0 + per_f), n = r1 - r0;
+            compute_moe(static_cast<size_t>(6 * n * k * T) * sizeof(float), [&](ggml_context* leaf, ggml_context* ctx) {  // g, u, their biases, the GLU
+                ggml_tensor* xv = ggml_new_tensor_3d(leaf, GGML_TYPE_F32, m_hidden, 1, T);  // b of mul_mat_id: [H, 1, T]
+                xv->data = x;
+                ggml_set_name(xv, "x");
+                ggml_tensor* it = ids_view(leaf, ids, k, T);
+                auto half = [&](size_t port, int64_t type, size_t bias_port, const char* name) {
+                    ggml_tensor* h = ggml_mul_mat_id(ctx, experts_slice(leaf, type, m_experts, m_ffn, m_hidden, bytes(port), r0, r1), xv, it);
+                    if (m_bias) h = ggml_add_id(ctx, h, bias_view(leaf, bias(bias_port), r0, n, m_ffn), it);
+                    ggml_set_name(h, name);
+                    return h;
+                };
+                ggml_tensor* g = half(3, m_gate_type, 6, "g");
+                ggml_tensor* u = half(4, m_up_type, 7, "u");
+                ggml_tensor* a = m_oai ? ggml_swiglu_oai(ctx, g, u, 1.702f, 7.0f) : ggml_swiglu_split(ctx, g, u);
+                a->data = act + r0;  // [n, k, T] within act's rows of F
+                a->nb[1] = static_cast<size_t>(m_ffn) * sizeof(float);
+                a->nb[2] = a->nb[1] * k;
+                a->nb[3] = a->nb[2] * T;
+                ggml_set_name(a, "a");
+                return a;
+            });
+        });
+        const int64_t per_h = slice_rows(m_hidden);
+        ov::parallel_for(static_cast<size_t>((m_hidden + per_h - 1) / per_h), [&](size_t t) {
+            const int64_t r0 = static_cast<int64_t>(t) * per_h, r1 = std::min(m_hidden, r0 + per_h), n = r1 - r0;
+            compute_moe(static_cast<size_t>((4 * k + 2) * n * T) * sizeof(float), [&](ggml_context* leaf, ggml_context* ctx) {  // d, its bias, e, the adds
+                ggml_tensor* av = ggml_new_tensor_3d(leaf, GGML_TYPE_F32, m_ffn, k, T);
+                av->data = act;
+                ggml_tensor* it = ids_view(leaf, ids, k, T);
+                ggml_tensor* d = ggml_mul_mat_id(ctx, experts_slice(leaf, m_down_type, m_experts, m_hidden, m_ffn, bytes(5), r0, r1), av, it);
+                if (m_bias) d = ggml_add_id(ctx, d, bias_view(leaf, bias(8), r0, n, m_hidden), it);
+                ggml_tensor* wv = ggml_new_tensor_3d(leaf, GGML_TYPE_F32, 1, k, T);
+                wv->data = w;
+                ggml_tensor* e = ggml_mul(ctx, d, wv);  // [n, k, T]
+                ggml_tensor* out = ggml_view_2d(ctx, e, n, T, e->nb[2], 0);
+                for (int64_t j = 1; j < k; ++j) out = ggml_add(ctx, out, ggml_view_2d(ctx, e, n, T, e->nb[2], j * e->nb[1]));
+                if (k == 1) out = ggml_cont(ctx, out);
+                place(out, y, r0, m_hidden, T);  // the last add writes y's columns r0.. itself
+                return out;
+            });
+        });
+        return true;
+    }
+
+private:
+    static ggml_tensor* ids_view(ggml_context* leaf, int32_t* ids, int64_t k, int64_t T) {
+        ggml_tensor* t = ggml_new_tensor_2d(leaf, GGML_TYPE_I32, k, T);
+        t->data = ids;
+        ggml_set_name(t, "ids");
+        return t;
+    }
+    // Columns r0.. (n of them) of a bias [E, width], as add_id's b [n, E].
+    ggml_tensor* bias_view(ggml_context* leaf, float* b, int64_t r0, int64_t n, int64_t width) const {
+        return f32_view(leaf, b + r0, n, m_experts, width, "b");
+    }
+
+    // Like compute_here, with a second context that allocates the intermediate results (`bytes`
+    // of them; the leaves' data are the op's tensors, set by `build`).
+    template <class Build>
+    static void compute_moe(size_t bytes, Build build) {
+        constexpr size_t kNodes = 64;
+        const size_t meta = kNodes * ggml_tensor_overhead() + ggml_graph_overhead_custom(kNodes, false);
+        thread_local std::vector<uint8_t> leaf_buf, node_buf, work;
+        leaf_buf.resize(meta);
+        ggml_context* leaf = ggml_init({meta, leaf_buf.data(), true});
+        const size_t room = meta + bytes + kNodes * 64;  // + each tensor's alignment
+        ggml_context* ctx = ggml_init({room, scratch(node_buf, room), false});
+        ggml_cgraph* graph = ggml_new_graph_custom(ctx, kNodes, false);
+        ggml_build_forward_expand(graph, build(leaf, ctx));
+        ggml_cplan plan = ggml_graph_plan(graph, 1, own_threadpool());
+        plan.work_data = scratch(work, plan.work_size);
+        ggml_graph_compute(graph, &plan);
+        ggml_free(ctx);
+        ggml_free(leaf);
+    }
+
+    bool m_oai = false, m_bias = false;
+    int64_t m_gate_type = 0, m_up_type = 0, m_down_type = 0;
+    int64_t m_experts = 0, m_ffn = 0, m_hidden = 0;
+};
+
 }  // namespace kafila
 
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<kafila::GgmlMatMul>>(),
     std::make_shared<ov::OpExtension<kafila::GgmlFfn>>(),
     std::make_shared<ov::OpExtension<kafila::GgmlMatMulId>>(),
+    std::make_shared<ov::OpExtension<kafila::GgmlMoe>>(),
     std::make_shared<ov::OpExtension<kafila::KafilaDeltaRule>>(),
 }));
