@@ -60,10 +60,13 @@ SECTIONS = [
    "bench.llamacpp_speed's random files, 12 blocks, hidden 1024, 32 experts of FFN 256, top 4. Qwen3-MoE: "
    "Q4_K_M from llama.cpp's quantizer (experts Q4_K and Q6_K). gpt-oss: MXFP4_MOE (experts MXFP4, held in "
    "their 4.25 bits by the ggml form; the other matrices Q8_0; a 128,256-row vocabulary) with attention "
-   "sinks. `kafila-ggml` runs each token through its own k experts with ggml's vec_dot on the file's blocks "
-   "(GgmlMatMulId, llama.cpp's mul_mat_id); the exact form Gathers and decompresses the picked experts to f32"
-   " first. The greedy ids part from the first token on these random files for every Kafila row (near-ties"
-   " in the router's top-k are the suspect; at the tests' shapes every form gives llama.cpp's ids at f32)."),
+   "sinks. `kafila-ggml` runs the experts after the router as one GgmlMoe node, llama.cpp's build_moe_ffn "
+   "on the file's blocks (mul_mat_id, so its tiled GEMM for a prompt's rows of an expert; ggml's GLU; the "
+   "slots summed in order); the exact form Gathers and decompresses the picked experts to f32 first. Before"
+   " GgmlMoe (commit b092aec) the ggml form had Qwen3-MoE at 1.25x decode and 1.03x prefill, gpt-oss at "
+   "0.88x and 0.93x. The greedy ids part from the first token on these random files for every Kafila row "
+   "(near-ties in the router's top-k are the suspect; at the tests' shapes every form gives llama.cpp's ids"
+   " at f32)."),
   ('Hybrid (Qwen3.5-MoE) against llama.cpp',
    'How fast does one Kafila process run a hybrid file (gated delta-net layers, attention every 4th block, '
    'experts), next to llama.cpp on the same file?',
@@ -73,12 +76,11 @@ SECTIONS = [
    "expert; Qwen2's vocabulary), Q4_K_M from llama.cpp's quantizer. A request's live recurrent state is 2.58"
    " MB (215,040 bytes per block; the plan prices it three times, with a verify step's copy and the copy "
    "kept at a prompt's end, and tests/test_arch_hybrid.py checks the stage holds exactly that). The delta "
-   "rule now runs as one op of the Kafila op library (KafilaDeltaRule, llama.cpp's sequential scan) where "
-   "the library loads, and the dense Q4_K matrices in ggml's repacked kernels: the ggml form went from 0.65x"
-   " to 0.78x decode and 0.51x to 0.68x prefill (commit c7d65db had the Loop). The exact row's prefill "
-   'measured lower than at c7d65db (0.17x against 0.26x) on this run; not looked into. As for the MoE files,'
-   " the greedy ids part from the first token on this random file at serving precision; at the tests' shapes"
-   " every form gives llama.cpp's ids at f32. The GGUF frontend row is not measured (as above)."),
+   "rule runs as one op (KafilaDeltaRule, llama.cpp's sequential scan), the experts after the router as "
+   "one GgmlMoe and the shared expert as one GgmlFfn: the ggml form went from 0.78x to 0.85x decode and "
+   "0.68x to 1.46x prefill (commit c648420's table, `git log -p`). As for the MoE files, the greedy ids "
+   "part from the first token on this random file at serving precision; at the tests' shapes every form "
+   "gives llama.cpp's ids at f32. The GGUF frontend row is not measured (as above)."),
   ('Serving precision on this CPU',
    "Which inference precision should serving compile here: is bf16 (the plugin's default on AVX-512-BF16 and"
    ' AMX) faster, and does it keep a question asked again and a split chain answering as before?',
