@@ -15,7 +15,7 @@ from tests.default_model import needs_default_model
 
 pytestmark = [pytest.mark.session, pytest.mark.model, pytest.mark.slow, pytest.mark.timeout(600),
               needs_default_model]
-MAX_NEW = 160  # answers that outlast the 1 s outage on a fast machine too (asserted below)
+MAX_NEW = 320  # answers that outlast the 1 s outage on a fast machine too (asserted below; 160 did not, once)
 
 
 def _log(s: LocalSession, name: str) -> str:
