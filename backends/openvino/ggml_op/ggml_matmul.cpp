@@ -171,6 +171,16 @@ static int64_t slice_rows(int64_t rows) {
     return ((rows + threads - 1) / threads + kGroup - 1) / kGroup * kGroup;
 }
 
+// fn(r0, r1) for each of those slices of `rows`, over the plugin's threads.
+template <class Fn>
+static void for_row_slices(int64_t rows, Fn fn) {
+    const int64_t per = slice_rows(rows);
+    ov::parallel_for(static_cast<size_t>((rows + per - 1) / per), [&](size_t t) {
+        const int64_t r0 = static_cast<int64_t>(t) * per;
+        fn(r0, std::min(rows, r0 + per));
+    });
+}
+
 // An f32 tensor [cols, n] over `data` (row stride `stride` floats), named.
 static ggml_tensor* f32_view(ggml_context* ctx, float* data, int64_t cols, int64_t n, int64_t stride, const char* name) {
     ggml_tensor* t = ggml_new_tensor_2d(ctx, GGML_TYPE_F32, cols, n);
@@ -268,9 +278,7 @@ public:
         auto* x = const_cast<float*>(inputs[0].data<const float>());
         const auto* w = static_cast<const uint8_t*>(inputs[1].data());
         float* y = outputs[0].data<float>();
-        const int64_t per = slice_rows(m_rows);
-        ov::parallel_for(static_cast<size_t>((m_rows + per - 1) / per), [&](size_t t) {
-            const int64_t r0 = static_cast<int64_t>(t) * per, r1 = std::min(m_rows, r0 + per);
+        for_row_slices(m_rows, [&](int64_t r0, int64_t r1) {
             compute_here(1, [&](ggml_context* ctx) {
                 ggml_tensor* yt = ggml_mul_mat(ctx, m_w->slice(ctx, w, r0, r1), f32_view(ctx, x, m_cols, n_x, m_cols, "x"));
                 place(yt, y, r0, m_rows, n_x);
@@ -348,9 +356,7 @@ public:
         float* y = outputs[0].data<float>();
         thread_local std::vector<uint8_t> act_buf;  // the calling thread's: its address is taken here
         float* act = reinterpret_cast<float*>(scratch(act_buf, static_cast<size_t>(n_x * m_ffn) * sizeof(float)));
-        const int64_t per_f = slice_rows(m_ffn);
-        ov::parallel_for(static_cast<size_t>((m_ffn + per_f - 1) / per_f), [&](size_t t) {
-            const int64_t r0 = static_cast<int64_t>(t) * per_f, r1 = std::min(m_ffn, r0 + per_f);
+        for_row_slices(m_ffn, [&](int64_t r0, int64_t r1) {
             thread_local std::vector<uint8_t> gu_buf;
             auto* gu = reinterpret_cast<float*>(scratch(gu_buf, static_cast<size_t>(2 * n_x * (r1 - r0)) * sizeof(float)));
             compute_here(3, [&](ggml_context* ctx) {
@@ -367,9 +373,7 @@ public:
                 return a;
             });
         });
-        const int64_t per_h = slice_rows(m_hidden);
-        ov::parallel_for(static_cast<size_t>((m_hidden + per_h - 1) / per_h), [&](size_t t) {
-            const int64_t r0 = static_cast<int64_t>(t) * per_h, r1 = std::min(m_hidden, r0 + per_h);
+        for_row_slices(m_hidden, [&](int64_t r0, int64_t r1) {
             compute_here(1, [&](ggml_context* ctx) {
                 ggml_tensor* yt = ggml_mul_mat(ctx, m_down->slice(ctx, down, r0, r1), f32_view(ctx, act, m_ffn, n_x, m_ffn, "a"));
                 place(yt, y, r0, m_hidden, n_x);
@@ -588,9 +592,8 @@ public:
         thread_local std::vector<uint8_t> act_buf;  // [T, k, F], the calling thread's
         float* act = reinterpret_cast<float*>(scratch(act_buf, static_cast<size_t>(T * k * m_ffn) * sizeof(float)));
 
-        const int64_t per_f = slice_rows(m_ffn);
-        ov::parallel_for(static_cast<size_t>((m_ffn + per_f - 1) / per_f), [&](size_t t) {
-            const int64_t r0 = static_cast<int64_t>(t) * per_f, r1 = std::min(m_ffn, r0 + per_f), n = r1 - r0;
+        for_row_slices(m_ffn, [&](int64_t r0, int64_t r1) {
+            const int64_t n = r1 - r0;
             compute_moe(static_cast<size_t>(6 * n * k * T) * sizeof(float), [&](ggml_context* leaf, ggml_context* ctx) {  // g, u, their biases, the GLU
                 ggml_tensor* xv = ggml_new_tensor_3d(leaf, GGML_TYPE_F32, m_hidden, 1, T);  // b of mul_mat_id: [H, 1, T]
                 xv->data = x;
@@ -613,9 +616,8 @@ public:
                 return a;
             });
         });
-        const int64_t per_h = slice_rows(m_hidden);
-        ov::parallel_for(static_cast<size_t>((m_hidden + per_h - 1) / per_h), [&](size_t t) {
-            const int64_t r0 = static_cast<int64_t>(t) * per_h, r1 = std::min(m_hidden, r0 + per_h), n = r1 - r0;
+        for_row_slices(m_hidden, [&](int64_t r0, int64_t r1) {
+            const int64_t n = r1 - r0;
             compute_moe(static_cast<size_t>((4 * k + 2) * n * T) * sizeof(float), [&](ggml_context* leaf, ggml_context* ctx) {  // d, its bias, e, the adds
                 ggml_tensor* av = ggml_new_tensor_3d(leaf, GGML_TYPE_F32, m_ffn, k, T);
                 av->data = act;
