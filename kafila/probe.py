@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from kafila.cgroups import cgroup_cpu_quota, cgroup_memory_room_bytes  # noqa: F401 (re-exported)
+from backends.cgroups import cgroup_cpu_quota, cgroup_memory_room_bytes, usable_cpus  # noqa: F401 (re-exported)
 
 MIB = 1 << 20
 BYTES_PER_GB = 1e9
@@ -99,6 +99,8 @@ class ProbeResult:
     block_gbps: float | None = None  # the rate a block's 4-bit weights stream at (openvino)
     head_us: float | None = None  # the head pick's fixed compute (openvino)
     cpu_quota: float | None = None  # CPUs this process's cgroup allows (None: no quota)
+    cpu_period_ms: float | None = None  # the quota's period
+    cpu_burst: float | None = None  # under a quota: its speed while let run over its sustained speed
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -120,6 +122,8 @@ class ProbeResult:
             "block_gbps": self.block_gbps,
             "head_us": self.head_us,
             "cpu_quota": self.cpu_quota,
+            "cpu_period_ms": self.cpu_period_ms,
+            "cpu_burst": self.cpu_burst,
         }
         entry.update(extra)
         return entry
@@ -156,6 +160,10 @@ def probe_device(quick: bool = False, backend: str = "openvino") -> ProbeResult:
         block = _attempt(lambda: measure_block_openvino(settings), errors, "block")
         head = _attempt(lambda: measure_head_openvino(settings), errors, "head")
     block_us, block_gbps = block if block is not None else (None, None)
+    quota = cgroup_cpu_quota()
+    burst = None
+    if backend == "openvino" and quota is not None:
+        burst = _attempt(lambda: [measure_burst_openvino(quota[1])], errors, "burst")
     llc = last_level_cache_bytes()
     return ProbeResult(
         bandwidth_gbps=_median(bandwidth),
@@ -175,7 +183,9 @@ def probe_device(quick: bool = False, backend: str = "openvino") -> ProbeResult:
         block_us=_median(block_us),
         block_gbps=_median(block_gbps),
         head_us=_median(head),
-        cpu_quota=(cgroup_cpu_quota() or (None,))[0],
+        cpu_quota=None if quota is None else quota[0],
+        cpu_period_ms=None if quota is None else quota[1] * 1e3,
+        cpu_burst=_median(burst),
     )
 
 
@@ -280,6 +290,8 @@ WIDE_PROBE_DEEP = 3
 # CPU quota shows in it: a 25 ms run fits inside a 25 % quota's share of one period unthrottled
 BLOCK_PROBE_RUN_S = 0.1
 BLOCK_PROBE_RUNS = 3
+BURST_PERIODS = 10  # quota periods the burst probe spans (10 ms periods: 0.1 s; 100 ms: 1 s)
+BURST_MIN_STEPS = 8
 Q4_GROUP = 32  # weights a 4-bit group shares its scale and zero point with
 Q4_K_BLOCK_BYTES = 144  # a Q4_K super-block: 256 weights
 
@@ -424,6 +436,22 @@ def measure_block_openvino(settings: ProbeSettings) -> tuple[list[float], list[f
     return fixed, rates
 
 
+def measure_burst_openvino(period_s: float) -> float:
+    """Under a CPU quota, how many times faster than its sustained rate a stage computes while
+    the quota lets it run: the wide block's decode steps timed one by one over BURST_PERIODS of
+    the quota's periods, their mean (stalls included) over their lower quartile (steps the
+    quota let through whole: a period's budget holds several). 1 when every step stalls."""
+    step, _ = _step_timer(1, WIDE_PROBE_SHAPE, packed=True)
+    for _ in range(3):  # warm: the first steps allocate
+        step()
+    times: list[float] = []
+    end = time.perf_counter() + BURST_PERIODS * period_s
+    while (start := time.perf_counter()) < end or len(times) < BURST_MIN_STEPS:
+        step()
+        times.append(time.perf_counter() - start)
+    return max(1.0, statistics.fmean(times) / statistics.quantiles(times, n=4)[0])
+
+
 def measure_head_openvino(settings: ProbeSettings) -> list[float]:
     """µs of the head's token pick at the tiny shape: final norm, lm_head, top-1, one inference
     (what the head's pick pays beyond the lm_head's bytes)."""
@@ -521,13 +549,6 @@ def measure_tflops_mlx(settings: ProbeSettings) -> list[float]:
         return 2.0 * n**3
 
     return [rate / 1e12 for rate in _timed_runs(matmul, settings)]
-
-
-def usable_cpus() -> int:
-    try:
-        return max(1, len(os.sched_getaffinity(0)))
-    except AttributeError:  # not Linux
-        return max(1, os.cpu_count() or 1)
 
 
 def free_memory_bytes() -> float:

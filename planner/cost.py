@@ -21,7 +21,10 @@ against the host's probe (kafila/session/control/calibrate.py), 1, 0, 0 where no
 member that shares its machine with others also pays `Model.shared_us` more a stage and
 `Model.shared_scale` times a block: the others' forwards run between its own (unless it runs
 under a CPU quota, `Device.cpu_quota`: its probe's sustained runs already hold the quota's
-stalls, and caches refill while it stalls).
+stalls, and caches refill while it stalls). That sustained cost is what the ring full gets of
+a quota'd member; one request's stage runs in a burst the quota lets through, priced by
+`quota_alone_ms` from the member's figures at its burst speed (`at_burst`) and the quota's
+period (planner.plan's `Plan.alone_ms`).
 
 Units: bandwidth in GB/s (1e9 bytes/s), overhead in µs, every cost returned in ms.
 Bytes / (GB/s) = bytes / (b·1e9) s = bytes / (b·1e6) ms.
@@ -51,7 +54,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import Enum
 
 from planner.fleet import Device, Fleet, Model
@@ -62,7 +65,9 @@ __all__ = [
     "block_limit",
     "bytes_per_block",
     "member_bytes",
+    "at_burst",
     "pick_ms",
+    "quota_alone_ms",
     "shared_cost",
     "sharers",
     "short_bytes",
@@ -71,6 +76,7 @@ __all__ = [
 ]
 
 _MS_PER_US = 1e-3
+QUOTA_PHASES = 64  # arrival phases within a quota period that quota_alone_ms averages over
 _BYTES_PER_GB_MS = 1e6  # bytes moved in one ms at 1 GB/s
 _FLOP_PER_TFLOP_MS = 1e9  # floating-point operations in one ms at 1 TFLOP/s
 FLOP_PER_WEIGHT_BYTE = 2.0
@@ -127,6 +133,60 @@ def pick_ms(device: Device, fleet: Fleet) -> float:
     """The head's token pick in the full tier: its fixed cost and the lm_head's bytes (part of
     the head's stage cost; the head times it apart from its stage's forward)."""
     return (device.head_us or 0.0) * _MS_PER_US + fleet.model.head_read / (_rate(device) * _BYTES_PER_GB_MS)
+
+
+def at_burst(device: Device) -> Device:
+    """`device` as it computes while its CPU quota lets it run: its probe's sustained figures at
+    `cpu_burst`× the speed (times over it, rates times it), and no quota."""
+    s = device.cpu_burst or 1.0
+
+    def faster(v: float | None) -> float | None:
+        return None if v is None else v * s
+
+    def shorter(v: float | None) -> float | None:
+        return None if v is None else v / s
+
+    return replace(device, bandwidth_gbps=faster(device.bandwidth_gbps), block_gbps=faster(device.block_gbps),
+                   tflops=faster(device.tflops), overhead_us=shorter(device.overhead_us),
+                   block_us=shorter(device.block_us), head_us=shorter(device.head_us), cpu_quota=None,
+                   cpu_burst=None)  # fmt: skip
+
+
+def quota_alone_ms(device: Device, burst_ms: float, stage_ms: float, circuit_ms: float) -> float:
+    """One request's stage time on a member under a CPU quota whose stage takes `burst_ms` while
+    the quota lets it run (its cost `at_burst`) and `stage_ms` at its sustained rate, with a
+    token coming round every `circuit_ms`.
+
+    The quota lets it run b = P/s ms of every period P (s: `cpu_burst`), then stalls it to the
+    period's end. Where the k = max(1, P/circuit) tokens of a period fit in b, the stage runs
+    whole at burst speed. Where one token's stage needs more than b, it runs until the budget
+    is spent, waits for the next period, and so on: the mean over the phase of the period it
+    arrives at (`_quota_wait_ms`). Where several tokens a period overflow it, the quota paces
+    the ring: the sustained time."""
+    s, period = device.cpu_burst, device.cpu_period_ms
+    if device.cpu_quota is None or s is None or period is None or s <= 1.0:
+        return stage_ms
+    budget = period / s
+    k = max(1.0, period / circuit_ms) if circuit_ms > 0 else 1.0
+    if k * burst_ms <= budget:
+        return burst_ms
+    if k > 1.0:
+        return stage_ms
+    phases = [period * (i + 0.5) / QUOTA_PHASES for i in range(QUOTA_PHASES)]
+    return min(stage_ms, sum(_quota_wait_ms(burst_ms, budget, period, p) for p in phases) / QUOTA_PHASES)
+
+
+def _quota_wait_ms(work: float, budget: float, period: float, phase: float) -> float:
+    """Wall ms for `work` ms of burst arriving `phase` ms into a quota period with its `budget`
+    unspent: it runs until the budget or the period ends; a spent budget waits for the next."""
+    elapsed, t, left = 0.0, phase, budget
+    while True:
+        run = min(work, left, period - t)
+        work, left, t, elapsed = work - run, left - run, t + run, elapsed + run
+        if work <= 1e-12:
+            return elapsed
+        elapsed += period - t  # the budget is spent or the period over: the next one refills it
+        t, left = 0.0, budget
 
 
 def _rate(device: Device) -> float:

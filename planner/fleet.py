@@ -29,9 +29,11 @@ may give `block_us` (a block's fixed compute beyond its bytes: the backend's dis
 ops, measured), `block_gbps` (the rate weights stream at through the backend's quantized
 matrix-vector products, which a token's bytes pay instead of the plain read `bandwidth_gbps`
 measures), `head_us` (the head's, likewise), `machine` (an identity members on one
-computer share: they compute one at a time, planner.plan prices them so) and `cpu_quota` (the
-CPUs a cgroup quota allows the member: planner.cost prices the stall it meets when a stage
-needs more).
+computer share: they compute one at a time, planner.plan prices them so), `cpu_quota` (the
+CPUs a cgroup quota allows the member), `cpu_period_ms` (the quota's period) and `cpu_burst`
+(how many times faster than its sustained rate the member computes while the quota lets it
+run): the other figures are sustained rates, and planner.cost prices one request's stage as
+the burst the quota lets through, with the stalls it meets when a stage needs more.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ MAX_OVERHEAD_US = 1e8  # 100 s a step
 MAX_TFLOPS = 1e6
 MAX_RTT_MS = 1e6
 MAX_CPUS = 1e5
+MAX_PERIOD_MS = 1e4  # a CFS period (the kernel allows 1 ms .. 1 s)
 MAX_SCALE = 1e3  # a calibration ratio (Model.block_scale, shared_scale)
 MAX_BYTES = 1e15  # one block's or the head's bytes
 MAX_BLOCKS = 100_000
@@ -150,6 +153,8 @@ class Device:
     head_us: float | None = None  # the head's fixed compute (embedding, lm_head, pick), µs
     machine: str | None = None  # members on one machine share its cores (one computes at a time)
     cpu_quota: float | None = None  # CPUs a quota (cgroup) allows this member; None: none set
+    cpu_period_ms: float | None = None  # the quota's period (CFS), ms
+    cpu_burst: float | None = None  # its speed while the quota lets it run over its sustained speed
 
     @property
     def memory_bytes(self) -> float:
@@ -327,6 +332,8 @@ def _devices(data: Mapping[str, Any]) -> tuple[Device, ...]:
                 head_us=_measured(entry, "head_us", where, MAX_OVERHEAD_US, zero_ok=True),
                 machine=None if machine is None else _string(entry, "machine", where),
                 cpu_quota=_measured(entry, "cpu_quota", where, MAX_CPUS),
+                cpu_period_ms=_measured(entry, "cpu_period_ms", where, MAX_PERIOD_MS),
+                cpu_burst=_measured(entry, "cpu_burst", where, MAX_SCALE),
             )
         )
     return tuple(devices)

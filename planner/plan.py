@@ -31,7 +31,7 @@ from typing import Any
 
 from planner.admission import Refusal, choose_tier, refusals
 from planner.baselines import memory_proportional_counts, uniform_counts
-from planner.cost import Tier, pick_ms, stage_cost
+from planner.cost import Tier, at_burst, pick_ms, quota_alone_ms, stage_cost
 from planner.errors import PlanInputError
 from planner.fleet import Device, Fleet, parse_fleet
 from planner.head import place_head
@@ -45,6 +45,7 @@ MAX_PLAN_NAME_CHARS = 64  # as a roster name (kafila.net.roster.MAX_NAME_CHARS)
 MAX_PLAN_BLOCKS = 100_000  # blocks in all
 MAX_STAGE_MS = 1e9
 MAX_SHORT_BYTES = 1 << 62
+ALONE_ROUNDS = 8  # rounds of the quota'd stages' fixed point (planner.plan._alone_ms)
 
 
 def ring_ranges(
@@ -88,6 +89,10 @@ class Plan:
     machines: tuple[str, ...] | None = None
     # of the head's stage_ms, its token pick (the lm_head's bytes and the pick's fixed cost)
     head_ms: float | None = None
+    # one request's stage times where they differ from stage_ms: a member under a CPU quota runs
+    # one request's stage in a burst the quota lets through (stage_ms: its sustained time, what
+    # the ring full gets); None when no member is under a measured quota
+    alone_ms: tuple[float, ...] | None = None
 
     @property
     def machine_ms(self) -> dict[str, float] | None:
@@ -127,10 +132,11 @@ class Plan:
 
     @property
     def predicted_tok_s(self) -> float | None:
-        """1 / (Σ stages + Σ edges), one request at batch size one."""
-        if self.stage_ms is None:
+        """1 / (Σ stages + Σ edges), one request at batch size one (its stages: alone_ms)."""
+        stages = self.alone_ms or self.stage_ms
+        if stages is None:
             return None
-        circuit_ms = sum(self.stage_ms) + self.edges_ms
+        circuit_ms = sum(stages) + self.edges_ms
         return 1000.0 / circuit_ms if circuit_ms > 0 else None
 
     def block_ranges(self) -> dict[str, tuple[int, int]]:
@@ -187,6 +193,7 @@ class Plan:
             refused=_refused(data.get("refused", ())),
             machines=_machines(data.get("machines"), ring),
             head_ms=_ms(data.get("head_ms"), "plan.head_ms"),
+            alone_ms=_stage_ms(data.get("alone_ms"), ring, "alone_ms"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -215,6 +222,8 @@ class Plan:
             out["machines"] = dict(zip(self.ring, self.machines, strict=True))
         if self.head_ms is not None:
             out["head_ms"] = ms(self.head_ms)
+        if self.alone_ms is not None:
+            out["alone_ms"] = {name: ms(s) for name, s in zip(self.ring, self.alone_ms, strict=True)}
         return out
 
 
@@ -224,13 +233,16 @@ def make_plan(fleet: Fleet, policy: Policy | str = Policy.KAFILA) -> Plan:
     tier = choose_tier(fleet.devices)
     ring = order_ring(fleet.devices, fleet.anchor)  # anchor first
     order, counts = _divide(ring, fleet, tier, policy)
-    stages = head_ms = None
+    stages = head_ms = alone = None
+    edges = ring_edges(order)
     if tier is not Tier.MEMORY:
         stages = tuple(
             stage_cost(d, fleet, tier, is_head=(i == 0)).at(n)
             for i, (d, n) in enumerate(zip(order, counts, strict=True))
         )
         head_ms = pick_ms(order[0], fleet) if tier is Tier.FULL else 0.0
+        if tier is Tier.FULL:
+            alone = _alone_ms(order, counts, fleet, stages, sum(e.ms for e in edges if e.ms is not None))
     refused = refusals(order, counts, fleet)
     return Plan(
         feasible=not refused,
@@ -240,11 +252,29 @@ def make_plan(fleet: Fleet, policy: Policy | str = Policy.KAFILA) -> Plan:
         ring=tuple(d.name for d in order),
         blocks=counts,
         stage_ms=stages,
-        edges=ring_edges(order),
+        edges=edges,
         refused=refused,
         machines=_machine_names(order),
         head_ms=head_ms,
+        alone_ms=alone,
     )
+
+
+def _alone_ms(order: tuple[Device, ...], counts: tuple[int, ...], fleet: Fleet, stages: tuple[float, ...],
+              edges_ms: float) -> tuple[float, ...] | None:
+    """One request's stage times where a member's CPU quota lets its stage through in a burst
+    (planner.cost.quota_alone_ms), None where no member's is measured. A quota'd stage's time
+    depends on the circuit, which depends on it: a few rounds settle it (a longer circuit asks
+    less of each period)."""
+    if not any(d.cpu_quota is not None and d.cpu_burst for d in order):
+        return None
+    burst = [stage_cost(at_burst(d), fleet, Tier.FULL, is_head=i == 0).at(n)
+             for i, (d, n) in enumerate(zip(order, counts, strict=True))]  # fmt: skip
+    alone = stages
+    for _ in range(ALONE_ROUNDS):
+        circuit = sum(alone) + edges_ms
+        alone = tuple(quota_alone_ms(d, b, ms, circuit) for d, b, ms in zip(order, burst, stages, strict=True))
+    return alone
 
 
 def _machine_names(order: tuple[Device, ...]) -> tuple[str, ...] | None:
@@ -298,16 +328,16 @@ def _ms(value: Any, what: str) -> float | None:
     return float(value)
 
 
-def _stage_ms(value: Any, ring: list[str]) -> tuple[float, ...] | None:
+def _stage_ms(value: Any, ring: list[str], key: str = "stage_ms") -> tuple[float, ...] | None:
     if value is None:
         return None
     if not isinstance(value, Mapping) or not set(value) <= set(ring):
-        raise PlanInputError("plan.stage_ms must map the ring's members to ms")
-    stages = [_ms(value.get(n), f"plan.stage_ms[{n!r}]") for n in ring]
+        raise PlanInputError(f"plan.{key} must map the ring's members to ms")
+    stages = [_ms(value.get(n), f"plan.{key}[{n!r}]") for n in ring]
     if all(s is None for s in stages):
         return None  # the memory tier prices nothing
     if any(s is None for s in stages):
-        raise PlanInputError("plan.stage_ms prices some members and not others")
+        raise PlanInputError(f"plan.{key} prices some members and not others")
     return tuple(s for s in stages if s is not None)
 
 

@@ -432,6 +432,29 @@ def test_nat_probe_waits_for_filtering_before_contacting_p2() -> None:
     assert FILTER_WAIT_S > 0.1
 
 
+def test_nat_probe_rtt_is_the_shortest_of_samples_sent_apart() -> None:
+    """The RTT samples leave RTT_SPACING_S apart, and the report keeps the shortest: a stall of
+    the member's machine (a CPU quota's period) delayed samples sent together alike, and edges
+    priced from it made a throttled ring look 2x slower than it ran."""
+    from kafila.net.natcheck import RTT_SAMPLES, RTT_SPACING_S
+
+    rv = ("203.0.113.1", 7000)
+    responder = StunResponder(port2=7001)
+    probe, now, sent = NatProbe(rv, 0.0), 0.0, []
+    while not probe.done and now < 10.0:
+        for data, dest in probe.datagrams_to_send(now):
+            if dest == rv and stun.parse_message(data).attributes.get("CHANGE-REQUEST") is None:
+                sent.append(now)
+                late = 0.030 if len(sent) == 1 else 0.005  # the first answer meets a stalled period
+                probe.receive(responder.respond(data, ("198.51.100.1", 40000), 0)[0], rv, now + late)
+        timer = probe.get_timer()
+        now = max(now + 0.001, timer if timer is not None else now + 0.05)
+        probe.handle_timer(now)
+    assert len(sent) == RTT_SAMPLES
+    assert [round(b - a, 3) for a, b in zip(sent, sent[1:])] == [RTT_SPACING_S] * (RTT_SAMPLES - 1)
+    assert probe.report().rtt_ms == pytest.approx(5.0)
+
+
 def test_nat_probe_without_rendezvous_fails_with_a_clear_reason() -> None:
     probe = NatProbe(("203.0.113.1", 7000), 0.0)
     now = 0.0

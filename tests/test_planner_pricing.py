@@ -124,3 +124,49 @@ def test_the_models_own_block_timing_scales_each_stage_and_sharing_a_machine_add
     q = make_plan(parse_fleet({**fleet, "model": shared, "devices": quota}))
     b = q.ring.index("b")
     assert q.stage_ms[b] == pytest.approx(10e-3 + q.blocks[b] * per)
+
+
+def test_a_member_under_a_cpu_quota_runs_one_requests_stage_in_a_burst():
+    """The probe's figures under a quota are sustained rates; while the quota lets it run the
+    member computes cpu_burst× faster. One request's stage runs whole where the period's budget
+    holds it (alone_ms), the ring full still gets the sustained time (stage_ms)."""
+    from planner import Plan, make_plan, parse_fleet
+    from planner.cost import at_burst, quota_alone_ms
+    from planner.fleet import Device
+
+    slow = {"memory_gb": 16, "bandwidth_gbps": 5, "overhead_us": 40, "block_us": 200, "block_gbps": 2.5, "head_us": 30}
+    fast = {k: (v * 4 if k in ("bandwidth_gbps", "block_gbps") else v / 4 if k.endswith("_us") else v)
+            for k, v in slow.items()}  # fmt: skip
+    model = {"name": "m", "blocks": 12, "block_bytes": 1e6, "head_bytes": 2e6, "kv_bytes_per_token_per_block": 0}
+    fleet = {"context": 64, "concurrency": 1, "anchor": "a", "model": model,
+             "devices": [{"name": "a", **fast}, {"name": "b", **slow, "cpu_quota": 0.25, "cpu_period_ms": 10,
+                                                 "cpu_burst": 4}]}  # fmt: skip
+    plan = make_plan(parse_fleet(fleet))
+    a, b = plan.ring.index("a"), plan.ring.index("b")
+    unthrottled = make_plan(parse_fleet({**fleet, "devices": [{"name": "a", **fast}, {"name": "b", **fast}]}))
+    # at its burst the quota'd member costs what the same device unthrottled costs
+    from planner.cost import Tier, stage_cost
+
+    fleet_parsed = parse_fleet(fleet)
+    dev_b = next(d for d in fleet_parsed.devices if d.name == "b")
+    burst = stage_cost(at_burst(dev_b), fleet_parsed, Tier.FULL, is_head=False).at(plan.blocks[b])
+    plain_b = stage_cost(next(d for d in parse_fleet(
+        {**fleet, "devices": [{"name": "a", **fast}, {"name": "b", **fast}]}).devices if d.name == "b"),
+        fleet_parsed, Tier.FULL, is_head=False).at(plan.blocks[b])  # fmt: skip
+    assert burst == pytest.approx(plain_b)
+    assert unthrottled.alone_ms is None
+    assert plan.alone_ms is not None and plan.alone_ms[a] == plan.stage_ms[a]
+    assert plan.alone_ms[b] == pytest.approx(burst) and plan.alone_ms[b] < plan.stage_ms[b]
+    assert plan.predicted_tok_s == pytest.approx(1000 / (plan.alone_ms[a] + plan.alone_ms[b]))
+    back = Plan.from_json(plan.to_json())
+    assert back.alone_ms == pytest.approx(plan.alone_ms) and back.predicted_tok_s == pytest.approx(plan.predicted_tok_s)
+
+    quota = Device("q", 16, 5, 40, cpu_quota=0.25, cpu_period_ms=10, cpu_burst=4)  # budget: 2.5 ms a period
+    assert quota_alone_ms(quota, 2.0, 8.0, circuit_ms=10) == 2.0  # fits the period's budget
+    assert quota_alone_ms(quota, 2.0, 8.0, circuit_ms=2.5) == 8.0  # 4 tokens a period: the quota paces it
+    # 4 ms of burst alone, arriving φ into a period with 2.5 ms to run: 2.5 ms run, then a wait
+    # for the period's end (7.5 − φ ms, when the period is not over first), then 1.5 ms run
+    # (a second wait when φ > 8.5: 10 − φ run, wait 7.5, the rest): the mean over φ
+    waits = [max(0.0, 7.5 - p) + (7.5 if p > 8.5 else 0.0) for p in (10 * (i + 0.5) / 64 for i in range(64))]
+    assert quota_alone_ms(quota, 4.0, 16.0, circuit_ms=20) == pytest.approx(4.0 + sum(waits) / 64)
+    assert quota_alone_ms(Device("n", 16, 5, 40), 2.0, 8.0, circuit_ms=10) == 8.0  # no quota: sustained

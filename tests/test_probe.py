@@ -177,3 +177,27 @@ def test_cgroup_cpu_quota_v1_and_v2(tmp_path: Path) -> None:
     assert cgroup_cpu_quota(tmp_path / "v2", tmp_path / "self2") == (0.5, 0.1)
     _write(tmp_path / "v2/job/cpu.max", "max 100000\n")
     assert cgroup_cpu_quota(tmp_path / "v2", tmp_path / "self2") is None
+
+
+def test_a_member_under_a_cpu_quota_computes_on_the_quotas_threads_and_measures_its_burst() -> None:
+    """Under a real cgroup quota of a quarter CPU (as `--throttle m2=0.25` runs a member): the
+    probe reports the quota, its period and how much faster than sustained the member computes
+    while let run; OpenVINO computes on one thread (more only spend the quota spinning)."""
+    from kafila.tooling.throttle import CpuQuota
+
+    quota = CpuQuota.create("probe-test", 0.25)
+    try:
+        code = ("import json; from kafila.probe import probe_device; from backends.openvino.shard import core; "
+                "p = probe_device(quick=True).to_json(); "
+                "p['threads_used'] = core().get_property('CPU', 'INFERENCE_NUM_THREADS'); print(json.dumps(p))")  # fmt: skip
+        done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                              preexec_fn=quota.preexec(), check=False)  # fmt: skip
+    finally:
+        quota.remove()
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["cpu_quota"] == 0.25 and out["cpu_period_ms"] == 10.0 and out["threads_used"] == 1
+    # one thread at a quarter of a CPU: runs of ~2.5 ms in every 10, so well over 1.5× while let run
+    assert out["cpu_burst"] > 1.5, out
+    device = ProbeResult(**{k: v for k, v in out.items() if k != "threads_used"}).fleet_device("q")
+    assert device["cpu_burst"] == out["cpu_burst"] and device["cpu_period_ms"] == 10.0

@@ -27,6 +27,7 @@ import numpy as np
 import openvino as ov
 
 from backends import memory
+from backends.cgroups import quota_threads
 from backends.base import HeadOps, ShardSpec
 from backends.gguf import ModelIndex, open_model
 from backends.openvino import ggml_kernels
@@ -102,8 +103,13 @@ COMPACT_DEAD = 256
 
 @functools.lru_cache(maxsize=1)
 def core() -> ov.Core:
-    """The process's one OpenVINO Core (created on first use, never at import)."""
-    return ov.Core()
+    """The process's one OpenVINO Core (created on first use, never at import), computing on as
+    many threads as a CPU quota allows (backends.cgroups.quota_threads)."""
+    made = ov.Core()
+    threads = quota_threads()
+    if threads is not None:
+        made.set_property("CPU", {"INFERENCE_NUM_THREADS": threads})
+    return made
 
 
 class OpenVINOShard(HeadOps):

@@ -16,7 +16,9 @@ does it send a binding request to P2 and compare the mapped addresses:
               EIM + endpoint-independent (or not-port-dependent) filtering -> permissive
               otherwise -> ordinary                                 (Kafila §V-B, RFC 4787)
 
-`rtt_ms` is the median round trip of the P1 binding requests. Drive it like aioquic:
+`rtt_ms` is the shortest round trip of the P1 binding requests: the path's own time (a stall of
+the machine that answers or sends, such as a CPU quota, adds to some samples, not to the path,
+and the planner prices the path). Drive it like aioquic:
 `datagrams_to_send(now)`, `receive(data, src, now)`, `get_timer()`, `handle_timer(now)`; read
 `report()` once `done`.
 """
@@ -24,7 +26,6 @@ does it send a binding request to P2 and compare the mapped addresses:
 from __future__ import annotations
 
 import os
-import statistics
 from dataclasses import asdict, dataclass
 
 from aioice import stun
@@ -37,6 +38,9 @@ from rendezvous.stun import CHANGE_IP, CHANGE_PORT
 Address = tuple[str, int]
 
 RTT_SAMPLES = 3
+# the samples leave this far apart: a moment's stall of either machine (a CPU quota's period, a
+# busy core) delays samples sent together alike, and the shortest is the path's own time
+RTT_SPACING_S = 0.05
 RETRANSMIT_S = 0.15
 FILTER_WAIT_S = 0.6  # how long an answer from the other port may take before we call it filtered
 PROBE_TIMEOUT_S = 3.0  # no answer from P1 at all within this: the rendezvous is unreachable
@@ -53,7 +57,7 @@ class NatReport:
 
     nat: str  # permissive | ordinary | restrictive
     mapped: str  # "ip:port" as the rendezvous saw this socket
-    rtt_ms: float  # median round trip to the rendezvous
+    rtt_ms: float  # shortest round trip to the rendezvous
     filtering: str
     mapping: str
 
@@ -93,6 +97,7 @@ class _Txn:
     dest: Address
     change: int
     created: float
+    not_before: float = 0.0  # not sent before this time
     last_sent: float | None = None
     answered: float | None = None
     mapped: Address | None = None
@@ -110,12 +115,12 @@ class NatProbe:
         self._p2_created = False
         self.done = False
         self.error: ProtocolError | None = None
-        for _ in range(RTT_SAMPLES):
-            self._new("rtt", primary, 0, now)
+        for i in range(RTT_SAMPLES):
+            self._new("rtt", primary, 0, now, not_before=now + i * RTT_SPACING_S)
         self._new("change-port", primary, CHANGE_PORT, now)
 
-    def _new(self, kind: str, dest: Address, change: int, now: float) -> None:
-        self._txns[os.urandom(12)] = _Txn(kind, dest, change, now)
+    def _new(self, kind: str, dest: Address, change: int, now: float, not_before: float = 0.0) -> None:
+        self._txns[os.urandom(12)] = _Txn(kind, dest, change, now, not_before)
 
     def _of(self, kind: str) -> list[_Txn]:
         return [t for t in self._txns.values() if t.kind == kind]
@@ -131,7 +136,7 @@ class NatProbe:
     def datagrams_to_send(self, now: float) -> list[tuple[bytes, Address]]:
         out = []
         for txid, txn in self._txns.items():
-            if self.done or not self._waiting(txn, now):
+            if self.done or not self._waiting(txn, now) or now < txn.not_before:
                 continue
             if txn.last_sent is None or now - txn.last_sent >= RETRANSMIT_S:
                 request = stun.Message(stun.Method.BINDING, stun.Class.REQUEST, transaction_id=txid)
@@ -174,8 +179,10 @@ class NatProbe:
         times = []
         for txn in self._txns.values():
             if txn.answered is None:
-                base = txn.last_sent if txn.last_sent is not None else txn.created
-                times.append(base + RETRANSMIT_S)
+                if txn.last_sent is None and txn.not_before > txn.created:
+                    times.append(txn.not_before)
+                else:
+                    times.append((txn.last_sent if txn.last_sent is not None else txn.created) + RETRANSMIT_S)
         return min(times) if times else self.started + PROBE_TIMEOUT_S
 
     def handle_timer(self, now: float) -> None:
@@ -227,7 +234,7 @@ class NatProbe:
             filtering = ADF if self.alternate else NPDF
         else:
             filtering = PDF
-        rtt_ms = 1000.0 * statistics.median(t.rtt_s for t in rtts if t.rtt_s is not None)
+        rtt_ms = 1000.0 * min(t.rtt_s for t in rtts if t.rtt_s is not None)
         return NatReport(
             nat=classify(mapping, filtering), mapped=f"{first[0]}:{first[1]}",
             rtt_ms=round(rtt_ms, 3), filtering=filtering, mapping=mapping,

@@ -27,7 +27,7 @@ class MemberInfo:
     name: str
     descriptor: dict
     nat: str  # permissive | ordinary | restrictive
-    rtt_ms: float  # median round trip to the rendezvous
+    rtt_ms: float  # shortest round trip to the rendezvous
     fingerprint: str  # SHA-256 of its edge certificate, hex
     candidates: tuple[Address, ...]  # addresses to punch: mapped first, then local
     peer_id: int = 0  # its id at the rendezvous (the host is 0)

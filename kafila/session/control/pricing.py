@@ -21,7 +21,7 @@ from typing import Any
 from backends.errors import Refused
 
 PROBE_FIELDS = ("bandwidth_gbps", "overhead_us", "tflops", "block_us", "block_gbps", "head_us", "cpu_quota",
-                "machine")
+                "cpu_period_ms", "cpu_burst", "machine")
 # With --concurrency auto the context is capped so that memory holds this many requests at it
 # (as llama-server's default parallel slots); auto then gives as many slots as memory holds.
 CONTEXT_ROOM_REQUESTS = 4
@@ -88,11 +88,12 @@ def choose_context(fleet: dict, asked: int | None, model_context: int, model_nam
 def predictions(plan: dict | None, stage_ms: dict, tok_s: float | None) -> dict:
     """Predicted beside measured: per stage ms with |predicted − measured| / measured, and tok/s
     (one request: 1 / the circuit). The head's stage is compared without its token pick (the
-    plan's `head_ms`: the lm_head and the pick), which a member times apart from its stage."""
+    plan's `head_ms`: the lm_head and the pick), which a member times apart from its stage. A
+    member under a CPU quota is compared at one request's time (the plan's `alone_ms`)."""
     from kafila.session.control.preview import predicted_tok_s
 
     plan = plan or {}
-    predicted = plan.get("stage_ms") or {}
+    predicted = plan.get("alone_ms") or plan.get("stage_ms") or {}
     pick = plan.get("head_ms") or 0.0
     stages = {}
     for name in plan.get("ring") or []:

@@ -184,6 +184,8 @@ class Stage:
 
         # measured on what it will serve on; members of one machine probe one at a time
         p = alone_on_machine(lambda: probe_device(quick=True, backend=self.cfg.backend))
+        if p.cpu_period_ms:  # the probe spent a CPU quota's budget: let it refill before the join's
+            time.sleep(2 * p.cpu_period_ms / 1e3)  # RTT samples, or they wait out a stalled period
         figures = {k: getattr(p, k) for k in PROBE_FIELDS if k != "machine"}  # what the host plans with
         return {"backend": self.cfg.backend, "probed_on": p.backend, "memory_gb": round(p.memory_gb, 3), **figures,
                 "machine": machine_id(), "protocol": control.PROTOCOL, "version": __version__}  # fmt: skip
