@@ -154,9 +154,9 @@ SECTIONS = [
    "median over the answer of the head's moving average) and the answer's tok/s. The quota'd member (25 %, "
    "10 ms periods) computes on one thread and is priced, for one request, at the burst its quota lets through"
    " (planner.cost.quota_alone_ms); before, at its sustained rate, it was off by 212 % (f89dfdb). Stages "
-   "measure 0-18 % over their prediction: the other members' network work runs beside a forward on these 2 "
+   "measure 0-27 % over their prediction: the other members' network work runs beside a forward on these 2 "
    "cores, which the host's block timing does not see; the tok/s prediction leaves out each hop's processing "
-   "(about 0.8 ms a hop here), so it is 1.15-1.4x high. Run to run: median 8-13 %, worst 18-26 %."),
+   "(about 0.8 ms a hop here), so it is 1.15-1.4x high. Over five runs of this commit and the one before: median 8-14 %, worst 18-27 %."),
 ]
 
 HEAD = """# Kafila benchmarks: the current record
