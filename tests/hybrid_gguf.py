@@ -34,12 +34,15 @@ EXPERTS = dict(count=8, used=2, ffn=32, shared_ffn=48)
 
 def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = False, arch: str = "",
                       blocks: int = 0, tokenizer: bool = False, shape: dict | None = None,
-                      experts: dict | None = None) -> str:
+                      experts: dict | None = None, mtp: bool = False) -> str:
     """The file (module docstring); `blocks`: another block count (attention every second one);
     `tokenizer`: Qwen2's real tokenizer (llama.cpp's ggml-vocab-qwen2.gguf) and its vocabulary
     instead of the 512 ids, for sessions that take text; `shape` / `experts`: SHAPE's and
     EXPERTS' entries replaced (bench.llamacpp_speed's larger file), the matrices' random values
-    scaled by sqrt(64 / hidden) so that a wider model's activations stay as tame."""
+    scaled by sqrt(64 / hidden) so that a wider model's activations stay as tame; `mtp`: one
+    multi-token-prediction block after the trunk's (nextn_predict_layers 1, counted in
+    block_count): a full-attention block with nextn.eh_proj, enorm, hnorm and shared_head_norm,
+    as llama.cpp's qwen35 loader reads it (its main pass never runs it)."""
     s = {**SHAPE, **(shape or {})}
     s["blocks"] = blocks or s["blocks"]
     ex = dict(EXPERTS, **(experts or {}))
@@ -50,7 +53,9 @@ def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = Fal
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"kafila-test-{arch}")
-    w.add_block_count(s["blocks"])
+    w.add_block_count(s["blocks"] + int(mtp))
+    if mtp:
+        w.add_uint32(f"{arch}.nextn_predict_layers", 1)
     w.add_context_length(4096)
     w.add_embedding_length(s["hidden"])
     w.add_feed_forward_length(s["ffn"])
@@ -93,11 +98,16 @@ def write_qwen35_gguf(path: str | os.PathLike, *, seed: int = 0, moe: bool = Fal
     add("token_embd.weight", (s["vocab"], H), 1.0)  # tied: also the lm_head
     add("output_norm.weight", (H,), 0.1, 1.0)
     key_dim, value_dim = s["k_heads"] * s["state"], s["v_heads"] * s["state"]
-    for b in range(s["blocks"]):
+    for b in range(s["blocks"] + int(mtp)):
         p = f"blk.{b}."
         add(p + "attn_norm.weight", (H,), 0.1, 1.0)
         add(p + "post_attention_norm.weight", (H,), 0.1, 1.0)
-        if (b + 1) % s["interval"] == 0:  # full attention
+        if b == s["blocks"]:  # the MTP block's own part
+            add(p + "nextn.eh_proj.weight", (H, 2 * H), 0.2)
+            add(p + "nextn.enorm.weight", (H,), 0.1, 1.0)
+            add(p + "nextn.hnorm.weight", (H,), 0.1, 1.0)
+            add(p + "nextn.shared_head_norm.weight", (H,), 0.1, 1.0)
+        if (b + 1) % s["interval"] == 0 or b == s["blocks"]:  # full attention
             add(p + "attn_q.weight", (s["heads"] * D * 2, H), 0.25)
             add(p + "attn_k.weight", (s["kv_heads"] * D, H), 0.25)
             add(p + "attn_v.weight", (s["kv_heads"] * D, H), 0.3)

@@ -21,7 +21,12 @@ from one fused ssm_ba [2·Hv, H] laid out per key head (its r = Hv/Hk betas, the
 value head j reads key head j // r (llama.cpp's repeat-interleave, not qwen35's tiling); q|k|v and z
 come from attn_qkv and attn_gate, or from the legacy fused ssm_in [Hk·(2S + 2rS), H] laid out per
 key head (q S, k S, v r·S, z r·S); llama.cpp applies no .scale of the delta-net matrices.
-Multi-token-prediction (nextn) blocks are refused here (not yet served).
+A file may carry multi-token-prediction blocks (`nextn_predict_layers` = 1, counted in
+block_count, after the trunk's): llama.cpp's main pass never runs them, and `n_blocks` is the
+trunk's. Each is a gated full-attention block (a qwen35moe one with its experts) plus nextn.enorm,
+nextn.hnorm and nextn.eh_proj [2H → H], and optionally nextn.shared_head_norm,
+nextn.shared_head_head and nextn.embed_tokens (else the model's output_norm, output and
+token_embd): `--speculate mtp` drafts with it (backends/openvino/mtp.py).
 """
 
 from __future__ import annotations
@@ -45,11 +50,13 @@ DELTA_NET_TENSORS = ("attn_qkv.weight", "attn_gate.weight", "ssm_conv1d.weight",
 QWEN3NEXT_DELTA_NET_TENSORS = ("ssm_conv1d.weight", "ssm_dt.bias", "ssm_a", "ssm_ba.weight", "ssm_norm.weight",
                                "ssm_out.weight")  # fmt: skip; and attn_qkv + attn_gate, or ssm_in
 DEFAULT_FULL_ATTENTION_INTERVAL = 4  # llama.cpp's default for qwen35
+MTP_TENSORS = ("nextn.eh_proj.weight", "nextn.enorm.weight", "nextn.hnorm.weight")
+MTP_OPTIONAL = ("nextn.shared_head_norm.weight", "nextn.shared_head_head.weight", "nextn.embed_tokens.weight")
 
 
 @dataclass(frozen=True)
 class HybridParams:
-    recurrent: tuple[bool, ...]  # per block: a gated delta-net layer (else gated full attention)
+    recurrent: tuple[bool, ...]  # per block, the MTP blocks' too: a gated delta-net layer (else attention)
     rope_dims: int  # RoPE rotates the first rope_dims of each head (NEOX halves), the rest pass
     rope_sections: tuple[int, int, int, int] | None  # IMROPE sections (text: every section sees the
     #                                                  position); None: plain NEOX (qwen3next)
@@ -58,6 +65,12 @@ class HybridParams:
     v_heads: int  # Hv (a multiple of Hk; value head j reads key head j mod Hk, as llama.cpp tiles)
     state: int  # S: key and value head size of the delta rule
     interleaved: bool = False  # qwen3next: value head j reads key head j // (Hv/Hk); β, α from ssm_ba
+    mtp_blocks: int = 0  # multi-token-prediction blocks after the trunk's (block_count − n_blocks)
+
+    @property
+    def trunk(self) -> tuple[bool, ...]:
+        """`recurrent` of the trunk's blocks (the model's n_blocks)."""
+        return self.recurrent[: len(self.recurrent) - self.mtp_blocks]
 
     def rope_inv_freq(self, base: float) -> np.ndarray:
         """[rope_dims/2] the gated attention's RoPE frequencies: IMROPE's (imrope_inv_freq), or
@@ -79,31 +92,45 @@ class HybridParams:
         return bytes_per_value * ((self.conv_kernel - 1) * self.conv_channels + self.v_heads * self.state ** 2)
 
 
-def hybrid_params(path: str, arch: str, hp, tensors: dict, n_blocks: int, head_dim: int) -> HybridParams:
-    """The hybrid part of a `qwen35` file, checked against its tensors (BadInput on a mismatch)."""
-    if int(hp("nextn_predict_layers", 0)):
-        raise BadInput(f"GGUF {path}: {arch} with multi-token-prediction (nextn) layers is not served yet")
+def mtp_block_count(path: str, arch: str, hp, block_count: int) -> int:
+    """The file's multi-token-prediction blocks (`nextn_predict_layers`): 0 or 1 (llama.cpp runs
+    one), and never every block (a trunk to draft for)."""
+    mtp = int(hp("nextn_predict_layers", 0))
+    if mtp and (arch not in ("qwen35", "qwen35moe") or mtp != 1 or mtp >= block_count):
+        raise BadInput(f"GGUF {path}: {arch} with {mtp} multi-token-prediction (nextn) layers of {block_count} "
+                       "blocks is not served (Kafila serves one, on qwen35 and qwen35moe, as llama.cpp)")
+    return mtp
+
+
+def hybrid_params(path: str, arch: str, hp, tensors: dict, n_blocks: int, head_dim: int,
+                  mtp: int = 0) -> HybridParams:
+    """The hybrid part of a `qwen35` file of `n_blocks` trunk blocks and `mtp` multi-token-
+    prediction blocks after them, checked against its tensors (BadInput on a mismatch)."""
     moe = arch in HYBRID_MOE
     if bool(int(hp("expert_count", 0))) != moe:
         raise BadInput(f"GGUF {path}: {arch} {'without' if moe else 'with'} experts is not a model llama.cpp reads")
     ffn = MOE_TENSORS + SHARED_EXPERT_TENSORS if moe else DENSE_FFN_TENSORS
     nxt = arch == QWEN3NEXT
     flags = hp("attention.recurrent_layers", []) or []
+    n_all = n_blocks + mtp
     if flags:
         recurrent = tuple(bool(f) for f in flags)
     else:
         interval = int(hp("full_attention_interval", DEFAULT_FULL_ATTENTION_INTERVAL))
         if interval < 1:
             raise BadInput(f"GGUF {path}: {arch}.full_attention_interval {interval} is not positive")
-        recurrent = tuple((i + 1) % interval != 0 for i in range(n_blocks))
-    if len(recurrent) != n_blocks:
+        recurrent = tuple(i < n_blocks and (i + 1) % interval != 0 for i in range(n_all))  # MTP blocks attend
+    if len(recurrent) != n_all:
         raise BadInput(f"GGUF {path}: {arch}.attention.recurrent_layers has {len(recurrent)} entries, "
-                       f"not block_count {n_blocks}")
+                       f"not block_count {n_all}")
+    if any(recurrent[n_blocks:]):
+        raise BadInput(f"GGUF {path}: {arch}.attention.recurrent_layers marks a multi-token-prediction block "
+                       "recurrent; llama.cpp reads them as attention blocks")
     sections = None if nxt else tuple(int(s) for s in (list(hp("rope.dimension_sections", [])) + [0, 0, 0, 0])[:4])
     h = HybridParams(recurrent=recurrent, rope_dims=int(hp("rope.dimension_count", head_dim)),
                      rope_sections=sections, conv_kernel=int(hp("ssm.conv_kernel")),
                      k_heads=int(hp("ssm.group_count")), v_heads=int(hp("ssm.time_step_rank")),
-                     state=int(hp("ssm.state_size")), interleaved=nxt)  # fmt: skip
+                     state=int(hp("ssm.state_size")), interleaved=nxt, mtp_blocks=mtp)  # fmt: skip
     inner = int(hp("ssm.inner_size"))
     if h.k_heads < 1 or h.v_heads % h.k_heads or inner != h.v_heads * h.state:
         raise BadInput(f"GGUF {path}: {arch} ssm heads {h.k_heads}/{h.v_heads} of {h.state} with inner size "
@@ -111,7 +138,7 @@ def hybrid_params(path: str, arch: str, hp, tensors: dict, n_blocks: int, head_d
     if not 0 < h.rope_dims <= head_dim or h.rope_dims % 2:
         raise BadInput(f"GGUF {path}: {arch} RoPE over {h.rope_dims} of {head_dim} dims with sections "
                        f"{sections} is not served")
-    for b in range(n_blocks):
+    for b in range(n_all):
         delta = DELTA_NET_TENSORS
         if nxt:  # its q|k|v and z: attn_qkv + attn_gate where present (llama.cpp prefers them), else ssm_in
             fused = f"blk.{b}.attn_qkv.weight" not in tensors
@@ -120,6 +147,8 @@ def hybrid_params(path: str, arch: str, hp, tensors: dict, n_blocks: int, head_d
             if not fused and f"blk.{b}.ssm_in.weight" in tensors:  # loaded, unused
                 delta += ("ssm_in.weight",)
         names = NORM_TENSORS + ffn + (delta if recurrent[b] else ATTENTION_TENSORS)
+        if b >= n_blocks:
+            names += MTP_TENSORS
         if f"blk.{b}.{FUSED_GATE_UP_EXPS}" in tensors and moe:  # gate and up experts in one
             names = tuple(n for n in names if n not in ("ffn_gate_exps.weight", "ffn_up_exps.weight"))
             names += (FUSED_GATE_UP_EXPS,)
@@ -127,7 +156,7 @@ def hybrid_params(path: str, arch: str, hp, tensors: dict, n_blocks: int, head_d
         if missing:
             raise BadInput(f"GGUF {path} lacks tensor blk.{b}.{missing[0]} (a {arch} "
                            f"{'delta-net' if recurrent[b] else 'attention'} block)")
-        allowed = set(names) | optional_block_tensors(arch, names)
+        allowed = set(names) | optional_block_tensors(arch, names) | (set(MTP_OPTIONAL) if b >= n_blocks else set())
         extra = [n for n in tensors if n.startswith(f"blk.{b}.") and n[len(f"blk.{b}."):] not in allowed]
         if extra:
             raise BadInput(f"GGUF {path}: tensor {extra[0]} is not part of the {arch} model Kafila serves")

@@ -19,7 +19,7 @@ import numpy as np
 from backends.errors import BadInput
 from backends.gguf.families import GPT_OSS, Family, family_of, ffn_tensors
 from backends.gguf.header import read_header
-from backends.gguf.hybrid import HYBRID_ARCHITECTURES, HybridParams, hybrid_params
+from backends.gguf.hybrid import HYBRID_ARCHITECTURES, HybridParams, hybrid_params, mtp_block_count
 from backends.gguf.optional import HEAD_EXTRAS, optional_block_tensors, output_extras
 from backends.gguf.quant import BLOCK_WEIGHTS, FLOAT_TYPES, QuantBlocks, bf16_to_f32, split_blocks
 
@@ -153,7 +153,7 @@ class ModelIndex:
         per = 2 * h.n_kv_heads * h.head_dim * bytes_per_value
         if h.hybrid is None:
             return per
-        return per * h.hybrid.recurrent.count(False) / h.n_blocks
+        return per * h.hybrid.trunk.count(False) / h.n_blocks
 
     def state_bytes_per_request(self, first: int = 0, last: int | None = None) -> int:
         """A request's recurrent state (f32, as the OpenVINO stage holds it) in blocks
@@ -301,7 +301,9 @@ def open_model(path: str) -> ModelIndex:
         head_dim = int(hp("attention.key_length", hidden // n_heads))
         if int(hp("attention.value_length", head_dim)) != head_dim:
             raise BadInput(f"GGUF {path}: {arch} key and value head sizes differ; Kafila serves them equal")
-        hybrid = hybrid_params(path, arch, hp, tensors, n_blocks, head_dim)
+        mtp = mtp_block_count(path, arch, hp, n_blocks)
+        n_blocks -= mtp  # the trunk: the MTP blocks after it only draft (--speculate mtp)
+        hybrid = hybrid_params(path, arch, hp, tensors, n_blocks, head_dim, mtp)
     else:
         head_dim = _head_dim(path, arch, hp, hidden, n_heads)
     hparams = Hyperparams(

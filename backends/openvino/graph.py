@@ -214,15 +214,8 @@ class StageBuilder:
         """The model of blocks [first, last). With `top1` (the shard also holds the head and the
         last block) a second output `token` i64 [1] is the greedy top-1 after the last row: a
         decode step is then one inference."""
-        x_in = ops.parameter([-1, -1, self.h.hidden], F32, name="hidden_states")
+        params = x_in, attention_mask, position_ids, beam_idx = self.parameters(self.h.hidden)
         x = x_in.output(0)  # [B, L, H]
-        attention_mask = ops.parameter([-1, -1], I64, name="attention_mask")
-        position_ids = ops.parameter([-1, -1], I64, name="position_ids")
-        beam_idx = ops.parameter([-1], ov.Type.i32, name="beam_idx")
-        for param, name in ((x_in, "hidden_states"), (attention_mask, "attention_mask"),
-                            (position_ids, "position_ids"), (beam_idx, "beam_idx")):
-            param.output(0).set_names({name})
-
         new_len = ops.gather(ops.shape_of(position_ids, I64), _i64(1), _i64(0))  # [1] L
         mask = causal_mask(attention_mask.output(0), new_len)  # [B, 1, L, S]
         h, fam = self.h, self.h.family
@@ -256,8 +249,20 @@ class StageBuilder:
             r_token = ops.result(self._top1(self._lm_head(last_row.output(0))), name="token")
             r_token.output(0).set_names({"token"})
             results.append(r_token)
-        params = [x_in, attention_mask, position_ids, beam_idx]
-        return ov.Model(results, sinks, params, f"kafila_stage_{first}_{last}")
+        return ov.Model(results, sinks, list(params), f"kafila_stage_{first}_{last}")
+
+    @staticmethod
+    def parameters(width: int) -> tuple[ov.Node, ov.Node, ov.Node, ov.Node]:
+        """A stage graph's inputs, named (module docstring): hidden_states f32 [B, L, width],
+        attention_mask i64 [B, S], position_ids i64 [B, L], beam_idx i32 [B]."""
+        x_in = ops.parameter([-1, -1, width], F32, name="hidden_states")
+        attention_mask = ops.parameter([-1, -1], I64, name="attention_mask")
+        position_ids = ops.parameter([-1, -1], I64, name="position_ids")
+        beam_idx = ops.parameter([-1], ov.Type.i32, name="beam_idx")
+        for param, name in ((x_in, "hidden_states"), (attention_mask, "attention_mask"),
+                            (position_ids, "position_ids"), (beam_idx, "beam_idx")):
+            param.output(0).set_names({name})
+        return x_in, attention_mask, position_ids, beam_idx
 
     def _lm_head(self, hidden: ov.Output) -> ov.Output:
         """[N, H] → final RMSNorm → lm_head → logits [N, V]."""

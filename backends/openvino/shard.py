@@ -121,20 +121,14 @@ class OpenVINOShard(HeadOps):
         self.spec = spec
         self.precision = precision
         self.index = index if index is not None else open_model(spec.model_path)
-        self.index.check_range(spec.first, spec.last)
         kquant = self.kquant = ggml_kernels.resolve(kquant, precision)  # the form built (backends.memory.memory_kind)
         cfg = dict(CONFIGS[precision]) if config is None else dict(config)
         if config is None and precision == "serving" and kquant == "fast":
             cfg.update(FAST_KQUANT_CONFIG)
         bank = self._bank = WeightBank(self.index, spill=True, kquant=kquant)
         builder = StageBuilder(self.index, bank, f16_kv=cfg.get("KV_CACHE_PRECISION") == "f16")
-        # A shard with the head and the last block computes the greedy token in its stage graph;
-        # its separate head graph (logits, or greedy on other hidden states) is compiled lazily.
-        self._fold = spec.head and spec.last == self.index.hparams.n_blocks
-        # The embedding's rows are read from the file per step (ModelIndex.rows), not gathered in
-        # the graph: the plugin kept its own copy of the whole table beside the graph's (the 8B
-        # shape's head member held 1.58× its shard + KV with it, 1.15× without: docs/BENCHMARKS.md).
-        self.compiled = core().compile_model(builder.stage(spec.first, spec.last, self._fold), device, cfg)
+        model, self._fold = self._stage_model(builder, spec)
+        self.compiled = core().compile_model(model, device, cfg)
         self._head = None
         self._head_build = (builder, device, cfg) if spec.head else None
         if spec.head and not self._fold:
@@ -159,6 +153,17 @@ class OpenVINOShard(HeadOps):
         self._live: dict[int, np.ndarray] = {}
         # a hybrid model's slots: the last step's recurrent state and inputs, for an exact cut
         self._steps = RecurrentSteps() if self.index.hparams.hybrid is not None else None
+
+    def _stage_model(self, builder: StageBuilder, spec: ShardSpec) -> tuple[ov.Model, bool]:
+        """The graph of `spec`'s blocks, and whether it folds the head's greedy token in: a shard
+        with the head and the last block computes it in its stage graph; its separate head graph
+        (logits, or greedy on other hidden states) is compiled lazily. The embedding's rows are
+        read from the file per step (ModelIndex.rows), not gathered in the graph: the plugin kept
+        its own copy of the whole table beside the graph's (the 8B shape's head member held 1.58×
+        its shard + KV with it, 1.15× without: docs/BENCHMARKS.md)."""
+        self.index.check_range(spec.first, spec.last)
+        fold = spec.head and spec.last == self.index.hparams.n_blocks
+        return builder.stage(spec.first, spec.last, fold), fold
 
     # --- slots -------------------------------------------------------------------------
 

@@ -11,7 +11,8 @@ from kafila.models.registry import DEFAULT_MODEL
 MODEL_FORMS = ("a GGUF path, an alias (`kafila models`), ollama:NAME[:TAG] (the local Ollama store), "
                "hf:ORG/REPO/FILE.gguf (the local Hugging Face cache) or lmstudio:PUB/REPO/FILE.gguf")
 SPECULATE_HELP = ("speculative decoding: off, ngram (drafts looked up in the request's own prompt and "
-                  "output), draft (a draft model, --draft, at the head) or origin (drafts made at the "
+                  "output), draft (a draft model, --draft, at the head), mtp (the model's own multi-token-"
+                  "prediction layer, at the head: Qwen3.5 files that carry one) or origin (drafts made at the "
                   "member where each request was typed: n-grams, or its draft model where it joined with "
                   "--draft, carried to the head on its activations; the head's own n-grams where they are "
                   "stale); drafts are verified in one trip round the "
@@ -49,7 +50,7 @@ def add_kquant(p: argparse.ArgumentParser) -> None:
 
 
 def add_speculate(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculate", choices=("off", "ngram", "draft", "origin"), default="off", help=SPECULATE_HELP)
+    p.add_argument("--speculate", choices=("off", "ngram", "draft", "origin", "mtp"), default="off", help=SPECULATE_HELP)
 
 
 def add_draft(p: argparse.ArgumentParser, where: str = "this member drafts with: as the head of a session "

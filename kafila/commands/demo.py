@@ -68,13 +68,10 @@ def run(args: argparse.Namespace) -> int:
         raise BadInput("--latency-ms L: choose 0..10000")
     check_backend(args.backend)
     index = open_model(resolve_model(args.model))  # a missing or bad model fails here, before any process starts
-    if args.speculate == "draft" and not args.draft:
-        raise BadInput("--speculate draft needs --draft GGUF (a small model of the same vocabulary)")
-    if args.draft:
-        from kafila.session.ring.speculation.draft import open_draft
+    from kafila.session.ring.speculation.draft import check_drafting
 
-        args.draft = resolve_model(args.draft)
-        open_draft(args.draft, index)  # missing, not a GGUF or another vocabulary: one line
+    args.draft = resolve_model(args.draft) if args.draft else None
+    check_drafting(args.speculate, args.draft, index)  # missing, not a GGUF or another vocabulary: one line
     session_context(args.context, index.hparams.context_length, index.name)  # a --context it lacks: one line
     throttle = dict(parse_throttle(t) for t in args.throttle)
     console = Console(stderr=True)

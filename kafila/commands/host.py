@@ -74,12 +74,9 @@ def run(args: argparse.Namespace) -> int:
                   embedded_listen=parse_host_port(args.listen))  # fmt: skip
     index = open_model(cfg.model_path)  # a missing or bad model: one line, exit 2, before anything starts
     session_context(args.context, index.hparams.context_length, index.name)  # so is a --context it lacks
-    if args.speculate == "draft" and not cfg.draft_path:
-        raise BadInput("--speculate draft needs --draft GGUF (a small model of the same vocabulary)")
-    if cfg.draft_path:
-        from kafila.session.ring.speculation.draft import open_draft
+    from kafila.session.ring.speculation.draft import check_drafting
 
-        open_draft(cfg.draft_path, index)  # another vocabulary: one line, exit 2
+    check_drafting(args.speculate, cfg.draft_path, index)  # no draft model, another vocabulary: one line, exit 2
     if args.expect == 0 and not stdin_is_terminal():
         raise BadInput("give --expect N (the session size, host included): standard input is not "
                        "a terminal, so nobody can press Enter to start planning")

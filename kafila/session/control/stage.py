@@ -256,6 +256,8 @@ class Stage:
         drafter = None
         if speculate == "draft" and me == role.head:
             drafter, speculate = await self._drafter(limits.context)
+        elif speculate == "mtp":  # the model's own draft head drafts at the head; the ring runs its steps
+            drafter, speculate = await self._mtp_drafter(limits.context) if me == role.head else (None, "draft")
         # --speculate origin: a member with a draft model (--draft) drafts its own requests with it
         origin_drafter = await self._origin_drafter(limits.context) if speculate == "origin" else None
         # stages on one machine share its cores: they do not run side by side, so the head keeps
@@ -296,6 +298,25 @@ class Stage:
         kquant = self.state.session.get("kquant", DEFAULT_KQUANT)
         drafter = await asyncio.to_thread(ModelDrafter.build, draft, self.cfg.backend, precision, context, kquant)
         self.say(f"{self.cfg.name}: drafting with {draft.name} on {self.cfg.backend}")
+        return drafter, "draft"
+
+    async def _mtp_drafter(self, context: int):
+        """(speculation.mtp.MtpDrafter, "draft") from the model's multi-token-prediction layer, else
+        (None, "ngram") with the reason said (the host checked the file; an MLX head has none)."""
+        from kafila.session.ring.speculation.mtp import MtpDrafter
+
+        if self.cfg.backend != "openvino":
+            self.say(f"{self.cfg.name}: --speculate mtp drafts on OpenVINO; this head serves on {self.cfg.backend}: "
+                     "drafting with n-grams instead")  # fmt: skip
+            return None, "ngram"
+        precision = self.state.session.get("precision", "serving")
+        kquant = self.state.session.get("kquant", DEFAULT_KQUANT)
+        try:
+            drafter = await asyncio.to_thread(MtpDrafter.build, self.index, precision, context, kquant)
+        except BadInput as exc:
+            self.say(f"{self.cfg.name}: {exc}: drafting with n-grams instead")
+            return None, "ngram"
+        self.say(f"{self.cfg.name}: drafting with {self.index.name}'s own multi-token-prediction layer")
         return drafter, "draft"
 
     async def _origin_drafter(self, context: int):

@@ -96,6 +96,9 @@ class HeadDriver:
                 if (ahead := self._ahead.get(act.req_id)) is not None:
                     ahead.stop = True
                     self._away_ms = ema(self._away_ms, (time.perf_counter() - ahead.sent) * 1000)
+            if (observe := getattr(self.drafter, "observe", None)) is not None:  # the MTP drafter: the
+                for act in ev.acts:  # model's final hidden of every position back (speculation/mtp.py)
+                    observe(act.req_id, act.pos0, act.hidden)
             tokens, pick_us = await self._compute(self._pick, core.picks(ev.acts))
             await self._carry_out(core.complete(ev.acts, tokens, time.perf_counter(), pick_us / 1000))
             if core.depth_due(time.perf_counter()):
@@ -144,7 +147,8 @@ class HeadDriver:
         enough for two draft tokens (the draft stops when the step is back, so a short trip
         costs at most the token being drafted)."""
         tok = self._draft_tok_ms
-        return (self.drafter is not None and self.core.scheduler.active == 1 and tok is not None
+        return (self.drafter is not None and getattr(self.drafter, "ahead", True) and self.core.scheduler.active == 1
+                and tok is not None
                 and (self._away_ms is None or self._away_ms >= 2 * tok))  # fmt: skip
 
     def _draft_ahead(self, step: Step) -> None:

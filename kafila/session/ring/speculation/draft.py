@@ -49,6 +49,19 @@ def open_draft(path: str, target: ModelIndex) -> ModelIndex:
     return draft
 
 
+def check_drafting(speculate: str, draft_path: str | None, target: ModelIndex) -> None:
+    """What `kafila host` and `kafila demo` check before anything starts (one line, exit 2): a
+    draft model for --speculate draft, of the target's vocabulary; a multi-token-prediction layer
+    in the model for --speculate mtp."""
+    if speculate == "draft" and not draft_path:
+        raise BadInput("--speculate draft needs --draft GGUF (a small model of the same vocabulary)")
+    if speculate == "mtp" and not (target.hparams.hybrid and target.hparams.hybrid.mtp_blocks):
+        raise BadInput(f"--speculate mtp: {target.name} has no multi-token-prediction (nextn) layer; use "
+                       "--speculate ngram, or draft with --draft GGUF")
+    if draft_path:
+        open_draft(draft_path, target)
+
+
 class _State:
     def __init__(self, cursor) -> None:
         self.cursor = cursor
@@ -81,7 +94,7 @@ class ModelDrafter:
         st = self._states.get(req_id)
         if st is None:
             st = self._states[req_id] = _State(self.chain.open())
-        keep = _common_prefix(st.live, history)
+        keep = common_prefix(st.live, history)
         if keep == len(history):
             keep -= 1  # the last token must be fed again to get its successor
         if st.cursor.cache_len + (len(history) - keep) + k > self.max_positions:
@@ -126,7 +139,7 @@ def ahead_drafts(base: Sequence[int], ahead: Sequence[int], history: Sequence[in
     return tuple(int(t) for t in ahead[1:])
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     n = min(len(a), len(b))
     for i in range(n):
         if a[i] != b[i]:

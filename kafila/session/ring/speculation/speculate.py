@@ -40,8 +40,9 @@ import numpy as np
 from kafila.sampling import sample_token, token_probs
 
 # draft: a draft model at the head (draft.py); origin: n-gram drafts made at the member where each
-# request was typed, carried to the head on its activations, the head's own n-grams when stale (origin.py)
-SPECULATE_MODES = ("off", "ngram", "draft", "origin")
+# request was typed, carried to the head on its activations, the head's own n-grams when stale (origin.py);
+# mtp: the model's own multi-token-prediction layer at the head (mtp.py; the ring runs it as "draft")
+SPECULATE_MODES = ("off", "ngram", "draft", "origin", "mtp")
 DRAFT_K = 8  # the most draft tokens per trip choose_k may pick (positions per step: DRAFT_K + 1)
 MAX_DRAFT_K = 32  # the most a session may ask for
 NGRAM_MAX_N = 4  # longest suffix matched (tokens)

@@ -1,0 +1,158 @@
+"""The model's own draft head at the head: a file's multi-token-prediction block (`--speculate mtp`).
+
+Theory of operation. The MTP block (backends/openvino/mtp.py) at position q reads token q and the
+model's final hidden h_{q−1} (after output_norm) and predicts token q + 1, with a KV cache of its
+own over the positions it was fed. As llama.cpp's draft-mtp driver (common/speculative.cpp):
+
+- catch-up: every step that comes back at the head brings the model's final hidden of each of
+  its positions (`observe`, called from the head's driver with the step's first position); the
+  MTP block is fed each history position q with the model's h_{q−1} (zeros before position 0,
+  and where a row never came back) before it drafts, so its KV holds what the model computed;
+- drafting: fed the request's last token (position n − 1) with h_{n−2}, the block gives the
+  first draft d1 and its own h'; each next draft feeds the last one with the h' before it.
+  Draft positions hold the MTP's own h', not the model's: the next `propose` masks them out
+  (the mask-based rewind of the ring's stages) and catches up with the model's rows instead.
+
+A request's rows are kept from the first position the next catch-up needs (the last token's
+predecessor); when masked positions would take its slot past its bound, the slot is rebuilt
+from the history, with zeros for the rows already dropped (drafts may be worse, never wrong:
+the ring verifies every one). Drafting ahead (head_driver.py) is off: a draft made ahead would
+need the model's hidden of drafts not yet verified.
+
+Slots are opened and closed on the worker thread only (as draft.ModelDrafter's); `observe` runs
+on the event loop, so the rows are guarded by a lock.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from backends import DEFAULT_KQUANT
+from backends.gguf import ModelIndex
+from kafila.session.ring.speculation.draft import common_prefix
+
+
+class _State:
+    def __init__(self, slot: int, bound: int) -> None:
+        self.slot = slot
+        self.valid = np.zeros(bound, dtype=np.int64)  # physical positions live in the slot
+        self.cache_len = 0  # physical positions fed
+        self.live: list[int] = []  # the token at each live MTP position (its logical position)
+        self.phys: list[int] = []  # each live position's physical one
+        self.exact = 0  # live positions [0, exact) were fed with the model's own rows
+
+
+class MtpDrafter:
+    """Greedy drafts from the model's MTP block (the ModelDrafter interface, plus `observe`)."""
+
+    ahead = False  # no drafting ahead (module docstring)
+
+    def __init__(self, index: ModelIndex, shard, max_positions: int) -> None:
+        self.index, self.shard = index, shard
+        self.max_positions = max_positions  # physical positions a slot may hold
+        self._states: dict[str, _State] = {}
+        self._released: list[str] = []
+        self._rows: dict[str, dict[int, np.ndarray]] = {}  # req → position → the model's normed hidden
+        self._lock = threading.Lock()
+
+    @classmethod
+    def build(cls, index: ModelIndex, precision: str, context: int, kquant: str = DEFAULT_KQUANT) -> MtpDrafter:
+        from backends.openvino.mtp import MtpShard
+
+        # a request's history fills at most `context`; the rest of the bound is for masked drafts
+        return cls(index, MtpShard(index, precision, kquant), max_positions=2 * context)
+
+    def observe(self, req_id: str, pos0: int, hidden: np.ndarray) -> None:
+        """The model's final hidden [n, H] (before output_norm) of positions pos0 … pos0 + n − 1,
+        back at the head (any thread)."""
+        from backends.openvino.mtp import final_norm
+
+        normed = final_norm(self.index, hidden)
+        with self._lock:
+            rows = self._rows.setdefault(req_id, {})
+            for i, row in enumerate(normed):
+                rows[pos0 + i] = row
+
+    def propose(self, req_id: str, history: Sequence[int], k: int) -> tuple[int, ...]:
+        self._free_released()
+        n = len(history)
+        if k < 1 or n < 1:
+            return ()
+        history = [int(t) for t in history]
+        st = self._states.get(req_id)
+        if st is None:
+            st = self._states[req_id] = _State(self.shard.open_slot(), self.max_positions)
+        keep = min(st.exact, common_prefix(st.live, history), n - 1)  # the last token is fed again
+        if st.cache_len + (n - keep) + k > self.max_positions:  # reclaim the masked positions
+            self.shard.close_slot(st.slot)
+            st = self._states[req_id] = _State(self.shard.open_slot(), self.max_positions)
+            keep = 0
+        self._rewind(st, keep)
+        prev = self._prev_rows(req_id, keep, n)
+        out = self._feed(st, history[keep:], prev)
+        st.exact = n
+        drafts = [self.shard.greedy(out)]
+        while len(drafts) < k:
+            out = self._feed(st, drafts[-1:], out[-1:])
+            drafts.append(self.shard.greedy(out))
+        return tuple(int(d) for d in drafts)
+
+    def _prev_rows(self, req_id: str, start: int, end: int) -> np.ndarray:
+        """The model's rows h_{q−1} for q in [start, end) (zeros where none came back), and the
+        rows no later catch-up needs (before end − 2) dropped."""
+        H = self.index.hparams.hidden
+        out = np.zeros((end - start, H), np.float32)
+        with self._lock:
+            rows = self._rows.get(req_id, {})
+            for q in range(start, end):
+                row = rows.get(q - 1)
+                if row is not None:
+                    out[q - start] = row
+            for p in [p for p in rows if p < end - 2]:
+                del rows[p]
+        return out
+
+    def _feed(self, st: _State, tokens: Sequence[int], prev: np.ndarray) -> np.ndarray:
+        """Feed `tokens` at the next logical positions with the h rows before them; h' rows."""
+        m, start = len(tokens), st.cache_len
+        st.valid[start: start + m] = 1
+        positions = np.arange(len(st.live), len(st.live) + m, dtype=np.int64)
+        out = self.shard.forward(st.slot, self.shard.inputs(tokens, prev), positions, st.valid[: start + m])
+        st.live += list(tokens)
+        st.phys += range(start, start + m)
+        st.cache_len += m
+        return out
+
+    @staticmethod
+    def _rewind(st: _State, keep: int) -> None:
+        """Mask out every live position from `keep` on (no state surgery)."""
+        st.valid[st.phys[keep:]] = 0
+        del st.live[keep:], st.phys[keep:]
+        st.exact = min(st.exact, keep)
+
+    def release(self, req_id: str) -> None:
+        """`req_id` ended (any thread): its slot is freed on the worker at the next call."""
+        self._released.append(req_id)
+
+    def _free_released(self) -> None:
+        while self._released:
+            req_id = self._released.pop()
+            st = self._states.pop(req_id, None)
+            if st is not None:
+                self.shard.close_slot(st.slot)
+            with self._lock:
+                self._rows.pop(req_id, None)
+
+    def close(self) -> None:
+        self._free_released()
+        for st in self._states.values():
+            self.shard.close_slot(st.slot)
+        self._states.clear()
+        with self._lock:
+            self._rows.clear()
+
+
+__all__ = ["MtpDrafter"]

@@ -1,0 +1,153 @@
+"""Qwen3.5 files with a multi-token-prediction (nextn) layer (issue 35): the trunk is served as
+llama.cpp serves it (its main pass never runs the MTP block), and `--speculate mtp` drafts with
+the block at the head (backends/openvino/mtp.py, kafila/session/ring/speculation/mtp.py) without
+changing an id.
+
+The files are tests/hybrid_gguf.py's small random qwen35 / qwen35moe models with an MTP block
+after their 4 blocks. Random weights make the MTP block's drafts random too: the ring tests steer
+some drafts right so that accepted and rejected drafts both occur, while the MTP drafter does all
+its own work (catch-up with the model's rows, drafting, rewinds) underneath.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from backends import ShardSpec, load_shard, status
+from backends.errors import BadInput
+from backends.gguf import open_model
+from tests.hybrid_gguf import SHAPE, write_qwen35_gguf
+from tests.test_llamacpp_arch import needs_llamacpp
+
+needs_openvino = pytest.mark.skipif(not status("openvino").available, reason=status("openvino").reason)
+PROMPT_IDS = [int(i) for i in np.random.default_rng(1).integers(0, SHAPE["vocab"], 90)]
+
+
+@pytest.fixture(scope="module", params=["qwen35", "qwen35moe"])
+def mtp_file(request, tmp_path_factory) -> str:
+    return write_qwen35_gguf(tmp_path_factory.mktemp("mtp") / f"{request.param}.gguf", arch=request.param,
+                             moe=request.param == "qwen35moe", mtp=True)  # fmt: skip
+
+
+def test_the_index_counts_the_trunk_and_keeps_the_mtp_block(mtp_file):
+    index = open_model(mtp_file)
+    hy = index.hparams.hybrid
+    assert index.hparams.n_blocks == SHAPE["blocks"] and hy.mtp_blocks == 1
+    assert hy.recurrent == (True, False, True, False, False)  # the MTP block attends
+    assert len(hy.trunk) == SHAPE["blocks"]
+    assert index.kv_bytes_per_token_per_block() == pytest.approx(2 * 2 * 32 * 2 * 2 / 4)  # the trunk's 2 of 4
+
+
+def test_a_file_with_more_mtp_layers_than_llamacpp_runs_is_refused(tmp_path):
+    import gguf
+
+    from tests.hybrid_gguf import ARCH
+
+    path = write_qwen35_gguf(tmp_path / "m.gguf", mtp=True)
+    reader = gguf.GGUFReader(path, "r+")
+    field = reader.fields[f"{ARCH}.nextn_predict_layers"]
+    field.parts[field.data[0]][0] = 2  # two MTP blocks claimed: llama.cpp's qwen35 runs one
+    del reader
+    with pytest.raises(BadInput, match="multi-token-prediction"):
+        open_model(path)
+
+
+@needs_llamacpp
+@needs_openvino
+@pytest.mark.parametrize("ranges", [[(0, 4)], [(0, 1), (1, 3), (3, 4)]], ids=["1-stage", "3-stages"])
+def test_the_trunk_gives_llamacpps_greedy_ids(mtp_file, ranges):
+    from kafila.engine.chain import LocalChain
+    from tests.llamacpp_ref import greedy_run
+
+    index = open_model(mtp_file)
+    ref_ids, _ = greedy_run(mtp_file, PROMPT_IDS, 64)
+    assert len(set(ref_ids)) > 16, ref_ids
+    shards = [load_shard("openvino", ShardSpec(mtp_file, a, b, a == 0, a == 0), "f32", index=index) for a, b in ranges]
+    assert list(LocalChain(shards, chunk_tokens=64).generate(PROMPT_IDS, 64)) == ref_ids
+
+
+def _rows(positions, hidden: int) -> np.ndarray:
+    """A made-up final hidden per position (the same whenever a position is fed)."""
+    return np.stack([np.random.default_rng(1000 + p).standard_normal(hidden).astype(np.float32) for p in positions])
+
+
+@needs_openvino
+def test_drafting_step_after_step_drafts_what_a_fresh_drafter_drafts(mtp_file):
+    """The drafter's slot after many steps (drafts fed with its own h', then masked out and caught
+    up with the model's rows; accepted drafts, rejected ones) drafts exactly what a drafter fed the
+    same history and rows from scratch drafts."""
+    from kafila.session.ring.speculation.mtp import MtpDrafter
+
+    index = open_model(mtp_file)
+    H = index.hparams.hidden
+    drafter = MtpDrafter.build(index, "f32", 256)
+    history = list(PROMPT_IDS[:40])
+    drafter.observe("r", 0, _rows(range(len(history)), H))
+    rng = np.random.default_rng(5)
+    for step in range(12):
+        drafts = drafter.propose("r", history, 3)
+        assert len(drafts) == 3 and all(0 <= d < SHAPE["vocab"] for d in drafts)
+        fresh = MtpDrafter.build(index, "f32", 256)
+        fresh.observe("r", 0, _rows(range(len(history)), H))
+        assert fresh.propose("r", history, 3) == drafts, step
+        fresh.close()
+        taken = list(drafts[: step % 4]) + [int(rng.integers(0, SHAPE["vocab"]))]  # j accepted, then the model's
+        start = len(history) - 1  # the verifying step fed the last token and the drafts
+        drafter.observe("r", start, _rows(range(start, start + 4), H))
+        history += taken
+    drafter.release("r")
+    drafter.close()
+
+
+class _Steered:
+    """The MTP drafter under test, with its drafts steered: the first right (the answer without
+    speculation), the second wrong, so that every step accepts one and rejects the rest; the
+    MTP drafter still drafts (and catches up, and rewinds) underneath at every step."""
+
+    def __init__(self, mtp, truth: list[int]) -> None:
+        self.mtp, self.truth, self.ahead = mtp, truth, mtp.ahead
+        self.observed = 0
+
+    def observe(self, req_id: str, pos0: int, hidden) -> None:
+        self.observed += len(hidden)
+        self.mtp.observe(req_id, pos0, hidden)
+
+    def propose(self, req_id: str, history, k: int) -> tuple[int, ...]:
+        own = self.mtp.propose(req_id, history, k)
+        right = self.truth[len(history): len(history) + len(own)]
+        return tuple(t if j != 1 else (t + 1) % SHAPE["vocab"] for j, t in enumerate(right))
+
+    def release(self, req_id: str) -> None:
+        self.mtp.release(req_id)
+
+    def close(self) -> None:
+        self.mtp.close()
+
+
+@needs_openvino
+def test_mtp_drafts_on_a_three_stage_ring_give_the_ids_without_speculation(mtp_file):
+    from kafila.engine.chain import LocalChain
+    from kafila.session.ring.speculation.mtp import MtpDrafter
+    from tests.test_speculate import N_NEW, _exactness
+
+    index = open_model(mtp_file)
+    chain = LocalChain([load_shard("openvino", ShardSpec(mtp_file, a, b, a == 0, a == 0), "f32", index=index)
+                        for a, b in ((0, 1), (1, 3), (3, 4))], chunk_tokens=64)  # fmt: skip
+    prompt = PROMPT_IDS[:30]
+    drafter = _Steered(MtpDrafter.build(index, "f32", 1024), prompt + list(chain.generate(prompt, N_NEW + 8)))
+    total = _exactness(chain.shards, index, [prompt], speculate="draft", drafter=drafter)
+    assert drafter.observed >= len(prompt) + N_NEW  # every position's row came back to the drafter
+    print(f"MTP drafts on the ring: {total.accepted} of {total.drafted} accepted")
+
+
+def test_speculate_mtp_needs_a_file_with_an_mtp_layer(tmp_path):
+    import subprocess
+    import sys
+
+    plain = write_qwen35_gguf(tmp_path / "plain.gguf", tokenizer=True)
+    done = subprocess.run([sys.executable, "-m", "kafila", "host", "--model", plain, "--speculate", "mtp",
+                           "--expect", "2"], capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().splitlines()[-1].startswith("kafila host: --speculate mtp: plain has no "
+                                                           "multi-token-prediction (nextn) layer")  # fmt: skip
