@@ -125,3 +125,72 @@ def _llama_quantize(src: str, dst: str, ftype: int, label: str, threads: int, re
     if rc != 0:
         raise RuntimeError(f"llama_model_quantize({src} → {label}) failed with {rc}")
     return str(dst)
+
+
+def mtp_drafts(path: str, tokens: list[int], h_rows: np.ndarray, k: int, *, threads: int = 2) -> tuple[list[int], list[int]]:
+    """llama.cpp's multi-token-prediction head on `path` (an MTP context, as its draft-mtp driver in
+    common/speculative.cpp runs it): MTP position q is fed `tokens[q]` with the model's final hidden
+    `h_rows[q]` (h_{q−1}, after output_norm) in one batch; then each draft feeds the last one with
+    the MTP's own h_nextn. Returns (the greedy token after each fed position, the k drafts).
+
+    llama-cpp-python binds the MTP context type and the batch API but not the h_nextn getter
+    (C++ linkage in llama-ext.h): it is called by its mangled name."""
+    import ctypes
+
+    import llama_cpp
+    import llama_cpp.llama_cpp as low
+
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(llama_cpp.__file__), "lib", "libllama.so"))
+    set_nextn = lib["_Z26llama_set_embeddings_nextnP13llama_contextbb"]
+    set_nextn.argtypes, set_nextn.restype = [ctypes.c_void_p, ctypes.c_bool, ctypes.c_bool], None
+    nextn_ith = lib["_Z30llama_get_embeddings_nextn_ithP13llama_contexti"]
+    nextn_ith.argtypes, nextn_ith.restype = [ctypes.c_void_p, ctypes.c_int32], ctypes.POINTER(ctypes.c_float)
+    low.llama_backend_init()
+    mp = low.llama_model_default_params()
+    mp.load_mtp, mp.use_extra_bufts = True, False  # plain kernels, as _plain_cpu_buffers
+    with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):
+        model = low.llama_model_load_from_file(str(path).encode(), mp)
+    if not model:
+        raise RuntimeError(f"llama.cpp could not load {path} with its MTP layer")
+    cp = low.llama_context_default_params()
+    cp.ctx_type, cp.n_ctx = low.LLAMA_CONTEXT_TYPE_MTP, max(64, len(tokens) + k + 8)
+    cp.n_batch = cp.n_ubatch = cp.n_ctx
+    cp.type_k = cp.type_v = low.GGML_TYPE_F32
+    cp.n_threads = cp.n_threads_batch = threads
+    ctx = low.llama_init_from_model(model, cp)
+    batch = low.llama_batch_ext_init(ctx)
+    H = low.llama_model_n_embd(model)
+    V = low.llama_vocab_n_tokens(low.llama_model_get_vocab(model))
+    set_nextn(ctx, True, False)
+    keep: list = []  # the rows' and positions' buffers outlive the batch
+
+    def feed(pairs: list[tuple[int, int, np.ndarray]]) -> None:
+        low.llama_batch_ext_clear(batch)
+        for token, pos, row in pairs:
+            i = low.llama_batch_ext_add_token(batch, 0, int(token))
+            keep.append((np.ascontiguousarray(row, np.float32), low.llama_pos(pos)))
+            low.llama_batch_ext_set_pos(batch, i, ctypes.byref(keep[-1][1]))
+            embd = low.llama_embd(keep[-1][0].ctypes.data_as(ctypes.POINTER(ctypes.c_float)), 1, H)
+            if not low.llama_batch_ext_set_embd_token(batch, i, embd):
+                raise RuntimeError("llama_batch_ext_set_embd_token refused a row")
+            low.llama_batch_ext_set_output_logits(batch, i, True)
+        if low.llama_process(ctx, 1, batch) != 0:  # LLAMA_PROCESS_TYPE_DECODE
+            raise RuntimeError("llama_process on the MTP context failed")
+
+    def pick(i: int) -> int:
+        return int(np.argmax(np.ctypeslib.as_array(low.llama_get_logits_ith(ctx, i), shape=(V,))))
+
+    try:
+        feed([(t, q, h_rows[q]) for q, t in enumerate(tokens)])
+        after = [pick(i) for i in range(len(tokens))]
+        drafts, last = [after[-1]], len(tokens) - 1
+        while len(drafts) < k:
+            h = np.ctypeslib.as_array(nextn_ith(ctx, last), shape=(H,)).copy()
+            feed([(drafts[-1], len(tokens) + len(drafts) - 1, h)])
+            drafts.append(pick(0))
+            last = 0
+        return after, drafts
+    finally:
+        low.llama_batch_ext_free(batch)
+        low.llama_free(ctx)
+        low.llama_model_free(model)

@@ -151,3 +151,33 @@ def test_speculate_mtp_needs_a_file_with_an_mtp_layer(tmp_path):
     assert done.returncode == 2, done.stderr
     assert done.stderr.strip().splitlines()[-1].startswith("kafila host: --speculate mtp: plain has no "
                                                            "multi-token-prediction (nextn) layer")  # fmt: skip
+
+
+@needs_llamacpp
+@needs_openvino
+def test_the_mtp_block_drafts_what_llamacpps_mtp_head_drafts(mtp_file):
+    """The external reference for the block itself: llama.cpp's MTP context (its draft-mtp driver's
+    feeding: token q with the model's h_{q−1}, then each draft with the MTP's own h_nextn) on the
+    same file, the same tokens and the same model rows, gives the same greedy token after every
+    position and the same 4 drafts as MtpShard and MtpDrafter."""
+    from backends.openvino.mtp import MtpShard, final_norm
+    from kafila.session.ring.speculation.mtp import MtpDrafter
+    from tests.llamacpp_ref import mtp_drafts
+
+    index = open_model(mtp_file)
+    H = index.hparams.hidden
+    for seed in (0, 1):
+        tokens = [int(t) for t in np.random.default_rng(seed).integers(0, SHAPE["vocab"], 24)]
+        raw = _rows(range(seed, seed + len(tokens)), H)  # the model's final hidden before output_norm
+        normed = final_norm(index, raw)
+        h_prev = np.concatenate([np.zeros((1, H), np.float32), normed[:-1]])  # h_{q−1}; zeros before 0
+        after, drafts = mtp_drafts(mtp_file, tokens, h_prev, 4)
+        shard = MtpShard(index, "f32")
+        slot = shard.open_slot()
+        ours = [shard.greedy(shard.forward(slot, shard.inputs([t], h_prev[q: q + 1]), np.array([q]),
+                                           np.ones(q + 1, np.int64))) for q, t in enumerate(tokens)]  # fmt: skip
+        assert ours == after, seed
+        drafter = MtpDrafter.build(index, "f32", 256)
+        drafter.observe("r", 0, raw)
+        assert drafter.propose("r", tokens, 4) == tuple(drafts), seed
+        drafter.close()
