@@ -181,3 +181,33 @@ def test_the_mtp_block_drafts_what_llamacpps_mtp_head_drafts(mtp_file):
         drafter.observe("r", 0, raw)
         assert drafter.propose("r", tokens, 4) == tuple(drafts), seed
         drafter.close()
+
+
+@pytest.mark.session
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@needs_openvino
+def test_a_session_with_speculate_mtp_answers_as_one_stage_does(tmp_path):
+    """`kafila host --speculate mtp` and two joined members (separate processes, 20 ms a hop) on a
+    qwen35 file with an MTP layer and Qwen2's tokenizer, --precision f32: the head drafts with the
+    file's own MTP layer, and two users at once get one stage's greedy texts."""
+    from bench.churn import ask_all
+    from kafila.tooling.launch import LocalSession
+    from tests.test_moe_session import N_TOKENS, PROMPTS, one_stage_texts
+
+    path = write_qwen35_gguf(tmp_path / "mtp.gguf", blocks=6, tokenizer=True, mtp=True)
+    want = one_stage_texts(path)
+    s = LocalSession(members=3, model=path, precision="f32", context=256, log_dir=str(tmp_path),
+                     cache_root=str(tmp_path / "cache"), speculate="mtp", latency_ms=20)  # fmt: skip
+    s.start(timeout_s=400)
+    try:
+        threads, results = ask_all(s, ["m1", "m3"], PROMPTS, N_TOKENS, raw=True)
+        for t in threads:
+            t.join(300)
+        assert [r.get("text") for r in results] == want, results
+        drafted = sum((r.get("speculation") or {}).get("drafted", 0) for r in results)
+        assert drafted > 0, results  # the MTP layer drafted (random weights: few are accepted)
+    finally:
+        s.stop()
+    logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
+    assert "own multi-token-prediction layer" in logs
