@@ -127,7 +127,8 @@ def _llama_quantize(src: str, dst: str, ftype: int, label: str, threads: int, re
     return str(dst)
 
 
-def mtp_drafts(path: str, tokens: list[int], h_rows: np.ndarray, k: int, *, threads: int = 2) -> tuple[list[int], list[int]]:
+def mtp_drafts(path: str, tokens: list[int], h_rows: np.ndarray, k: int, *,
+               threads: int = 2) -> tuple[list[int], list[int]]:
     """llama.cpp's multi-token-prediction head on `path` (an MTP context, as its draft-mtp driver in
     common/speculative.cpp runs it): MTP position q is fed `tokens[q]` with the model's final hidden
     `h_rows[q]` (h_{q−1}, after output_norm) in one batch; then each draft feeds the last one with

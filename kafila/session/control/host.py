@@ -49,13 +49,19 @@ def member_row(name: str, info, state: str) -> dict:
             "overhead_us": d.get("overhead_us"), "backend": d.get("backend"), "state": state}  # fmt: skip
 
 
-def _resident_model(index, kinds: set[str]) -> dict:
+def _resident_model(index, kinds: set[str], speculate: str = "off") -> dict:
     """The plan's model entry with memory in the members' backends' forms (backends.memory): one
-    Model serves every member, so a mixed ring takes each memory figure from its largest backend."""
+    Model serves every member, so a mixed ring takes each memory figure from its largest backend.
+    With --speculate mtp the head also holds the model's multi-token-prediction block."""
+    from backends.memory import resident_bytes
+
     models = [index.planner_model(kind) for kind in sorted(kinds)]
     out = dict(models[0])
     for key in ("process_bytes", "anchor_bytes", "block_resident_bytes", "head_resident_bytes"):
         out[key] = max(m[key] for m in models)
+    if speculate == "mtp" and index.hparams.hybrid is not None and index.hparams.hybrid.mtp_blocks:
+        mtp = index.block_tensors(index.hparams.n_blocks)
+        out["head_resident_bytes"] += max(resident_bytes(kind, mtp) for kind in kinds)
     return out
 
 
@@ -503,7 +509,7 @@ class HostParticipant(driving.Driver):
             if d.get("backend") in RESIDENT_BYTES_PER_WEIGHT:
                 kinds.add(memory_kind(d["backend"], form))
         fleet = {"context": cfg.context, "concurrency": cfg.concurrency or 1, "anchor": cfg.name,
-                 "model": {**_resident_model(index, kinds), **model_reads(index), **self._calibration},
+                 "model": {**_resident_model(index, kinds, cfg.speculate), **model_reads(index), **self._calibration},
                  "devices": devices}  # fmt: skip
         try:
             # the context: the asked one, or the model's own capped by what the members' memory holds
