@@ -211,3 +211,15 @@ def test_a_session_with_speculate_mtp_answers_as_one_stage_does(tmp_path):
         s.stop()
     logs = "".join(p.read_text() for p in tmp_path.glob("*.log"))
     assert "own multi-token-prediction layer" in logs
+
+
+def test_the_head_is_priced_with_the_mtp_block_when_it_drafts_with_it(mtp_file):
+    from backends.memory import resident_bytes
+    from kafila.session.control.host import _resident_model
+
+    index = open_model(mtp_file)
+    plain, mtp = _resident_model(index, {"openvino"}), _resident_model(index, {"openvino"}, "mtp")
+    block = resident_bytes("openvino", index.block_tensors(SHAPE["blocks"]))
+    assert block > 0 and mtp["head_resident_bytes"] == plain["head_resident_bytes"] + block
+    assert {k: v for k, v in mtp.items() if k != "head_resident_bytes"} == {
+        k: v for k, v in plain.items() if k != "head_resident_bytes"}
