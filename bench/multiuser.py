@@ -19,8 +19,11 @@ head's with the embedding and lm_head) are built in this process and each one's 
 step is timed for the row counts that matter (bench/ring_bound.py); with the head's measured
 network time per trip H, bound(N) = max over g micro-batches of N / max(g·C(⌈N/g⌉), C(⌈N/g⌉) + H),
 C(b) = Σ_s t_s(b): what one machine computing one stage at a time could deliver, decode only. The
-table prints it beside the measured decode aggregate (tokens after each user's first ÷ the
-earliest first token → the last token) and their ratio.
+table prints it beside the rate while all N answers decode together (steady_rate: from the last
+first token to the first last token, the prefill of users who started later is outside it, as
+it is outside the bound) and beside the measured decode aggregate (tokens after each user's
+first ÷ the earliest first token → the last token, which holds the later users' prefill), with
+their ratios to it.
 --batch-rows on,off runs a session with batched decode rows (`kafila host --batch-rows on`, the
 default: ready decode steps go round as micro-batches, one forward per stage) and one without,
 one after the other at each latency, and prints on ÷ off per number of users. --ring-lane
@@ -68,6 +71,7 @@ PROMPTS = [
 
 
 _SERIAL = itertools.count(1)
+STEADY_MIN_S = 0.2  # the shortest window of all answers decoding that steady_rate measures
 
 
 def unique(text: str) -> str:
@@ -121,6 +125,7 @@ def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS
     decode_wall = max(r["last_s"] for r in flat) - min(r["started_s"] + r["ttft_ms"] / 1000 for r in flat)
     return {"users": users, "requests": requests, "tokens": tokens, "wall_s": wall, "aggregate_tok_s": tokens / wall,
             "decode_aggregate_tok_s": (tokens - len(flat)) / decode_wall if decode_wall > 0 else None,
+            "steady_tok_s": steady_rate(flat),
             # steady state (users who keep asking, DiP-SD's throughput): each user's tokens ÷ its own time
             "users_tok_s_sum": sum(sum(r["tokens"] or 0 for r in rs) / (rs[-1]["last_s"] - rs[0]["started_s"])
                                    for rs in results),
@@ -128,6 +133,25 @@ def one_level(session, users: int, max_tokens: int, prompts: list[str] = PROMPTS
             "ttft_ms_median": statistics.median(r["ttft_ms"] for r in flat),
             "short_answers": sum((r["tokens"] or 0) < max_tokens for r in flat),
             "texts": [r["text"] for r in flat], "speculation": [r["speculation"] for r in flat]}  # fmt: skip
+
+
+def steady_rate(answers: list[dict]) -> float | None:
+    """Pieces a second while every answer is decoding: from the last first piece to the first
+    last piece, each answer's pieces in that window (a piece is a token's text, merged where a
+    token ends mid-character). What bound(N) prices (N rows decoding, no prefill); None when the
+    answers do not all decode together for STEADY_MIN_S."""
+    times = [r["times"] for r in answers if r.get("times")]
+    if len(times) != len(answers):
+        return None
+    start, end = max(t[0] for t in times), min(t[-1] for t in times)
+    if end - start < STEADY_MIN_S:
+        return None
+    return sum(sum(1 for x in t if start < x <= end) for t in times) / (end - start)
+
+
+def _median_known(rows: list[dict], key: str) -> float | None:
+    known = [r[key] for r in rows if r.get(key) is not None]
+    return statistics.median(known) if known else None
 
 
 def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: int, model: str,
@@ -189,6 +213,7 @@ def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: i
                       "tpot_ms": med(rows, "tpot_ms_median"), "tpot_ratio": med(rows, "tpot_ms_median") / solo_tpot,
                       "tpot_max_ratio": med(rows, "tpot_ms_max") / solo_tpot, "ttft_ms": med(rows, "ttft_ms_median"),
                       "decode_tok_s": med(rows, "decode_aggregate_tok_s"),
+                      "steady_tok_s": _median_known(rows, "steady_tok_s"),
                       "bound_tok_s": bounds[n]["tok_s"] if n in bounds else None,
                       "bound": bounds.get(n),
                       "short_answers": sum(r["short_answers"] for r in rows), "rounds": rows})  # fmt: skip
@@ -281,13 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.bound == "on":
         print("\nbound: bench/ring_bound.py; H = the head's measured network ms per trip: "
               + ", ".join(f"{r['latency_ms']:g} ms/hop {r['network_ms']:.1f} ms" for r in out.values()))
-        print("| hop ms | users | bound tok/s (g micro-batches × rows) | measured decode tok/s | measured ÷ bound "
+        print("| hop ms | users | bound tok/s (g micro-batches × rows) | all decoding tok/s | ÷ bound "
+              "| measured decode tok/s | measured ÷ bound "
               "| aggregate tok/s (prefill included) | TPOT ms | ÷ solo | slowest ÷ solo | TTFT ms |"
-              "\n|---|---|---|---|---|---|---|---|---|---|")
+              "\n|---|---|---|---|---|---|---|---|---|---|---|---|")
         for r in out.values():
             for row in r["table"]:
-                b = row["bound"]
+                b, steady = row["bound"], row["steady_tok_s"]
+                shown = "– | –" if steady is None else f"{steady:.1f} | {steady / b['tok_s']:.2f}"
                 print(f"| {r['latency_ms']:g} | {row['users']} | {b['tok_s']:.1f} ({b['groups']} × {b['rows']}) "
+                      f"| {shown} "
                       f"| {row['decode_tok_s']:.1f} | {row['decode_tok_s'] / b['tok_s']:.2f} "
                       f"| {row['aggregate_tok_s']:.1f} | {row['tpot_ms']:.1f} | {row['tpot_ratio']:.2f}× "
                       f"| {row['tpot_max_ratio']:.2f}× | {row['ttft_ms']:.0f} |")
