@@ -100,6 +100,43 @@ def test_drafting_step_after_step_drafts_what_a_fresh_drafter_drafts(mtp_file):
     drafter.close()
 
 
+@needs_openvino
+def test_the_next_turn_takes_the_last_turns_mtp_slot_and_drafts_as_from_scratch(mtp_file):
+    """With prompt caching the ring brings back only a turn's new positions: the drafter takes the
+    finished turn's parked slot and rows, catches up from where it stopped, and drafts what a
+    drafter given every position's row drafts; a history it shares nothing with gets a new slot."""
+    from kafila.session.ring.speculation.mtp import PARKED, MtpDrafter
+
+    index = open_model(mtp_file)
+    H = index.hparams.hidden
+    drafter = MtpDrafter.build(index, "f32", 256)
+    first = list(PROMPT_IDS[:30])
+    drafter.observe("turn1", 0, _rows(range(len(first)), H))
+    drafter.propose("turn1", first, 3)
+    answer = [int(t) for t in np.random.default_rng(3).integers(0, SHAPE["vocab"], 12)]
+    drafter.observe("turn1", len(first) - 1, _rows(range(len(first) - 1, len(first) + len(answer)), H))
+    slot = drafter._states["turn1"].slot
+    drafter.release("turn1")  # parked at the next call
+    second = first + answer + list(PROMPT_IDS[30:45])
+    cached = len(first) + len(answer) - 1  # the ring's parked slot: all but the answer's last token
+    drafter.observe("turn2", cached, _rows(range(cached, len(second)), H))
+    fresh = MtpDrafter.build(index, "f32", 256)
+    fresh.observe("r", 0, _rows(range(len(second)), H))
+    assert drafter.propose("turn2", second, 3) == fresh.propose("r", second, 3)
+    # turn 1's slot, caught up from its last proposal (its 2 fed drafts masked), not fed afresh
+    assert drafter._states["turn2"].slot == slot
+    assert drafter._states["turn2"].cache_len == len(first) + 2 + (len(second) - len(first)) + 2
+    for i in range(PARKED + 2):  # unrelated requests: slots of their own; at most PARKED stay parked
+        other = [(t + 1 + i) % SHAPE["vocab"] for t in PROMPT_IDS[:8]]
+        drafter.observe(f"o{i}", 0, _rows(range(8), H))
+        drafter.propose(f"o{i}", other, 2)
+        drafter.release(f"o{i}")
+    drafter.propose("turn2", second, 1)
+    assert len(drafter._parked) == PARKED
+    drafter.close()
+    fresh.close()
+
+
 class _Steered:
     """The MTP drafter under test, with its drafts steered: the first right (the answer without
     speculation), the second wrong, so that every step accepts one and rejects the rest; the

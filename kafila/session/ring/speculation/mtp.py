@@ -19,6 +19,12 @@ from the history, with zeros for the rows already dropped (drafts may be worse, 
 the ring verifies every one). Drafting ahead (head_driver.py) is off: a draft made ahead would
 need the model's hidden of drafts not yet verified.
 
+The next turn of a conversation. With prompt caching the ring feeds a new request only what
+its parked slot lacks, so the model's rows of the shared prefix never come back. A finished
+request's MTP slot and rows are parked (the PARKED most recent), and a request without a slot of
+its own takes the parked one that shares the longest prefix with its history, as the ring's
+prompt cache does, and catches up from where that one stopped.
+
 Slots are opened and closed on the worker thread only (as draft.ModelDrafter's); `observe` runs
 on the event loop, so the rows are guarded by a lock.
 """
@@ -26,6 +32,7 @@ on the event loop, so the rows are guarded by a lock.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
@@ -33,6 +40,9 @@ import numpy as np
 from backends import DEFAULT_KQUANT
 from backends.gguf import ModelIndex
 from kafila.session.ring.speculation.draft import common_prefix
+
+
+PARKED = 4  # finished requests' MTP slots kept for the next turn of their conversation
 
 
 class _State:
@@ -54,6 +64,7 @@ class MtpDrafter:
         self.index, self.shard = index, shard
         self.max_positions = max_positions  # physical positions a slot may hold
         self._states: dict[str, _State] = {}
+        self._parked: OrderedDict[int, tuple[_State, dict[int, np.ndarray]]] = OrderedDict()  # oldest first
         self._released: list[str] = []
         self._rows: dict[str, dict[int, np.ndarray]] = {}  # req → position → the model's normed hidden
         self._lock = threading.Lock()
@@ -84,7 +95,7 @@ class MtpDrafter:
         history = [int(t) for t in history]
         st = self._states.get(req_id)
         if st is None:
-            st = self._states[req_id] = _State(self.shard.open_slot(), self.max_positions)
+            st = self._states[req_id] = self._take_parked(req_id, history)
         keep = min(st.exact, common_prefix(st.live, history), n - 1)  # the last token is fed again
         if st.cache_len + (n - keep) + k > self.max_positions:  # reclaim the masked positions
             self.shard.close_slot(st.slot)
@@ -99,6 +110,17 @@ class MtpDrafter:
             out = self._feed(st, drafts[-1:], out[-1:])
             drafts.append(self.shard.greedy(out))
         return tuple(int(d) for d in drafts)
+
+    def _take_parked(self, req_id: str, history: list[int]) -> _State:
+        """The parked slot sharing the longest prefix with `history` (its rows under the ones
+        `req_id` brought), else a new slot."""
+        best = max(self._parked, key=lambda k: common_prefix(self._parked[k][0].live, history), default=None)
+        if best is None or common_prefix(self._parked[best][0].live, history) < 1:
+            return _State(self.shard.open_slot(), self.max_positions)
+        st, rows = self._parked.pop(best)
+        with self._lock:
+            self._rows[req_id] = {**rows, **self._rows.get(req_id, {})}
+        return st
 
     def _prev_rows(self, req_id: str, start: int, end: int) -> np.ndarray:
         """The model's rows h_{q−1} for q in [start, end) (zeros where none came back), and the
@@ -138,19 +160,25 @@ class MtpDrafter:
         self._released.append(req_id)
 
     def _free_released(self) -> None:
+        """Ended requests' slots parked with their rows (the oldest parked one closed past PARKED)."""
         while self._released:
             req_id = self._released.pop()
             st = self._states.pop(req_id, None)
-            if st is not None:
-                self.shard.close_slot(st.slot)
             with self._lock:
-                self._rows.pop(req_id, None)
+                rows = self._rows.pop(req_id, {})
+            if st is None:
+                continue
+            self._parked[st.slot] = (st, rows)
+            while len(self._parked) > PARKED:
+                old, _ = self._parked.popitem(last=False)[1]
+                self.shard.close_slot(old.slot)
 
     def close(self) -> None:
         self._free_released()
-        for st in self._states.values():
+        for st in [*self._states.values(), *(p for p, _ in self._parked.values())]:
             self.shard.close_slot(st.slot)
         self._states.clear()
+        self._parked.clear()
         with self._lock:
             self._rows.clear()
 
