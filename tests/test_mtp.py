@@ -260,3 +260,14 @@ def test_the_head_is_priced_with_the_mtp_block_when_it_drafts_with_it(mtp_file):
     assert block > 0 and mtp["head_resident_bytes"] == plain["head_resident_bytes"] + block
     assert {k: v for k, v in mtp.items() if k != "head_resident_bytes"} == {
         k: v for k, v in plain.items() if k != "head_resident_bytes"}
+
+
+def test_a_request_that_stops_drafting_keeps_at_most_max_rows(mtp_file):
+    from kafila.session.ring.speculation.mtp import MAX_ROWS, MtpDrafter
+
+    drafter = MtpDrafter(open_model(mtp_file), shard=None, max_positions=64)  # observe needs no shard
+    starts = range(0, MAX_ROWS + 1000, 500)
+    for start in starts:
+        drafter.observe("r", start, np.ones((500, SHAPE["hidden"]), np.float32))
+    end = starts[-1] + 500  # positions 0 … end − 1 came back: the newest MAX_ROWS stay
+    assert sorted(drafter._rows["r"]) == list(range(end - MAX_ROWS, end))

@@ -43,6 +43,7 @@ from kafila.session.ring.speculation.draft import common_prefix
 
 
 PARKED = 4  # finished requests' MTP slots kept for the next turn of their conversation
+MAX_ROWS = 4096  # the model's rows a request keeps (positions) until its next proposal
 
 
 class _State:
@@ -78,14 +79,16 @@ class MtpDrafter:
 
     def observe(self, req_id: str, pos0: int, hidden: np.ndarray) -> None:
         """The model's final hidden [n, H] (before output_norm) of positions pos0 … pos0 + n − 1,
-        back at the head (any thread)."""
-        from backends.openvino.mtp import final_norm
-
-        normed = final_norm(self.index, hidden)
+        back at the head (any thread: the event loop's). Kept as they came (normalised on the
+        worker when fed); past MAX_ROWS a request's oldest go: a request that stops drafting
+        (choose_k found it does not pay) proposes nothing and would keep every row of its answer."""
         with self._lock:
             rows = self._rows.setdefault(req_id, {})
-            for i, row in enumerate(normed):
+            for i, row in enumerate(hidden):
                 rows[pos0 + i] = row
+            if len(rows) > MAX_ROWS:
+                for p in sorted(rows)[: len(rows) - MAX_ROWS]:
+                    del rows[p]
 
     def propose(self, req_id: str, history: Sequence[int], k: int) -> tuple[int, ...]:
         self._free_released()
@@ -125,16 +128,20 @@ class MtpDrafter:
     def _prev_rows(self, req_id: str, start: int, end: int) -> np.ndarray:
         """The model's rows h_{q−1} for q in [start, end) (zeros where none came back), and the
         rows no later catch-up needs (before end − 2) dropped."""
+        from backends.openvino.mtp import final_norm
+
         H = self.index.hparams.hidden
         out = np.zeros((end - start, H), np.float32)
+        have = np.zeros(end - start, bool)
         with self._lock:
             rows = self._rows.get(req_id, {})
             for q in range(start, end):
                 row = rows.get(q - 1)
                 if row is not None:
-                    out[q - start] = row
+                    out[q - start], have[q - start] = row, True
             for p in [p for p in rows if p < end - 2]:
                 del rows[p]
+        out[have] = final_norm(self.index, out[have])
         return out
 
     def _feed(self, st: _State, tokens: Sequence[int], prev: np.ndarray) -> np.ndarray:
