@@ -2,7 +2,7 @@
 
     .venv/bin/python -m bench.dipsd [--latency 20,50] [--users 4] [--max-tokens 48] [--rounds 3]
                                     [--requests 1] [--precision serving|f32] [--speculate origin|ngram|draft]
-                                    [--model M] [--draft D] [--json]
+                                    [--model M] [--draft D] [--kquant exact|ggml|…] [--json]
 
 The real pair (issue 37): `--model qwen2.5-coder-1.5b-q4_k_m --draft qwen2.5-coder-0.5b` (names of
 kafila.tooling.pypi_gguf, fetched on first use; any alias or path works too):
@@ -47,6 +47,7 @@ import sys
 import tempfile
 import time
 
+from backends import DEFAULT_KQUANT, KQUANTS
 from bench._report import header
 from bench.multiuser import one_level
 from bench.spec import PROMPTS
@@ -77,12 +78,13 @@ def model_path(name: str | None) -> str | None:
 
 
 def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, model: str, precision: str,
-                speculate: str = "origin", requests: int = 1, draft: str | None = None) -> dict:  # fmt: skip
+                speculate: str = "origin", requests: int = 1, draft: str | None = None,
+                kquant: str = DEFAULT_KQUANT) -> dict:  # fmt: skip
     from kafila.tooling.launch import LocalSession, get_json, stream_chat
 
     prompts = json.loads(PROMPTS.read_text())["grounded"]
     s = LocalSession(members=3, model=model_path(model), latency_ms=latency_ms, speculate=speculate,
-                     precision=precision, draft=model_path(draft), batch_rows=True,
+                     precision=precision, kquant=kquant, draft=model_path(draft), batch_rows=True,
                      log_dir=tempfile.mkdtemp(prefix="kafila-bench-logs-"),
                      cache_root=tempfile.mkdtemp(prefix="kafila-bench-cache-"))  # fmt: skip
     t0 = time.monotonic()
@@ -131,6 +133,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the session's drafting: at each request's member (default), n-grams at the head, "
                         "or the draft model (--draft) at the head")
     p.add_argument("--draft", default=None, help="a draft model every member gets (alias, path or pypi_gguf name)")
+    p.add_argument("--kquant", choices=KQUANTS, default=DEFAULT_KQUANT,
+                   help="the K-quant form every member computes in (kafila host --kquant)")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     try:
@@ -150,12 +154,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"3 members on loopback, {args.model} at {args.precision} precision, {args.users} users typed at m1, m2, m3 "
           f"in turn, grounded prompts, {args.requests} request(s) each one after another, {args.max_tokens} tokens "
           f"each, median of {args.rounds} A/B rounds, "
-          f"--speculate {args.speculate}" + (f", draft model {args.draft}" if args.draft else ""), flush=True)
+          f"--speculate {args.speculate}" + (f", draft model {args.draft}" if args.draft else "")
+          + f", --kquant {args.kquant}", flush=True)
     fmt = lambda x, d=2: "—" if x is None else f"{x:.{d}f}"  # noqa: E731
     out = {}
     for ms in latencies:
         r = out[f"{ms:g}"] = run_latency(ms, args.users, args.max_tokens, args.rounds, args.model, args.precision,
-                                         args.speculate, args.requests, args.draft)  # fmt: skip
+                                         args.speculate, args.requests, args.draft, args.kquant)  # fmt: skip
         print(f"{ms:>4g} ms/hop  plain (batched rows) {r['plain_tok_s']:6.1f} tok/s  {args.speculate} drafting "
               f"{r['origin_tok_s']:6.1f} tok/s  ratio {r['ratio']:.2f}× (rounds "
               f"{', '.join(f'{x:.2f}' for x in r['ratio_per_round'])})  decoding only {r['plain_decode_tok_s']:.1f} → "
