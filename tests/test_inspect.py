@@ -14,7 +14,7 @@ from tests.synthetic_gguf import CHATML, _byte_level_vocab, write_llama_gguf, wr
 
 KAFILA = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "kafila")
 FIELDS = {
-    "path", "file_bytes", "name", "architecture", "file_type", "blocks", "hidden", "heads", "kv_heads",
+    "path", "file_bytes", "name", "architecture", "file_type", "blocks", "mtp_blocks", "hidden", "heads", "kv_heads",
     "head_dim", "ffn", "vocab", "context", "tensors", "tensor_bytes", "quant_types", "tokenizer", "served",
     "why_not", "block_bytes", "head_bytes", "kv_bytes_per_token_per_block",
     "state_bytes_per_request_per_block",

@@ -271,3 +271,11 @@ def test_a_request_that_stops_drafting_keeps_at_most_max_rows(mtp_file):
         drafter.observe("r", start, np.ones((500, SHAPE["hidden"]), np.float32))
     end = starts[-1] + 500  # positions 0 … end − 1 came back: the newest MAX_ROWS stay
     assert sorted(drafter._rows["r"]) == list(range(end - MAX_ROWS, end))
+
+
+def test_inspect_shows_the_mtp_layer(mtp_file):
+    from kafila.commands.inspect import describe, render
+
+    info = describe(mtp_file)
+    assert info["blocks"] == SHAPE["blocks"] + 1 and info["mtp_blocks"] == 1
+    assert f"{SHAPE['blocks']} blocks + 1 multi-token-prediction (--speculate mtp)" in render(info)

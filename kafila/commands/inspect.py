@@ -166,6 +166,7 @@ def summarize(path: str, metadata: dict, tensors: list[tuple[str, str, int, int]
         "architecture": arch,
         "file_type": file_type_name,
         "blocks": _int(hp("block_count")),
+        "mtp_blocks": _int(hp("nextn_predict_layers")) or 0,  # counted in blocks (llama.cpp's n_layer_all)
         "hidden": hidden,
         "heads": heads,
         "kv_heads": kv_heads,
@@ -194,6 +195,16 @@ def _size(n: int | None) -> str:
     return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.1f} kB"
 
 
+def _blocks(info: dict) -> str:
+    """"28 blocks", or "27 blocks + 1 multi-token-prediction (--speculate mtp)"."""
+    blocks, mtp = info.get("blocks"), info.get("mtp_blocks") or 0
+    if blocks is None:
+        return "? blocks"
+    if not mtp or mtp >= blocks:
+        return f"{blocks} blocks"
+    return f"{blocks - mtp} blocks + {mtp} multi-token-prediction (--speculate mtp)"
+
+
 def render(info: dict) -> str:
     """The description as a person reads it ("?" where the header does not say)."""
     v = {k: "?" if x is None else x for k, x in info.items()}
@@ -202,7 +213,7 @@ def render(info: dict) -> str:
     lines = [
         f"{v['path']} ({_size(info['file_bytes'])})",
         f"  name          {v['name']}",
-        f"  architecture  {v['architecture']}, {v['blocks']} blocks, file type {v['file_type']}",
+        f"  architecture  {v['architecture']}, {_blocks(info)}, file type {v['file_type']}",
         f"  shape         hidden {v['hidden']}, heads {v['heads']} (KV {v['kv_heads']}), "
         f"head dim {v['head_dim']}, FFN {v['ffn']}, vocab {v['vocab']}",
         f"  context       {v['context']} tokens",
