@@ -72,23 +72,25 @@ def _rows(positions, hidden: int) -> np.ndarray:
     return np.stack([np.random.default_rng(1000 + p).standard_normal(hidden).astype(np.float32) for p in positions])
 
 
-@needs_openvino
-def test_drafting_step_after_step_drafts_what_a_fresh_drafter_drafts(mtp_file):
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
+def test_drafting_step_after_step_drafts_what_a_fresh_drafter_drafts(mtp_file, backend):
     """The drafter's slot after many steps (drafts fed with its own h', then masked out and caught
     up with the model's rows; accepted drafts, rejected ones) drafts exactly what a drafter fed the
     same history and rows from scratch drafts."""
     from kafila.session.ring.speculation.mtp import MtpDrafter
 
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
     index = open_model(mtp_file)
     H = index.hparams.hidden
-    drafter = MtpDrafter.build(index, "f32", 256)
+    drafter = MtpDrafter.build(index, "f32", 256, backend=backend)
     history = list(PROMPT_IDS[:40])
     drafter.observe("r", 0, _rows(range(len(history)), H))
     rng = np.random.default_rng(5)
     for step in range(12):
         drafts = drafter.propose("r", history, 3)
         assert len(drafts) == 3 and all(0 <= d < SHAPE["vocab"] for d in drafts)
-        fresh = MtpDrafter.build(index, "f32", 256)
+        fresh = MtpDrafter.build(index, "f32", 256, backend=backend)
         fresh.observe("r", 0, _rows(range(len(history)), H))
         assert fresh.propose("r", history, 3) == drafts, step
         fresh.close()
@@ -191,16 +193,18 @@ def test_speculate_mtp_needs_a_file_with_an_mtp_layer(tmp_path):
 
 
 @needs_llamacpp
-@needs_openvino
-def test_the_mtp_block_drafts_what_llamacpps_mtp_head_drafts(mtp_file):
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
+def test_the_mtp_block_drafts_what_llamacpps_mtp_head_drafts(mtp_file, backend):
     """The external reference for the block itself: llama.cpp's MTP context (its draft-mtp driver's
     feeding: token q with the model's h_{q−1}, then each draft with the MTP's own h_nextn) on the
     same file, the same tokens and the same model rows, gives the same greedy token after every
-    position and the same 4 drafts as MtpShard and MtpDrafter."""
-    from backends.openvino.mtp import MtpShard, final_norm
+    position and the same 4 drafts as the MTP shard (OpenVINO's and MLX's) and MtpDrafter."""
+    from backends.gguf.hybrid import final_norm
     from kafila.session.ring.speculation.mtp import MtpDrafter
     from tests.llamacpp_ref import mtp_drafts
 
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
     index = open_model(mtp_file)
     H = index.hparams.hidden
     for seed in (0, 1):
@@ -209,12 +213,13 @@ def test_the_mtp_block_drafts_what_llamacpps_mtp_head_drafts(mtp_file):
         normed = final_norm(index, raw)
         h_prev = np.concatenate([np.zeros((1, H), np.float32), normed[:-1]])  # h_{q−1}; zeros before 0
         after, drafts = mtp_drafts(mtp_file, tokens, h_prev, 4)
-        shard = MtpShard(index, "f32")
+        drafter = MtpDrafter.build(index, "f32", 256, backend=backend)
+        shard = drafter.shard
         slot = shard.open_slot()
         ours = [shard.greedy(shard.forward(slot, shard.inputs([t], h_prev[q: q + 1]), np.array([q]),
                                            np.ones(q + 1, np.int64))) for q, t in enumerate(tokens)]  # fmt: skip
         assert ours == after, seed
-        drafter = MtpDrafter.build(index, "f32", 256)
+        shard.close_slot(slot)
         drafter.observe("r", 0, raw)
         assert drafter.propose("r", tokens, 4) == tuple(drafts), seed
         drafter.close()

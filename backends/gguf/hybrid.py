@@ -179,3 +179,35 @@ def imrope_inv_freq(rope_dims: int, base: float, sections: tuple[int, ...]) -> n
                 or (sector % 3 == 0 and sector < 3 * s0)):  # fmt: skip
             inv[i] = 0.0
     return inv
+
+
+def mtp_block(index) -> int:
+    """The block index of `index`'s multi-token-prediction block (after the trunk's); BadInput
+    when it has none."""
+    hy = index.hparams.hybrid
+    if hy is None or not hy.mtp_blocks:
+        raise BadInput(f"{index.name} has no multi-token-prediction (nextn) layer: --speculate mtp needs a "
+                       "Qwen3.5 file converted with its MTP layer; use --speculate ngram or draft")
+    return index.hparams.n_blocks
+
+
+def mtp_tensor(index, own: str, fallback: str) -> str:
+    """The MTP block's own tensor `nextn.<own>` where the file has it, else the model's `fallback`."""
+    name = f"blk.{mtp_block(index)}.nextn.{own}"
+    return name if name in index.tensors else fallback
+
+
+def mtp_inputs(index, tokens, prev: np.ndarray) -> np.ndarray:
+    """The MTP block's input rows [e_q | h_{q−1}] f32 [n, 2H]: each token's embedding row
+    (nextn.embed_tokens or token_embd) beside `prev` [n, H], the hiddens before them."""
+    e = index.rows(mtp_tensor(index, "embed_tokens.weight", "token_embd.weight"), np.asarray(tokens, dtype=np.int64))
+    return np.concatenate([np.asarray(e, np.float32), np.asarray(prev, np.float32).reshape(len(e), -1)], axis=1)
+
+
+def final_norm(index, hidden: np.ndarray) -> np.ndarray:
+    """The model's final hidden [n, H] after output_norm (llama.cpp's h_nextn, the MTP input), in
+    f32 with the mean square in f64."""
+    x = np.asarray(hidden, np.float32)
+    weight = index.dequantize("output_norm.weight", np.float32)
+    inv = 1.0 / np.sqrt(np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True) + index.hparams.rms_eps)
+    return (x * inv.astype(np.float32)) * weight

@@ -46,7 +46,7 @@ class SlotState:
 
 class MLXShard(HeadOps):
     def __init__(
-        self, spec: ShardSpec, precision: str = "serving", index: ModelIndex | None = None
+        self, spec: ShardSpec, precision: str = "serving", index: ModelIndex | None = None, mtp: bool = False
     ):
         index = index if index is not None else open_model(spec.model_path)
         hp = index.hparams
@@ -54,7 +54,7 @@ class MLXShard(HeadOps):
         self.hybrid = None if hp.hybrid is None else _hybrid_dims(hp, spec)
         self._last: dict[int, tuple] = {}  # hybrid: a slot's last step of several positions (hybrid.py)
         self._kept: dict[int, tuple[int, dict]] = {}  # hybrid: a slot's kept state (checkpoint)
-        if not 0 <= spec.first <= spec.last <= hp.n_blocks:
+        if not 0 <= spec.first <= spec.last <= hp.n_blocks + (hp.hybrid.mtp_blocks if mtp and hp.hybrid else 0):
             raise BadInput(
                 f"block range [{spec.first}, {spec.last}) is outside the model's {hp.n_blocks} blocks"
             )
@@ -86,7 +86,7 @@ class MLXShard(HeadOps):
             self.dims, rope_base=fam.rope_base_swa, rope_freqs=_periods(hp.head_dim, fam.rope_base_swa, fam.yarn),
             rope_scale=hp.rope_scale if fam.swa_rope_scaled else 1.0) if any(self._windowed) else self.dims  # fmt: skip
         self.weights = load_shard_weights(
-            index.path, spec.first, spec.last, spec.embed, spec.head, f32=precision == "f32"
+            index.path, spec.first, spec.last, spec.embed, spec.head, f32=precision == "f32", index=index, mtp=mtp
         )
         self._slots: dict[int, SlotCache] = {}
         self._large = memory.LargeSteps(self.hparams.hidden)  # MLX's buffer cache keeps a large step's buffers

@@ -225,18 +225,32 @@ class HybridWeights:
 
 
 @dataclass(frozen=True)
+class MtpWeights:
+    """What a multi-token-prediction block adds to its attention block (backends/gguf/hybrid.py)."""
+
+    eh_proj: Linear  # 2·hidden → hidden
+    enorm: mx.array  # [hidden]
+    hnorm: mx.array  # [hidden]
+    head_norm: mx.array  # nextn.shared_head_norm, else output_norm
+    head: Linear  # nextn.shared_head_head, else the model's lm_head
+
+
+@dataclass(frozen=True)
 class ShardWeights:
     blocks: tuple[BlockWeights | HybridWeights, ...]  # blocks first .. last-1, in order
     embedding: Linear | None  # token_embd when it is also the lm_head (tied): rows are looked up
     output_norm: mx.array | None  # [hidden] (head shard)
     lm_head: Linear | None  # output.weight, or token_embd when tied (head shard)
+    mtp: MtpWeights | None = None  # the multi-token-prediction block's own part (backends/mlx/mtp.py)
+
 
 
 def load_shard_weights(
     path: str, first: int, last: int, embed: bool, head: bool, f32: bool,
-    index: ModelIndex | None = None,
+    index: ModelIndex | None = None, mtp: bool = False,
 ) -> ShardWeights:
-    """The tensors of blocks [first, last), plus embedding / final norm / lm_head when asked.
+    """The tensors of blocks [first, last), plus embedding / final norm / lm_head when asked;
+    `mtp`: [first, last) is the multi-token-prediction block, with its own part (MtpWeights).
 
     f32: the f16 scales and biases (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0) converted to float32 (exact), so everything
     computes in f32; K-quant scales are f32 either way.
@@ -345,7 +359,17 @@ def load_shard_weights(
     lm_head = None
     if head:
         lm_head = linear("output") if "output.weight" in tensors else linear("token_embd")  # shared when tied
+    own = None
+    if mtp:
+        from backends.gguf.hybrid import mtp_tensor
+
+        p = f"blk.{first}.nextn."
+        named = mtp_tensor(index, "shared_head_head.weight", "")
+        own = MtpWeights(eh_proj=linear(p + "eh_proj"), enorm=vec(p + "enorm.weight"), hnorm=vec(p + "hnorm.weight"),
+                         head_norm=vec(mtp_tensor(index, "shared_head_norm.weight", "output_norm.weight")),
+                         head=linear(named.removesuffix(".weight")) if named else lm_head)  # fmt: skip
     weights = ShardWeights(
+        mtp=own,
         blocks=blocks,
         # a table that is not also this shard's lm_head is not held: MLXShard reads each step's
         # rows from the file (ModelIndex.rows, exact), as the OpenVINO shard does

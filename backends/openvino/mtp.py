@@ -24,27 +24,12 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from backends.base import ShardSpec
-from backends.errors import BadInput
 from backends.gguf import ModelIndex
+from backends.gguf.hybrid import mtp_block, mtp_inputs, mtp_tensor
 from backends.openvino.graph import StageBuilder, _i64, causal_mask, rms_norm
 from backends.openvino.shard import OpenVINOShard
 
 I64 = ov.Type.i64
-
-
-def mtp_block(index: ModelIndex) -> int:
-    """The block index of `index`'s MTP block (after the trunk's); BadInput when it has none."""
-    hy = index.hparams.hybrid
-    if hy is None or not hy.mtp_blocks:
-        raise BadInput(f"{index.name} has no multi-token-prediction (nextn) layer: --speculate mtp needs a "
-                       "Qwen3.5 file converted with its MTP layer; use --speculate ngram or draft")
-    return index.hparams.n_blocks
-
-
-def _named(index: ModelIndex, b: int, own: str, fallback: str) -> str:
-    """The MTP block's own tensor where the file has it, else the model's."""
-    name = f"blk.{b}.nextn.{own}"
-    return name if name in index.tensors else fallback
 
 
 def mtp_model(builder: StageBuilder) -> ov.Model:
@@ -65,10 +50,10 @@ def mtp_model(builder: StageBuilder) -> ov.Model:
     mask = causal_mask(attention_mask.output(0), new_len)
     sinks: list = []
     x = HybridBlocks(builder).block(b, x, position_ids.output(0), mask, beam_idx.output(0), sinks)
-    out = rms_norm(x, w.vector(_named(index, b, "shared_head_norm.weight", "output_norm.weight")), h.rms_eps)
+    out = rms_norm(x, w.vector(mtp_tensor(index, "shared_head_norm.weight", "output_norm.weight")), h.rms_eps)
     last = ops.reshape(ops.gather(out, _i64(-1), _i64(1)), _i64(-1, h.hidden), False)  # [B, H]
     lm = "token_embd.weight" if h.tied_embeddings else "output.weight"
-    (logits,) = w.project(last.output(0), [(_named(index, b, "shared_head_head.weight", lm), 0)])
+    (logits,) = w.project(last.output(0), [(mtp_tensor(index, "shared_head_head.weight", lm), 0)])
     r_hidden = ops.result(out, name="hidden_out")
     r_hidden.output(0).set_names({"hidden_out"})
     r_token = ops.result(builder._top1(logits), name="token")
@@ -87,28 +72,16 @@ class MtpShard(OpenVINOShard):
         super().__init__(ShardSpec(index.path, b, b + 1, embed=False, head=True), precision, index=index,
                          kquant=kquant or DEFAULT_KQUANT)  # fmt: skip
         self._steps = None  # an attention block: no recurrent state to cut back
-        embed = _named(index, b, "embed_tokens.weight", "token_embd.weight")
-        self._embed = embed
 
     def _stage_model(self, builder: StageBuilder, spec: ShardSpec) -> tuple[ov.Model, bool]:
         return mtp_model(builder), True
 
     def inputs(self, tokens, prev: np.ndarray) -> np.ndarray:
         """Rows [e_q | h_{q−1}] for `tokens` at q and `prev` [n, H] the hiddens before them."""
-        e = self.index.rows(self._embed, np.asarray(tokens, dtype=np.int64))
-        return np.concatenate([e, np.asarray(prev, np.float32).reshape(len(e), -1)], axis=1)
+        return mtp_inputs(self.index, tokens, prev)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         raise NotImplementedError("the MTP stage folds its greedy token in; it has no logits graph")
 
 
-def final_norm(index: ModelIndex, hidden: np.ndarray) -> np.ndarray:
-    """The model's final hidden [n, H] after output_norm (llama.cpp's h_nextn, the MTP input), in
-    f32 with the mean square in f64."""
-    x = np.asarray(hidden, np.float32)
-    weight = index.dequantize("output_norm.weight", np.float32)
-    inv = 1.0 / np.sqrt(np.mean(np.square(x, dtype=np.float64), axis=-1, keepdims=True) + index.hparams.rms_eps)
-    return (x * inv.astype(np.float32)) * weight
-
-
-__all__ = ["MtpShard", "final_norm", "mtp_block", "mtp_model"]
+__all__ = ["MtpShard", "mtp_model"]

@@ -301,18 +301,15 @@ class Stage:
         return drafter, "draft"
 
     async def _mtp_drafter(self, context: int):
-        """(speculation.mtp.MtpDrafter, "draft") from the model's multi-token-prediction layer, else
-        (None, "ngram") with the reason said (the host checked the file; an MLX head has none)."""
+        """(speculation.mtp.MtpDrafter, "draft") from the model's multi-token-prediction layer on the
+        head's backend, else (None, "ngram") with the reason said (the host checked the file)."""
         from kafila.session.ring.speculation.mtp import MtpDrafter
 
-        if self.cfg.backend != "openvino":
-            self.say(f"{self.cfg.name}: --speculate mtp drafts on OpenVINO; this head serves on {self.cfg.backend}: "
-                     "drafting with n-grams instead")  # fmt: skip
-            return None, "ngram"
         precision = self.state.session.get("precision", "serving")
         kquant = self.state.session.get("kquant", DEFAULT_KQUANT)
         try:
-            drafter = await asyncio.to_thread(MtpDrafter.build, self.index, precision, context, kquant)
+            drafter = await asyncio.to_thread(MtpDrafter.build, self.index, precision, context, kquant,
+                                              self.cfg.backend)  # fmt: skip
         except BadInput as exc:
             self.say(f"{self.cfg.name}: {exc}: drafting with n-grams instead")
             return None, "ngram"

@@ -71,11 +71,19 @@ class MtpDrafter:
         self._lock = threading.Lock()
 
     @classmethod
-    def build(cls, index: ModelIndex, precision: str, context: int, kquant: str = DEFAULT_KQUANT) -> MtpDrafter:
-        from backends.openvino.mtp import MtpShard
+    def build(cls, index: ModelIndex, precision: str, context: int, kquant: str = DEFAULT_KQUANT,
+              backend: str = "openvino") -> MtpDrafter:
+        """On the head's backend: backends/openvino/mtp.py or backends/mlx/mtp.py."""
+        if backend == "mlx":
+            from backends.mlx.mtp import MLXMtpShard
 
+            shard = MLXMtpShard(index, precision)
+        else:
+            from backends.openvino.mtp import MtpShard
+
+            shard = MtpShard(index, precision, kquant)
         # a request's history fills at most `context`; the rest of the bound is for masked drafts
-        return cls(index, MtpShard(index, precision, kquant), max_positions=2 * context)
+        return cls(index, shard, max_positions=2 * context)
 
     def observe(self, req_id: str, pos0: int, hidden: np.ndarray) -> None:
         """The model's final hidden [n, H] (before output_norm) of positions pos0 … pos0 + n − 1,
@@ -128,7 +136,7 @@ class MtpDrafter:
     def _prev_rows(self, req_id: str, start: int, end: int) -> np.ndarray:
         """The model's rows h_{q−1} for q in [start, end) (zeros where none came back), and the
         rows no later catch-up needs (before end − 2) dropped."""
-        from backends.openvino.mtp import final_norm
+        from backends.gguf.hybrid import final_norm
 
         H = self.index.hparams.hidden
         out = np.zeros((end - start, H), np.float32)
