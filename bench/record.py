@@ -159,7 +159,7 @@ SECTIONS = [
    " (planner.cost.quota_alone_ms); before, at its sustained rate, it was off by 212 % (f89dfdb). Stages "
    "measure 0-27 % over their prediction: the other members' network work runs beside a forward on these 2 "
    "cores, which the host's block timing does not see; the tok/s prediction leaves out each hop's processing "
-   "(about 0.8 ms a hop here), so it is 1.15-1.4x high. Over five full runs with these changes: median 8-14 %, worst 18-37 % (the 37 %: a demo stage in one run)."),
+   "(about 0.8 ms a hop here), so it is 1.1-1.5x high. Over five full runs with these changes: median 8-14 %, worst 18-37 % (the 37 %: a demo stage in one run)."),
 ]
 
 HEAD = """# Kafila benchmarks: the current record
