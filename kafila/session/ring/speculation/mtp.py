@@ -1,8 +1,8 @@
 """The model's own draft head at the head: a file's multi-token-prediction block (`--speculate mtp`).
 
-Theory of operation. The MTP block (backends/openvino/mtp.py) at position q reads token q and the
-model's final hidden h_{q−1} (after output_norm) and predicts token q + 1, with a KV cache of its
-own over the positions it was fed. As llama.cpp's draft-mtp driver (common/speculative.cpp):
+Theory of operation. The MTP block (backends/openvino/mtp.py, backends/mlx/mtp.py) at position q
+reads token q and the model's final hidden h_{q−1} (after output_norm) and predicts token q + 1,
+with a KV cache of its own over the positions it was fed. As llama.cpp's draft-mtp driver (common/speculative.cpp):
 
 - catch-up: every step that comes back at the head brings the model's final hidden of each of
   its positions (`observe`, called from the head's driver with the step's first position); the
@@ -40,7 +40,6 @@ import numpy as np
 from backends import DEFAULT_KQUANT
 from backends.gguf import ModelIndex
 from kafila.session.ring.speculation.draft import common_prefix
-
 
 PARKED = 4  # finished requests' MTP slots kept for the next turn of their conversation
 MAX_ROWS = 4096  # the model's rows a request keeps (positions) until its next proposal
