@@ -2,7 +2,8 @@
 
 Theory of operation. The MTP block (backends/openvino/mtp.py, backends/mlx/mtp.py) at position q
 reads token q and the model's final hidden h_{q−1} (after output_norm) and predicts token q + 1,
-with a KV cache of its own over the positions it was fed. As llama.cpp's draft-mtp driver (common/speculative.cpp):
+with a KV cache of its own over the positions it was fed. As llama.cpp's draft-mtp driver
+(common/speculative.cpp):
 
 - catch-up: every step that comes back at the head brings the model's final hidden of each of
   its positions (`observe`, called from the head's driver with the step's first position); the
