@@ -199,7 +199,7 @@ def test_the_mtp_block_drafts_what_llamacpps_mtp_head_drafts(mtp_file, backend):
     feeding: token q with the model's h_{q−1}, then each draft with the MTP's own h_nextn) on the
     same file, the same tokens and the same model rows, gives the same greedy token after every
     position and the same 4 drafts as the MTP shard (OpenVINO's and MLX's) and MtpDrafter."""
-    from backends.gguf.hybrid import final_norm
+    from backends.gguf.hybrid import final_norm, mtp_inputs
     from kafila.session.ring.speculation.mtp import MtpDrafter
     from tests.llamacpp_ref import mtp_drafts
 
@@ -216,7 +216,7 @@ def test_the_mtp_block_drafts_what_llamacpps_mtp_head_drafts(mtp_file, backend):
         drafter = MtpDrafter.build(index, "f32", 256, backend=backend)
         shard = drafter.shard
         slot = shard.open_slot()
-        ours = [shard.greedy(shard.forward(slot, shard.inputs([t], h_prev[q: q + 1]), np.array([q]),
+        ours = [shard.greedy(shard.forward(slot, mtp_inputs(index, [t], h_prev[q: q + 1]), np.array([q]),
                                            np.ones(q + 1, np.int64))) for q, t in enumerate(tokens)]  # fmt: skip
         assert ours == after, seed
         shard.close_slot(slot)

@@ -181,11 +181,15 @@ def imrope_inv_freq(rope_dims: int, base: float, sections: tuple[int, ...]) -> n
     return inv
 
 
+def has_mtp(index) -> bool:
+    """Whether `index` carries a multi-token-prediction block."""
+    return index.hparams.hybrid is not None and index.hparams.hybrid.mtp_blocks > 0
+
+
 def mtp_block(index) -> int:
     """The block index of `index`'s multi-token-prediction block (after the trunk's); BadInput
     when it has none."""
-    hy = index.hparams.hybrid
-    if hy is None or not hy.mtp_blocks:
+    if not has_mtp(index):
         raise BadInput(f"{index.name} has no multi-token-prediction (nextn) layer: --speculate mtp needs a "
                        "Qwen3.5 file converted with its MTP layer; use --speculate ngram or draft")
     return index.hparams.n_blocks

@@ -13,7 +13,7 @@ import numpy as np
 
 from backends.base import ShardSpec
 from backends.gguf import ModelIndex
-from backends.gguf.hybrid import mtp_block, mtp_inputs
+from backends.gguf.hybrid import mtp_block
 from backends.mlx.hybrid import hybrid_block
 from backends.mlx.model import SlotCache
 from backends.mlx.shard import MLXShard
@@ -25,9 +25,6 @@ class MLXMtpShard(MLXShard):
     def __init__(self, index: ModelIndex, precision: str = "serving") -> None:
         b = mtp_block(index)
         super().__init__(ShardSpec(index.path, b, b + 1, embed=False, head=True), precision, index=index, mtp=True)
-
-    def inputs(self, tokens, prev: np.ndarray) -> np.ndarray:
-        return mtp_inputs(self.index, tokens, prev)
 
     def _forward_hybrid(self, slot: int, cache: SlotCache, x: np.ndarray, positions: np.ndarray, mask: np.ndarray,
                         visible: mx.array | str | None) -> np.ndarray:

@@ -25,7 +25,7 @@ import openvino.opset13 as ops
 
 from backends.base import ShardSpec
 from backends.gguf import ModelIndex
-from backends.gguf.hybrid import mtp_block, mtp_inputs, mtp_tensor
+from backends.gguf.hybrid import mtp_block, mtp_tensor
 from backends.openvino.graph import StageBuilder, _i64, causal_mask, rms_norm
 from backends.openvino.shard import OpenVINOShard
 
@@ -63,7 +63,8 @@ def mtp_model(builder: StageBuilder) -> ov.Model:
 
 class MtpShard(OpenVINOShard):
     """The MTP block of `index` (a ShardSpec of that one block, head folded in). `forward` takes
-    rows [e | h] (`inputs`), returns h' per row; `greedy(h')` is the token the graph computed."""
+    rows [e | h] (backends.gguf.hybrid.mtp_inputs), returns h' per row; `greedy(h')` is the
+    token the graph computed."""
 
     def __init__(self, index: ModelIndex, precision: str = "serving", kquant: str | None = None) -> None:
         from backends import DEFAULT_KQUANT
@@ -75,10 +76,6 @@ class MtpShard(OpenVINOShard):
 
     def _stage_model(self, builder: StageBuilder, spec: ShardSpec) -> tuple[ov.Model, bool]:
         return mtp_model(builder), True
-
-    def inputs(self, tokens, prev: np.ndarray) -> np.ndarray:
-        """Rows [e_q | h_{q−1}] for `tokens` at q and `prev` [n, H] the hiddens before them."""
-        return mtp_inputs(self.index, tokens, prev)
 
     def logits(self, hidden: np.ndarray) -> np.ndarray:
         raise NotImplementedError("the MTP stage folds its greedy token in; it has no logits graph")

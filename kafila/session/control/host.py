@@ -53,13 +53,14 @@ def _resident_model(index, kinds: set[str], speculate: str = "off") -> dict:
     """The plan's model entry with memory in the members' backends' forms (backends.memory): one
     Model serves every member, so a mixed ring takes each memory figure from its largest backend.
     With --speculate mtp the head also holds the model's multi-token-prediction block."""
+    from backends.gguf.hybrid import has_mtp
     from backends.memory import resident_bytes
 
     models = [index.planner_model(kind) for kind in sorted(kinds)]
     out = dict(models[0])
     for key in ("process_bytes", "anchor_bytes", "block_resident_bytes", "head_resident_bytes"):
         out[key] = max(m[key] for m in models)
-    if speculate == "mtp" and index.hparams.hybrid is not None and index.hparams.hybrid.mtp_blocks:
+    if speculate == "mtp" and has_mtp(index):
         mtp = index.block_tensors(index.hparams.n_blocks)
         out["head_resident_bytes"] += max(resident_bytes(kind, mtp) for kind in kinds)
     return out

@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from backends import DEFAULT_KQUANT
 from backends.errors import BadInput
 from backends.gguf import ModelIndex, open_model
+from backends.gguf.hybrid import has_mtp
 from kafila.models.tokenizer import Tokenizer, load_tokenizer
 
 
@@ -55,7 +56,7 @@ def check_drafting(speculate: str, draft_path: str | None, target: ModelIndex) -
     in the model for --speculate mtp."""
     if speculate == "draft" and not draft_path:
         raise BadInput("--speculate draft needs --draft GGUF (a small model of the same vocabulary)")
-    if speculate == "mtp" and not (target.hparams.hybrid and target.hparams.hybrid.mtp_blocks):
+    if speculate == "mtp" and not has_mtp(target):
         raise BadInput(f"--speculate mtp: {target.name} has no multi-token-prediction (nextn) layer; use "
                        "--speculate ngram, or draft with --draft GGUF")
     if draft_path:

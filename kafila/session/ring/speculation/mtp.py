@@ -40,6 +40,7 @@ import numpy as np
 
 from backends import DEFAULT_KQUANT
 from backends.gguf import ModelIndex
+from backends.gguf.hybrid import final_norm, mtp_inputs
 from kafila.session.ring.speculation.draft import common_prefix
 
 PARKED = 4  # finished requests' MTP slots kept for the next turn of their conversation
@@ -125,8 +126,9 @@ class MtpDrafter:
     def _take_parked(self, req_id: str, history: list[int]) -> _State:
         """The parked slot sharing the longest prefix with `history` (its rows under the ones
         `req_id` brought), else a new slot."""
-        best = max(self._parked, key=lambda k: common_prefix(self._parked[k][0].live, history), default=None)
-        if best is None or common_prefix(self._parked[best][0].live, history) < 1:
+        shared = {k: common_prefix(st.live, history) for k, (st, _) in self._parked.items()}
+        best = max(shared, key=shared.get, default=None)
+        if best is None or shared[best] < 1:
             return _State(self.shard.open_slot(), self.max_positions)
         st, rows = self._parked.pop(best)
         with self._lock:
@@ -136,8 +138,6 @@ class MtpDrafter:
     def _prev_rows(self, req_id: str, start: int, end: int) -> np.ndarray:
         """The model's rows h_{q−1} for q in [start, end) (zeros where none came back), and the
         rows no later catch-up needs (before end − 2) dropped."""
-        from backends.gguf.hybrid import final_norm
-
         H = self.index.hparams.hidden
         out = np.zeros((end - start, H), np.float32)
         have = np.zeros(end - start, bool)
@@ -157,7 +157,8 @@ class MtpDrafter:
         m, start = len(tokens), st.cache_len
         st.valid[start: start + m] = 1
         positions = np.arange(len(st.live), len(st.live) + m, dtype=np.int64)
-        out = self.shard.forward(st.slot, self.shard.inputs(tokens, prev), positions, st.valid[: start + m])
+        out = self.shard.forward(st.slot, mtp_inputs(self.index, tokens, prev), positions,
+                                 st.valid[: start + m])  # fmt: skip
         st.live += list(tokens)
         st.phys += range(start, start + m)
         st.cache_len += m
