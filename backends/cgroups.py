@@ -84,8 +84,8 @@ def quota_threads() -> int | None:
     """Threads to compute on under this process's CPU quota: the CPUs it allows, rounded up,
     when fewer than the CPUs it may run on; None without such a quota. More threads than the
     quota only spend it faster: the OpenVINO plugin's idle workers spin after each inference, so
-    at 0.25 CPUs two threads burnt 1.8 ms of CPU a 0.65 ms step (one: 0.65 ms) and sustained a
-    step every 4.9 ms (one: 2.3 ms)."""
+    at a quarter of a CPU two threads spent several times the CPU of one a step, and sustained
+    fewer steps (tests/test_probe.py runs a member under such a quota)."""
     quota = cgroup_cpu_quota()
     if quota is None or quota[0] >= usable_cpus():
         return None
