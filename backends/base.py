@@ -101,8 +101,9 @@ class Shard(Protocol):
     # starts the same way (kafila/session/ring/prefix.py); a backend whose batched rows share a home
     # (OpenVINO's row groups) lets the slot out of it here. Backends without it need nothing.
     # Optional for hybrid models: `checkpoint(slot)`: keep a copy of the slot's recurrent state
-    # as it is now (one per slot, replacing the last), so that a later `trim` to exactly that
-    # length goes back to it (a prompt's end: prefix.py); a trim before it drops it.
+    # as it is now (one per turn, at most KEPT_STATES: backends/kept.py), so that a later `trim`
+    # to exactly that length goes back to it (where a turn's messages end: prefix.py); a trim
+    # before it drops it.
 
 
 class Sampler(Protocol):

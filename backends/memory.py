@@ -46,6 +46,8 @@ from __future__ import annotations
 
 import ctypes
 
+from backends.kept import KEPT_STATES
+
 _FLOAT = {"F32": 4.0, "F16": 4.0, "BF16": 4.0}  # dense f32 in memory on every backend
 
 RESIDENT_BYTES_PER_WEIGHT: dict[str, dict[str, float]] = {
@@ -91,11 +93,11 @@ def memory_kind(backend: str, form: str) -> str:
     stage's resolved --kquant: "ggml" holds the file's blocks, the other forms the constants)."""
     return GGML_KIND if backend == "openvino" and form == "ggml" else backend
 TOKENIZER_BYTES_PER_VOCAB = 450
-# A hybrid slot holds its recurrent state up to three times (backends/openvino/recurrent.py, the
-# MLX shard alike): the live state, its copy at the start of the slot's last step of several
-# positions (a verify step's cut goes back into it) and the copy kept at the end of the last
-# prompt (prompt caching goes back to it: kafila/session/ring/prefix.py). The plan prices all three.
-RECURRENT_STATE_COPIES = 3
+# A hybrid slot holds its recurrent state up to 2 + KEPT_STATES times (backends/openvino/recurrent.py,
+# the MLX shard alike): the live state, its copy at the start of the slot's last step of several
+# positions (a verify step's cut goes back into it) and the copies kept where its last turns'
+# messages ended (prompt caching goes back to them: backends/kept.py). The plan prices them all.
+RECURRENT_STATE_COPIES = 2 + KEPT_STATES
 PREFILL_WORK_BYTES_PER_POSITION = 208  # per unit of hidden size
 PREFILL_WORK_BYTES = 416 << 20
 # A runtime keeps the buffers of the largest step it has run (the CPU plugin its intermediate

@@ -74,8 +74,9 @@ SECTIONS = [
    "bench.llamacpp_speed's random qwen35moe file (tests/hybrid_gguf.py's layout at hidden 1024: 12 blocks, 9"
    ' of them delta-net layers with 8 key and 16 value heads of 64; 32 experts of FFN 256, top 4, a shared '
    "expert; Qwen2's vocabulary), Q4_K_M from llama.cpp's quantizer. A request's live recurrent state is 2.58"
-   " MB (215,040 bytes per block; the plan prices it three times, with a verify step's copy and the copy "
-   "kept at a prompt's end, and tests/test_arch_hybrid.py checks the stage holds exactly that). The delta "
+   " MB (215,040 bytes per block; the plan prices it six times, with a verify step's copy and the copies "
+   "kept where the last 4 turns' messages ended, and tests/test_arch_hybrid.py checks the stage holds exactly"
+   " that at its most). The delta "
    "rule runs as one op (KafilaDeltaRule, llama.cpp's sequential scan), the experts after the router as "
    "one GgmlMoe and the shared expert as one GgmlFfn: the ggml form went from 0.78x to 0.85x decode and "
    "0.68x to 1.46x prefill (commit c648420's table, `git log -p`). As for the MoE files, the greedy ids "

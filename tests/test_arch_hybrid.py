@@ -171,8 +171,10 @@ def test_a_captured_hybrid_slot_restores_its_recurrent_state(tmp_path):
 def test_the_planner_prices_a_requests_state_per_block_and_kv_only_for_attention(tmp_path):
     """The planner's model entry: KV for the attention blocks only (a mean per block) and the
     recurrent state as a fixed number of bytes per request (not per token): the live state, a
-    verify step's start and a prompt's end kept (backends.memory.RECURRENT_STATE_COPIES); a
-    slot's state as the OpenVINO stage holds it is exactly that figure, its copies included."""
+    verify step's start and the ends of the last KEPT_STATES turns' messages kept
+    (backends.memory.RECURRENT_STATE_COPIES); a slot's state as the OpenVINO stage holds it at
+    its most is exactly that figure, its copies included."""
+    from backends.kept import KEPT_STATES
     from backends.memory import RECURRENT_STATE_COPIES
     from planner import member_bytes, parse_fleet
 
@@ -192,11 +194,14 @@ def test_the_planner_prices_a_requests_state_per_block_and_kv_only_for_attention
         shard.forward(slot, np.arange(5), np.arange(5), np.ones(5, np.int64))
         held = sum(s.state.data.nbytes for s in shard._reqs[slot].query_state() if s.name.startswith("recurrent."))
         assert held == index.state_bytes_per_request() == state
-        # a prompt's end kept, then a step of several positions (a verify step): the copies
-        shard.checkpoint(slot)
-        shard.forward(slot, np.arange(3), np.arange(5, 8), np.ones(8, np.int64))
+        # turns' ends kept (one more than it keeps), then a step of several positions (a verify step)
+        for n in range(5, 5 + KEPT_STATES + 1):
+            shard.checkpoint(slot)
+            shard.forward(slot, np.arange(1), np.array([n]), np.ones(n + 1, np.int64))
+        shard.forward(slot, np.arange(3), np.arange(n + 1, n + 4), np.ones(n + 4, np.int64))
         steps = shard._steps
-        copies = [steps._last[slot].states, steps._kept[slot][1]]
+        assert steps.kept.lengths(slot) == tuple(range(6, 6 + KEPT_STATES))  # the earliest went
+        copies = [steps._last[slot].states, *steps.kept.states(slot)]
         assert held + sum(a.nbytes for c in copies for a in c.values()) == RECURRENT_STATE_COPIES * state
 
 
@@ -216,15 +221,51 @@ def test_prompt_cache_rules_for_hybrids_go_back_to_the_kept_state_at_the_last_pr
     from kafila.session.ring.prefix import ParkedSlots
 
     parked = ParkedSlots(whole=True)
-    parked.park(0, [5, 6, 7, 8, 9], [], prompt=3, kept=3)
+    parked.park(0, [5, 6, 7, 8, 9], [], prompt=3, kept=(3,))
     assert parked.best([5, 6, 1, 2], 100) is None  # stops before the kept state
     r = parked.best([5, 6, 7, 1, 2], 100)  # the prompt again, another answer: the kept state
-    assert (r.slot, r.shared, r.cache_len) == (0, 3, 3)
-    parked.park(0, [5, 6, 7, 8, 9], [], prompt=3, kept=3)
+    assert (r.slot, r.shared, r.cache_len, r.kept) == (0, 3, 3, (3,))
+    parked.park(0, [5, 6, 7, 8, 9], [], prompt=3, kept=(3,))
     r = parked.best([5, 6, 7, 8, 9, 4], 100)  # the whole history continued: all of it
     assert (r.slot, r.shared, r.cache_len) == (0, 5, 5)
     parked.park(0, [5, 6, 7, 8, 9], [], prompt=3)  # nothing kept (a stage without the state)
     assert parked.best([5, 6, 7, 1, 2], 100) is None
+
+
+def test_prompt_cache_rules_for_hybrids_go_back_to_the_latest_kept_state_a_prompt_reaches():
+    """A conversation's slot kept the state where each turn's messages ended (3, 7, 10): a turn
+    that edits the second message goes back to the first turn's state, one that edits the third
+    to the second's; the kept states after the one gone back to are gone with the cut."""
+    from kafila.session.ring.prefix import ParkedSlots
+
+    history = [5, 6, 7, 1, 2, 3, 4, 8, 9, 10, 11, 12]
+    parked = ParkedSlots(whole=True)
+    for prompt, want in (([5, 6, 7, 1, 2, 30, 31], (3, 3, (3,))),  # the second message edited
+                         ([5, 6, 7, 1, 2, 3, 4, 8, 30], (7, 7, (3, 7))),  # the third
+                         ([5, 6, 7, 1, 2, 3, 4, 8, 9, 10, 30], (10, 10, (3, 7, 10))),  # the last turn's answer
+                         ([5, 6, 30], None)):  # the first message edited: afresh
+        parked.park(0, history, [], prompt=10, kept=(3, 7, 10))
+        r = parked.best(prompt, 100)
+        assert (r.shared, r.cache_len, r.kept) == want if want else r is None, prompt
+
+
+def test_the_head_mirrors_the_kept_states_every_stage_holds():
+    """backends/kept.py's rules, applied by a stage (KeptStates) and by the head without asking
+    it (kept_after, kept_until): at most KEPT_STATES, the earliest going first; a cut drops those
+    after it and goes back to one kept at exactly its length."""
+    from backends.kept import KEPT_STATES, KeptStates, kept_after, kept_until
+
+    stage, head = KeptStates(), ()
+    for length in range(10, 10 + 6 * KEPT_STATES, 3):
+        stage.keep(0, length, f"at {length}")
+        head = kept_after(head, length)
+        assert stage.lengths(0) == head and len(head) <= KEPT_STATES
+    assert head[0] == 10 + 3 * KEPT_STATES  # the earliest went
+    cut = head[1]
+    assert stage.back_to(0, cut) == f"at {cut}" and stage.lengths(0) == kept_until(head, cut) == head[:2]
+    assert stage.back_to(0, cut - 1) is None and stage.lengths(0) == head[:1]  # not kept there: dropped
+    stage.keep(0, head[0], "again")  # keeping at a kept length replaces it
+    assert stage.states(0) == ["again"]
 
 
 @needs_llamacpp
@@ -233,7 +274,7 @@ def test_on_three_stages_a_second_turn_feeds_only_what_is_new_and_answers_as_afr
     """The ring's prompt cache on a hybrid file at f32 (prefix.WHOLE): each second turn (its first
     turn, the answer, then new ids) finds its first turn's history in the slot and answers as with
     the cache off; the same second turn asked again (a "regenerate", sharing less than the slot
-    holds) starts afresh, with the same ids."""
+    holds) goes back to the state kept at the end of the first turn's prompt, with the same ids."""
     from kafila.engine.chain import LocalChain
     from kafila.session.ring.prefix import WHOLE
     from kafila.session.wire.frames import Limits
@@ -254,7 +295,7 @@ def test_on_three_stages_a_second_turn_feeds_only_what_is_new_and_answers_as_afr
         assert got == want, concurrent
         # the first turn's slot held its prompt and all of its answer but the last id (never fed)
         assert cached[4:8] == [len(p) + len(a) - 1 for p, a in zip(first, answers)], cached
-        assert cached[8:] == [0] * 4, cached
+        assert cached[8:] == [len(p) for p in first], cached  # not the second's end: its last id is fed
 
 
 def _ring_answers(chain, limits, requests, prompt_cache):
@@ -319,6 +360,53 @@ def test_a_turn_that_repeats_the_messages_but_not_the_answer_goes_back_to_the_ke
         stats = GenerationStats()
         assert list(source(again, stats)) == w
         assert stats.extra["cached_tokens"] == k
+
+
+@needs_openvino
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
+def test_an_edited_earlier_message_goes_back_to_the_turn_before_it(tmp_path, backend):
+    """Three turns of two conversations, each turn's messages repeated by the next with its answer
+    rendered otherwise (as Qwen3.5's template does), then the second message edited: every stage
+    kept the state where each turn's messages ended, so turn k feeds from turn k-1's end
+    (cached = its keep_at) and the edit goes back to the first turn's end, on the ring (3 stages)
+    and in one process, answering as with the cache off at f32."""
+    from kafila.engine import GenerationRequest, GenerationStats
+    from kafila.engine.chain import LocalChain
+    from kafila.engine.local import chain_source
+    from kafila.engine.prompt_cache import ParkedCursors
+    from kafila.session.ring.prefix import WHOLE
+    from kafila.session.wire.frames import Limits
+
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
+    path = write_qwen35_gguf(tmp_path / "q.gguf", moe=True)
+    index = open_model(path)
+    chain = LocalChain([load_shard(backend, ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index)
+                        for a, b in ((0, 1), (1, 3), (3, 4))], chunk_tokens=CHUNK_TOKENS)  # fmt: skip
+    limits = Limits(hidden=SHAPE["hidden"], context=512, slots=4, vocab=SHAPE["vocab"])
+    rng = np.random.default_rng(5)
+
+    def ids(n: int) -> list[int]:
+        return [int(i) for i in rng.integers(0, SHAPE["vocab"], n)]
+
+    # a turn: the history to the last messages' end, the last answer as rendered, a message, the
+    # template's answer prefix (3 ids); keep_at: where the messages end
+    turns = [[ids(n) + ids(3) for n in (40, 9)]]
+    for _ in range(2):
+        turns.append([t[:-3] + ids(6) + ids(5) + ids(3) for t in turns[-1]])
+    edited = [t[: len(first) - 3 + 6] + ids(7) + ids(3) for t, first in zip(turns[1], turns[0])]
+    asks = [GenerationRequest(tuple(p), 12, stop_at_eos=False, keep_at=len(p) - 3)
+            for turn in (*turns, edited) for p in turn]  # fmt: skip
+    want_cached = [0, 0] + [len(p) - 3 for turn in turns[:2] for p in turn] + [len(p) - 3 for p in turns[0]]
+    want = [ids for ids, _ in _ring_answers(chain, limits, asks, prompt_cache=False)]
+    got = _ring_answers(chain, limits, asks, prompt_cache=WHOLE)
+    assert [ids for ids, _ in got] == want
+    assert [c for _, c in got] == want_cached
+    source = chain_source(chain, frozenset(), 512, ParkedCursors(chain, 4, whole=True))
+    for ask, w, c in zip(asks, want, want_cached):
+        stats = GenerationStats()
+        assert list(source(ask, stats)) == w
+        assert stats.extra["cached_tokens"] == c
 
 
 class _HalfRightDrafter:

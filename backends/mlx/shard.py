@@ -26,6 +26,7 @@ from backends import memory
 from backends.base import HeadOps, ShardSpec
 from backends.errors import BadInput
 from backends.gguf import ModelIndex, open_model
+from backends.kept import KeptStates
 from backends.gguf.families import Yarn, require_llama_blocks, yarn_magnitude, yarn_multipliers
 from backends.mlx.hybrid import HybridDims, hybrid_block, init_state
 from backends.mlx.model import Dims, SlotCache, attention_mask, block, block_rows, window_mask
@@ -53,7 +54,7 @@ class MLXShard(HeadOps):
         require_llama_blocks(hp, "mlx", experts=True, gemma=True, gpt_oss=True, biases=True, scales=True)
         self.hybrid = None if hp.hybrid is None else _hybrid_dims(hp, spec)
         self._last: dict[int, tuple] = {}  # hybrid: a slot's last step of several positions (hybrid.py)
-        self._kept: dict[int, tuple[int, dict]] = {}  # hybrid: a slot's kept state (checkpoint)
+        self._kept: KeptStates[dict] = KeptStates()  # hybrid: a slot's kept states (backends/kept.py)
         if not 0 <= spec.first <= spec.last <= hp.n_blocks + (hp.hybrid.mtp_blocks if mtp and hp.hybrid else 0):
             raise BadInput(
                 f"block range [{spec.first}, {spec.last}) is outside the model's {hp.n_blocks} blocks"
@@ -112,7 +113,7 @@ class MLXShard(HeadOps):
         self._cache(slot)
         del self._slots[slot]
         self._last.pop(slot, None)
-        self._kept.pop(slot, None)
+        self._kept.forget(slot)
 
     def cache_len(self, slot: int) -> int:
         return self._cache(slot).length
@@ -123,12 +124,10 @@ class MLXShard(HeadOps):
         cache = self._cache(slot)
         if not 0 <= length <= cache.length:
             raise ValueError(f"slot {slot} holds {cache.length} positions, not {length}")
-        kept = self._kept.get(slot)
-        if kept is not None and kept[0] > length:  # a cut before the kept state drops it
-            del self._kept[slot]
+        kept = self._kept.back_to(slot, length)  # a cut drops the states kept after it
         if self.hybrid is not None and 0 < length < cache.length:  # the state cannot be masked back
-            if kept is not None and kept[0] == length:  # back to the state kept at a prompt's end
-                cache.length, cache.recurrent = length, dict(kept[1])
+            if kept is not None:  # back to the state kept where a prompt's messages ended
+                cache.length, cache.recurrent = length, dict(kept)
                 self._last.pop(slot, None)
             else:
                 self._cut_recurrent(slot, cache, length)
@@ -143,7 +142,7 @@ class MLXShard(HeadOps):
         immutable, so the dict of them is the copy."""
         if self.hybrid is not None:
             cache = self._cache(slot)
-            self._kept[slot] = (cache.length, dict(cache.recurrent))
+            self._kept.keep(slot, cache.length, dict(cache.recurrent))
 
     def _cut_recurrent(self, slot: int, cache: SlotCache, length: int) -> None:
         """Back to `length` inside the slot's last step of several positions: its start state,
@@ -175,7 +174,7 @@ class MLXShard(HeadOps):
         if self.hybrid is not None:
             cache.recurrent = dict(state.recurrent or {})
             self._last.pop(slot, None)
-            self._kept.pop(slot, None)
+            self._kept.forget(slot)
 
     def _cache(self, slot: int) -> SlotCache:
         cache = self._slots.get(slot)

@@ -10,9 +10,10 @@ again: the state is then exactly as if only those had been fed (re-feed, not per
 snapshots: a step's states at every position would cost L × Hv·S² floats per layer, a prompt
 chunk's far too many). Steps of one position keep nothing: decoding without drafts is never
 cut back inside a step. A cut further back goes only to a kept state: `keep` copies a slot's
-recurrent variables at the end of a prompt (the head says which step: Activation.keep), one per
-slot, and a cut to exactly that length puts them back (a prompt-cache prefix that ends where
-the last prompt ended: kafila/session/ring/prefix.py). Any other cut is refused in one line.
+recurrent variables where a prompt's messages end (the head says which step: Activation.keep),
+one per turn (backends/kept.py's rules), and a cut to exactly such a length puts them back (a
+prompt-cache prefix that ends where an earlier prompt's messages ended: kafila/session/ring/prefix.py).
+Any other cut is refused in one line.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from dataclasses import dataclass
 
 import numpy as np
 import openvino as ov
+
+from backends.kept import KeptStates
 
 RECURRENT_PREFIX = "recurrent."
 
@@ -39,7 +42,7 @@ class RecurrentSteps:
 
     def __init__(self) -> None:
         self._last: dict[int, LastStep] = {}
-        self._kept: dict[int, tuple[int, dict[str, np.ndarray]]] = {}  # slot → (length, variables)
+        self.kept: KeptStates[dict[str, np.ndarray]] = KeptStates()  # slot → its variables by length
 
     def before(self, slot: int, req: ov.InferRequest, start: int, x: np.ndarray, positions: np.ndarray,
                mask: np.ndarray) -> None:
@@ -50,22 +53,19 @@ class RecurrentSteps:
                                     np.array(mask, copy=True))  # fmt: skip
 
     def forget(self, slot: int, kept: bool = False) -> None:
-        """Drop the slot's last step (and with `kept` its kept state too)."""
+        """Drop the slot's last step (and with `kept` its kept states too)."""
         self._last.pop(slot, None)
         if kept:
-            self._kept.pop(slot, None)
+            self.kept.forget(slot)
 
     def keep(self, slot: int, req: ov.InferRequest, length: int) -> None:
         """Copy the slot's recurrent variables as they are at `length` physical positions."""
-        self._kept[slot] = (length, _recurrent_states(req))
+        self.kept.keep(slot, length, _recurrent_states(req))
 
     def kept_at(self, slot: int, length: int) -> dict[str, np.ndarray] | None:
-        """The variables kept at exactly `length` positions, if any; a kept state past `length`
-        is dropped (the slot is being cut back before it)."""
-        kept = self._kept.get(slot)
-        if kept is not None and kept[0] > length:
-            del self._kept[slot]
-        return kept[1] if kept is not None and kept[0] == length else None
+        """The variables kept at exactly `length` positions, if any; the states kept past
+        `length` are dropped (the slot is being cut back before them)."""
+        return self.kept.back_to(slot, length)
 
     def cut(self, slot: int, length: int, held: int) -> LastStep:
         """The step to go back into for a cut of a slot holding `held` positions to `length`

@@ -278,7 +278,7 @@ class OpenVINOShard(HeadOps):
             s.state = ov.Tensor(np.ascontiguousarray(state[s.name]))
         self._held[slot] = next((a.shape[2] for a in state.values() if len(a.shape) == 4), 0)
         self._live.pop(slot, None)
-        if self._steps is not None:  # the restored state has no last step or kept state to go back to
+        if self._steps is not None:  # the restored state has no last step or kept states to go back to
             self._steps.forget(slot, kept=True)
 
     # --- row groups (backends/openvino/rows.py) -----------------------------------------

@@ -23,6 +23,7 @@ import backends
 from backends.base import Shard, ShardSpec
 from backends.errors import BadInput
 from backends.gguf import ModelIndex, open_model
+from backends.kept import kept_until
 
 INITIAL_MASK_CAPACITY = 256
 
@@ -35,6 +36,7 @@ class Cursor:
     valid: np.ndarray = field(default_factory=lambda: np.zeros(INITIAL_MASK_CAPACITY, np.int64))
     cache_len: int = 0  # physical positions fed so far (masked ones included)
     logical: int = 0  # logical position of the next token
+    kept: tuple[int, ...] = ()  # hybrids: the positions whose recurrent states every shard keeps (backends/kept.py)
 
     def _reserve(self, n: int) -> None:
         need = self.cache_len + n
@@ -144,7 +146,7 @@ class LocalChain:
             raise ValueError(f"cannot cut a cursor of {cursor.cache_len} positions to {cache_len} ({logical} live)")
         for shard, slot in zip(self.shards, cursor.slots):
             shard.trim(slot, cache_len)
-        cursor.cache_len, cursor.logical = cache_len, logical
+        cursor.cache_len, cursor.logical, cursor.kept = cache_len, logical, kept_until(cursor.kept, cache_len)
 
     def rewind(self, cursor: Cursor, k: int) -> None:
         """Forget the last k live tokens by masking them out (no cache surgery)."""

@@ -236,13 +236,14 @@ def _decode(chain, request: GenerationRequest, stop, context, cache, stats) -> I
         stats.extra["cached_tokens"] = shared
     sampler = (Sampler(request.temperature, request.top_p, np.random.default_rng(request.seed))
                if request.temperature > 0 else None)  # its own stream
-    whole, kept = False, 0  # whole: the cursor's KV is exactly `fed` on every shard (else a failure left it part-way)
+    whole = False  # whole: the cursor's KV is exactly `fed` on every shard (else a failure left it part-way)
     try:
         # a hybrid's shards keep the state at keep_at (the chat's messages' end) or the prompt's end
         keep_at = cache is not None and cache.keeps and shared < request.keep_at < len(prompt)
         at = request.keep_at if keep_at else len(prompt)
         hidden = chain.prefill(cursor, prompt[shared:at])
-        kept = cache.keep(cursor) if cache is not None else 0
+        if cache is not None:
+            cache.keep(cursor)
         if at < len(prompt):
             hidden = chain.prefill(cursor, prompt[at:])
         fed, whole = list(prompt), True
@@ -259,7 +260,7 @@ def _decode(chain, request: GenerationRequest, stop, context, cache, stats) -> I
         if cache is None:
             chain.close(cursor)
         elif whole:
-            cache.park(cursor, fed, len(prompt), kept)
+            cache.park(cursor, fed, len(prompt))
         else:
             cache.drop(cursor)
 

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from backends.kept import kept_after
 from kafila.engine.chain import Cursor, LocalChain
 from kafila.session.ring.prefix import ParkedSlots
 
@@ -53,26 +54,25 @@ class ParkedCursors:
         """Whether the shards keep a state for a later prompt (hybrid models)."""
         return self._parked.whole
 
-    def keep(self, cursor: Cursor) -> int:
-        """Hybrid models: every shard keeps the cursor's recurrent state as it is now (its
-        prompt's end, which a later prompt may go back to: prefix.py); the position kept (0: none)."""
+    def keep(self, cursor: Cursor) -> None:
+        """Hybrid models: every shard keeps the cursor's recurrent state as it is now (where its
+        prompt's messages end, which a later prompt may go back to: prefix.py)."""
         if not self.keeps:
-            return 0
+            return
         for shard, slot in zip(self.chain.shards, cursor.slots):
             checkpoint = getattr(shard, "checkpoint", None)
             if checkpoint is not None:
                 checkpoint(slot)
-        return cursor.cache_len
+        cursor.kept = kept_after(cursor.kept, cursor.cache_len)
 
-    def park(self, cursor: Cursor, history: Sequence[int], prompt: int, kept: int = 0) -> None:
+    def park(self, cursor: Cursor, history: Sequence[int], prompt: int) -> None:
         """The request is over and its cursor's state is whole: keep it. `history`: the tokens
-        fed, in order (the cursor's visible positions); `prompt`: its prompt's length; `kept`:
-        the position `keep` returned."""
+        fed, in order (the cursor's visible positions); `prompt`: its prompt's length."""
         self.in_use -= 1
         key, self._next_key = self._next_key, self._next_key + 1
         zeros = np.flatnonzero(cursor.valid[: cursor.cache_len] == 0).tolist()
         self._cursors[key] = cursor
-        self._parked.park(key, history, zeros, prompt, kept)
+        self._parked.park(key, history, zeros, prompt, cursor.kept)
 
     def drop(self, cursor: Cursor) -> None:
         """The request failed part-way (its KV may differ between shards): close its cursor."""

@@ -38,13 +38,15 @@ bf16 a near-tie can part, as with any change of chunking or batching.
 Hybrid models (WHOLE). A delta-net layer's recurrent state folds in the whole history and cannot
 be cut back like a KV cache (backends/openvino/recurrent.py), so a hybrid model's parked slot is
 taken by a prompt that continues every visible position it holds (the next turn of its
-conversation, whose prompt repeats the last one and its answer), or by one that continues the
-last request's conversation: every stage keeps a copy of the recurrent state at one point of
-each prompt (Step.keep, `kept`), and the slot goes back there. The point is the end of a chat's
-messages, before the template's answer prefix (GenerationRequest.keep_at; the prompt's end when
-not given): the next turn repeats the messages but not always that prefix or the answer as it was
-generated (Qwen3.5's template renders `<|im_start|>assistant\n<think>\n` for the answer to come
-and an earlier answer without its reasoning). Any other prompt starts afresh.
+conversation, whose prompt repeats the last one and its answer), or by one that reaches a
+state every stage kept: one at a point of each prompt of the slot's conversation (Step.keep;
+its last KEPT_STATES turns, backends/kept.py), the slot going back to the latest such point the
+prompt reaches. The point is the end of a chat's messages, before the template's answer prefix
+(GenerationRequest.keep_at; the prompt's end when not given): the next turn repeats the messages
+but not always that prefix or the answer as it was generated (Qwen3.5's template renders
+`<|im_start|>assistant\n<think>\n` for the answer to come and an earlier answer without its
+reasoning), and a turn that edits or regenerates an earlier message goes back to the turn
+before it (llama-server's context checkpoints do the same). Any other prompt starts afresh.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from backends.kept import kept_until
 
 # masked-out positions (rejected drafts) a reused prefix may carry: each is listed in every
 # activation's header of the request (frames.MAX_HEADER_BYTES) and still takes its place in the attention
@@ -85,7 +89,7 @@ class Parked:
     tokens: tuple[int, ...]
     zeros: frozenset[int]
     prompt: int = 0  # the length of the prompt of the request that left it
-    kept: int = 0  # hybrids: a physical position every stage holds the recurrent state of (0: none)
+    kept: tuple[int, ...] = ()  # hybrids: the physical positions every stage holds the recurrent state of
 
     @property
     def length(self) -> int:
@@ -103,6 +107,7 @@ class Reuse:
     shared: int
     cache_len: int
     zeros: tuple[int, ...]
+    kept: tuple[int, ...] = ()  # hybrids: the slot's kept states the request starts with (backends/kept.py)
 
     @property
     def waste(self) -> int:
@@ -128,17 +133,18 @@ def reuse_in(slot: int, parked: Parked, prompt: Sequence[int], room: int, whole:
     """How a prompt starts in `parked` (None: nothing shared, or too much masked). `room`: the
     positions the context leaves after the prompt; a reuse masks at most half of them. `whole`:
     only a prompt that continues all of the slot's visible positions, or its positions up to
-    the kept state (hybrid models)."""
+    a kept state, the latest it reaches (hybrid models)."""
     shared, cut = shared_prefix(parked, prompt)
-    if whole and shared < len(parked.tokens):  # back to the kept state, if the prompt reaches it
-        kept = parked.kept - sum(1 for z in parked.zeros if z < parked.kept)  # its visible positions
-        if not 0 < kept <= shared:
+    if whole and shared < len(parked.tokens):  # back to a kept state, the latest the prompt reaches
+        reached = [(k - sum(1 for z in parked.zeros if z < k), k) for k in parked.kept]  # (visible, physical)
+        reached = [(v, k) for v, k in reached if 0 < v <= shared]
+        if not reached:
             return None
-        shared, cut = kept, parked.kept
+        shared, cut = max(reached)
     zeros = tuple(sorted(z for z in parked.zeros if z < cut))
     if shared < MIN_SHARED or len(zeros) > min(MAX_WASTE, room // 2):
         return None
-    return Reuse(slot, shared, cut, zeros)
+    return Reuse(slot, shared, cut, zeros, kept_until(parked.kept, cut))
 
 
 class ParkedSlots:
@@ -152,22 +158,23 @@ class ParkedSlots:
     def __len__(self) -> int:
         return len(self._slots)
 
-    def park(self, slot: int, tokens: Sequence[int], zeros: Sequence[int], prompt: int = 0, kept: int = 0) -> None:
+    def park(self, slot: int, tokens: Sequence[int], zeros: Sequence[int], prompt: int = 0,
+             kept: Sequence[int] = ()) -> None:
         """`slot` keeps its KV: the tokens of its visible positions (the history as fed), the
         masked physical positions, the length of the prompt of the request that leaves it, and
-        (hybrids) the physical position whose recurrent state every stage kept."""
-        self._slots[slot] = Parked(tuple(tokens), frozenset(zeros), prompt, kept)
+        (hybrids) the physical positions whose recurrent states every stage kept."""
+        self._slots[slot] = Parked(tuple(tokens), frozenset(zeros), prompt, tuple(kept))
         self._slots.move_to_end(slot)
 
     def best(self, prompt: Sequence[int], room: int) -> Reuse | None:
         """The parked slot whose request `prompt` continues (it holds all of that request's
-        prompt but the last token, which is always fed again, or reaches its kept state) with the
+        prompt but the last token, which is always fed again, or reaches a kept state) with the
         longest shared prefix (ties: the least waste), taken out of the parked set; None if there
         is none."""
         found: Reuse | None = None
         for slot, parked in self._slots.items():
             r = reuse_in(slot, parked, prompt, room, self.whole)
-            if r is None or (r.shared < parked.prompt - 1 and r.cache_len != parked.kept):
+            if r is None or (r.shared < parked.prompt - 1 and r.cache_len not in parked.kept):
                 continue
             if found is None or (r.shared, -r.cache_len) > (found.shared, -found.cache_len):
                 found = r

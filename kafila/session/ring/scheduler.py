@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from backends.kept import kept_after
 from kafila.session.ring.chunks import next_chunk
 from kafila.session.wire.fields import MAX_ORIGIN_DRAFT
 from kafila.session.ring.speculation.origin import aligned_draft
@@ -139,7 +140,7 @@ class _Request:
     acceptance: Acceptance = field(default_factory=Acceptance)
     cached: int = 0  # prompt tokens its slot held already (prompt caching)
     refeed: tuple[int, ...] = ()  # after a compaction: the history fed again into the reset slot
-    kept: int = 0  # hybrids: the physical position whose recurrent state every stage keeps (0: none)
+    kept: tuple[int, ...] = ()  # hybrids: the physical positions whose recurrent states every stage keeps
     keep_at: int = 0  # hybrids: the prompt position to keep the state at (0: the prompt's end)
     keeping: bool = False  # the step in flight keeps the state after it (Step.keep)
 
@@ -188,7 +189,7 @@ class Scheduler:
         self.prompt_cache = bool(prompt_cache)
         self.recurrent = recurrent
         self._parked = ParkedSlots(whole=prompt_cache == WHOLE or recurrent)  # prompt caching
-        self._keeps = self.prompt_cache and self._parked.whole  # a state checkpoint at each prompt's end
+        self._keeps = self.prompt_cache and self._parked.whole  # a state kept where each prompt's messages end
         self._queue: deque[str] = deque()
         self._requests: dict[str, _Request] = {}
 
@@ -261,7 +262,7 @@ class Scheduler:
             if reuse is None or not self.prompt_cache:
                 return  # its first step (cache_len 0) resets the slot on every stage
         req.slot, req.cache_len, req.pos, req.cached = reuse.slot, reuse.cache_len, reuse.shared, reuse.shared
-        req.zeros = list(reuse.zeros)
+        req.zeros, req.kept = list(reuse.zeros), reuse.kept
 
     def _step(self, req: _Request, feed, want_draft: int = 0, keep: bool = False) -> Step:
         return Step(req.req_id, req.slot, np.array(feed, dtype=np.int64), req.cache_len, req.pos,
@@ -405,7 +406,7 @@ class Scheduler:
         req.cache_len += fed
         req.pos += kept
         if req.keeping:  # the step kept the state there on every stage (Step.keep)
-            req.kept, req.keeping = req.cache_len, False
+            req.kept, req.keeping = kept_after(req.kept, req.cache_len), False
         if req.cancelled:
             return self._finish(req, "cancelled")
         if req.pos < len(req.target):
@@ -431,7 +432,7 @@ class Scheduler:
         cached prefix never ends an answer earlier than a fresh slot would."""
         req.refeed = req.prompt + tuple(req.generated)
         req.cache_len = req.pos = 0
-        req.zeros = []
+        req.zeros, req.kept = [], ()  # the stages reset the slot, kept states and all
 
     def cancel(self, req_id: str) -> list[Event]:
         req = self._requests.get(req_id)
