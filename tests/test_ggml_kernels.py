@@ -464,7 +464,7 @@ def test_the_delta_rule_op_computes_what_the_loop_computes(L):
     B, H, S = 2, 3, 16
     rng = np.random.default_rng(3)
     unit = lambda a: a / np.linalg.norm(a, axis=-1, keepdims=True)  # noqa: E731 (L2-normalised, as the layer feeds)
-    data = [unit(rng.normal(0, 1, (B, L, H, S))) / np.sqrt(S), unit(rng.normal(0, 1, (B, L, H, S))),
+    data = [unit(rng.normal(0, 1, (B, L, H, S))), unit(rng.normal(0, 1, (B, L, H, S))),
             rng.normal(0, 1, (B, L, H, S)), -rng.uniform(0, 2, (B, L, H)), rng.uniform(0, 1, (B, L, H)),
             rng.normal(0, 0.5, (B, H, S, S))]  # fmt: skip
     data = [a.astype(np.float32) for a in data]

@@ -6,10 +6,11 @@ Delta-net layer (x [B, L, H] after attn_norm):
     qkv = x·attn_qkv, z = x·attn_gate, β = σ(x·ssm_beta), g = softplus(x·ssm_alpha + ssm_dt)·ssm_a
     causal conv over time, per channel, no bias: c_t = Σ_j cat(conv_state, qkv)[t + j]·w[:, j],
     then SiLU; the conv state is the last K − 1 inputs (a stateful variable per block);
-    q, k = L2-normalised heads (x / sqrt(Σx² + eps)), q scaled by 1/sqrt(S); value head j reads
+    q, k = L2-normalised heads (x / sqrt(Σx² + eps)); value head j reads
     key head j mod Hk (llama.cpp tiles, not interleaves);
     the gated delta rule over the matrix state M [Hv, S_v, S_k] (a stateful variable per block):
-        M ← exp(g_t)·M;  M ← M + β_t·(v_t − M k_t) k_tᵀ;  o_t = M q_t
+        M ← exp(g_t)·M;  M ← M + β_t·(v_t − M k_t) k_tᵀ;  o_t = (M q_t)/sqrt(S)
+    (the scale on the output, not on q: llama.cpp's fused gated_delta_net, its CPU default);
     y = RMSNorm(o; ssm_norm) · SiLU(z) → ssm_out.
 Prefill and decode both run the recurrence as a sequential scan over the step's positions, as
 ggml-cpu's fused op does (exact at f32, not the chunked WY form): one KafilaDeltaRule node where
@@ -115,7 +116,7 @@ def _delta_rule_loop(q, k, v, g, beta, m0, Hv: int, S: int) -> tuple[ov.Output, 
     loop.set_merged_input(bm, m0, m.output(0))
     out = loop.get_concatenated_slices(o.output(0), 0, 1, 1, -1, 1)
     final = loop.get_iter_value(m.output(0), -1)
-    return out, final
+    return ops.multiply(out, ops.constant(np.float32(1.0) / np.sqrt(np.float32(S)))).output(0), final
 
 
 class HybridBlocks:
@@ -205,7 +206,7 @@ class HybridBlocks:
         q = ops.reshape(ops.slice(conv, _i64(0), _i64(kd), _i64(1), _i64(-1)), _i64(0, 0, Hk, S), True)
         k = ops.reshape(ops.slice(conv, _i64(kd), _i64(2 * kd), _i64(1), _i64(-1)), _i64(0, 0, Hk, S), True)
         v = ops.reshape(ops.slice(conv, _i64(2 * kd), _i64(MAX_I64), _i64(1), _i64(-1)), _i64(0, 0, Hv, S), True)
-        q = ops.multiply(_l2_norm(q, h.rms_eps), ops.constant(np.float32(1.0 / np.sqrt(S))))
+        q = _l2_norm(q, h.rms_eps)
         k = _l2_norm(k, h.rms_eps)
         if Hv != Hk and hy.interleaved:  # value head j reads key head j // r (qwen3next)
             q, k = (ops.reshape(ops.concat([ops.unsqueeze(t, _i64(3))] * (Hv // Hk), axis=3), _i64(0, 0, Hv, S), True)

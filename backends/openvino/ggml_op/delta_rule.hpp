@@ -1,10 +1,13 @@
 // KafilaDeltaRule: the gated delta rule of a hybrid model's delta-net layer over a step's positions,
 // as one op (backends/openvino/delta_net.py builds it where this library loads, else an OpenVINO
 // Loop): for each row b and value head h, with the matrix state M [S_v, S_k] (row j: value j),
-//     M ← exp(g_t)·M;  d = (v_t − M k_t)·β_t;  M ← M + d k_tᵀ;  o_t = M q_t
-// in the order of llama.cpp's ggml-cpu gated_delta_net (q comes scaled already). The Loop ran a
-// dozen tiny graph nodes per position; this is the same f32 arithmetic in plain loops, the heads
-// over the plugin's threads, the dot products ggml's f32 vec_dot.
+//     M ← exp(g_t)·M;  d = (v_t − M k_t)·β_t;  M ← M + d k_tᵀ;  o_t = (M q_t)·(1/sqrt(S))
+// with llama.cpp's ggml-cpu gated_delta_net's f32 arithmetic (the fused op, llama.cpp's CPU default). The Loop ran a
+// dozen tiny graph nodes per position; this op runs the heads over the plugin's threads, the dot
+// products by ggml's f32 vec_dot, and M ← M + d kᵀ fused (one rounding) where ggml's vec_mad is
+// (a CPU with FMA: ggml_cpu_has_fma), in llama.cpp's four passes over M: the scale, the dots with
+// k, the update, the dots with q. (One pass doing the four row by row rounds the same but ran
+// slower: a call more per row.)
 #pragma once
 
 #include <cmath>
@@ -16,6 +19,20 @@
 #include "openvino/op/op.hpp"
 
 namespace kafila {
+
+// y ← y + x·v, as ggml's vec_mad_f32 rounds it: fused multiply-add where ggml's build has FMA
+__attribute__((target("avx2,fma"))) inline void mad_fused(float* y, const float* x, float v, size_t n) {
+    for (size_t i = 0; i < n; ++i) y[i] = __builtin_fmaf(x[i], v, y[i]);
+}
+
+inline void mad_rounded(float* y, const float* x, float v, size_t n) {
+    for (size_t i = 0; i < n; ++i) y[i] += x[i] * v;
+}
+
+inline bool ggml_fuses_mad() {
+    static const bool fused = ggml_cpu_has_fma() && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+    return fused;
+}
 
 class KafilaDeltaRule : public ov::op::Op {
 public:
@@ -69,6 +86,8 @@ public:
         // ggml's own f32 dot product (SIMD for this CPU), as llama.cpp's op uses
         const ggml_vec_dot_t dot = ggml_get_type_traits_cpu(GGML_TYPE_F32)->vec_dot;
         const int n = static_cast<int>(S);
+        const auto mad = ggml_fuses_mad() ? mad_fused : mad_rounded;
+        const float scale = 1.0f / std::sqrt(static_cast<float>(S));
         ov::parallel_for(B * H, [&](size_t bh) {
             const size_t b = bh / H, h = bh % H;
             float* M = m_out + bh * S * S;
@@ -79,18 +98,20 @@ public:
                 const float* kt = k + row * S;
                 const float* qt = q + row * S;
                 const float* vt = v + row * S;
+                float* ot = o + row * S;
                 const float decay = std::exp(g[row]), bt = beta[row];
                 for (size_t i = 0; i < S * S; ++i) M[i] *= decay;
-                for (size_t j = 0; j < S; ++j) {
+                for (size_t j = 0; j < S; ++j) {  // row j of M: value j
                     float sum = 0.0f;
                     dot(n, &sum, 0, M + j * S, 0, kt, 0, 1);
                     d[j] = (vt[j] - sum) * bt;
                 }
+                for (size_t j = 0; j < S; ++j) mad(M + j * S, kt, d[j], S);
                 for (size_t j = 0; j < S; ++j) {
-                    for (size_t i = 0; i < S; ++i) M[j * S + i] += kt[i] * d[j];
+                    float sum = 0.0f;
+                    dot(n, &sum, 0, M + j * S, 0, qt, 0, 1);
+                    ot[j] = sum * scale;
                 }
-                float* ot = o + row * S;
-                for (size_t j = 0; j < S; ++j) dot(n, ot + j, 0, M + j * S, 0, qt, 0, 1);
             }
         });
         return true;
