@@ -1,7 +1,7 @@
 """Mixture-of-experts models in real sessions (issue 34): separate `kafila` processes on 127.0.0.1
 serving a gpt-oss-shaped and a Qwen3-MoE-shaped file (tests/arch_gguf.py: 8 experts, top 2, random
-F32 weights, a real tokenizer) and a Qwen3.5-MoE hybrid (tests/hybrid_gguf.py, issue 35) at
---precision f32.
+F32 weights, a real tokenizer), a Gemma 4 MoE (tests/gemma4_gguf.py: blocks of two geometries) and a
+Qwen3.5-MoE hybrid (tests/hybrid_gguf.py, issue 35) at --precision f32.
 
 A 4-member session answers two users at once with the ids one stage computes in this process
 (prompts as token ids on /v1/completions, greedy); then a ring member is killed mid-answer, the
@@ -18,6 +18,7 @@ from backends import ShardSpec, load_shard, status
 from bench.churn import ask_all, leave_round, not_mid_answer
 from kafila.tooling.launch import LocalSession, get_json
 from tests.arch_gguf import write_arch_gguf
+from tests.gemma4_gguf import write_gemma4_gguf
 from tests.hybrid_gguf import write_qwen35_gguf
 from tests.test_llamacpp_arch import kafila_greedy
 
@@ -45,12 +46,14 @@ def one_stage_texts(path: str) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("kind", ["gpt-oss", "qwen3moe", "qwen35moe"])
+@pytest.mark.parametrize("kind", ["gpt-oss", "qwen3moe", "gemma4", "qwen35moe"])
 def test_a_moe_session_answers_two_users_with_one_stages_ids_and_survives_a_kill(tmp_path, kind):
     """qwen35moe (issue 35): a hybrid, whose killed member held delta-net layers' recurrent
     state; the survivors rebuild it by replaying each request's history."""
     if kind == "qwen35moe":
         path = write_qwen35_gguf(tmp_path / f"{kind}.gguf", moe=True, blocks=BLOCKS, tokenizer=True)
+    elif kind == "gemma4":
+        path = write_gemma4_gguf(tmp_path / f"{kind}.gguf", moe=True, blocks=BLOCKS)
     else:
         path = write_arch_gguf(tmp_path / f"{kind}.gguf", kind, blocks=BLOCKS)
     want = one_stage_texts(path)

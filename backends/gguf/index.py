@@ -18,12 +18,13 @@ import numpy as np
 
 from backends.errors import BadInput
 from backends.gguf.families import GPT_OSS, Family, family_of, ffn_tensors
+from backends.gguf.gemma4 import GEMMA4, Gemma4Params, gemma4_params
 from backends.gguf.header import read_header
 from backends.gguf.hybrid import HYBRID_ARCHITECTURES, HybridParams, hybrid_params, mtp_block_count
 from backends.gguf.optional import HEAD_EXTRAS, optional_block_tensors, output_extras
 from backends.gguf.quant import BLOCK_WEIGHTS, FLOAT_TYPES, QuantBlocks, bf16_to_f32, split_blocks
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", GPT_OSS,
+SUPPORTED_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3", GEMMA4, "qwen3moe", "qwen2moe", GPT_OSS,
                            *HYBRID_ARCHITECTURES)  # fmt: skip
 SUPPORTED_TYPES = (*FLOAT_TYPES, *BLOCK_WEIGHTS)  # every type backends/gguf/quant.py reads exactly
 GGUF_MAGIC = b"GGUF"
@@ -38,7 +39,7 @@ QK_NORM_ARCHITECTURES = ("qwen3", "gemma3", "qwen3moe")
 ROPE_FREQS_TENSOR = "rope_freqs.weight"  # llama3 per-dimension frequency factors (llama only)
 # RoPE as llama.cpp applies it per architecture (llama_model_rope_type): llama rotates pairs
 # (2i, 2i+1) of GGUF's permuted q/k rows ("normal"); qwen2/qwen3 rotate halves (i, i + D/2), "neox".
-NEOX_ROPE_ARCHITECTURES = ("qwen2", "qwen3", "gemma3", "qwen3moe", "qwen2moe", GPT_OSS, *HYBRID_ARCHITECTURES)
+NEOX_ROPE_ARCHITECTURES = ("qwen2", "qwen3", "gemma3", GEMMA4, "qwen3moe", "qwen2moe", GPT_OSS, *HYBRID_ARCHITECTURES)
 HASH_CHUNK_BYTES = 8 << 20
 
 
@@ -76,6 +77,7 @@ class Hyperparams:
     qk_norm: bool = False  # RMSNorm of each q and k head (weights [D]) after projection, before RoPE
     family: Family = Family()  # what the architecture adds to Llama's block (backends/gguf/families.py)
     hybrid: HybridParams | None = None  # delta-net layers beside attention (backends/gguf/hybrid.py)
+    gemma4: Gemma4Params | None = None  # Gemma 4's blocks, each its own geometry (backends/gguf/gemma4.py)
     extras: tuple[str, ...] = ()  # output scales and biases besides q/k/v's (backends/gguf/optional.py)
 
 
@@ -151,6 +153,8 @@ class ModelIndex:
         (its delta-net blocks hold no KV)."""
         h = self.hparams
         per = 2 * h.n_kv_heads * h.head_dim * bytes_per_value
+        if h.gemma4 is not None:  # each block its own KV heads and head size
+            return sum(h.gemma4.kv_values_per_token(b) for b in range(h.n_blocks)) * bytes_per_value / h.n_blocks
         if h.hybrid is None:
             return per
         return per * h.hybrid.trunk.count(False) / h.n_blocks
@@ -293,10 +297,16 @@ def open_model(path: str) -> ModelIndex:
                            f"block of {BLOCK_WEIGHTS[qtype]} weights")
         tensors[t.name] = TensorInfo(t.name, qtype, shape, offset, t.n_bytes)
 
-    n_heads = int(hp("attention.head_count"))
     hidden = int(hp("embedding_length"))
     n_blocks = int(hp("block_count"))
-    hybrid = None
+    hybrid = gemma4 = family = None
+    if arch == GEMMA4:  # each block its own heads: block 0's stand for the model's where one is asked
+        gemma4, family = gemma4_params(path, hp, tensors, n_blocks, hidden)
+        g0 = gemma4.blocks[0]
+        n_heads, n_kv_heads, head_dim = g0.n_heads, g0.n_kv_heads, g0.head_dim
+    else:
+        n_heads = int(hp("attention.head_count"))
+        n_kv_heads = int(hp("attention.head_count_kv", n_heads))
     if arch in HYBRID_ARCHITECTURES:  # partial RoPE: the rotated dims are the hybrid part's
         head_dim = int(hp("attention.key_length", hidden // n_heads))
         if int(hp("attention.value_length", head_dim)) != head_dim:
@@ -304,16 +314,16 @@ def open_model(path: str) -> ModelIndex:
         mtp = mtp_block_count(path, arch, hp, n_blocks)
         n_blocks -= mtp  # the trunk: the MTP blocks after it only draft (--speculate mtp)
         hybrid = hybrid_params(path, arch, hp, tensors, n_blocks, head_dim, mtp)
-    else:
+    elif gemma4 is None:
         head_dim = _head_dim(path, arch, hp, hidden, n_heads)
     hparams = Hyperparams(
         arch=arch,
         n_blocks=n_blocks,
         hidden=hidden,
         n_heads=n_heads,
-        n_kv_heads=int(hp("attention.head_count_kv", n_heads)),
+        n_kv_heads=n_kv_heads,
         head_dim=head_dim,
-        ffn=int(hp("feed_forward_length")),
+        ffn=int(max(v if isinstance(v := hp("feed_forward_length"), list) else [v])),  # gemma4: one a block
         vocab=int(tensors["token_embd.weight"].shape[0]) if "token_embd.weight" in tensors else 0,
         context_length=int(hp("context_length")),
         rope_base=float(hp("rope.freq_base", 10000.0)),
@@ -324,11 +334,12 @@ def open_model(path: str) -> ModelIndex:
         rope_freq_factors=ROPE_FREQS_TENSOR in tensors,
         rope_scale=_rope_scale(path, arch, hp),
         qk_norm=arch in (*QK_NORM_ARCHITECTURES, *HYBRID_ARCHITECTURES),
-        family=family_of(path, arch, hp, n_blocks, hidden, n_heads, head_dim),
+        family=family or family_of(path, arch, hp, n_blocks, hidden, n_heads, head_dim),
         hybrid=hybrid,
+        gemma4=gemma4,
         extras=tuple(output_extras(arch, tensors)),
     )
-    if hybrid is None:  # hybrid_params checked the hybrid files' tensors
+    if hybrid is None and gemma4 is None:  # hybrid_params and gemma4_params checked theirs
         _check_complete(path, tensors, hparams)
         _check_arch(path, arch, hp, tensors, hparams)
     name = os.path.basename(path).removesuffix(".gguf")

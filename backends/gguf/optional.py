@@ -26,7 +26,7 @@ DELTA_NET = ("attn_qkv", "attn_gate", "ssm_alpha", "ssm_beta", "ssm_out")
 # the matrices llama.cpp multiplies through build_lora_mm(_id) with their optional .scale
 SCALED_MATRICES = (*ATTENTION, *DELTA_NET, "ssm_in", *DENSE_FFN, *EXPERTS, *SHARED)
 # the scales each architecture's graph applies besides ATTENTION's (src/models/<arch>.cpp's *_s)
-APPLIED_SCALES = {"llama": DENSE_FFN + EXPERTS, "qwen3": DENSE_FFN, "qwen3moe": EXPERTS,
+APPLIED_SCALES = {"llama": DENSE_FFN + EXPERTS, "qwen3": DENSE_FFN, "qwen3moe": EXPERTS, "gemma4": DENSE_FFN + EXPERTS,
                   "qwen35": DENSE_FFN + DELTA_NET, "qwen35moe": EXPERTS + SHARED + DELTA_NET,
                   "qwen3next": EXPERTS + SHARED}  # fmt: skip
 QKV_BIASES = ("attn_q.bias", "attn_k.bias", "attn_v.bias")

@@ -54,6 +54,17 @@ def gelu_tanh(x: ov.Output) -> ov.Output:
     return ops.gelu(x, "tanh").output(0)
 
 
+def geglu(gate: ov.Output, up: ov.Output, ggml: bool = False) -> ov.Output:
+    """GELU(tanh)(gate) ⊙ up (Gemma's GeGLU); `ggml` (the ggml form): as ggml computes it, its
+    GELU read from an f16 table at the gate rounded to f16 (GgmlGeglu), so the activation the next
+    ggml product quantizes is llama.cpp's own."""
+    if ggml:
+        from backends.openvino import ggml_kernels
+
+        return ggml_kernels.geglu(gate, up)
+    return ops.multiply(gelu_tanh(gate), up).output(0)
+
+
 def softcap(logits: ov.Output, cap: float) -> ov.Output:
     """cap·tanh(logits / cap) (Gemma's final logit soft-capping)."""
     scaled = ops.multiply(logits, ops.constant(np.float32(1.0 / cap)))

@@ -256,14 +256,22 @@ def swiglu_ffn(x, weights: list[np.ndarray], qtypes: list[str], ffn: int, hidden
     return _factory().create("GgmlFfn", [x, *consts], attrs).output(0)
 
 
+def geglu(gate, up):
+    """GELU(gate) ⊙ up as ggml computes it (f16-table GELU, llama.cpp's), one GgmlGeglu node:
+    gate, up f32 [..., n] → [..., n]."""
+    return _factory().create("GgmlGeglu", [gate, up], {}).output(0)
+
+
 def moe(x, ids, weights, experts: list[np.ndarray], qtypes: list[str], n_experts: int, ffn: int, hidden: int,
-        keep: list, oai: bool = False, biases: list | None = None):
+        keep: list, oai: bool = False, biases: list | None = None, gelu: bool = False, down_scales=None):
     """A mixture-of-experts feed-forward as llama.cpp's build_moe_ffn computes it once routed, one
     GgmlMoe node: x [T, hidden], ids and weights [T, k] (the router's picks and their weights) →
     [T, hidden] = Σ_j weights[t, j] · down_i(act(gate_i · x_t + b, up_i · x_t + b) + b), i = ids[t, j],
-    summed in slot order; act ggml_swiglu_split, or ggml_swiglu_oai (`oai`: gpt-oss); `experts`
-    the file's blocks of gate, up [E, ffn, hidden] and down [E, hidden, ffn]; `biases` f32
-    outputs [E, ffn], [E, ffn], [E, hidden] where the file has them."""
+    summed in slot order; act ggml_swiglu_split, ggml_swiglu_oai (`oai`: gpt-oss) or
+    ggml_geglu_split (`gelu`: Gemma 4); `experts` the file's blocks of gate, up [E, ffn, hidden] and
+    down [E, hidden, ffn]; `biases` f32 outputs [E, ffn], [E, ffn], [E, hidden] where the file has
+    them; `down_scales` f32 [T, k]: the down matrix's per-expert scale of each slot's expert, which
+    multiplies its output before the bias (llama.cpp's build_lora_mm_id)."""
     import openvino as ov
 
     consts = []
@@ -272,8 +280,10 @@ def moe(x, ids, weights, experts: list[np.ndarray], qtypes: list[str], n_experts
         keep.append(flat)
         consts.append(ov.op.Constant(ov.Tensor(flat, shared_memory=True)).output(0))
     attrs = {"gate_type": type_id(qtypes[0]), "up_type": type_id(qtypes[1]), "down_type": type_id(qtypes[2]),
-             "experts": n_experts, "ffn": ffn, "hidden": hidden, "oai": oai, "bias": biases is not None}  # fmt: skip
-    return _factory().create("GgmlMoe", [x, ids, weights, *consts, *(biases or [])], attrs).output(0)
+             "experts": n_experts, "ffn": ffn, "hidden": hidden, "oai": oai, "bias": biases is not None,
+             "gelu": gelu, "scaled": down_scales is not None}  # fmt: skip
+    scales = [] if down_scales is None else [down_scales]
+    return _factory().create("GgmlMoe", [x, ids, weights, *consts, *(biases or []), *scales], attrs).output(0)
 
 
 def main() -> int:

@@ -40,7 +40,7 @@ import openvino.opset6 as ops6
 
 from backends.gguf import ModelIndex
 from backends.gguf.families import Yarn, yarn_magnitude, yarn_multipliers
-from backends.openvino.attention import attention_with_sinks, gelu_tanh, softcap, window_mask
+from backends.openvino.attention import attention_with_sinks, geglu, softcap, window_mask
 from backends.openvino.moe import moe_ffn, shared_expert
 from backends.openvino.weights import F32, WeightBank
 
@@ -51,11 +51,12 @@ def _i64(*values: int) -> ov.Node:
     return ops.constant(np.array(values, dtype=np.int64))
 
 
-def rms_norm(x: ov.Output, weight: ov.Node, eps: float) -> ov.Output:
-    """x · 1/sqrt(mean(x²) + eps) · weight (the pattern the plugins fuse into RMS)."""
+def rms_norm(x: ov.Output, weight: ov.Node | None, eps: float) -> ov.Output:
+    """x · 1/sqrt(mean(x²) + eps) · weight (the pattern the plugins fuse into RMS); no weight: × 1."""
     var = ops.reduce_mean(ops.power(x, ops.constant(np.float32(2.0))), _i64(-1), keep_dims=True)
     inv = ops.divide(ops.constant(np.float32(1.0)), ops.sqrt(ops.add(var, ops.constant(np.float32(eps)))))
-    return ops.multiply(ops.multiply(x, inv), weight).output(0)
+    normed = ops.multiply(x, inv)
+    return (normed if weight is None else ops.multiply(normed, weight)).output(0)
 
 
 def rope_tables(position_ids: ov.Output, head_dim: int, base: float, scale: float = 1.0,
@@ -173,23 +174,25 @@ class StageBuilder:
         # feed-forward (SwiGLU; Gemma: GeGLU)
         if fam.ffn_act == "gelu_tanh":
             gate, up = self.w.project(y, [(p + "ffn_gate.weight", 0), (p + "ffn_up.weight", 0)])  # [B, L, F] ×2
-            (down,) = self.w.project(ops.multiply(gelu_tanh(gate), up).output(0), [(p + "ffn_down.weight", 0)])
+            (down,) = self.w.project(geglu(gate, up, self.w.kquant == "ggml"), [(p + "ffn_down.weight", 0)])
         else:
             down = self.w.swiglu(y, p)  # [B, L, H]
         if fam.post_norms:
             down = rms_norm(down, self.w.vector(p + "post_ffw_norm.weight"), h.rms_eps)
         return ops.add(x, down).output(0)  # [B, L, H]
 
-    def _kv_cache(self, name: str, new: ov.Output, beam_idx: ov.Output, sinks: list) -> ov.Output:
-        """ReadValue → Gather(beam_idx, 0) → Concat(axis 2) → Assign: past + new [B, nkv, S, D]."""
-        h = self.h
-        shape = ov.PartialShape([-1, h.n_kv_heads, -1, h.head_dim])
+    def _kv_cache(self, name: str, new: ov.Output, beam_idx: ov.Output, sinks: list, nkv: int = 0,
+                  head_dim: int = 0) -> ov.Output:
+        """ReadValue → Gather(beam_idx, 0) → Concat(axis 2) → Assign: past + new [B, nkv, S, D]
+        (nkv, head_dim: the model's unless given: gemma4's blocks differ)."""
+        nkv, head_dim = nkv or self.h.n_kv_heads, head_dim or self.h.head_dim
+        shape = ov.PartialShape([-1, nkv, -1, head_dim])
         info = ov.op.util.VariableInfo()
         info.variable_id, info.data_type, info.data_shape = name, F32, shape
         var = ov.op.util.Variable(info)
         batch = ops.gather(ops.shape_of(new, I64), _i64(0), _i64(0))  # [1]
         init = ops.broadcast(ops.constant(np.float32(0.0)),
-                             ops.concat([batch, _i64(h.n_kv_heads, 0, h.head_dim)], axis=0))  # [B, nkv, 0, D]
+                             ops.concat([batch, _i64(nkv, 0, head_dim)], axis=0))  # [B, nkv, 0, D]
         past = ops6.read_value(init, var)
         past = ops.gather(past, beam_idx, _i64(0))
         if self.f16_kv:
@@ -198,17 +201,17 @@ class StageBuilder:
         sinks.append(ops6.assign(both, var))
         return both.output(0)
 
-    def _repeat_kv(self, kv: ov.Output) -> ov.Output:
-        """[B, nkv, S, D] → [B, nh, S, D], each KV head shared by nh/nkv query heads."""
-        h = self.h
-        groups = h.n_heads // h.n_kv_heads
+    def _repeat_kv(self, kv: ov.Output, nkv: int = 0, nh: int = 0, head_dim: int = 0) -> ov.Output:
+        """[B, nkv, S, D] → [B, nh, S, D], each KV head shared by nh/nkv query heads (the model's
+        counts unless given)."""
+        nkv, nh, head_dim = nkv or self.h.n_kv_heads, nh or self.h.n_heads, head_dim or self.h.head_dim
         shape = ops.shape_of(kv, I64)  # [4]
         b = ops.gather(shape, _i64(0), _i64(0))  # [1] B
         s = ops.gather(shape, _i64(2), _i64(0))  # [1] S
         x = ops.unsqueeze(kv, _i64(2))  # [B, nkv, 1, S, D]
-        target = ops.concat([b, _i64(h.n_kv_heads, groups), s, _i64(h.head_dim)], axis=0)
+        target = ops.concat([b, _i64(nkv, nh // nkv), s, _i64(head_dim)], axis=0)
         x = ops.broadcast(x, target, broadcast_spec="BIDIRECTIONAL")  # [B, nkv, g, S, D]
-        return ops.reshape(x, ops.concat([b, _i64(h.n_heads), s, _i64(h.head_dim)], axis=0), False).output(0)
+        return ops.reshape(x, ops.concat([b, _i64(nh), s, _i64(head_dim)], axis=0), False).output(0)
 
     def stage(self, first: int, last: int, top1: bool = False) -> ov.Model:
         """The model of blocks [first, last). With `top1` (the shard also holds the head and the
@@ -219,12 +222,15 @@ class StageBuilder:
         new_len = ops.gather(ops.shape_of(position_ids, I64), _i64(1), _i64(0))  # [1] L
         mask = causal_mask(attention_mask.output(0), new_len)  # [B, 1, L, S]
         h, fam = self.h, self.h.family
-        factors = self.index.dequantize("rope_freqs.weight", np.float64) if h.rope_freq_factors else None
-        rope = {False: rope_tables(position_ids.output(0), h.head_dim, h.rope_base, h.rope_scale, factors, fam.yarn)}
-        masks = {False: mask}
-        if any(fam.windowed(b) for b in range(first, last)):  # windowed layers: own RoPE base (Gemma: scale 1)
+        rope, masks = {}, {False: mask}
+        if h.gemma4 is None:  # gemma4's blocks make their own tables (gemma4.py)
+            factors = self.index.dequantize("rope_freqs.weight", np.float64) if h.rope_freq_factors else None
+            rope[False] = rope_tables(position_ids.output(0), h.head_dim, h.rope_base, h.rope_scale, factors, fam.yarn)
+        windowed = any(fam.windowed(b) for b in range(first, last))
+        if windowed and h.gemma4 is None:  # windowed layers: own RoPE base (Gemma: scale 1)
             swa_scale = h.rope_scale if fam.swa_rope_scaled else 1.0
             rope[True] = rope_tables(position_ids.output(0), h.head_dim, fam.rope_base_swa, swa_scale, yarn=fam.yarn)
+        if windowed:
             masks[True] = window_mask(mask, attention_mask.output(0), position_ids.output(0), fam.sliding_window)
         if first == 0 and fam.embed_scale != 1.0:  # Gemma: the embedding's rows × sqrt(hidden)
             x = ops.multiply(x, ops.constant(np.float32(fam.embed_scale))).output(0)
@@ -233,9 +239,16 @@ class StageBuilder:
             from backends.openvino.delta_net import HybridBlocks
 
             hybrid = HybridBlocks(self)
+        if h.gemma4 is not None:  # blocks of their own geometry each: gemma4.py
+            from backends.openvino.gemma4 import Gemma4Blocks
+
+            gemma4 = Gemma4Blocks(self, position_ids.output(0))
         for b in range(first, last):
             if h.hybrid is not None:
                 x = hybrid.block(b, x, position_ids.output(0), mask, beam_idx.output(0), sinks)
+                continue
+            if h.gemma4 is not None:
+                x = gemma4.block(b, x, masks, beam_idx.output(0), sinks)
                 continue
             x = self.block(b, x, rope, masks, beam_idx.output(0), sinks)
         out = ops.result(x, name="hidden_out")

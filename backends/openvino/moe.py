@@ -37,7 +37,7 @@ import openvino.opset13 as ops
 from backends.gguf.families import FUSED_GATE_UP_EXPS, Family
 from backends.gguf.optional import applied_scale
 from backends.gguf.quant import CODE_BIAS, FLOAT_TYPES, split_blocks
-from backends.openvino.attention import swiglu_oai
+from backends.openvino.attention import geglu, swiglu_oai
 from backends.openvino.lowbit import pack_i4
 
 I64 = ov.Type.i64
@@ -118,12 +118,14 @@ def route(logits: ov.Output, k: int, normalize: bool, scale: float,
     return weights if isinstance(weights, ov.Output) else weights.output(0), ids
 
 
-def moe_ffn(bank, x: ov.Output, prefix: str, fam: Family) -> ov.Output:
-    """x [B, L, H] → the experts' weighted sum [B, L, H] (module docstring)."""
+def moe_ffn(bank, x: ov.Output, prefix: str, fam: Family, router_x: ov.Output | None = None) -> ov.Output:
+    """x [B, L, H] → the experts' weighted sum [B, L, H] (module docstring); `router_x` [B, L, H]:
+    the router's input where it is not x (gemma4)."""
     shape = ops.shape_of(x, I64)  # [3]
     hidden = bank.index.hparams.hidden
     xt = ops.reshape(x, _i64(-1, hidden), False).output(0)  # [T, H]
-    (logits,) = bank.project(xt, [(prefix + "ffn_gate_inp.weight", 0)])  # [T, E] (+ gpt-oss's bias)
+    rt = xt if router_x is None else ops.reshape(router_x, _i64(-1, hidden), False).output(0)
+    (logits,) = bank.project(rt, [(prefix + "ffn_gate_inp.weight", 0)])  # [T, E] (+ gpt-oss's bias)
     weights, ids = route(logits, fam.n_experts_used, fam.experts_renorm, fam.experts_scale,
                          fam.experts_gating)  # [T, k] ×2  # fmt: skip
     if _ggml_experts(bank, prefix):
@@ -145,7 +147,7 @@ def moe_ffn(bank, x: ov.Output, prefix: str, fam: Family) -> ov.Output:
     if fam.expert_biases:
         g = _plus_rows(bank, g, prefix + "ffn_gate_exps.bias", used)
         u = _plus_rows(bank, u, prefix + "ffn_up_exps.bias", used)
-    act = swiglu_oai(g, u) if fam.ffn_act == "swiglu_oai" else ops.multiply(ops.swish(g), u)
+    act = _glu(g, u, fam)
     d = _times_rows(bank, ops.matmul(act, down, False, True), prefix + "ffn_down_exps.scale", used)  # [U, T, H]
     if fam.expert_biases:
         d = _plus_rows(bank, d, prefix + "ffn_down_exps.bias", used)
@@ -154,6 +156,16 @@ def moe_ffn(bank, x: ov.Output, prefix: str, fam: Family) -> ov.Output:
 
 
 EXPERT_TENSORS = ("ffn_gate_exps.weight", "ffn_up_exps.weight", "ffn_down_exps.weight")
+
+
+def _glu(gate: ov.Output, up: ov.Output, fam: Family, ggml: bool = False) -> ov.Output:
+    """The experts' activation of the family: SwiGLU, gpt-oss's swiglu_oai, Gemma's GeGLU (`ggml`:
+    ggml's own, attention.geglu)."""
+    if fam.ffn_act == "swiglu_oai":
+        return swiglu_oai(gate, up)
+    if fam.ffn_act == "gelu_tanh":
+        return geglu(gate, up, ggml)
+    return ops.multiply(ops.swish(gate), up).output(0)
 
 
 def _gate_and_up(bank, prefix: str) -> tuple[Experts, Experts, tuple[str, str]]:
@@ -216,8 +228,7 @@ def _ggml_moe(bank, xt: ov.Output, weights: ov.Output, ids: ov.Output, prefix: s
     if fam.expert_biases:
         g = _plus_picked(bank, g, prefix + "ffn_gate_exps.bias", ids)
         u = _plus_picked(bank, u, prefix + "ffn_up_exps.bias", ids)
-    act = swiglu_oai(g, u) if fam.ffn_act == "swiglu_oai" else ops.multiply(ops.swish(g), u)
-    d = experts(act.output(0) if isinstance(act, ov.Node) else act, "ffn_down_exps.weight")  # [T, k, H]
+    d = experts(_glu(g, u, fam, ggml=True), "ffn_down_exps.weight")  # [T, k, H]
     d = _times_picked(bank, d, prefix + "ffn_down_exps.scale", ids)
     if fam.expert_biases:
         d = _plus_picked(bank, d, prefix + "ffn_down_exps.bias", ids)
@@ -226,22 +237,24 @@ def _ggml_moe(bank, xt: ov.Output, weights: ov.Output, ids: ov.Output, prefix: s
 
 def _ggml_moe_node(bank, xt: ov.Output, weights: ov.Output, ids: ov.Output, prefix: str, fam: Family) -> ov.Output | None:
     """The experts' weighted sum [T, H] as one GgmlMoe node (llama.cpp's build_moe_ffn after the
-    router: its GLU and its slot-order sum included), where no per-expert scale applies and the
-    biases are all three or none; else None."""
+    router: its GLU, the down matrix's per-expert scale and its slot-order sum included), where
+    gate and up carry no scale and the biases are all three or none; else None."""
     from backends.openvino import ggml_kernels
 
     names = [prefix + n for n in EXPERT_TENSORS]
     biases = [n.removesuffix(".weight") + ".bias" for n in names]
     have = [b in bank.index.tensors for b in biases]
-    if fam.ffn_act not in ("silu", "swiglu_oai") or any(have) != all(have) or any(
-            _scaled(bank, n.removesuffix(".weight") + ".scale") for n in names):  # fmt: skip
+    if any(have) != all(have) or any(_scaled(bank, n.removesuffix(".weight") + ".scale") for n in names[:2]):
         return None
     tensors = [bank.index.tensors[n] for n in names]
     raws = [np.memmap(bank.index.path, np.uint8, "c", t.offset, (t.n_bytes,)) for t in tensors]
     E, F, H = tensors[0].shape[0], tensors[0].shape[1], tensors[2].shape[1]
     bias_outs = [bank._const(bank.index.dequantize(b, np.float32)).output(0) for b in biases] if all(have) else None
+    down_scale = prefix + "ffn_down_exps.scale"
+    scales = ops.gather(bank.vector(down_scale), ids, _i64(0)).output(0) if _scaled(bank, down_scale) else None  # [T, k]
     return ggml_kernels.moe(xt, ids, weights, raws, [t.qtype for t in tensors], E, F, H, bank.keep,
-                            oai=fam.ffn_act == "swiglu_oai", biases=bias_outs)  # fmt: skip
+                            oai=fam.ffn_act == "swiglu_oai", biases=bias_outs, gelu=fam.ffn_act == "gelu_tanh",
+                            down_scales=scales)  # fmt: skip
 
 
 def _plus_picked(bank, y: ov.Output, name: str, ids: ov.Output) -> ov.Output:

@@ -390,6 +390,60 @@ private:
     std::shared_ptr<Matrix> m_gate, m_up, m_down;
 };
 
+// GgmlGeglu: GELU(gate) ⊙ up as ggml computes it (ggml_geglu_split: its GELU reads an f16 table at the
+// gate rounded to f16, llama.cpp's default), so the activation a following ggml product quantizes
+// is llama.cpp's own (Gemma's GeGLU in the ggml form); rows over the plugin's threads.
+class GgmlGeglu : public ov::op::Op {
+public:
+    OPENVINO_OP("GgmlGeglu", "kafila");
+
+    GgmlGeglu() = default;
+    GgmlGeglu(const ov::Output<ov::Node>& gate, const ov::Output<ov::Node>& up) : Op({gate, up}) {
+        constructor_validate_and_infer_types();
+    }
+
+    void validate_and_infer_types() override {
+        ggml_ready();
+        NODE_VALIDATION_CHECK(this, get_input_element_type(0) == ov::element::f32 &&
+                                        get_input_element_type(1) == ov::element::f32, "gate and up must be f32");
+        const auto& g = get_input_partial_shape(0);
+        NODE_VALIDATION_CHECK(this, g.rank().is_static() && g.rank().get_length() >= 1 && g[g.rank().get_length() - 1].is_static(),
+                              "gate needs a static last dimension");
+        set_output_type(0, ov::element::f32, g);
+    }
+
+    std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
+        check_new_args_count(this, args);
+        return std::make_shared<GgmlGeglu>(args.at(0), args.at(1));
+    }
+
+    bool visit_attributes(ov::AttributeVisitor&) override { return true; }
+    bool has_evaluate() const override { return true; }
+
+    bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
+        const ov::Shape shape = inputs[0].get_shape();
+        OPENVINO_ASSERT(inputs[1].get_shape() == shape, "GgmlGeglu: gate ", shape, " and up ", inputs[1].get_shape());
+        outputs[0].set_shape(shape);
+        const int64_t n = static_cast<int64_t>(shape.back());
+        const int64_t rows = n ? static_cast<int64_t>(ov::shape_size(shape)) / n : 0;
+        auto* g = const_cast<float*>(inputs[0].data<const float>());
+        auto* u = const_cast<float*>(inputs[1].data<const float>());
+        float* y = outputs[0].data<float>();
+        const int64_t per = (rows + std::max(1, parallel_get_max_threads()) - 1) / std::max(1, parallel_get_max_threads());
+        ov::parallel_for(static_cast<size_t>(per ? (rows + per - 1) / per : 0), [&](size_t t) {
+            const int64_t r0 = static_cast<int64_t>(t) * per, r1 = std::min(rows, r0 + per);
+            compute_here(1, [&](ggml_context* ctx) {
+                ggml_tensor* a = ggml_geglu_split(ctx, f32_view(ctx, g + r0 * n, n, r1 - r0, n, "g"),
+                                                  f32_view(ctx, u + r0 * n, n, r1 - r0, n, "u"));
+                a->data = y + r0 * n;  // [n, r1 - r0], contiguous
+                ggml_set_name(a, "a");
+                return a;
+            });
+        });
+        return true;
+    }
+};
+
 // GgmlMatMulId: mixture-of-experts rows, as llama.cpp's mul_mat_id: y[t, j] = x[t, j or 0] · W[ids[t, j]]ᵀ
 // for W [experts, rows, cols] in a GGUF block type, read from the file's blocks. Only the experts
 // some row picked are read, each once for all the rows that picked it; every product is ggml's
@@ -507,8 +561,9 @@ static ggml_tensor* experts_slice(ggml_context* ctx, int64_t type, int64_t exper
 
 // GgmlMoe: a mixture-of-experts feed-forward as llama.cpp's build_moe_ffn computes it once the
 // router has picked (ids [T, k]) and weighed (w [T, k]): for row t and slot j with i = ids[t, j],
-// e_j = (W_down[i] · act(W_gate[i] · x_t (+ b_gate[i]), W_up[i] · x_t (+ b_up[i])) (+ b_down[i])) · w[t, j],
-// y_t = e_0 + e_1 + … in slot order; act is ggml_swiglu_split, or ggml_swiglu_oai (gpt-oss). Every
+// e_j = (W_down[i] · act(W_gate[i] · x_t (+ b_gate[i]), W_up[i] · x_t (+ b_up[i])) (× s[t, j]) (+ b_down[i])) · w[t, j],
+// y_t = e_0 + e_1 + … in slot order; act is ggml_swiglu_split, ggml_swiglu_oai (gpt-oss) or
+// ggml_geglu_split (Gemma 4); s the down matrix's per-expert scale of each slot's expert. Every
 // step is the ggml node llama.cpp's graph has (mul_mat_id, add_id, the GLU, mul, add), on the
 // file's blocks: only the picked experts are read. Two passes over the plugin's threads: slices of
 // the F hidden units of every expert (gate, up, the GLU), then slices of down's H rows.
@@ -518,14 +573,16 @@ public:
 
     GgmlMoe() = default;
     GgmlMoe(const ov::OutputVector& args, int64_t gate_type, int64_t up_type, int64_t down_type, int64_t experts,
-            int64_t ffn, int64_t hidden, bool oai, bool bias)
-        : Op(args), m_oai(oai), m_bias(bias), m_gate_type(gate_type), m_up_type(up_type), m_down_type(down_type),
-          m_experts(experts), m_ffn(ffn), m_hidden(hidden) {
+            int64_t ffn, int64_t hidden, bool oai, bool bias, bool gelu = false, bool scaled = false)
+        : Op(args), m_oai(oai), m_bias(bias), m_gelu(gelu), m_scaled(scaled), m_gate_type(gate_type), m_up_type(up_type),
+          m_down_type(down_type), m_experts(experts), m_ffn(ffn), m_hidden(hidden) {
         constructor_validate_and_infer_types();
     }
 
     void validate_and_infer_types() override {
-        NODE_VALIDATION_CHECK(this, get_input_size() == (m_bias ? 9u : 6u), "x, ids, w, gate, up, down (and their biases)");
+        NODE_VALIDATION_CHECK(this, get_input_size() == (m_bias ? 9u : 6u) + (m_scaled ? 1u : 0u),
+                              "x, ids, w, gate, up, down (and their biases, and the slots' down scales)");
+        NODE_VALIDATION_CHECK(this, !(m_oai && m_gelu), "one activation: swiglu_oai or geglu");
         const Matrix gate(m_gate_type, m_experts * m_ffn, m_hidden, false), up(m_up_type, m_experts * m_ffn, m_hidden, false),
             down(m_down_type, m_experts * m_hidden, m_ffn, false);
         size_t port = 3;
@@ -551,7 +608,8 @@ public:
 
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
         check_new_args_count(this, args);
-        return std::make_shared<GgmlMoe>(args, m_gate_type, m_up_type, m_down_type, m_experts, m_ffn, m_hidden, m_oai, m_bias);
+        return std::make_shared<GgmlMoe>(args, m_gate_type, m_up_type, m_down_type, m_experts, m_ffn, m_hidden, m_oai, m_bias,
+                                         m_gelu, m_scaled);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
@@ -563,6 +621,8 @@ public:
         visitor.on_attribute("hidden", m_hidden);
         visitor.on_attribute("oai", m_oai);
         visitor.on_attribute("bias", m_bias);
+        visitor.on_attribute("gelu", m_gelu);
+        visitor.on_attribute("scaled", m_scaled);
         return true;
     }
 
@@ -570,6 +630,8 @@ public:
 
     bool evaluate(ov::TensorVector& outputs, const ov::TensorVector& inputs) const override {
         const ov::Shape is = inputs[1].get_shape();
+        const size_t scale_port = m_bias ? 9 : 6;
+        OPENVINO_ASSERT(!m_scaled || inputs[scale_port].get_shape() == is, "GgmlMoe: the slots' down scales are not [T, k]");
         const int64_t T = static_cast<int64_t>(is[0]), k = static_cast<int64_t>(is[1]);
         OPENVINO_ASSERT(static_cast<int64_t>(ov::shape_size(inputs[0].get_shape())) == T * m_hidden &&
                         inputs[2].get_shape() == is, "GgmlMoe: x, ids and w disagree on T and k");
@@ -607,7 +669,8 @@ public:
                 };
                 ggml_tensor* g = half(3, m_gate_type, 6, "g");
                 ggml_tensor* u = half(4, m_up_type, 7, "u");
-                ggml_tensor* a = m_oai ? ggml_swiglu_oai(ctx, g, u, 1.702f, 7.0f) : ggml_swiglu_split(ctx, g, u);
+                ggml_tensor* a = m_oai ? ggml_swiglu_oai(ctx, g, u, 1.702f, 7.0f)
+                                 : m_gelu ? ggml_geglu_split(ctx, g, u) : ggml_swiglu_split(ctx, g, u);
                 a->data = act + r0;  // [n, k, T] within act's rows of F
                 a->nb[1] = static_cast<size_t>(m_ffn) * sizeof(float);
                 a->nb[2] = a->nb[1] * k;
@@ -618,11 +681,16 @@ public:
         });
         for_row_slices(m_hidden, [&](int64_t r0, int64_t r1) {
             const int64_t n = r1 - r0;
-            compute_moe(static_cast<size_t>((4 * k + 2) * n * T) * sizeof(float), [&](ggml_context* leaf, ggml_context* ctx) {  // d, its bias, e, the adds
+            compute_moe(static_cast<size_t>((5 * k + 2) * n * T) * sizeof(float), [&](ggml_context* leaf, ggml_context* ctx) {  // d, its scale, its bias, e, the adds
                 ggml_tensor* av = ggml_new_tensor_3d(leaf, GGML_TYPE_F32, m_ffn, k, T);
                 av->data = act;
                 ggml_tensor* it = ids_view(leaf, ids, k, T);
                 ggml_tensor* d = ggml_mul_mat_id(ctx, experts_slice(leaf, m_down_type, m_experts, m_hidden, m_ffn, bytes(5), r0, r1), av, it);
+                if (m_scaled) {  // build_lora_mm_id's (W·x)·s, before the bias
+                    ggml_tensor* sv = ggml_new_tensor_3d(leaf, GGML_TYPE_F32, 1, k, T);
+                    sv->data = const_cast<float*>(inputs[scale_port].data<const float>());
+                    d = ggml_mul(ctx, d, sv);
+                }
                 if (m_bias) d = ggml_add_id(ctx, d, bias_view(leaf, bias(8), r0, n, m_hidden), it);
                 ggml_tensor* wv = ggml_new_tensor_3d(leaf, GGML_TYPE_F32, 1, k, T);
                 wv->data = w;
@@ -669,7 +737,7 @@ private:
         ggml_free(leaf);
     }
 
-    bool m_oai = false, m_bias = false;
+    bool m_oai = false, m_bias = false, m_gelu = false, m_scaled = false;
     int64_t m_gate_type = 0, m_up_type = 0, m_down_type = 0;
     int64_t m_experts = 0, m_ffn = 0, m_hidden = 0;
 };
@@ -679,6 +747,7 @@ private:
 OPENVINO_CREATE_EXTENSIONS(std::vector<ov::Extension::Ptr>({
     std::make_shared<ov::OpExtension<kafila::GgmlMatMul>>(),
     std::make_shared<ov::OpExtension<kafila::GgmlFfn>>(),
+    std::make_shared<ov::OpExtension<kafila::GgmlGeglu>>(),
     std::make_shared<ov::OpExtension<kafila::GgmlMatMulId>>(),
     std::make_shared<ov::OpExtension<kafila::GgmlMoe>>(),
     std::make_shared<ov::OpExtension<kafila::KafilaDeltaRule>>(),

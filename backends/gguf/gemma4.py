@@ -1,0 +1,176 @@
+"""Gemma 4 (`gemma4`) as llama.cpp 0.3.36 reads and computes it (src/models/gemma4.cpp).
+
+Its blocks differ from each other, unlike the other families' (per block b: `Gemma4Params`):
+- windowed or full attention: `attention.sliding_window_pattern` (a bool per block, required);
+  windowed blocks have `attention.key_length_swa` head sizes (value the same), rotate the first
+  `rope.dimension_count_swa` dims (default: the full blocks') with `rope.freq_base_swa`
+  (default 10000) at scale 1; full blocks have `attention.key_length` heads, rotate the first
+  `rope.dimension_count` dims with `rope.freq_base`, the file's linear scaling and the frequency
+  factors `rope_freqs.weight` (θ_i / factor_i: Gemma 4's proportional RoPE);
+- `attention.head_count` and `attention.head_count_kv` may be a number per block;
+- a full block may have no attn_v: its values are then its key projection (before k's norm).
+
+Every block, as llama.cpp computes it:
+    y = RMSNorm(x; attn_norm)
+    q = RMSNorm(y·attn_q per head; attn_q_norm) → NEOX RoPE
+    k = RMSNorm(y·attn_k per head; attn_k_norm) → NEOX RoPE;  v = RMSNorm(y·attn_v per head) (no weight)
+    attention with q·k scale 1 (Gemma 4 folds the scale into the norms) → attn_output
+    a = x + RMSNorm(attention; post_attention_norm)
+    dense block: f = GeGLU FFN(RMSNorm(a; ffn_norm))
+    MoE block (ffn_gate_inp present): f = RMSNorm(GeGLU FFN(RMSNorm(a; ffn_norm)); post_ffw_norm_1)
+        + RMSNorm(experts(RMSNorm(a; pre_ffw_norm_2)); post_ffw_norm_2), the router's logits
+        ffn_gate_inp · (RMSNorm(a) / sqrt(hidden) ⊙ ffn_gate_inp.scale) (no weight), softmax over
+        all E, the top k renormalised; each expert a GeGLU FFN, its down output × the optional
+        ffn_down_exps.scale of that expert (families.ffn_tensors' .scale rules)
+    x' = (a + RMSNorm(f; post_ffw_norm)) × layer_output_scale (optional, one number)
+Around the blocks: the embedding's rows × sqrt(hidden); final RMSNorm, lm_head (tied unless
+output.weight), logits soft-capped by `final_logit_softcapping` when set.
+
+Not served (refused in one line): per-layer embeddings (`embedding_length_per_layer_input` > 0:
+the E2B/E4B models), layers sharing an earlier layer's KV (`attention.shared_kv_layers` > 0),
+fused attn_qkv or ffn_gate_up_exps.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+from backends.errors import BadInput
+from backends.gguf.families import DENSE_FFN_TENSORS, MOE_TENSORS, Family
+from backends.gguf.optional import optional_block_tensors
+
+GEMMA4 = "gemma4"
+GEMMA4_SWA_ROPE_BASE = 10000.0  # llama_hparams.rope_freq_base_train_swa's default
+ATTENTION = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_q_norm.weight", "attn_k_norm.weight",
+             "attn_output.weight", "post_attention_norm.weight")  # fmt: skip
+DENSE = ("ffn_norm.weight", *DENSE_FFN_TENSORS, "post_ffw_norm.weight")
+MOE = ("ffn_gate_inp.scale", "pre_ffw_norm_2.weight", "post_ffw_norm_1.weight", "post_ffw_norm_2.weight",
+       *MOE_TENSORS)  # fmt: skip
+OPTIONAL = ("attn_v.weight", "layer_output_scale.weight")
+HEAD = ("token_embd.weight", "output_norm.weight")
+OUTSIDE_BLOCKS = (*HEAD, "output.weight", "rope_freqs.weight")
+
+
+@dataclass(frozen=True)
+class Gemma4Block:
+    windowed: bool
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int  # keys and values alike
+    rope_dims: int  # the first rope_dims of each head rotate (NEOX halves)
+    own_values: bool  # attn_v present (else the values are the key projection)
+    moe: bool  # experts beside the dense FFN
+
+
+@dataclass(frozen=True)
+class Gemma4Params:
+    blocks: tuple[Gemma4Block, ...]
+
+    def kv_values_per_token(self, b: int) -> int:
+        """K and V values one position holds in block b's cache."""
+        g = self.blocks[b]
+        return 2 * g.n_kv_heads * g.head_dim
+
+
+def _per_block(path: str, hp, key: str, n_blocks: int, default) -> list[int]:
+    value = hp(key, default)
+    if isinstance(value, list):
+        if len(value) != n_blocks:
+            raise BadInput(f"GGUF {path}: {GEMMA4}.{key} has {len(value)} entries for {n_blocks} blocks")
+        return [int(v) for v in value]
+    return [int(value)] * n_blocks
+
+
+def gemma4_params(path: str, hp, tensors: dict, n_blocks: int, hidden: int) -> tuple[Gemma4Params, Family]:
+    """The per-block geometry and the family's parts of a gemma4 file (module docstring); BadInput
+    for what llama.cpp would compute but Kafila does not, or a file llama.cpp would refuse."""
+    if int(hp("embedding_length_per_layer_input")):
+        raise BadInput(f"GGUF {path}: {GEMMA4} with per-layer embeddings (the E2B/E4B models) is not served; "
+                       "Kafila serves Gemma 4 files without them (e.g. 26B-A4B, 31B)")
+    if int(hp("attention.shared_kv_layers", 0)):
+        raise BadInput(f"GGUF {path}: {GEMMA4} layers that share an earlier layer's KV are not served")
+    pattern = hp("attention.sliding_window_pattern")
+    if not isinstance(pattern, list) or len(pattern) != n_blocks:
+        raise BadInput(f"GGUF {path}: {GEMMA4}.attention.sliding_window_pattern must be a bool per block "
+                       f"({n_blocks})")
+    swa = tuple(bool(x) for x in pattern)
+    window = int(hp("attention.sliding_window"))
+    if window < 1:
+        raise BadInput(f"GGUF {path}: {GEMMA4}.attention.sliding_window {window} is not positive")
+    heads = _per_block(path, hp, "attention.head_count", n_blocks, None)
+    kv_heads = _per_block(path, hp, "attention.head_count_kv", n_blocks, hp("attention.head_count"))
+    d_full = int(hp("attention.key_length", hidden // heads[0]))
+    d_swa = int(hp("attention.key_length_swa"))
+    if int(hp("attention.value_length", d_full)) != d_full or int(hp("attention.value_length_swa")) != d_swa:
+        raise BadInput(f"GGUF {path}: {GEMMA4} key and value head sizes differ (llama.cpp requires them equal)")
+    rot_full = int(hp("rope.dimension_count", d_full))
+    rot_swa = int(hp("rope.dimension_count_swa", rot_full))
+    experts = int(hp("expert_count", 0))
+    missing = [n for n in HEAD if n not in tensors]
+    stray = [n for n in tensors if not n.startswith("blk.") and n not in OUTSIDE_BLOCKS]
+    stray += [n for n in tensors if (m := re.match(r"blk\.(\d+)\.", n)) and int(m.group(1)) >= n_blocks]
+    if missing or stray:
+        raise BadInput(f"GGUF {path} lacks tensor {missing[0]}" if missing else
+                       f"GGUF {path}: tensor {stray[0]} is not part of the {GEMMA4} model Kafila serves")
+    blocks = []
+    for b in range(n_blocks):
+        p = f"blk.{b}."
+        d, rot = (d_swa, rot_swa) if swa[b] else (d_full, rot_full)
+        if not (0 < rot <= d and rot % 2 == 0 and heads[b] > 0 and 0 < kv_heads[b] and heads[b] % kv_heads[b] == 0):
+            raise BadInput(f"GGUF {path}: block {b} has {heads[b]} heads, {kv_heads[b]} KV heads of {d} with {rot} "
+                           "rotated dims, which llama.cpp would not run")
+        moe = p + "ffn_gate_inp.weight" in tensors
+        blocks.append(Gemma4Block(swa[b], heads[b], kv_heads[b], d, rot, p + "attn_v.weight" in tensors, moe))
+        _check_block(path, tensors, blocks[-1], b, hidden, experts)
+    if any(g.moe for g in blocks) and not 0 < int(hp("expert_used_count", 0)) <= experts:
+        raise BadInput(f"GGUF {path}: {GEMMA4} experts need expert_count and expert_used_count in 1..expert_count")
+    factors = tensors.get("rope_freqs.weight")
+    if not all(swa) and factors is None:
+        raise BadInput(f"GGUF {path} lacks tensor rope_freqs.weight ({GEMMA4}'s full-attention blocks read it)")
+    if factors is not None and (factors.qtype != "F32" or factors.shape[0] < rot_full // 2):
+        raise BadInput(f"GGUF {path}: rope_freqs.weight is {factors.qtype} {factors.shape}, expected F32 with at "
+                       f"least {rot_full // 2} factors")
+    family = Family(
+        ffn_act="gelu_tanh",
+        post_norms=True,
+        embed_scale=math.sqrt(hidden),
+        attn_scale=1.0,
+        sliding_window=window,
+        swa_layers=swa,
+        rope_base_swa=float(hp("rope.freq_base_swa", GEMMA4_SWA_ROPE_BASE)),
+        logit_softcap=float(hp("final_logit_softcapping", 0.0)),
+        n_experts=experts if any(g.moe for g in blocks) else 0,
+        n_experts_used=int(hp("expert_used_count", 0)) if any(g.moe for g in blocks) else 0,
+        experts_renorm=True,
+    )
+    return Gemma4Params(tuple(blocks)), family
+
+
+def _check_block(path: str, tensors: dict, g: Gemma4Block, b: int, hidden: int, experts: int) -> None:
+    """Block b's tensors: the required ones present, none unknown, the attention's shapes."""
+    p = f"blk.{b}."
+    required = ATTENTION + DENSE + (MOE if g.moe else ())
+    missing = [n for n in required if p + n not in tensors]
+    if missing:
+        raise BadInput(f"GGUF {path} lacks tensor {p}{missing[0]} ({len(missing)} missing in block {b})")
+    known = set(required) | set(OPTIONAL)
+    known |= optional_block_tensors(GEMMA4, known)
+    for name in tensors:
+        if name.startswith(p) and name[len(p):] not in known:
+            raise BadInput(f"GGUF {path}: tensor {name} is not part of the {GEMMA4} model Kafila serves")
+    want = {"attn_q.weight": (g.n_heads * g.head_dim, hidden), "attn_k.weight": (g.n_kv_heads * g.head_dim, hidden),
+            "attn_v.weight": (g.n_kv_heads * g.head_dim, hidden), "attn_q_norm.weight": (g.head_dim,),
+            "attn_k_norm.weight": (g.head_dim,), "attn_output.weight": (hidden, g.n_heads * g.head_dim),
+            "layer_output_scale.weight": (1,)}  # fmt: skip
+    if g.moe:
+        want |= {"ffn_gate_inp.weight": (experts, hidden), "ffn_gate_inp.scale": (hidden,)}
+    for n, shape in want.items():
+        t = tensors.get(p + n)
+        if t is not None and tuple(t.shape) != shape:
+            raise BadInput(f"GGUF {path}: tensor {t.name} has shape {t.shape}, expected {shape}")
+    for n in MOE_TENSORS[1:] if g.moe else ():
+        t = tensors[p + n]
+        if len(t.shape) != 3 or t.shape[0] != experts:
+            raise BadInput(f"GGUF {path}: tensor {t.name} has shape {t.shape}, expected {experts} experts first")

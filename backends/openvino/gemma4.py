@@ -1,0 +1,100 @@
+"""Gemma 4 blocks on OpenVINO, as llama.cpp 0.3.36 computes them (backends/gguf/gemma4.py has the
+block, each part named; src/models/gemma4.cpp).
+
+What differs from the stage graph's Llama block (graph.py), and why it is a builder of its own:
+every block has its own head count, KV heads, head size and rotated dims, so each block's KV
+variables have their own shape [B, nkv_b, S, D_b] (rows.py and the shard's slots take every
+variable's shape as it is) and each kind of block its own RoPE table: windowed blocks rotate
+their first `rope_dims` with the windowed base at scale 1, full blocks theirs with the model's
+base, linear scale and rope_freqs factors (a factor of 1e30 leaves a pair unturned). The values
+are RMS-normalised without a weight (a full block without attn_v takes its key projection as
+values, before k's norm), q·k is not scaled, and the experts of a MoE block take their own
+normalised input and a router input of their own (moe.py's moe_ffn, GeGLU experts) beside the
+block's dense FFN.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+from backends.openvino.attention import geglu
+from backends.openvino.graph import _i64, apply_rope, rms_norm, rope_tables
+from backends.openvino.moe import moe_ffn
+
+MAX_I64 = np.iinfo(np.int64).max
+
+
+class Gemma4Blocks:
+    """Builds gemma4 blocks into a StageBuilder's stage graph (StageBuilder.stage hands over)."""
+
+    def __init__(self, builder, position_ids: ov.Output) -> None:
+        self.b = builder
+        self.h = builder.h
+        self.g = builder.h.gemma4
+        self.w = builder.w
+        self._positions = position_ids
+        self._tables: dict[bool, tuple[ov.Output, ov.Output]] = {}
+
+    def _rope(self, windowed: bool, rot: int) -> tuple[ov.Output, ov.Output]:
+        """cos, sin [B, 1, L, rot] of windowed (True) or full blocks, made once a stage."""
+        if windowed not in self._tables:
+            h, fam = self.h, self.h.family
+            if windowed:
+                table = rope_tables(self._positions, rot, fam.rope_base_swa)
+            else:
+                factors = self.b.index.dequantize("rope_freqs.weight", np.float64)[: rot // 2]
+                table = rope_tables(self._positions, rot, h.rope_base, h.rope_scale, factors)
+            self._tables[windowed] = table
+        return self._tables[windowed]
+
+    def _rotate(self, x: ov.Output, rot: int, head_dim: int, table: tuple[ov.Output, ov.Output]) -> ov.Output:
+        """NEOX RoPE over the first `rot` dims of each head of x [B, h, L, D]; the rest pass."""
+        if rot == head_dim:
+            return apply_rope(x, *table, rot)
+        step, axis = _i64(1), _i64(-1)
+        turned = apply_rope(ops.slice(x, _i64(0), _i64(rot), step, axis).output(0), *table, rot)
+        return ops.concat([turned, ops.slice(x, _i64(rot), _i64(MAX_I64), step, axis)], axis=-1).output(0)
+
+    def block(self, b: int, x: ov.Output, masks: dict, beam_idx: ov.Output, sinks: list) -> ov.Output:
+        h, g, w = self.h, self.g.blocks[b], self.w
+        D, nh, nkv, eps = g.head_dim, g.n_heads, g.n_kv_heads, h.rms_eps
+        p = f"blk.{b}."
+        y = rms_norm(x, w.vector(p + "attn_norm.weight"), eps)  # [B, L, H]
+        parts = [(p + "attn_q.weight", 0), (p + "attn_k.weight", 0)]
+        q, k, *v = w.project(y, parts + ([(p + "attn_v.weight", 0)] if g.own_values else []))
+        v = v[0] if v else k  # no attn_v: the values are the key projection
+        q = rms_norm(ops.reshape(q, _i64(0, 0, nh, D), True).output(0), w.vector(p + "attn_q_norm.weight"), eps)
+        k = rms_norm(ops.reshape(k, _i64(0, 0, nkv, D), True).output(0), w.vector(p + "attn_k_norm.weight"), eps)
+        v = rms_norm(ops.reshape(v, _i64(0, 0, nkv, D), True).output(0), None, eps)
+        q, k, v = (ops.transpose(t, _i64(0, 2, 1, 3)).output(0) for t in (q, k, v))  # [B, heads, L, D]
+        table = self._rope(g.windowed, g.rope_dims)
+        q, k = self._rotate(q, g.rope_dims, D, table), self._rotate(k, g.rope_dims, D, table)
+        k_all = self.b._kv_cache(f"past_key_values.{b}.key", k, beam_idx, sinks, nkv, D)  # [B, nkv, S, D]
+        v_all = self.b._kv_cache(f"past_key_values.{b}.value", v, beam_idx, sinks, nkv, D)
+        if nh != nkv:
+            k_all, v_all = self.b._repeat_kv(k_all, nkv, nh, D), self.b._repeat_kv(v_all, nkv, nh, D)
+        attn = ops.scaled_dot_product_attention(q, k_all, v_all, masks[g.windowed], ops.constant(np.float32(1.0)))
+        attn = ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, nh * D), True)  # [B, L, nh·D]
+        (o,) = w.project(attn.output(0), [(p + "attn_output.weight", 0)])  # [B, L, H]
+        a = ops.add(x, rms_norm(o, w.vector(p + "post_attention_norm.weight"), eps)).output(0)
+
+        f = self._geglu(rms_norm(a, w.vector(p + "ffn_norm.weight"), eps), p)
+        if g.moe:  # the dense FFN and the experts side by side, each normalised on its way out
+            f = rms_norm(f, w.vector(p + "post_ffw_norm_1.weight"), eps)
+            router = ops.multiply(ops.multiply(rms_norm(a, None, eps), ops.constant(np.float32(1.0 / np.sqrt(h.hidden)))),
+                                  w.vector(p + "ffn_gate_inp.scale"))  # fmt: skip
+            experts = moe_ffn(w, rms_norm(a, w.vector(p + "pre_ffw_norm_2.weight"), eps), p, h.family,
+                              router_x=router.output(0))  # fmt: skip
+            f = ops.add(f, rms_norm(experts, w.vector(p + "post_ffw_norm_2.weight"), eps)).output(0)
+        out = ops.add(a, rms_norm(f, w.vector(p + "post_ffw_norm.weight"), eps)).output(0)
+        if p + "layer_output_scale.weight" in self.b.index.tensors:
+            out = ops.multiply(out, w.vector(p + "layer_output_scale.weight")).output(0)
+        return out
+
+    def _geglu(self, y: ov.Output, p: str) -> ov.Output:
+        """down(GELU(tanh)(gate · y) ⊙ up · y): Gemma's dense FFN."""
+        gate, up = self.w.project(y, [(p + "ffn_gate.weight", 0), (p + "ffn_up.weight", 0)])
+        (down,) = self.w.project(geglu(gate, up, self.w.kquant == "ggml"), [(p + "ffn_down.weight", 0)])
+        return down
