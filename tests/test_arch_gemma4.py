@@ -1,13 +1,13 @@
-"""Gemma 4 (`gemma4`) on OpenVINO computes what llama.cpp computes (issue 34).
+"""Gemma 4 (`gemma4`) on OpenVINO and MLX computes what llama.cpp computes (issue 34).
 
 tests/gemma4_gguf.py's small random files (llama.cpp's gemma-4 tokenizer): blocks of two geometries
 (windowed: 2 KV heads of 16, window 8; full: heads of 32 with 24 rotated dims and rope_freqs
 factors, one with its own values and one whose values are its keys), per-block output scales,
 soft-capped logits, and in the MoE file 8 experts beside each block's dense FFN. A 40-id prompt
 then 64 greedy ids (positions far past the window) from llama.cpp (f32 weights and KV) are the
-yardstick for the OpenVINO shard at f32, one stage and three cut unevenly (blocks 0–1, 2, 3), and
-for the file quantized by llama.cpp's own quantizer (Q4_K_M, on its exactly dequantized weights;
-the ggml form on the file itself).
+yardstick for both backends' shards at f32, one stage and three cut unevenly (blocks 0–1, 2, 3),
+and for the file quantized by llama.cpp's own quantizer (Q4_K_M, on its exactly dequantized
+weights; OpenVINO's ggml form on the file itself).
 """
 
 from __future__ import annotations
@@ -27,16 +27,17 @@ UNEVEN = [(0, 2), (2, 3), (3, 4)]
 needs_openvino = pytest.mark.skipif(not status("openvino").available, reason=status("openvino").reason)
 
 
-def _shards(path, index, ranges, kquant: str = "exact"):
-    shards = [load_shard("openvino", ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index, kquant=kquant)
-              for a, b in ranges]  # fmt: skip
+def _shards(path, index, ranges, backend: str = "openvino"):
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
+    shards = [load_shard(backend, ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index) for a, b in ranges]
     return shards[0] if len(shards) == 1 else _Chain(shards)
 
 
 @needs_llamacpp
-@needs_openvino
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_openvino_matches_llamacpp_one_and_three_stages(tmp_path, moe):
+def test_both_backends_match_llamacpp_one_and_three_stages(tmp_path, moe, backend):
     from tests.llamacpp_ref import greedy_run
 
     path = write_gemma4_gguf(tmp_path / "g.gguf", moe=moe)
@@ -44,7 +45,8 @@ def test_openvino_matches_llamacpp_one_and_three_stages(tmp_path, moe):
     ref_ids, ref_logits = greedy_run(path, PROMPT_IDS, N_TOKENS)
     assert len(set(ref_ids)) > 8, ref_ids  # the random model is not degenerate
     for ranges in ([(0, BLOCKS)], UNEVEN):
-        check_against_llamacpp(kafila_greedy(_shards(path, index, ranges), PROMPT_IDS, N_TOKENS), ref_ids, ref_logits)
+        got = kafila_greedy(_shards(path, index, ranges, backend), PROMPT_IDS, N_TOKENS)
+        check_against_llamacpp(got, ref_ids, ref_logits)
 
 
 @needs_llamacpp
@@ -52,7 +54,7 @@ def test_openvino_matches_llamacpp_one_and_three_stages(tmp_path, moe):
 @pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
 def test_a_quantized_gemma4_matches_llamacpp(tmp_path, moe):
     """Q4_K_M from llama.cpp's quantizer (rows of 256: K-quants on the dense and expert matrices):
-    the exact form answers llama.cpp's ids on the file's dequantized weights at 1 and 3 stages.
+    the exact form and MLX answer llama.cpp's ids on the file's dequantized weights at 1 and 3 stages.
     The ggml form on the file itself: the first logits are llama.cpp's own to rounding
     (tests/test_ggml_kernels.py's check), after an 8-id prompt for the dense file and after one id
     for the MoE file, as for qwen3moe there. (After 8 ids the MoE file's are 0.06-0.07 from
@@ -68,8 +70,10 @@ def test_a_quantized_gemma4_matches_llamacpp(tmp_path, moe):
     index = open_model(path)
     assert {"Q4_K", "Q6_K"} <= {t.qtype for t in index.tensors.values()}
     ref_ids, ref_logits = greedy_run(write_f32_copy(path, str(tmp_path / "deq.gguf")), PROMPT_IDS, N_TOKENS)
-    for ranges in ([(0, BLOCKS)], UNEVEN):
-        check_against_llamacpp(kafila_greedy(_shards(path, index, ranges), PROMPT_IDS, N_TOKENS), ref_ids, ref_logits)
+    for backend in ("openvino", "mlx") if status("mlx").available else ("openvino",):
+        for ranges in ([(0, BLOCKS)], UNEVEN):
+            got = kafila_greedy(_shards(path, index, ranges, backend), PROMPT_IDS, N_TOKENS)
+            check_against_llamacpp(got, ref_ids, ref_logits)
     if not ggml_kernels.available()[0]:
         return
     from tests.test_ggml_kernels import _first_positions_are_llamacpps
@@ -79,8 +83,8 @@ def test_a_quantized_gemma4_matches_llamacpp(tmp_path, moe):
 
 def test_each_block_keeps_its_own_kv_geometry_and_the_plan_prices_their_mean(tmp_path):
     """Windowed blocks hold 2 KV heads of 16 a position, the full ones 2 and 1 heads of 32: the
-    planner's KV per position per block is their mean, and an OpenVINO stage's KV variables have
-    exactly those shapes."""
+    planner's KV per position per block is their mean, and an OpenVINO stage's KV variables and an
+    MLX slot's buffers have exactly those shapes; MLX's batched rows are each slot's own forward."""
     index = open_model(write_gemma4_gguf(tmp_path / "g.gguf"))
     per_block = [2 * n * (HEAD_SWA if w else HEAD_FULL) * 2 for n, w in zip(KV_HEADS, SWA)]
     assert index.planner_model()["kv_bytes_per_token_per_block"] == sum(per_block) / BLOCKS
@@ -92,6 +96,15 @@ def test_each_block_keeps_its_own_kv_geometry_and_the_plan_prices_their_mean(tmp
         for b, (n, w) in enumerate(zip(KV_HEADS, SWA)):
             d = HEAD_SWA if w else HEAD_FULL
             assert held[f"past_key_values.{b}.key"] == held[f"past_key_values.{b}.value"] == (1, n, 5, d)
+    if status("mlx").available:
+        shard = load_shard("mlx", ShardSpec(index.path, 0, BLOCKS, True, True), "f32", index=index)
+        a, b = shard.open_slot(), shard.open_slot()
+        alone = shard.forward(a, np.arange(5), np.arange(5), np.ones(5, np.int64))
+        cache = shard._slots[a]
+        assert [k.shape[1::2] for k in cache.keys] == [(n, HEAD_SWA if w else HEAD_FULL) for n, w in zip(KV_HEADS, SWA)]
+        both = shard.forward_batch([b, a], [np.arange(5), np.array([9])], [np.arange(5), np.array([5])],
+                                   [np.ones(5, np.int64), np.ones(6, np.int64)])  # fmt: skip
+        np.testing.assert_allclose(both[0], alone, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("key, value, says", [
@@ -118,11 +131,3 @@ def _rewrite_uint32(path: str, key: str, value: int) -> None:
 
     field = gguf.GGUFReader(path, "r+").fields[key]
     field.parts[field.data[0]][...] = value
-
-
-@pytest.mark.skipif(not status("mlx").available, reason=status("mlx").reason)
-def test_mlx_refuses_gemma4_in_one_line(tmp_path):
-    path = write_gemma4_gguf(tmp_path / "g.gguf")
-    with pytest.raises(BadInput) as e:
-        load_shard("mlx", ShardSpec(path, 0, BLOCKS, True, True), "f32")
-    assert "gemma4" in str(e.value) and "--backend openvino" in str(e.value)

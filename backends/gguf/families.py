@@ -243,19 +243,20 @@ def ffn_tensors(arch: str, family: Family) -> tuple[str, ...]:
 
 
 def require_llama_blocks(h, backend: str, experts: bool = False, gemma: bool = False, gpt_oss: bool = False,
-                         biases: bool = False, scales: bool = False) -> None:
+                         biases: bool = False, scales: bool = False, gemma4: bool = False) -> None:
     """BadInput unless the model's blocks are Llama's (llama, qwen2, qwen3), or with `experts`
     also Llama's with a softmax-gated mixture of experts (qwen3moe, qwen2moe, Mixtral's layout):
     the backends that have not learnt the families' parts refuse them rather than compute them wrong."""
     f = h.family
-    if (gemma and h.arch == "gemma3") or (gpt_oss and h.arch == GPT_OSS):  # the backend computes their parts (MLX)
-        f = Family()
+    if (gemma and h.arch == "gemma3") or (gpt_oss and h.arch == GPT_OSS) or (gemma4 and h.arch == "gemma4"):
+        f = Family()  # the backend computes their parts (MLX)
     if experts and f.n_experts and f.experts_gating == "softmax" and not f.expert_biases:
         f = dataclasses.replace(f, n_experts=0, n_experts_used=0, experts_renorm=False, experts_scale=0.0,
                                 shared_expert=False)  # fmt: skip
     if f != Family():
         kind = f"{h.arch} with {h.family.n_experts} experts" if h.family.n_experts else h.arch
-        serves = ("dense llama, qwen2, qwen3" + (", gemma3" if gemma else "") + (", gpt-oss" if gpt_oss else "")
+        serves = ("dense llama, qwen2, qwen3" + (", gemma3" if gemma else "") + (", gemma4" if gemma4 else "")
+                  + (", gpt-oss" if gpt_oss else "")
                   + (", qwen3moe, qwen2moe and Mixtral-layout llama" if experts else ""))  # fmt: skip
         raise BadInput(f"backend {backend} does not serve {kind} (it serves {serves}); use --backend openvino")
     # `biases`, `scales`: the backend applies them

@@ -57,14 +57,18 @@ class Dims:
     swiglu_oai: bool = False  # x·sigmoid(1.702·x)·(y + 1) with x = min(gate, 7), y = clamp(up, ±7)
     gating: str = "softmax"  # "softmax": over all E, then top-k; "softmax_weight": top-k, then softmax
     rope_magnitude: float = 1.0  # YaRN: cos and sin × this
+    rope_dims: int = 0  # RoPE turns the first rope_dims of each head (NEOX halves), the rest pass; 0: all
 
 
 class SlotCache:
     """One slot's KV: per block a key and a value buffer [1, Hkv, capacity, D], `length` used."""
 
-    def __init__(self, n_blocks: int, dims: Dims, dtype: mx.Dtype = mx.float32):
+    def __init__(self, n_blocks: int, dims: Dims, dtype: mx.Dtype = mx.float32,
+                 shapes: list[tuple[int, int]] | None = None):
+        """`shapes`: each block's (KV heads, head size) where they differ (gemma4), else `dims`'."""
         self.n_blocks = n_blocks
         self.dims = dims
+        self.shapes = shapes or [(dims.n_kv_heads, dims.head_dim)] * n_blocks
         self.dtype = dtype
         self.length = 0  # physical positions filled
         self.keys: list[mx.array | None] = [None] * n_blocks
@@ -81,9 +85,9 @@ class SlotCache:
         if need <= self.capacity:
             return
         capacity = -(-need // CACHE_STEP) * CACHE_STEP
-        d = self.dims
-        pad_shape = (1, d.n_kv_heads, capacity - self.length, d.head_dim)
         for i in range(self.n_blocks):
+            hkv, d = self.shapes[i]
+            pad_shape = (1, hkv, capacity - self.length, d)
             for buffers in (self.keys, self.values):
                 # a distinct array per buffer: block() writes into it in place
                 pad = mx.zeros(pad_shape, self.dtype)
@@ -131,12 +135,16 @@ def rope(x: mx.array, positions: int | mx.array, dims: Dims) -> mx.array:
     """
     if dims.rope_magnitude != 1.0:
         return rope(x, positions, dataclasses.replace(dims, rope_magnitude=1.0)) * dims.rope_magnitude
+    turned = dims.rope_dims or dims.head_dim
     if isinstance(positions, int):
         base = None if dims.rope_freqs is not None else dims.rope_base
         return mx.fast.rope(
-            x, dims.head_dim, traditional=dims.rope_traditional, base=base,
+            x, turned, traditional=dims.rope_traditional, base=base,
             scale=dims.rope_scale, offset=positions, freqs=dims.rope_freqs,
         )  # fmt: skip
+    if turned < dims.head_dim:  # the first `turned` dims of each head turn, the rest pass (NEOX)
+        whole = dataclasses.replace(dims, head_dim=turned, rope_dims=0)
+        return mx.concatenate([rope(x[..., :turned], positions, whole), x[..., turned:]], axis=-1)
     half = dims.head_dim // 2
     if dims.rope_freqs is not None:
         inv_freq = 1.0 / dims.rope_freqs  # [D/2]
@@ -250,14 +258,15 @@ def _finish(x: mx.array, o: mx.array, w: BlockWeights, dims: Dims) -> mx.array:
     return x + f  # [1, n, hidden]
 
 
-def experts_ffn(h: mx.array, m: MoEWeights, dims: Dims) -> mx.array:
+def experts_ffn(h: mx.array, m: MoEWeights, dims: Dims, router_x: mx.array | None = None) -> mx.array:
     """The mixture of experts as llama.cpp's build_moe_ffn computes it for these families: softmax
     over the E router logits, the top k, their weights renormalised and scaled as the family says;
-    each token through its k experts' SwiGLU only; qwen2moe adds its shared expert gated by
-    sigmoid(gate_inp_shexp · h). h [1, n, hidden] → [1, n, hidden]."""
+    each token through its k experts' SwiGLU (Gemma 4: GeGLU) only; qwen2moe adds its shared expert
+    gated by sigmoid(gate_inp_shexp · h). h [1, n, hidden] → [1, n, hidden]; `router_x` [1, n,
+    hidden]: the router's input where it is not h (gemma4)."""
     _, n, hidden = h.shape
     t = h.reshape(n, hidden)  # [T, H]
-    logits = m.router(t).astype(mx.float32)  # [T, E] (+ gpt-oss's bias)
+    logits = m.router(t if router_x is None else router_x.reshape(n, hidden)).astype(mx.float32)  # [T, E] (+ gpt-oss's bias)
     probs = mx.softmax(logits, axis=-1) if dims.gating == "softmax" else logits
     k = dims.experts_used
     ids = mx.argpartition(-probs, kth=k - 1, axis=-1)[:, :k]  # [T, k]: the k most probable
@@ -270,7 +279,7 @@ def experts_ffn(h: mx.array, m: MoEWeights, dims: Dims) -> mx.array:
         weights = weights * dims.experts_scale
     xe = t.reshape(n, 1, 1, hidden)  # [T, 1, 1, H]
     g, u = m.gate(xe, ids), m.up(xe, ids)  # [T, k, 1, F]
-    act = swiglu_oai(g, u) if dims.swiglu_oai else nn_silu(g) * u
+    act = swiglu_oai(g, u) if dims.swiglu_oai else (gelu_tanh(g) if dims.gelu else nn_silu(g)) * u
     y = m.down(act, ids).squeeze(-2)  # [T, k, H]
     out = (y * weights[..., None].astype(y.dtype)).sum(axis=1)  # [T, H]
     if m.shared is not None:

@@ -28,6 +28,7 @@ from backends.errors import BadInput
 from backends.gguf import ModelIndex, open_model
 from backends.kept import KeptStates
 from backends.gguf.families import Yarn, require_llama_blocks, yarn_magnitude, yarn_multipliers
+from backends.mlx.gemma4 import block_dims, gemma4_block
 from backends.mlx.hybrid import HybridDims, hybrid_block, init_state
 from backends.mlx.model import Dims, SlotCache, attention_mask, block, block_rows, window_mask
 from backends.mlx.weights import load_shard_weights, weight_bytes
@@ -51,7 +52,7 @@ class MLXShard(HeadOps):
     ):
         index = index if index is not None else open_model(spec.model_path)
         hp = index.hparams
-        require_llama_blocks(hp, "mlx", experts=True, gemma=True, gpt_oss=True, biases=True, scales=True)
+        require_llama_blocks(hp, "mlx", experts=True, gemma=True, gpt_oss=True, biases=True, scales=True, gemma4=True)
         self.hybrid = None if hp.hybrid is None else _hybrid_dims(hp, spec)
         self._last: dict[int, tuple] = {}  # hybrid: a slot's last step of several positions (hybrid.py)
         self._kept: KeptStates[dict] = KeptStates()  # hybrid: a slot's kept states (backends/kept.py)
@@ -67,7 +68,7 @@ class MLXShard(HeadOps):
         self.index = index
         fam = hp.family
         freqs = _periods(hp.head_dim, hp.rope_base, fam.yarn)
-        if hp.rope_freq_factors:  # mx.fast.rope's freqs are periods: base^(2i/D)·factor_i
+        if hp.rope_freq_factors and hp.gemma4 is None:  # mx.fast.rope's freqs are periods: base^(2i/D)·factor_i
             half = np.arange(0, hp.head_dim, 2, dtype=np.float64) / hp.head_dim
             factors = index.dequantize("rope_freqs.weight", np.float64)
             freqs = mx.array((hp.rope_base**half * factors).astype(np.float32))
@@ -86,6 +87,8 @@ class MLXShard(HeadOps):
         self.dims_swa = dataclasses.replace(
             self.dims, rope_base=fam.rope_base_swa, rope_freqs=_periods(hp.head_dim, fam.rope_base_swa, fam.yarn),
             rope_scale=hp.rope_scale if fam.swa_rope_scaled else 1.0) if any(self._windowed) else self.dims  # fmt: skip
+        # gemma4: each block its own heads, head size and RoPE (backends/mlx/gemma4.py)
+        self._gemma4 = None if hp.gemma4 is None else block_dims(hp, index, spec.first, spec.last)
         self.weights = load_shard_weights(
             index.path, spec.first, spec.last, spec.embed, spec.head, f32=precision == "f32", index=index, mtp=mtp
         )
@@ -104,7 +107,8 @@ class MLXShard(HeadOps):
 
     def open_slot(self) -> int:
         slot = next(i for i in range(len(self._slots) + 1) if i not in self._slots)
-        self._slots[slot] = SlotCache(self.n_blocks, self.dims)
+        shapes = None if self._gemma4 is None else [(d.n_kv_heads, d.head_dim) for d in self._gemma4]
+        self._slots[slot] = SlotCache(self.n_blocks, self.dims, shapes=shapes)
         if self.hybrid is not None:
             init_state(self._slots[slot], self.hybrid)
         return slot
@@ -197,7 +201,9 @@ class MLXShard(HeadOps):
 
         cache.reserve(n)
         for layer, w in enumerate(self.weights.blocks):
-            if self._windowed[layer]:
+            if self._gemma4 is not None:
+                h = gemma4_block(h, w, cache, layer, pos, near if self._windowed[layer] else visible, self._gemma4[layer])
+            elif self._windowed[layer]:
                 h = block(h, w, cache, layer, pos, near, self.dims_swa)
             else:
                 h = block(h, w, cache, layer, pos, visible, self.dims)
@@ -220,7 +226,7 @@ class MLXShard(HeadOps):
             )
         if len(set(slots)) != len(slots):
             raise ValueError(f"forward_batch got a slot twice: {slots}")
-        if self.hybrid is not None:  # recurrent states: one slot at a time
+        if self.hybrid is not None or self._gemma4 is not None:  # recurrent states, gemma4's blocks: one slot at a time
             return [self.forward(*a) for a in zip(slots, xs, positions, masks)]
         caches = [self._cache(s) for s in slots]
         rows = [self._row_inputs(*a) for a in zip(slots, caches, xs, positions, masks)]

@@ -173,12 +173,27 @@ class MoEWeights:
     shared_gate: Linear | None = None
 
 
+GEMMA4_PARTS = ("layer_output_scale.weight", "pre_ffw_norm_2.weight", "post_ffw_norm_1.weight",
+                "post_ffw_norm_2.weight", "ffn_gate_inp.scale")  # Gemma4Parts' fields, in order
+
+
+@dataclass(frozen=True)
+class Gemma4Parts:
+    """What a gemma4 block has besides Gemma's norms (backends/gguf/gemma4.py)."""
+
+    layer_scale: mx.array | None  # [1]: the block's output × this
+    pre_ffw_norm_2: mx.array | None = None  # MoE blocks: the experts' input norm
+    post_ffw_norm_1: mx.array | None = None  # the dense FFN's output norm
+    post_ffw_norm_2: mx.array | None = None  # the experts' output norm
+    router_scale: mx.array | None = None  # [hidden]: the router's input × this (ffn_gate_inp.scale)
+
+
 @dataclass(frozen=True)
 class BlockWeights:
     attn_norm: mx.array  # [hidden]
     q: Linear  # hidden → n_heads·head_dim, rows in GGUF (interleaved-RoPE) order
     k: Linear  # hidden → n_kv_heads·head_dim, likewise
-    v: Linear  # hidden → n_kv_heads·head_dim
+    v: Linear | None  # hidden → n_kv_heads·head_dim (gemma4 may have none: the keys' projection)
     o: Linear  # n_heads·head_dim → hidden
     ffn_norm: mx.array  # [hidden]
     gate: Linear | None  # hidden → ffn (None: the block's FFN is `moe`)
@@ -190,6 +205,7 @@ class BlockWeights:
     post_attn_norm: mx.array | None = None  # [hidden], Gemma: the attention's output normalized
     post_ffw_norm: mx.array | None = None  # [hidden], Gemma: the FFN's output normalized
     sinks: mx.array | None = None  # [n_heads], gpt-oss: a learnt logit per head in every softmax
+    gemma4: Gemma4Parts | None = None
 
 
 @dataclass(frozen=True)
@@ -340,7 +356,7 @@ def load_shard_weights(
             attn_norm=vec(f"blk.{b}.attn_norm.weight"),
             q=linear(f"blk.{b}.attn_q"),
             k=linear(f"blk.{b}.attn_k"),
-            v=linear(f"blk.{b}.attn_v"),
+            v=linear(f"blk.{b}.attn_v") if f"blk.{b}.attn_v.weight" in tensors else None,
             o=linear(f"blk.{b}.attn_output"),
             ffn_norm=vec(f"blk.{b}.{index.hparams.family.ffn_norm}"),
             gate=dense(b, "gate"),
@@ -353,6 +369,7 @@ def load_shard_weights(
             post_attn_norm=optional(f"blk.{b}.post_attention_norm.weight") if post_norms else None,
             post_ffw_norm=optional(f"blk.{b}.post_ffw_norm.weight") if post_norms else None,
             sinks=optional(f"blk.{b}.attn_sinks.weight"),
+            gemma4=Gemma4Parts(*(optional(f"blk.{b}.{n}") for n in GEMMA4_PARTS)) if index.hparams.gemma4 else None,
         )
         for b in range(first, last)
     )
