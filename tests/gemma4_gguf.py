@@ -9,7 +9,8 @@ Four blocks (`blocks`: more repeat the four's pattern), hidden 64, 4 query heads
   block 1 has 2 KV heads and its own attn_v, block 3 one KV head whose values are its keys;
 - block-wide output scales (layer_output_scale), logits soft-capped at 30, tied embeddings;
 - `moe`: every block also has 8 experts of FFN 32 (top 2) beside its dense FFN, with the router's
-  input scale and a down scale per expert.
+  input scale and a down scale per expert; `fused`: their gate and up as one ffn_gate_up_exps (as
+  llama.cpp's converter writes Gemma 4's).
 `extra_kv` adds {key: (value, GGUFValueType)} (the refusal tests).
 """
 
@@ -44,7 +45,7 @@ def rope_factors() -> np.ndarray:
 
 def write_gemma4_gguf(path: str | os.PathLike, moe: bool = False, seed: int = 0, extra_kv: dict | None = None,
                       hidden: int = HIDDEN, ffn: int = FFN, experts: tuple[int, int, int] = EXPERTS,
-                      blocks: int = BLOCKS) -> str:
+                      blocks: int = BLOCKS, fused: bool = False) -> str:
     """The file (module docstring); `hidden`, `ffn`, `experts` (E, k, expert FFN) resize it (rows
     of 256 let llama.cpp's quantizer put K-quants on the matrices)."""
     HIDDEN, FFN, EXPERTS = hidden, ffn, experts  # noqa: N806 (the module's shape, resized)
@@ -112,8 +113,11 @@ def write_gemma4_gguf(path: str | os.PathLike, moe: bool = False, seed: int = 0,
             add(p + "pre_ffw_norm_2.weight", (HIDDEN,), 0.1, 1.0)
             add(p + "post_ffw_norm_1.weight", (HIDDEN,), 0.1, 1.0)
             add(p + "post_ffw_norm_2.weight", (HIDDEN,), 0.1, 1.0)
-            add(p + "ffn_gate_exps.weight", (n_exp, exp_ffn, HIDDEN), 0.3)
-            add(p + "ffn_up_exps.weight", (n_exp, exp_ffn, HIDDEN), 0.3)
+            if fused:
+                add(p + "ffn_gate_up_exps.weight", (n_exp, 2 * exp_ffn, HIDDEN), 0.3)
+            else:
+                add(p + "ffn_gate_exps.weight", (n_exp, exp_ffn, HIDDEN), 0.3)
+                add(p + "ffn_up_exps.weight", (n_exp, exp_ffn, HIDDEN), 0.3)
             add(p + "ffn_down_exps.weight", (n_exp, HIDDEN, exp_ffn), 0.3)
             add(p + "ffn_down_exps.scale", (n_exp,), 0.2, 1.0)
     w.write_header_to_file()

@@ -36,11 +36,12 @@ def _shards(path, index, ranges, backend: str = "openvino"):
 
 @needs_llamacpp
 @pytest.mark.parametrize("backend", ["openvino", "mlx"])
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_both_backends_match_llamacpp_one_and_three_stages(tmp_path, moe, backend):
+@pytest.mark.parametrize("moe, fused", [(False, False), (True, False), (True, True)], ids=["dense", "moe", "fused"])
+def test_both_backends_match_llamacpp_one_and_three_stages(tmp_path, moe, fused, backend):
+    """fused: the experts' gate and up in one ffn_gate_up_exps, as real Gemma 4 files have them."""
     from tests.llamacpp_ref import greedy_run
 
-    path = write_gemma4_gguf(tmp_path / "g.gguf", moe=moe)
+    path = write_gemma4_gguf(tmp_path / "g.gguf", moe=moe, fused=fused)
     index = open_model(path)
     ref_ids, ref_logits = greedy_run(path, PROMPT_IDS, N_TOKENS)
     assert len(set(ref_ids)) > 8, ref_ids  # the random model is not degenerate

@@ -8,7 +8,9 @@ Its blocks differ from each other, unlike the other families' (per block b: `Gem
   `rope.dimension_count` dims with `rope.freq_base`, the file's linear scaling and the frequency
   factors `rope_freqs.weight` (θ_i / factor_i: Gemma 4's proportional RoPE);
 - `attention.head_count` and `attention.head_count_kv` may be a number per block;
-- a full block may have no attn_v: its values are then its key projection (before k's norm).
+- a full block may have no attn_v: its values are then its key projection (before k's norm);
+- the experts' gate and up may be one fused ffn_gate_up_exps [E, 2F, H] (gate's F rows, then
+  up's: what llama.cpp's converter writes from Gemma 4's gate_up_proj) or two tensors.
 
 Every block, as llama.cpp computes it:
     y = RMSNorm(x; attn_norm)
@@ -28,7 +30,7 @@ output.weight), logits soft-capped by `final_logit_softcapping` when set.
 
 Not served (refused in one line): per-layer embeddings (`embedding_length_per_layer_input` > 0:
 the E2B/E4B models), layers sharing an earlier layer's KV (`attention.shared_kv_layers` > 0),
-fused attn_qkv or ffn_gate_up_exps.
+a fused attn_qkv.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ import re
 from dataclasses import dataclass
 
 from backends.errors import BadInput
-from backends.gguf.families import DENSE_FFN_TENSORS, MOE_TENSORS, Family
+from backends.gguf.families import DENSE_FFN_TENSORS, FUSED_GATE_UP_EXPS, Family
 from backends.gguf.optional import optional_block_tensors
 
 GEMMA4 = "gemma4"
@@ -46,8 +48,9 @@ GEMMA4_SWA_ROPE_BASE = 10000.0  # llama_hparams.rope_freq_base_train_swa's defau
 ATTENTION = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_q_norm.weight", "attn_k_norm.weight",
              "attn_output.weight", "post_attention_norm.weight")  # fmt: skip
 DENSE = ("ffn_norm.weight", *DENSE_FFN_TENSORS, "post_ffw_norm.weight")
-MOE = ("ffn_gate_inp.scale", "pre_ffw_norm_2.weight", "post_ffw_norm_1.weight", "post_ffw_norm_2.weight",
-       *MOE_TENSORS)  # fmt: skip
+MOE = ("ffn_gate_inp.weight", "ffn_gate_inp.scale", "pre_ffw_norm_2.weight", "post_ffw_norm_1.weight",
+       "post_ffw_norm_2.weight", "ffn_down_exps.weight")  # fmt: skip; and gate and up, fused or not
+SPLIT_GATE_UP = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
 OPTIONAL = ("attn_v.weight", "layer_output_scale.weight")
 HEAD = ("token_embd.weight", "output_norm.weight")
 OUTSIDE_BLOCKS = (*HEAD, "output.weight", "rope_freqs.weight")
@@ -151,7 +154,8 @@ def gemma4_params(path: str, hp, tensors: dict, n_blocks: int, hidden: int) -> t
 def _check_block(path: str, tensors: dict, g: Gemma4Block, b: int, hidden: int, experts: int) -> None:
     """Block b's tensors: the required ones present, none unknown, the attention's shapes."""
     p = f"blk.{b}."
-    required = ATTENTION + DENSE + (MOE if g.moe else ())
+    gate_up = (FUSED_GATE_UP_EXPS,) if p + FUSED_GATE_UP_EXPS in tensors else SPLIT_GATE_UP
+    required = ATTENTION + DENSE + (MOE + gate_up if g.moe else ())
     missing = [n for n in required if p + n not in tensors]
     if missing:
         raise BadInput(f"GGUF {path} lacks tensor {p}{missing[0]} ({len(missing)} missing in block {b})")
@@ -170,7 +174,7 @@ def _check_block(path: str, tensors: dict, g: Gemma4Block, b: int, hidden: int, 
         t = tensors.get(p + n)
         if t is not None and tuple(t.shape) != shape:
             raise BadInput(f"GGUF {path}: tensor {t.name} has shape {t.shape}, expected {shape}")
-    for n in MOE_TENSORS[1:] if g.moe else ():
+    for n in (*gate_up, "ffn_down_exps.weight") if g.moe else ():
         t = tensors[p + n]
         if len(t.shape) != 3 or t.shape[0] != experts:
             raise BadInput(f"GGUF {path}: tensor {t.name} has shape {t.shape}, expected {experts} experts first")
