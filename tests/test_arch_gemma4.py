@@ -52,13 +52,14 @@ def test_both_backends_match_llamacpp_one_and_three_stages(tmp_path, moe, fused,
 
 @needs_llamacpp
 @needs_openvino
-@pytest.mark.parametrize("moe", [False, True], ids=["dense", "moe"])
-def test_a_quantized_gemma4_matches_llamacpp(tmp_path, moe):
+@pytest.mark.parametrize("moe, fused", [(False, False), (True, False), (True, True)], ids=["dense", "moe", "fused"])
+def test_a_quantized_gemma4_matches_llamacpp(tmp_path, moe, fused):
     """Q4_K_M from llama.cpp's quantizer (rows of 256: K-quants on the dense and expert matrices):
     the exact form and MLX answer llama.cpp's ids on the file's dequantized weights at 1 and 3 stages.
     The ggml form on the file itself: the first logits are llama.cpp's own to rounding
     (tests/test_ggml_kernels.py's check), after an 8-id prompt for the dense file and after one id
-    for the MoE file, as for qwen3moe there. (After 8 ids the MoE file's are 0.06-0.07 from
+    for the MoE files (gate and up fused too: one GgmlMoe node reads the fused tensor), as for
+    qwen3moe there. (After 8 ids the MoE file's are 0.06-0.07 from
     llama.cpp's, the exact form's 0.08-0.09; after 1 or 3 ids 1e-6. The suspect, not shown:
     llama.cpp's repacked GEMM for an expert's rows of a prompt, where GgmlMoe reads the blocks as
     stored.)"""
@@ -66,7 +67,7 @@ def test_a_quantized_gemma4_matches_llamacpp(tmp_path, moe):
     from tests.llamacpp_ref import greedy_run, quantize
     from tests.test_llamacpp_quant import write_f32_copy
 
-    src = write_gemma4_gguf(tmp_path / "f32.gguf", moe=moe, hidden=256, ffn=256, experts=(8, 2, 256))
+    src = write_gemma4_gguf(tmp_path / "f32.gguf", moe=moe, hidden=256, ffn=256, experts=(8, 2, 256), fused=fused)
     path = quantize(src, str(tmp_path / "q.gguf"), "Q4_K_M")
     index = open_model(path)
     assert {"Q4_K", "Q6_K"} <= {t.qtype for t in index.tensors.values()}

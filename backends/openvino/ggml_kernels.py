@@ -263,7 +263,8 @@ def geglu(gate, up):
 
 
 def moe(x, ids, weights, experts: list[np.ndarray], qtypes: list[str], n_experts: int, ffn: int, hidden: int,
-        keep: list, oai: bool = False, biases: list | None = None, gelu: bool = False, down_scales=None):
+        keep: list, oai: bool = False, biases: list | None = None, gelu: bool = False, down_scales=None,
+        fused: bool = False):
     """A mixture-of-experts feed-forward as llama.cpp's build_moe_ffn computes it once routed, one
     GgmlMoe node: x [T, hidden], ids and weights [T, k] (the router's picks and their weights) →
     [T, hidden] = Σ_j weights[t, j] · down_i(act(gate_i · x_t + b, up_i · x_t + b) + b), i = ids[t, j],
@@ -271,17 +272,20 @@ def moe(x, ids, weights, experts: list[np.ndarray], qtypes: list[str], n_experts
     ggml_geglu_split (`gelu`: Gemma 4); `experts` the file's blocks of gate, up [E, ffn, hidden] and
     down [E, hidden, ffn]; `biases` f32 outputs [E, ffn], [E, ffn], [E, hidden] where the file has
     them; `down_scales` f32 [T, k]: the down matrix's per-expert scale of each slot's expert, which
-    multiplies its output before the bias (llama.cpp's build_lora_mm_id)."""
+    multiplies its output before the bias (llama.cpp's build_lora_mm_id); `fused`: gate and up
+    are both the one [E, 2·ffn, hidden] tensor (each expert's gate rows, then its up rows)."""
     import openvino as ov
 
-    consts = []
+    consts, made = [], {}
     for raw in experts:
-        flat = np.ascontiguousarray(raw).reshape(-1)
-        keep.append(flat)
-        consts.append(ov.op.Constant(ov.Tensor(flat, shared_memory=True)).output(0))
+        if id(raw) not in made:  # a fused gate_up given twice: one constant
+            flat = np.ascontiguousarray(raw).reshape(-1)
+            keep.append(flat)
+            made[id(raw)] = ov.op.Constant(ov.Tensor(flat, shared_memory=True)).output(0)
+        consts.append(made[id(raw)])
     attrs = {"gate_type": type_id(qtypes[0]), "up_type": type_id(qtypes[1]), "down_type": type_id(qtypes[2]),
              "experts": n_experts, "ffn": ffn, "hidden": hidden, "oai": oai, "bias": biases is not None,
-             "gelu": gelu, "scaled": down_scales is not None}  # fmt: skip
+             "gelu": gelu, "scaled": down_scales is not None, "fused": fused}  # fmt: skip
     scales = [] if down_scales is None else [down_scales]
     return _factory().create("GgmlMoe", [x, ids, weights, *consts, *(biases or []), *scales], attrs).output(0)
 

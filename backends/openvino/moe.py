@@ -201,12 +201,24 @@ def _times_picked(bank, y: ov.Output, name: str, ids: ov.Output) -> ov.Output:
 
 
 def _ggml_experts(bank, prefix: str) -> bool:
-    """Whether this block's experts run on ggml's kernels (--kquant ggml and block types)."""
+    """Whether this block's experts run on ggml's kernels (--kquant ggml and block types; a fused
+    gate_up only through the GgmlMoe node, where no scale applies to it)."""
     from backends.openvino.ggml_kernels import GGML_QTYPES
 
     tensors = bank.index.tensors
-    return bank.kquant == "ggml" and all(prefix + n in tensors and tensors[prefix + n].qtype in GGML_QTYPES
-                                         for n in EXPERT_TENSORS)  # fmt: skip
+    names = _expert_names(bank, prefix)
+    if names[0] == names[1] and (_scaled(bank, prefix + "ffn_up_exps.scale")
+                                 or any(n.removesuffix(".weight") + ".bias" in tensors for n in names)):  # fmt: skip
+        return False
+    return bank.kquant == "ggml" and all(n in tensors and tensors[n].qtype in GGML_QTYPES for n in names)
+
+
+def _expert_names(bank, prefix: str) -> list[str]:
+    """The gate, up and down expert tensors' names (a fused gate_up twice)."""
+    fused = prefix + FUSED_GATE_UP_EXPS
+    if fused in bank.index.tensors:
+        return [fused, fused, prefix + "ffn_down_exps.weight"]
+    return [prefix + n for n in EXPERT_TENSORS]
 
 
 def _ggml_moe(bank, xt: ov.Output, weights: ov.Output, ids: ov.Output, prefix: str, fam: Family) -> ov.Output:
@@ -241,20 +253,24 @@ def _ggml_moe_node(bank, xt: ov.Output, weights: ov.Output, ids: ov.Output, pref
     gate and up carry no scale and the biases are all three or none; else None."""
     from backends.openvino import ggml_kernels
 
-    names = [prefix + n for n in EXPERT_TENSORS]
+    names = _expert_names(bank, prefix)
+    fused = names[0] == names[1]
     biases = [n.removesuffix(".weight") + ".bias" for n in names]
     have = [b in bank.index.tensors for b in biases]
-    if any(have) != all(have) or any(_scaled(bank, n.removesuffix(".weight") + ".scale") for n in names[:2]):
+    if any(have) != all(have) or any(_scaled(bank, prefix + n.removesuffix(".weight") + ".scale")
+                                     for n in EXPERT_TENSORS[:2]):  # fmt: skip
         return None
     tensors = [bank.index.tensors[n] for n in names]
-    raws = [np.memmap(bank.index.path, np.uint8, "c", t.offset, (t.n_bytes,)) for t in tensors]
-    E, F, H = tensors[0].shape[0], tensors[0].shape[1], tensors[2].shape[1]
+    raw = lambda t: np.memmap(bank.index.path, np.uint8, "c", t.offset, (t.n_bytes,))  # noqa: E731
+    gate = raw(tensors[0])
+    raws = [gate, gate if fused else raw(tensors[1]), raw(tensors[2])]
+    E, F, H = tensors[0].shape[0], tensors[0].shape[1] // (2 if fused else 1), tensors[2].shape[1]
     bias_outs = [bank._const(bank.index.dequantize(b, np.float32)).output(0) for b in biases] if all(have) else None
     down_scale = prefix + "ffn_down_exps.scale"
     scales = ops.gather(bank.vector(down_scale), ids, _i64(0)).output(0) if _scaled(bank, down_scale) else None  # [T, k]
     return ggml_kernels.moe(xt, ids, weights, raws, [t.qtype for t in tensors], E, F, H, bank.keep,
                             oai=fam.ffn_act == "swiglu_oai", biases=bias_outs, gelu=fam.ffn_act == "gelu_tanh",
-                            down_scales=scales)  # fmt: skip
+                            down_scales=scales, fused=fused)  # fmt: skip
 
 
 def _plus_picked(bank, y: ov.Output, name: str, ids: ov.Output) -> ov.Output:

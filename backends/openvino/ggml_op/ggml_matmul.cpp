@@ -548,6 +548,7 @@ private:
 // A 3-D expert tensor [E, rows, cols] of the file's blocks: rows r0..r1 of every expert, as the
 // `as` of a ggml mul_mat_id (plain blocks: llama.cpp's repacked mul_mat_id is not used here, see
 // ggml_kernels.matmul_id).
+// Rows r0..r1 of each of `experts` matrices of `cols` columns that lie `rows` rows apart from `data`.
 static ggml_tensor* experts_slice(ggml_context* ctx, int64_t type, int64_t experts, int64_t rows, int64_t cols,
                                   const uint8_t* data, int64_t r0, int64_t r1) {
     const size_t row = ggml_row_size(static_cast<ggml_type>(type), cols);
@@ -573,9 +574,9 @@ public:
 
     GgmlMoe() = default;
     GgmlMoe(const ov::OutputVector& args, int64_t gate_type, int64_t up_type, int64_t down_type, int64_t experts,
-            int64_t ffn, int64_t hidden, bool oai, bool bias, bool gelu = false, bool scaled = false)
-        : Op(args), m_oai(oai), m_bias(bias), m_gelu(gelu), m_scaled(scaled), m_gate_type(gate_type), m_up_type(up_type),
-          m_down_type(down_type), m_experts(experts), m_ffn(ffn), m_hidden(hidden) {
+            int64_t ffn, int64_t hidden, bool oai, bool bias, bool gelu = false, bool scaled = false, bool fused = false)
+        : Op(args), m_oai(oai), m_bias(bias), m_gelu(gelu), m_scaled(scaled), m_fused(fused), m_gate_type(gate_type),
+          m_up_type(up_type), m_down_type(down_type), m_experts(experts), m_ffn(ffn), m_hidden(hidden) {
         constructor_validate_and_infer_types();
     }
 
@@ -583,7 +584,9 @@ public:
         NODE_VALIDATION_CHECK(this, get_input_size() == (m_bias ? 9u : 6u) + (m_scaled ? 1u : 0u),
                               "x, ids, w, gate, up, down (and their biases, and the slots' down scales)");
         NODE_VALIDATION_CHECK(this, !(m_oai && m_gelu), "one activation: swiglu_oai or geglu");
-        const Matrix gate(m_gate_type, m_experts * m_ffn, m_hidden, false), up(m_up_type, m_experts * m_ffn, m_hidden, false),
+        // fused: gate and up are both the one [E, 2F, H] tensor (each expert's F gate rows, then its F up rows)
+        const int64_t gate_up_rows = m_experts * m_ffn * (m_fused ? 2 : 1);
+        const Matrix gate(m_gate_type, gate_up_rows, m_hidden, false), up(m_up_type, gate_up_rows, m_hidden, false),
             down(m_down_type, m_experts * m_hidden, m_ffn, false);
         size_t port = 3;
         for (const auto* m : {&gate, &up, &down}) {
@@ -609,7 +612,7 @@ public:
     std::shared_ptr<ov::Node> clone_with_new_inputs(const ov::OutputVector& args) const override {
         check_new_args_count(this, args);
         return std::make_shared<GgmlMoe>(args, m_gate_type, m_up_type, m_down_type, m_experts, m_ffn, m_hidden, m_oai, m_bias,
-                                         m_gelu, m_scaled);
+                                         m_gelu, m_scaled, m_fused);
     }
 
     bool visit_attributes(ov::AttributeVisitor& visitor) override {
@@ -623,6 +626,7 @@ public:
         visitor.on_attribute("bias", m_bias);
         visitor.on_attribute("gelu", m_gelu);
         visitor.on_attribute("scaled", m_scaled);
+        visitor.on_attribute("fused", m_fused);
         return true;
     }
 
@@ -662,7 +666,10 @@ public:
                 ggml_set_name(xv, "x");
                 ggml_tensor* it = ids_view(leaf, ids, k, T);
                 auto half = [&](size_t port, int64_t type, size_t bias_port, const char* name) {
-                    ggml_tensor* h = ggml_mul_mat_id(ctx, experts_slice(leaf, type, m_experts, m_ffn, m_hidden, bytes(port), r0, r1), xv, it);
+                    // fused: every expert's 2F rows apart; up's F rows after gate's
+                    const int64_t stride = m_fused ? 2 * m_ffn : m_ffn;
+                    const size_t skip = m_fused && port == 4 ? m_ffn * ggml_row_size(static_cast<ggml_type>(type), m_hidden) : 0;
+                    ggml_tensor* h = ggml_mul_mat_id(ctx, experts_slice(leaf, type, m_experts, stride, m_hidden, bytes(port) + skip, r0, r1), xv, it);
                     if (m_bias) h = ggml_add_id(ctx, h, bias_view(leaf, bias(bias_port), r0, n, m_ffn), it);
                     ggml_set_name(h, name);
                     return h;
@@ -737,7 +744,7 @@ private:
         ggml_free(leaf);
     }
 
-    bool m_oai = false, m_bias = false, m_gelu = false, m_scaled = false;
+    bool m_oai = false, m_bias = false, m_gelu = false, m_scaled = false, m_fused = false;
     int64_t m_gate_type = 0, m_up_type = 0, m_down_type = 0;
     int64_t m_experts = 0, m_ffn = 0, m_hidden = 0;
 };
