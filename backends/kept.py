@@ -63,3 +63,10 @@ class KeptStates(Generic[State]):
 
     def forget(self, slot: int) -> None:
         self._slots.pop(slot, None)
+
+
+def continues_whole(hparams) -> bool:
+    """Whether a slot of this model goes back only to a whole history or a kept state: a hybrid's
+    recurrent state cannot be cut back, nor can a sliding-window model's windowed KV past the window
+    it holds (backends/openvino/window.py). Its prompt cache is prefix.WHOLE's."""
+    return hparams.hybrid is not None or bool(hparams.family.sliding_window)

@@ -22,6 +22,7 @@ import openvino.opset13 as ops
 from backends.openvino.attention import geglu
 from backends.openvino.graph import _i64, apply_rope, rms_norm, rope_tables
 from backends.openvino.moe import moe_ffn
+from backends.openvino.window import last_columns
 
 MAX_I64 = np.iinfo(np.int64).max
 
@@ -73,9 +74,10 @@ class Gemma4Blocks:
         q, k = self._rotate(q, g.rope_dims, D, table), self._rotate(k, g.rope_dims, D, table)
         k_all = self.b._kv_cache(f"past_key_values.{b}.key", k, beam_idx, sinks, nkv, D)  # [B, nkv, S, D]
         v_all = self.b._kv_cache(f"past_key_values.{b}.value", v, beam_idx, sinks, nkv, D)
+        mask = last_columns(masks[True], k_all) if g.windowed else masks[False]  # window.py
         if nh != nkv:
             k_all, v_all = self.b._repeat_kv(k_all, nkv, nh, D), self.b._repeat_kv(v_all, nkv, nh, D)
-        attn = ops.scaled_dot_product_attention(q, k_all, v_all, masks[g.windowed], ops.constant(np.float32(1.0)))
+        attn = ops.scaled_dot_product_attention(q, k_all, v_all, mask, ops.constant(np.float32(1.0)))
         attn = ops.reshape(ops.transpose(attn, _i64(0, 2, 1, 3)), _i64(0, 0, nh * D), True)  # [B, L, nh·D]
         (o,) = w.project(attn.output(0), [(p + "attn_output.weight", 0)])  # [B, L, H]
         a = ops.add(x, rms_norm(o, w.vector(p + "post_attention_norm.weight"), eps)).output(0)

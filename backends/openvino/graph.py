@@ -42,6 +42,7 @@ from backends.gguf import ModelIndex
 from backends.gguf.families import Yarn, yarn_magnitude, yarn_multipliers
 from backends.openvino.attention import attention_with_sinks, geglu, softcap, window_mask
 from backends.openvino.moe import moe_ffn, shared_expert
+from backends.openvino.window import last_columns
 from backends.openvino.weights import F32, WeightBank
 
 I64 = ov.Type.i64
@@ -152,6 +153,8 @@ class StageBuilder:
 
         k_all = self._kv_cache(f"past_key_values.{b}.key", k, beam_idx, sinks)  # [B, nkv, S, D]
         v_all = self._kv_cache(f"past_key_values.{b}.value", v, beam_idx, sinks)  # [B, nkv, S, D]
+        if fam.windowed(b):  # its KV holds the newest columns only (window.py)
+            mask = last_columns(mask, k_all)
         if nh != nkv:
             k_all, v_all = self._repeat_kv(k_all), self._repeat_kv(v_all)  # [B, nh, S, D]
         scale = fam.attn_scale or 1.0 / np.sqrt(D)

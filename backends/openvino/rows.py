@@ -70,6 +70,8 @@ class RowGroup:
     req: ov.InferRequest
     rows: list[Row | None]
     length: int
+    seen: np.ndarray | None = None  # sliding-window models: the mask of every row's columns, [B, length]
+    dropped: int = 0  # sliding-window models: columns the windowed variables no longer hold (window.py)
 
     def live(self) -> list[int]:
         return [r.slot for r in self.rows if r is not None]

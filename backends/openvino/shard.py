@@ -37,6 +37,7 @@ from backends.openvino.recurrent import RecurrentSteps
 from backends.openvino.rows import Row, RowGroup
 from backends import DEFAULT_KQUANT
 from backends.openvino.weights import WeightBank
+from backends.openvino.window import holds_window, windowed_kv
 
 # serving: f32 activations and an f16 KV cache on every CPU, so every CPU kind computes one way:
 # - not the plugin's bf16 (its default where the CPU has it: AVX-512-BF16, AMX): there a question
@@ -153,6 +154,11 @@ class OpenVINOShard(HeadOps):
         self._live: dict[int, np.ndarray] = {}
         # a hybrid model's slots: the last step's recurrent state and inputs, for an exact cut
         self._steps = RecurrentSteps() if self.index.hparams.hybrid is not None else None
+        # sliding-window models: windowed layers' KV holds the newest columns only (window.py); for
+        # each slot alone, the columns gone and the mask of its physical positions as last given
+        self._window = windowed_kv(self.index, spec.first, spec.last)
+        self._wdrop: dict[int, int] = {}
+        self._seen: dict[int, np.ndarray] = {}
 
     def _stage_model(self, builder: StageBuilder, spec: ShardSpec) -> tuple[ov.Model, bool]:
         """The graph of `spec`'s blocks, and whether it folds the head's greedy token in: a shard
@@ -174,6 +180,7 @@ class OpenVINOShard(HeadOps):
         slot = next(i for i in range(len(self._reqs) + 1) if i not in self._reqs)
         self._reqs[slot] = req
         self._held[slot] = 0
+        self._reset_window(slot)
         return slot
 
     def close_slot(self, slot: int) -> None:
@@ -187,6 +194,17 @@ class OpenVINOShard(HeadOps):
         self._live.pop(slot, None)
         if self._steps is not None:
             self._steps.forget(slot, kept=True)
+        self._reset_window(slot)
+
+    def _reset_window(self, slot: int, held: int = 0) -> None:
+        """A sliding-window slot's bookkeeping for a state of `held` columns, all whole and visible."""
+        if self._window is not None:
+            self._wdrop[slot], self._seen[slot] = 0, np.ones(held, np.int64)
+            self._window.kept.forget(slot)
+
+    def _states(self, req: ov.InferRequest, total: int) -> dict[str, ov.Tensor]:
+        """Every variable's state, a windowed one padded on the left to `total` columns (window.py)."""
+        return rowmod.read_states(req) if self._window is None else self._window.states(req, total)
 
     def park(self, slot: int) -> None:
         """The slot's request is over but its KV is kept for the next prompt that starts the
@@ -204,11 +222,18 @@ class OpenVINOShard(HeadOps):
         (over COMPACT_DEAD positions, and more than it keeps) has its live positions copied out
         once."""
         group = self._group_of.get(slot)
+        if group is not None and self._window is not None and length:
+            p = group.position(slot)
+            if not holds_window(group.seen[p], group.rows[p].index[:length], group.dropped, self._window.window):
+                self._take_out(slot)  # its window is gone there: a kept one, if any, comes back alone
+                group = None
         if group is not None:
             row = group.rows[group.position(slot)]
             if length > len(row.index):
                 raise ValueError(f"slot {slot} holds {len(row.index)} positions, not {length}")
             row.index = row.index[:length]
+            if self._window is not None:
+                self._window.kept.back_to(slot, length)
             return
         held = self._held[slot]
         live = self._live.get(slot)
@@ -225,19 +250,47 @@ class OpenVINOShard(HeadOps):
             raise ValueError(f"slot {slot} holds {held if live is None else len(live)} positions, not {length}")
         live = (np.arange(held, dtype=np.int64) if live is None else live)[:length]
         req = self._reqs[slot]
+        if length and self._window is not None and self._cut_window(slot, live):
+            return
         if length == 0:
             if self._steps is not None:
                 self._steps.forget(slot, kept=True)
             req.reset_state()
             self._held[slot] = 0
             self._live.pop(slot, None)
+            self._reset_window(slot)
         elif held - length > max(COMPACT_DEAD, length):
-            states = rowmod.read_states(req)
+            states = self._states(req, held)
             rowmod.set_states(req, rowmod.row_kv(states, 0, live), {n: t.element_type for n, t in states.items()})
             self._held[slot] = length
             self._live.pop(slot, None)
+            if self._window is not None:
+                self._seen[slot] = self._seen[slot][live]
+                self._wdrop[slot] = self._window.fit(req, self._seen[slot], length, 0)
         elif length < held:
             self._live[slot] = live
+
+    def _cut_window(self, slot: int, live: np.ndarray) -> bool:
+        """A sliding-window slot cut to its physical positions `live`: False when its windowed
+        variables still hold the window there (the cut is the KV's own); else back to the window
+        kept at that length (True), every variable compacted to `live` (window.py)."""
+        w = self._window
+        kept = w.kept.back_to(slot, len(live))
+        if holds_window(self._seen[slot], live, self._wdrop[slot], w.window):
+            return False
+        if kept is None:
+            raise ValueError(f"a sliding-window model's slot {slot} holds the window of its last "
+                             f"positions only; it cannot be cut back to {len(live)} positions")  # fmt: skip
+        req = self._reqs[slot]
+        states = {n: t for n, t in rowmod.read_states(req).items() if n not in w.names}
+        arrays = {**rowmod.row_kv(states, 0, live), **kept.arrays}
+        types = {s.name: s.state.element_type for s in req.query_state()}
+        rowmod.set_states(req, arrays, types)
+        n, k = len(live), len(kept.seen)
+        self._held[slot], self._wdrop[slot] = n, n - k
+        self._seen[slot] = np.concatenate([np.ones(n - k, np.int64), kept.seen])
+        self._live.pop(slot, None)
+        return True
 
     def _cut_recurrent(self, slot: int, length: int, held: int) -> None:
         """A hybrid slot back to `length` positions inside its last step (backends/openvino/recurrent.py)."""
@@ -262,14 +315,20 @@ class OpenVINOShard(HeadOps):
         if self._steps is not None:
             live = self._live.get(slot)
             self._steps.keep(slot, self._reqs[slot], self._held[slot] if live is None else len(live))
+        if self._window is not None:  # the windowed variables' window (window.py)
+            if slot in self._group_of:
+                self._take_out(slot)
+            held, live = self._held[slot], self._live.get(slot)
+            cols = np.arange(held, dtype=np.int64) if live is None else live
+            self._window.keep(slot, self._states(self._reqs[slot], held), self._seen[slot], cols)
 
     def capture(self, slot: int) -> Any:
         """{variable name: a copy of its state} (the plugin hands states back at their own precision)."""
         group = self._group_of.get(slot)
         if group is not None:  # its row, in the caller's physical layout
             p = group.position(slot)
-            return rowmod.row_kv(rowmod.read_states(group.req), p, group.rows[p].index)
-        return rowmod.row_kv(rowmod.read_states(self._reqs[slot]), 0, self._live.get(slot))
+            return rowmod.row_kv(self._states(group.req, group.length), p, group.rows[p].index)
+        return rowmod.row_kv(self._states(self._reqs[slot], self._held[slot]), 0, self._live.get(slot))
 
     def restore(self, slot: int, state: Any) -> None:
         if slot in self._group_of:
@@ -278,6 +337,7 @@ class OpenVINOShard(HeadOps):
             s.state = ov.Tensor(np.ascontiguousarray(state[s.name]))
         self._held[slot] = next((a.shape[2] for a in state.values() if len(a.shape) == 4), 0)
         self._live.pop(slot, None)
+        self._reset_window(slot, self._held[slot])
         if self._steps is not None:  # the restored state has no last step or kept states to go back to
             self._steps.forget(slot, kept=True)
 
@@ -302,12 +362,15 @@ class OpenVINOShard(HeadOps):
             index = group.rows[p].index
             req = self._reqs[slot]
             if len(index):
-                states = states or rowmod.read_states(group.req)
+                states = states or self._states(group.req, group.length)
                 rowmod.set_states(req, rowmod.row_kv(states, p, index), {n: t.element_type for n, t in states.items()})
             else:
                 req.reset_state()
             self._held[slot] = len(index)
             self._live.pop(slot, None)
+            if self._window is not None:
+                self._seen[slot], self._wdrop[slot] = group.seen[p, index], 0
+                self._wdrop[slot] = self._window.fit(req, self._seen[slot], len(index), 0)
         for slot in slots:
             self._leave_group(slot)
 
@@ -321,22 +384,25 @@ class OpenVINOShard(HeadOps):
         if group is not None and sorted(group.live()) == sorted(slots):
             return group
         read: dict[int, dict[str, ov.Tensor]] = {}  # id(request) → its states, read once
-        kvs, lengths, types = [], [], {}
+        kvs, lengths, types, seens = [], [], {}, []
         for slot in slots:
             home = self._group_of.get(slot)
             req = home.req if home is not None else self._reqs[slot]
             states = read.get(id(req))
             if states is None:
-                states = read[id(req)] = rowmod.read_states(req)
+                states = read[id(req)] = self._states(req, home.length if home is not None else self._held[slot])
             if home is not None:
                 p = home.position(slot)
                 index = home.rows[p].index
                 n = len(index)
                 kv = rowmod.row_kv(states, p, index) if n else None
+                seen = home.seen[p, index] if self._window is not None else None
             else:
                 live = self._live.pop(slot, None)  # a slot cut back: its live positions only
                 n = min(t.shape[2] if len(t.shape) == 4 else 0 for t in states.values()) if live is None else len(live)
                 kv = rowmod.row_kv(states, 0, live) if n else None
+                seen = (self._seen[slot] if live is None else self._seen[slot][live]) if self._window is not None else None
+            seens.append(seen)
             if n:
                 types = {name: t.element_type for name, t in states.items()}
                 template = states
@@ -353,6 +419,11 @@ class OpenVINOShard(HeadOps):
             rowmod.set_states(req, arrays, types)
         rows = [Row(s, np.arange(length - n, length, dtype=np.int64)) for s, n in zip(slots, lengths)]
         group = RowGroup(req, rows, length)
+        if self._window is not None:  # the rows' masks, aligned as their KV (window.py)
+            group.seen = np.zeros((len(slots), length), np.int64)
+            for b, (seen, n) in enumerate(zip(seens, lengths)):
+                group.seen[b, length - n :] = seen[len(seen) - n :] if n else 0
+            group.dropped = self._window.fit(req, group.seen, length, 0) if length else 0
         for slot in slots:
             self._group_of[slot] = group
         return group
@@ -388,6 +459,9 @@ class OpenVINOShard(HeadOps):
             self._forwards += 1
             self.release_weight_pages()
         hidden = req.get_output_tensor(0).data[0].copy()  # [n, H]
+        if self._window is not None:
+            self._seen[slot] = np.asarray(mask, dtype=np.int64)
+            self._wdrop[slot] = self._window.fit(req, self._seen[slot], held, self._wdrop[slot])
         if self._fold:
             self._last = (hidden, int(req.get_output_tensor(1).data[0]))
         return hidden
@@ -421,6 +495,9 @@ class OpenVINOShard(HeadOps):
             req.infer()
         L = step.x.shape[1]
         rowmod.advance(group, slots, step.n, L)
+        if self._window is not None:
+            group.seen = step.mask
+            group.dropped = self._window.fit(req, step.mask, group.length - L, group.dropped)
         if self._batch_forwards < RELEASE_AFTER:  # the batched shapes' first inferences repack too
             self._batch_forwards += 1
             self.release_weight_pages()

@@ -25,6 +25,7 @@ import numpy as np
 
 import backends
 from backends.errors import BadInput
+from backends.kept import continues_whole
 from kafila.engine import EngineError, GenerationRequest, GenerationStats
 from kafila.sampling import Sampler, sample_token  # noqa: F401 (sample_token: importable from here, as before)
 
@@ -105,9 +106,9 @@ class LocalEngine:
         requests' KV kept for prompts that start the same way (prompt_cache.py)."""
         from kafila.engine.prompt_cache import ParkedCursors
 
-        # a recurrent state (hybrid models) cannot be cut back: whole histories are continued
-        hybrid = any(getattr(s.index.hparams, "hybrid", None) is not None for s in chain.shards if hasattr(s, "index"))
-        cache = ParkedCursors(chain, options.get("max_slots", DEFAULT_MAX_SLOTS), hybrid) if prompt_cache else None
+        # hybrid and sliding-window models: whole histories are continued (backends/kept.py)
+        whole = any(continues_whole(s.index.hparams) for s in chain.shards if hasattr(s, "index"))
+        cache = ParkedCursors(chain, options.get("max_slots", DEFAULT_MAX_SLOTS), whole) if prompt_cache else None
         return cls(chain_source(chain, tokenizer.eos_ids, context_length, cache), tokenizer, model_name,
                    context_length, describe={"stages": chain.stages}, cache=cache, **options)  # fmt: skip
 

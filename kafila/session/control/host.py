@@ -18,6 +18,7 @@ from dataclasses import replace
 from rich.console import Console
 
 from backends.errors import Refused, describe_error
+from backends.kept import continues_whole
 from backends.memory import RESIDENT_BYTES_PER_WEIGHT, memory_kind
 from kafila import __version__
 from kafila.net.codefile import write_private
@@ -159,9 +160,9 @@ class HostParticipant(driving.Driver):
         self.session = {"context": cfg.context, "concurrency": cfg.concurrency or 1, "precision": cfg.precision,
                         "kquant": cfg.kquant,
                         "speculate": cfg.speculate, "max_queued": cfg.max_queued, "batch_rows": cfg.batch_rows,
-                        # a recurrent state cannot be cut back: hybrid models continue whole histories
                         "dipsd": cfg.dipsd,
-                        "prompt_cache": (WHOLE if index.hparams.hybrid is not None else True) if cfg.prompt_cache else False,
+                        # hybrid and sliding-window models continue whole histories (backends/kept.py)
+                        "prompt_cache": (WHOLE if continues_whole(index.hparams) else True) if cfg.prompt_cache else False,
                         "concurrency_from": "memory" if cfg.concurrency is None else "--concurrency",
                         "model": index.name, "sha256": self.weights.digests.sha256,
                         "protocol": control.PROTOCOL, "version": __version__}  # fmt: skip

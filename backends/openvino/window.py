@@ -1,0 +1,147 @@
+"""A windowed layer's KV holds its window, not the whole history (sliding-window models on OpenVINO).
+
+A windowed layer's query at logical position p sees keys at p − window < k ≤ p only
+(attention.window_mask), so once a slot is past its window, whatever lies before its last
+window − 1 visible positions is never read again: Gemma 3 has 5 windowed layers in 6, gpt-oss
+one in 2, and at a long context their KV is most of a request's memory. So every request's
+windowed variables hold only the newest columns of the slot's physical layout:
+
+- the graph: a windowed layer's variable is the same ReadValue → Gather → Concat → Assign chain
+  as a full layer's, only shorter; its mask is the last columns of the window mask, as many as the
+  variable holds (`last_columns`): the mask still spans every physical position, so a key's
+  logical position (the cumsum of the visible ones) is what it was;
+- the shard: after each step of a slot (or of a row group) the columns before the first one a later
+  query may need are dropped (`WindowedKV.fit`). That first column is the (window − 1)-th last
+  visible one *before the step*, so a cut anywhere inside the step (a verify step's rejected
+  drafts) still finds its window. Columns go DROP_AT at a time, a copy of the windowed variables
+  every DROP_AT steps rather than every step;
+- states read out (a row group joining, a row leaving it, capture) are padded on the left with
+  zeros back to the slot's physical length (`WindowedKV.states`), so the code that moves rows works
+  on every variable alike; the zeros lie outside every later query's window;
+- a cut further back than the window held is not possible, as a hybrid's recurrent state cannot be
+  cut back: the head's prompt cache continues whole histories or goes back to a kept state
+  (backends/kept.py; kafila/session/ring/prefix.py, WHOLE), and at each kept length the shard keeps
+  a copy of the windowed variables' window (llama-server's context checkpoints do the same for
+  sliding-window models). Any other cut is refused in one line.
+
+Memory (what the plan prices, `held_positions`): window + DROP_AT columns a request at most (plus
+a step's own positions while it runs and masked ones, rejected drafts, among them), and
+window − 1 for each kept state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import openvino as ov
+import openvino.opset13 as ops
+
+from backends.kept import KEPT_STATES, KeptStates
+
+I64 = ov.Type.i64
+DROP_MIN = 16  # columns dropped at once at least (a window of 8 drops every 16 steps)
+
+
+def drop_at(window: int) -> int:
+    """Columns a slot's windowed variables may hold beyond what it needs before they are cut."""
+    return max(DROP_MIN, window // 2)
+
+
+def held_positions(window: int) -> int:
+    """Positions a request's windowed layer holds at most (its live KV and its kept states)."""
+    return window + drop_at(window) + KEPT_STATES * (window - 1)
+
+
+def last_columns(mask: ov.Output, kv: ov.Output) -> ov.Output:
+    """mask f32 [B, 1, L, S] → its last columns, as many as kv [B, nkv, S', D] holds positions."""
+    total = ops.gather(ops.shape_of(mask, I64), ops.constant(np.array([3], np.int64)), ops.constant(np.int64(0)))
+    held = ops.gather(ops.shape_of(kv, I64), ops.constant(np.array([2], np.int64)), ops.constant(np.int64(0)))
+    start = ops.subtract(total, held)
+    return ops.slice(mask, start, total, ops.constant(np.array([1], np.int64)),
+                     ops.constant(np.array([3], np.int64))).output(0)  # fmt: skip
+
+
+def window_start(seen: np.ndarray, before: int, window: int) -> int:
+    """The first column any later query of these rows may need: each row's (window − 1)-th last
+    visible column among its first `before` (seen [B, S] or [S], 0 = masked), the least over rows."""
+    need = window - 1
+    start = before
+    for row in np.atleast_2d(seen):
+        cols = np.flatnonzero(row[:before])
+        if need > 0 and cols.size:
+            start = min(start, int(cols[-need] if cols.size >= need else cols[0]))
+    return start
+
+
+def holds_window(seen: np.ndarray, cols: np.ndarray, dropped: int, window: int) -> bool:
+    """Whether a slot cut to its physical columns `cols` (in order) still holds the window of its
+    next query: its last window − 1 visible columns are at `dropped` or after."""
+    visible = cols[np.asarray(seen)[cols] != 0]
+    return window <= 1 or visible.size == 0 or int(visible[-(window - 1):][0]) >= dropped
+
+
+@dataclass
+class KeptWindow:
+    """The windowed variables' last columns at a kept length, and those columns' mask."""
+
+    arrays: dict[str, np.ndarray]  # [1, nkv, k, D]
+    seen: np.ndarray  # [k]
+
+
+class WindowedKV:
+    """A shard's windowed variables (their names) and what the module docstring says is done with them."""
+
+    def __init__(self, names: frozenset[str], window: int) -> None:
+        self.names = names
+        self.window = window
+        self.kept: KeptStates[KeptWindow] = KeptStates()
+
+    def states(self, req: ov.InferRequest, total: int) -> dict[str, ov.Tensor]:
+        """{name: state} of every variable, the windowed ones padded on the left to `total` columns."""
+        out = {}
+        for s in req.query_state():
+            t = s.state
+            if s.name in self.names and t.shape[2] < total:
+                b, nkv, held, d = t.shape
+                padded = ov.Tensor(t.element_type, ov.Shape([b, nkv, total, d]))
+                padded.data[:, :, : total - held] = 0
+                padded.data[:, :, total - held :] = t.data
+                t = padded
+            out[s.name] = t
+        return out
+
+    def fit(self, req: ov.InferRequest, seen: np.ndarray, before: int, dropped: int) -> int:
+        """Drop the windowed columns no later query needs (module docstring), once they are
+        DROP_AT or more; `seen` [B, S] (or [S]) the mask of every column the state holds, `before`
+        the columns before the last step, `dropped` the columns gone already. The columns gone now."""
+        start = window_start(seen, before, self.window)
+        if start - dropped < drop_at(self.window):
+            return dropped
+        for s in req.query_state():
+            if s.name in self.names:
+                t = s.state
+                a = t.data[:, :, start - dropped :]
+                kept = ov.Tensor(t.element_type, ov.Shape(list(a.shape)))
+                kept.data[...] = a
+                s.state = kept
+        return start
+
+    def keep(self, slot: int, states: dict[str, ov.Tensor], seen: np.ndarray, cols: np.ndarray) -> None:
+        """Keep the window of a slot whose live physical columns are `cols` (states padded)."""
+        start = window_start(seen[cols], len(cols), self.window)
+        tail = cols[start:]
+        arrays = {n: np.ascontiguousarray(t.data[:, :, tail]) for n, t in states.items() if n in self.names}
+        self.kept.keep(slot, len(cols), KeptWindow(arrays, np.asarray(seen)[tail].copy()))
+
+
+def windowed_kv(index, first: int, last: int) -> WindowedKV | None:
+    """The windowed variables of blocks [first, last) of `index`'s model (None: none there; a
+    hybrid model's KV is left whole)."""
+    h = index.hparams
+    fam = h.family
+    if h.hybrid is not None or not fam.sliding_window:
+        return None
+    names = frozenset(f"past_key_values.{b}.{kv}" for b in range(first, last) if fam.windowed(b)
+                      for kv in ("key", "value"))  # fmt: skip
+    return WindowedKV(names, fam.sliding_window) if names else None
