@@ -148,16 +148,40 @@ class ModelIndex:
         """β_head: embedding + final norm + lm_head (the embedding once when tied)."""
         return sum(t.n_bytes for t in self.head_tensors())
 
-    def kv_bytes_per_token_per_block(self, bytes_per_value: int = 2) -> float:
-        """K and V of one position in one attention block; a hybrid model's mean over its blocks
-        (its delta-net blocks hold no KV)."""
+    def _kv_values(self, b: int) -> int:
+        """K and V values one position holds in block b's cache (0: a delta-net block)."""
         h = self.hparams
-        per = 2 * h.n_kv_heads * h.head_dim * bytes_per_value
         if h.gemma4 is not None:  # each block its own KV heads and head size
-            return sum(h.gemma4.kv_values_per_token(b) for b in range(h.n_blocks)) * bytes_per_value / h.n_blocks
-        if h.hybrid is None:
-            return per
-        return per * h.hybrid.trunk.count(False) / h.n_blocks
+            return h.gemma4.kv_values_per_token(b)
+        if h.hybrid is not None and h.hybrid.trunk[b]:
+            return 0
+        return 2 * h.n_kv_heads * h.head_dim
+
+    def _bounded_window(self, b: int, backend: str | None) -> bool:
+        """Whether block b is a windowed layer whose KV holds its window only on `backend`."""
+        from backends.memory import holds_whole_windows
+
+        fam = self.hparams.family
+        return (self.hparams.hybrid is None and bool(fam.sliding_window) and fam.windowed(b)
+                and not holds_whole_windows(backend))  # fmt: skip
+
+    def kv_bytes_per_token_per_block(self, bytes_per_value: int = 2, backend: str | None = None) -> float:
+        """K and V of one position, the mean over blocks: a hybrid's delta-net blocks hold no KV,
+        and on a backend that keeps a windowed layer's window only (window_bytes_per_request) nor
+        do those; `backend` None: OpenVINO's."""
+        n = self.hparams.n_blocks
+        return sum(self._kv_values(b) for b in range(n) if not self._bounded_window(b, backend)) * bytes_per_value / n
+
+    def window_bytes_per_request(self, first: int = 0, last: int | None = None, bytes_per_value: int = 2,
+                                 backend: str | None = None) -> int:
+        """A request's windowed KV in blocks [first, last) on a backend that holds only each
+        windowed layer's window (backends.memory.window_held_positions); 0 elsewhere."""
+        from backends.memory import window_held_positions
+
+        last = self.hparams.n_blocks if last is None else last
+        held = window_held_positions(self.hparams.family.sliding_window)
+        return sum(self._kv_values(b) * held * bytes_per_value for b in range(first, last)
+                   if self._bounded_window(b, backend))  # fmt: skip
 
     def state_bytes_per_request(self, first: int = 0, last: int | None = None) -> int:
         """A request's recurrent state (f32, as the OpenVINO stage holds it) in blocks
@@ -175,13 +199,14 @@ class ModelIndex:
             "blocks": self.hparams.n_blocks,
             "block_bytes": float(self.block_bytes),
             "head_bytes": float(self.head_bytes),
-            "kv_bytes_per_token_per_block": self.kv_bytes_per_token_per_block(),
+            "kv_bytes_per_token_per_block": self.kv_bytes_per_token_per_block(backend=backend),
         }
-        if self.hparams.hybrid is not None:  # the live state and its copies (backends.memory)
-            from backends.memory import RECURRENT_STATE_COPIES
+        from backends.memory import RECURRENT_STATE_COPIES
 
-            out["state_bytes_per_request_per_block"] = (self.state_bytes_per_request() * RECURRENT_STATE_COPIES
-                                                        / self.hparams.n_blocks)  # fmt: skip
+        # a hybrid's live state and its copies, and windowed layers' KV held per request (backends.memory)
+        state = self.state_bytes_per_request() * RECURRENT_STATE_COPIES + self.window_bytes_per_request(backend=backend)
+        if state:
+            out["state_bytes_per_request_per_block"] = state / self.hparams.n_blocks
         if backend is not None:
             from backends.memory import (ANCHOR_BYTES, PREFILL_WORK_BYTES, PROCESS_BYTES, TOKENIZER_BYTES_PER_VOCAB,
                                          resident_bytes)  # fmt: skip

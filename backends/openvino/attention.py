@@ -1,9 +1,9 @@
 """Pieces of the stage graph that some families add to Llama's block (backends/gguf/families.py).
 
-Sliding-window attention: a windowed layer attends as the full layers do, to the whole KV state
-(the cache holds every position: the window is a mask, not a shorter cache), but a query at
-logical position p sees only keys at logical positions k with p − k < window (llama.cpp's
-LLAMA_SWA_TYPE_STANDARD). A key's logical position is its rank among the visible positions of
+Sliding-window attention: a query at logical position p of a windowed layer sees only keys at
+logical positions k with p − k < window (llama.cpp's LLAMA_SWA_TYPE_STANDARD); the layer's KV
+holds the newest columns only (backends/openvino/window.py), and its mask is this one's last
+columns. A key's logical position is its rank among the visible positions of
 its row (cumulative sum of attention_mask − 1): every slot's visible positions are its tokens
 at logical positions 0, 1, 2, … in physical order (a prompt is fed from 0; a cut keeps a
 prefix; a row group copies a slot's live positions in order; padding is masked out).

@@ -123,6 +123,16 @@ def assemble(rows: Sequence[dict[str, np.ndarray] | None], lengths: Sequence[int
     return out, S
 
 
+def assemble_masks(masks: Sequence[np.ndarray | None], lengths: Sequence[int], S: int) -> np.ndarray:
+    """The rows' last masks (each over at least its `lengths` positions, the last of them taken),
+    left-padded as `assemble` pads their KV: [B, S] int64."""
+    out = np.zeros((len(masks), S), np.int64)
+    for b, (mask, n) in enumerate(zip(masks, lengths)):
+        if n:
+            out[b, S - n :] = mask[len(mask) - n :]
+    return out
+
+
 @dataclass(frozen=True)
 class StepInputs:
     """The inputs of one group step and where each row's outputs are."""

@@ -17,10 +17,8 @@ exactly as before, and a slot never in a group costs one dict lookup more per fo
 
 from __future__ import annotations
 
-import contextlib
 import functools
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -36,8 +34,8 @@ from backends.openvino.graph import StageBuilder
 from backends.openvino.recurrent import RecurrentSteps
 from backends.openvino.rows import Row, RowGroup
 from backends import DEFAULT_KQUANT
-from backends.openvino.weights import WeightBank
-from backends.openvino.window import holds_window, windowed_kv
+from backends.openvino.weights import WeightBank, releasing_pages
+from backends.openvino.window import windowed_kv
 
 # serving: f32 activations and an f16 KV cache on every CPU, so every CPU kind computes one way:
 # - not the plugin's bf16 (its default where the CPU has it: AVX-512-BF16, AMX): there a question
@@ -69,34 +67,6 @@ CONFIGS = {"serving": SERVING_CONFIG, "f32": F32_CONFIG}
 # The CPU plugin prepares (repacks) weights at the first inferences of each shape kind
 # (prefill, decode); after this many forwards the original constants' pages are released.
 RELEASE_AFTER = 3
-# While those first inferences repack, the constants' file pages the plugin has read are dropped
-# every RELEASE_EVERY_S by a helper thread (infer() runs without the GIL): otherwise the whole
-# spill file is resident beside the plugin's new copy at once, and that was the serving peak
-# (Llama-3.2-1B one stage: 2.5 GB peak for 1.4 GB serving; issue 10).
-RELEASE_EVERY_S = 0.02
-
-
-@contextlib.contextmanager
-def _releasing(bank: WeightBank, active: bool) -> Iterator[None]:
-    """Drop the spill file's pages every RELEASE_EVERY_S while the block runs (when `active`)."""
-    if not active or bank.spill is None:
-        yield
-        return
-    stop = threading.Event()
-
-    def loop() -> None:
-        while not stop.wait(RELEASE_EVERY_S):
-            bank.release_pages()
-
-    thread = threading.Thread(target=loop, name="kafila-ov-release", daemon=True)
-    thread.start()
-    try:
-        yield
-    finally:
-        stop.set()
-        thread.join()
-
-
 # a slot alone that was cut back keeps its tail in the state, masked; once the tail is over this
 # many positions and more than the slot keeps, the live positions are copied out (OpenVINOShard.trim)
 COMPACT_DEAD = 256
@@ -222,18 +192,14 @@ class OpenVINOShard(HeadOps):
         (over COMPACT_DEAD positions, and more than it keeps) has its live positions copied out
         once."""
         group = self._group_of.get(slot)
-        if group is not None and self._window is not None and length:
-            p = group.position(slot)
-            if not holds_window(group.seen[p], group.rows[p].index[:length], group.dropped, self._window.window):
-                self._take_out(slot)  # its window is gone there: a kept one, if any, comes back alone
-                group = None
+        if group is not None and self._window is not None:  # cut alone: it may go back to a kept window
+            self._take_out(slot)
+            group = None
         if group is not None:
             row = group.rows[group.position(slot)]
             if length > len(row.index):
                 raise ValueError(f"slot {slot} holds {len(row.index)} positions, not {length}")
             row.index = row.index[:length]
-            if self._window is not None:
-                self._window.kept.back_to(slot, length)
             return
         held = self._held[slot]
         live = self._live.get(slot)
@@ -274,21 +240,10 @@ class OpenVINOShard(HeadOps):
         """A sliding-window slot cut to its physical positions `live`: False when its windowed
         variables still hold the window there (the cut is the KV's own); else back to the window
         kept at that length (True), every variable compacted to `live` (window.py)."""
-        w = self._window
-        kept = w.kept.back_to(slot, len(live))
-        if holds_window(self._seen[slot], live, self._wdrop[slot], w.window):
+        back = self._window.cut(slot, self._reqs[slot], live, self._seen[slot], self._wdrop[slot])
+        if back is None:
             return False
-        if kept is None:
-            raise ValueError(f"a sliding-window model's slot {slot} holds the window of its last "
-                             f"positions only; it cannot be cut back to {len(live)} positions")  # fmt: skip
-        req = self._reqs[slot]
-        states = {n: t for n, t in rowmod.read_states(req).items() if n not in w.names}
-        arrays = {**rowmod.row_kv(states, 0, live), **kept.arrays}
-        types = {s.name: s.state.element_type for s in req.query_state()}
-        rowmod.set_states(req, arrays, types)
-        n, k = len(live), len(kept.seen)
-        self._held[slot], self._wdrop[slot] = n, n - k
-        self._seen[slot] = np.concatenate([np.ones(n - k, np.int64), kept.seen])
+        self._held[slot], self._wdrop[slot], self._seen[slot] = len(live), *back
         self._live.pop(slot, None)
         return True
 
@@ -420,10 +375,8 @@ class OpenVINOShard(HeadOps):
         rows = [Row(s, np.arange(length - n, length, dtype=np.int64)) for s, n in zip(slots, lengths)]
         group = RowGroup(req, rows, length)
         if self._window is not None:  # the rows' masks, aligned as their KV (window.py)
-            group.seen = np.zeros((len(slots), length), np.int64)
-            for b, (seen, n) in enumerate(zip(seens, lengths)):
-                group.seen[b, length - n :] = seen[len(seen) - n :] if n else 0
-            group.dropped = self._window.fit(req, group.seen, length, 0) if length else 0
+            group.seen = rowmod.assemble_masks(seens, lengths, length)
+            group.dropped = self._window.fit(req, group.seen, length, 0)
         for slot in slots:
             self._group_of[slot] = group
         return group
@@ -453,7 +406,7 @@ class OpenVINOShard(HeadOps):
         req.set_input_tensor(0, ov.Tensor(x, shared_memory=True))
         req.set_input_tensor(1, ov.Tensor(np.ascontiguousarray(mask, dtype=np.int64)[None], shared_memory=True))
         req.set_input_tensor(2, ov.Tensor(np.ascontiguousarray(positions, dtype=np.int64)[None], shared_memory=True))
-        with _releasing(self._bank, self._forwards < RELEASE_AFTER):
+        with releasing_pages(self._bank, self._forwards < RELEASE_AFTER):
             req.infer()
         if self._forwards < RELEASE_AFTER:
             self._forwards += 1
@@ -491,7 +444,7 @@ class OpenVINOShard(HeadOps):
         req.set_input_tensor(1, ov.Tensor(step.mask, shared_memory=True))
         req.set_input_tensor(2, ov.Tensor(step.positions, shared_memory=True))
         req.set_input_tensor(3, ov.Tensor(step.beam, shared_memory=True))
-        with _releasing(self._bank, self._batch_forwards < RELEASE_AFTER):
+        with releasing_pages(self._bank, self._batch_forwards < RELEASE_AFTER):
             req.infer()
         L = step.x.shape[1]
         rowmod.advance(group, slots, step.n, L)
@@ -568,7 +521,7 @@ class OpenVINOShard(HeadOps):
                 raise ValueError(f"shard [{self.spec.first}, {self.spec.last}) holds no head")
             builder, device, cfg = self._head_build
             self._head = core().compile_model(builder.head(), device, cfg).create_infer_request()
-            with _releasing(self._bank, True):  # its first inference repacks the lm_head
+            with releasing_pages(self._bank, True):  # its first inference repacks the lm_head
                 self._head.infer({0: np.zeros((1, self.index.hparams.hidden), np.float32)})
             self.release_weight_pages()
         return self._head

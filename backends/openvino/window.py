@@ -13,8 +13,8 @@ windowed variables hold only the newest columns of the slot's physical layout:
 - the shard: after each step of a slot (or of a row group) the columns before the first one a later
   query may need are dropped (`WindowedKV.fit`). That first column is the (window − 1)-th last
   visible one *before the step*, so a cut anywhere inside the step (a verify step's rejected
-  drafts) still finds its window. Columns go DROP_AT at a time, a copy of the windowed variables
-  every DROP_AT steps rather than every step;
+  drafts) still finds its window. Columns go drop_at(window) at a time (backends.memory), a copy of
+  the windowed variables that often rather than every step;
 - states read out (a row group joining, a row leaving it, capture) are padded on the left with
   zeros back to the slot's physical length (`WindowedKV.states`), so the code that moves rows works
   on every variable alike; the zeros lie outside every later query's window;
@@ -24,7 +24,7 @@ windowed variables hold only the newest columns of the slot's physical layout:
   a copy of the windowed variables' window (llama-server's context checkpoints do the same for
   sliding-window models). Any other cut is refused in one line.
 
-Memory (what the plan prices, `held_positions`): window + DROP_AT columns a request at most (plus
+Memory (what the plan prices, backends.memory.window_held_positions): window + drop_at columns a request at most (plus
 a step's own positions while it runs and masked ones, rejected drafts, among them), and
 window − 1 for each kept state.
 """
@@ -37,20 +37,11 @@ import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
-from backends.kept import KEPT_STATES, KeptStates
+from backends.kept import KeptStates
+from backends.memory import window_drop_at as drop_at
+from backends.openvino.rows import row_kv, set_states
 
 I64 = ov.Type.i64
-DROP_MIN = 16  # columns dropped at once at least (a window of 8 drops every 16 steps)
-
-
-def drop_at(window: int) -> int:
-    """Columns a slot's windowed variables may hold beyond what it needs before they are cut."""
-    return max(DROP_MIN, window // 2)
-
-
-def held_positions(window: int) -> int:
-    """Positions a request's windowed layer holds at most (its live KV and its kept states)."""
-    return window + drop_at(window) + KEPT_STATES * (window - 1)
 
 
 def last_columns(mask: ov.Output, kv: ov.Output) -> ov.Output:
@@ -113,10 +104,10 @@ class WindowedKV:
 
     def fit(self, req: ov.InferRequest, seen: np.ndarray, before: int, dropped: int) -> int:
         """Drop the windowed columns no later query needs (module docstring), once they are
-        DROP_AT or more; `seen` [B, S] (or [S]) the mask of every column the state holds, `before`
+        drop_at(window) or more; `seen` [B, S] (or [S]) the mask of every column the state holds, `before`
         the columns before the last step, `dropped` the columns gone already. The columns gone now."""
         start = window_start(seen, before, self.window)
-        if start - dropped < drop_at(self.window):
+        if not before or start - dropped < drop_at(self.window):
             return dropped
         for s in req.query_state():
             if s.name in self.names:
@@ -126,6 +117,24 @@ class WindowedKV:
                 kept.data[...] = a
                 s.state = kept
         return start
+
+    def cut(self, slot: int, req: ov.InferRequest, live: np.ndarray, seen: np.ndarray,
+            dropped: int) -> tuple[int, np.ndarray] | None:
+        """A slot alone cut to its physical columns `live`: None when its windowed variables still
+        hold the window there (the KV's own cut does); else every variable compacted to `live`, the
+        windowed ones back to the window kept at that length, and (columns dropped, mask) after.
+        ValueError when no window was kept there."""
+        kept = self.kept.back_to(slot, len(live))
+        if holds_window(seen, live, dropped, self.window):
+            return None
+        if kept is None:
+            raise ValueError(f"a sliding-window model's slot {slot} holds the window of its last "
+                             f"positions only; it cannot be cut back to {len(live)} positions")  # fmt: skip
+        states = {s.name: s.state for s in req.query_state()}
+        arrays = {**row_kv({n: t for n, t in states.items() if n not in self.names}, 0, live), **kept.arrays}
+        set_states(req, arrays, {n: t.element_type for n, t in states.items()})
+        n, k = len(live), len(kept.seen)
+        return n - k, np.concatenate([np.ones(n - k, np.int64), kept.seen])
 
     def keep(self, slot: int, states: dict[str, ov.Tensor], seen: np.ndarray, cols: np.ndarray) -> None:
         """Keep the window of a slot whose live physical columns are `cols` (states padded)."""

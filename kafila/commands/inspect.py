@@ -25,11 +25,12 @@ Kafila serves the file is `open_model`'s verdict: its BadInput message is the re
   why_not         null when served, else the one-line reason Kafila refuses it
   block_bytes     β_block: bytes of the largest block's tensors (the planner's; ModelIndex when served)
   head_bytes      β_head: token_embd + output_norm + output (ModelIndex when served)
-  kv_bytes_per_token_per_block   the planner's KV bytes per token per block (f16 values; a hybrid
-                  model's mean over its blocks, whose delta-net layers hold none)
-  state_bytes_per_request_per_block   a hybrid model's recurrent state per request as the plan
-                  prices it, the mean per block: the live state and its two copies (f32;
-                  backends.memory.RECURRENT_STATE_COPIES; null for other models)
+  kv_bytes_per_token_per_block   the planner's KV bytes per token per block (f16 values; the mean
+                  over blocks: a hybrid's delta-net layers and (OpenVINO) windowed layers hold none per token)
+  state_bytes_per_request_per_block   what the plan prices per request, the mean per block: a hybrid
+                  model's recurrent state, the live state and its copies (f32;
+                  backends.memory.RECURRENT_STATE_COPIES), and a sliding-window model's windowed KV,
+                  its window and kept windows (backends.memory.window_held_positions); null for others
 
 Exit 0 for any readable GGUF, served or not; 2 when the file is missing, not a GGUF or damaged.
 """
@@ -221,7 +222,7 @@ def render(info: dict) -> str:
         f"  tokenizer     {tok['model']} (pre {tok['pre']}), {tok['tokens']} tokens",
         f"  planner       β_block {_size(info['block_bytes'])}, β_head {_size(info['head_bytes'])}, "
         f"KV {v['kv_bytes_per_token_per_block']} bytes/token/block (f16)"
-        + (f", recurrent state {info['state_bytes_per_request_per_block']:.0f} bytes/request/block (f32)"
+        + (f", per request {info['state_bytes_per_request_per_block']:.0f} bytes/block (recurrent state, windowed KV)"
            if info.get("state_bytes_per_request_per_block") else ""),
         "  served        yes" if info["served"] else f"  served        no: {info['why_not']}",
     ]

@@ -45,7 +45,7 @@ def shard_memory(index, first: int, last: int, head: bool, context: int, concurr
                  anchor: bool = False) -> dict:  # fmt: skip
     """{"shard_bytes", "kv_bytes", "state_bytes", "planned_bytes", "planned_weights_bytes"} of
     blocks [first, last) (+ the head) of `index` on `backend` (state: a hybrid model's recurrent
-    state for `concurrency` requests): planned is planner.member_bytes at context × concurrency
+    state, a sliding-window model's windowed KV, for `concurrency` requests): planned is planner.member_bytes at context × concurrency
     (what admission checked), planned_weights the same without KV (what a member holds before
     its KV fills). `process_bytes` replaces the backend's per-process term (`kafila run`);
     `anchor`: the member is the host (planner's anchor_bytes)."""
@@ -60,7 +60,9 @@ def shard_memory(index, first: int, last: int, head: bool, context: int, concurr
     model = parse_fleet({"context": 1, "concurrency": 1, "anchor": "a", "model": raw,
                          "devices": [{"name": "a", "memory_gb": 1}]}).model  # fmt: skip
     kv = int(model.kv_bytes_per_token_per_block * context * concurrency * blocks)
-    state = index.state_bytes_per_request(first, last) * RECURRENT_STATE_COPIES * concurrency  # hybrids' state
+    # hybrids' state, and windowed layers' KV where only their window is held
+    state = (index.state_bytes_per_request(first, last) * RECURRENT_STATE_COPIES
+             + index.window_bytes_per_request(first, last, backend=backend)) * concurrency  # fmt: skip
     return {"shard_bytes": shard, "kv_bytes": kv, "state_bytes": state,
             "planned_bytes": int(member_bytes(model, blocks, head, context * concurrency, anchor, concurrency)),
             "planned_weights_bytes": int(member_bytes(model, blocks, head, 0, anchor))}  # fmt: skip
