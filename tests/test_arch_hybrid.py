@@ -16,6 +16,7 @@ import pytest
 from backends import ShardSpec, load_shard, status
 from backends.errors import BadInput
 from backends.gguf import open_model
+from tests.arch_gguf import write_arch_gguf
 from tests.hybrid_gguf import SHAPE, write_qwen35_gguf
 from tests.test_llamacpp_arch import check_against_llamacpp, kafila_greedy, needs_llamacpp
 
@@ -364,12 +365,15 @@ def test_a_turn_that_repeats_the_messages_but_not_the_answer_goes_back_to_the_ke
 
 @needs_openvino
 @pytest.mark.parametrize("backend", ["openvino", "mlx"])
-def test_an_edited_earlier_message_goes_back_to_the_turn_before_it(tmp_path, backend):
+@pytest.mark.parametrize("kind", ["qwen35moe", "gemma3"])
+def test_an_edited_earlier_message_goes_back_to_the_turn_before_it(tmp_path, backend, kind):
     """Three turns of two conversations, each turn's messages repeated by the next with its answer
     rendered otherwise (as Qwen3.5's template does), then the second message edited: every stage
     kept the state where each turn's messages ended, so turn k feeds from turn k-1's end
     (cached = its keep_at) and the edit goes back to the first turn's end, on the ring (3 stages)
-    and in one process, answering as with the cache off at f32."""
+    and in one process, answering as with the cache off at f32. On a hybrid (the recurrent state
+    kept) and on a sliding-window model of window 8 (on OpenVINO the window kept: its windowed
+    layers hold only the newest positions, window.py)."""
     from kafila.engine import GenerationRequest, GenerationStats
     from kafila.engine.chain import LocalChain
     from kafila.engine.local import chain_source
@@ -379,15 +383,18 @@ def test_an_edited_earlier_message_goes_back_to_the_turn_before_it(tmp_path, bac
 
     if not status(backend).available:
         pytest.skip(status(backend).reason)
-    path = write_qwen35_gguf(tmp_path / "q.gguf", moe=True)
+    if kind == "gemma3":
+        path, shape = write_arch_gguf(tmp_path / "g.gguf", kind, blocks=4, tiny_vocab=256), {"hidden": 64, "vocab": 256}
+    else:
+        path, shape = write_qwen35_gguf(tmp_path / "q.gguf", moe=True), SHAPE
     index = open_model(path)
     chain = LocalChain([load_shard(backend, ShardSpec(path, a, b, a == 0, a == 0), "f32", index=index)
                         for a, b in ((0, 1), (1, 3), (3, 4))], chunk_tokens=CHUNK_TOKENS)  # fmt: skip
-    limits = Limits(hidden=SHAPE["hidden"], context=512, slots=4, vocab=SHAPE["vocab"])
+    limits = Limits(hidden=shape["hidden"], context=512, slots=4, vocab=shape["vocab"])
     rng = np.random.default_rng(5)
 
     def ids(n: int) -> list[int]:
-        return [int(i) for i in rng.integers(0, SHAPE["vocab"], n)]
+        return [int(i) for i in rng.integers(0, shape["vocab"], n)]
 
     # a turn: the history to the last messages' end, the last answer as rendered, a message, the
     # template's answer prefix (3 ids); keep_at: where the messages end
