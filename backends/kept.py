@@ -68,5 +68,5 @@ class KeptStates(Generic[State]):
 def continues_whole(hparams) -> bool:
     """Whether a slot of this model goes back only to a whole history or a kept state: a hybrid's
     recurrent state cannot be cut back, nor can a sliding-window model's windowed KV past the window
-    it holds (backends/openvino/window.py). Its prompt cache is prefix.WHOLE's."""
+    it holds (backends/window.py). Its prompt cache is prefix.WHOLE's."""
     return hparams.hybrid is not None or bool(hparams.family.sliding_window)

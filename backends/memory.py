@@ -98,7 +98,7 @@ TOKENIZER_BYTES_PER_VOCAB = 450
 # positions (a verify step's cut goes back into it) and the copies kept where its last turns'
 # messages ended (prompt caching goes back to them: backends/kept.py). The plan prices them all.
 RECURRENT_STATE_COPIES = 2 + KEPT_STATES
-# A sliding-window layer's KV on OpenVINO holds the newest columns only (backends/openvino/window.py):
+# A sliding-window layer's KV holds the newest columns only (backends/window.py; both backends):
 # its window, at most WINDOW_DROP_AT(window) more before they are dropped, and a copy of the window
 # for each kept state. The plan prices them per request, not per token of context.
 WINDOW_DROP_MIN = 16
@@ -114,9 +114,6 @@ def window_held_positions(window: int) -> int:
     return window + window_drop_at(window) + KEPT_STATES * (window - 1)
 
 
-def holds_whole_windows(backend: str | None) -> bool:
-    """Whether a backend's windowed layers hold every position (MLX) rather than their window."""
-    return backend == "mlx"
 PREFILL_WORK_BYTES_PER_POSITION = 208  # per unit of hidden size
 PREFILL_WORK_BYTES = 416 << 20
 # A runtime keeps the buffers of the largest step it has run (the CPU plugin its intermediate

@@ -86,7 +86,7 @@ def test_a_quantized_gemma4_matches_llamacpp(tmp_path, moe, fused):
 def test_each_block_keeps_its_own_kv_geometry_and_the_plan_prices_their_mean(tmp_path):
     """Windowed blocks hold 2 KV heads of 16 a position, the full ones 2 and 1 heads of 32: the
     planner's KV per position per block is the full blocks' over every block, the windowed ones'
-    window priced per request (OpenVINO holds only it; MLX every position: their mean per token),
+    window priced per request (the KV holds only it: backends/window.py),
     and an OpenVINO stage's KV variables and an MLX slot's buffers have exactly those shapes;
     MLX's batched rows are each slot's own forward."""
     from backends.memory import window_held_positions
@@ -94,10 +94,9 @@ def test_each_block_keeps_its_own_kv_geometry_and_the_plan_prices_their_mean(tmp
     index = open_model(write_gemma4_gguf(tmp_path / "g.gguf"))
     per_block = [2 * n * (HEAD_SWA if w else HEAD_FULL) * 2 for n, w in zip(KV_HEADS, SWA)]
     windowed = sum(b for b, w in zip(per_block, SWA) if w)
-    model = index.planner_model("openvino")
+    model = index.planner_model()
     assert model["kv_bytes_per_token_per_block"] == (sum(per_block) - windowed) / BLOCKS
     assert model["state_bytes_per_request_per_block"] == windowed * window_held_positions(WINDOW) / BLOCKS
-    assert index.planner_model("mlx")["kv_bytes_per_token_per_block"] == sum(per_block) / BLOCKS
     if status("openvino").available:
         shard = load_shard("openvino", ShardSpec(index.path, 0, BLOCKS, True, True), "f32", index=index)
         slot = shard.open_slot()

@@ -1,6 +1,6 @@
 """A sliding-window layer's KV holds its window, not the whole history (backends/openvino/window.py).
 
-Gemma 3 and gpt-oss files of window 8 (tests/arch_gguf.py), one OpenVINO stage at f32. Every
+Gemma 3 and gpt-oss files of window 8 (tests/arch_gguf.py), one OpenVINO or MLX stage at f32. Every
 operation a slot meets in serving — decoding past the window, masked (rejected) positions, rows
 batched in a group and taken out again, a kept window gone back to, capture and restore — runs on
 a shard whose windowed layers hold their window and on one that holds every position (the form
@@ -24,7 +24,6 @@ BLOCKS = 4
 WINDOW = 8
 REL = 1e-4
 
-pytestmark = pytest.mark.skipif(not status("openvino").available, reason=status("openvino").reason)
 
 
 def _rel(a: np.ndarray, b: np.ndarray) -> float:
@@ -34,12 +33,16 @@ def _rel(a: np.ndarray, b: np.ndarray) -> float:
 class Pair:
     """The same slot operations on a shard holding windows and on one holding every position."""
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, backend: str) -> None:
         index = open_model(path)
         assert index.hparams.family.sliding_window == WINDOW
-        self.held, self.whole = (load_shard("openvino", ShardSpec(path, 0, BLOCKS, True, True), "f32", index=index)
+        self.backend = backend
+        self.held, self.whole = (load_shard(backend, ShardSpec(path, 0, BLOCKS, True, True), "f32", index=index)
                                  for _ in range(2))  # fmt: skip
-        self.whole._window = None  # every position kept, as before window.py
+        if backend == "openvino":  # every position kept, as before window.py
+            self.whole._window = None
+        else:
+            self.whole._window_size = 0
 
     def open(self) -> int:
         a, b = self.held.open_slot(), self.whole.open_slot()
@@ -65,7 +68,11 @@ class Pair:
         getattr(self.whole, method)(*args)
 
     def windowed_lengths(self, slot: int | None = None) -> tuple[set[int], set[int]]:
-        """(windowed, full) positions held by the slot's solo state, or by its group's."""
+        """(windowed, full) positions held by the slot's solo state, or by its group's (OpenVINO)."""
+        if self.backend == "mlx":
+            cache = self.held._slots[slot]
+            used = {w: cache.length - cache.offset(i) for i, w in enumerate(cache.windowed)}
+            return {used[True]}, {used[False]}
         group = self.held._group_of.get(slot)
         req = group.req if group is not None else self.held._reqs[slot]
         names = self.held._window.names
@@ -73,10 +80,14 @@ class Pair:
         return ({n for k, n in lengths.items() if k in names}, {n for k, n in lengths.items() if k not in names})
 
 
-@pytest.fixture(scope="module", params=["gemma3", "gpt-oss"])
+@pytest.fixture(scope="module", params=[(k, b) for b in ("openvino", "mlx") for k in ("gemma3", "gpt-oss")],
+                ids=lambda p: "-".join(p))
 def pair(request, tmp_path_factory):
-    path = write_arch_gguf(tmp_path_factory.mktemp("w") / "m.gguf", request.param, blocks=BLOCKS, tiny_vocab=256)
-    return Pair(path)
+    kind, backend = request.param
+    if not status(backend).available:
+        pytest.skip(status(backend).reason)
+    path = write_arch_gguf(tmp_path_factory.mktemp("w") / "m.gguf", kind, blocks=BLOCKS, tiny_vocab=256)
+    return Pair(path, backend)
 
 
 def test_decoding_past_the_window_holds_the_window_and_answers_as_the_whole_history(pair):

@@ -157,31 +157,25 @@ class ModelIndex:
             return 0
         return 2 * h.n_kv_heads * h.head_dim
 
-    def _bounded_window(self, b: int, backend: str | None) -> bool:
-        """Whether block b is a windowed layer whose KV holds its window only on `backend`."""
-        from backends.memory import holds_whole_windows
-
+    def _bounded_window(self, b: int) -> bool:
+        """Whether block b is a windowed layer, whose KV holds its window only (backends/window.py)."""
         fam = self.hparams.family
-        return (self.hparams.hybrid is None and bool(fam.sliding_window) and fam.windowed(b)
-                and not holds_whole_windows(backend))  # fmt: skip
+        return self.hparams.hybrid is None and bool(fam.sliding_window) and fam.windowed(b)
 
-    def kv_bytes_per_token_per_block(self, bytes_per_value: int = 2, backend: str | None = None) -> float:
+    def kv_bytes_per_token_per_block(self, bytes_per_value: int = 2) -> float:
         """K and V of one position, the mean over blocks: a hybrid's delta-net blocks hold no KV,
-        and on a backend that keeps a windowed layer's window only (window_bytes_per_request) nor
-        do those; `backend` None: OpenVINO's."""
+        nor per token do windowed ones (window_bytes_per_request)."""
         n = self.hparams.n_blocks
-        return sum(self._kv_values(b) for b in range(n) if not self._bounded_window(b, backend)) * bytes_per_value / n
+        return sum(self._kv_values(b) for b in range(n) if not self._bounded_window(b)) * bytes_per_value / n
 
-    def window_bytes_per_request(self, first: int = 0, last: int | None = None, bytes_per_value: int = 2,
-                                 backend: str | None = None) -> int:
-        """A request's windowed KV in blocks [first, last) on a backend that holds only each
-        windowed layer's window (backends.memory.window_held_positions); 0 elsewhere."""
+    def window_bytes_per_request(self, first: int = 0, last: int | None = None, bytes_per_value: int = 2) -> int:
+        """A request's windowed KV in blocks [first, last): each windowed layer's window and kept
+        windows (backends.memory.window_held_positions)."""
         from backends.memory import window_held_positions
 
         last = self.hparams.n_blocks if last is None else last
         held = window_held_positions(self.hparams.family.sliding_window)
-        return sum(self._kv_values(b) * held * bytes_per_value for b in range(first, last)
-                   if self._bounded_window(b, backend))  # fmt: skip
+        return sum(self._kv_values(b) * held * bytes_per_value for b in range(first, last) if self._bounded_window(b))
 
     def state_bytes_per_request(self, first: int = 0, last: int | None = None) -> int:
         """A request's recurrent state (f32, as the OpenVINO stage holds it) in blocks
@@ -199,12 +193,12 @@ class ModelIndex:
             "blocks": self.hparams.n_blocks,
             "block_bytes": float(self.block_bytes),
             "head_bytes": float(self.head_bytes),
-            "kv_bytes_per_token_per_block": self.kv_bytes_per_token_per_block(backend=backend),
+            "kv_bytes_per_token_per_block": self.kv_bytes_per_token_per_block(),
         }
         from backends.memory import RECURRENT_STATE_COPIES
 
         # a hybrid's live state and its copies, and windowed layers' KV held per request (backends.memory)
-        state = self.state_bytes_per_request() * RECURRENT_STATE_COPIES + self.window_bytes_per_request(backend=backend)
+        state = self.state_bytes_per_request() * RECURRENT_STATE_COPIES + self.window_bytes_per_request()
         if state:
             out["state_bytes_per_request_per_block"] = state / self.hparams.n_blocks
         if backend is not None:

@@ -61,10 +61,12 @@ class Dims:
 
 
 class SlotCache:
-    """One slot's KV: per block a key and a value buffer [1, Hkv, capacity, D], `length` used."""
+    """One slot's KV: per block a key and a value buffer [1, Hkv, capacity, D], `length` used.
+    A windowed block's buffers (`windowed`: sliding-window models) hold the columns from `dropped`
+    on only (backends/window.py's rules; the shard drops them: MLXShard._fit)."""
 
     def __init__(self, n_blocks: int, dims: Dims, dtype: mx.Dtype = mx.float32,
-                 shapes: list[tuple[int, int]] | None = None):
+                 shapes: list[tuple[int, int]] | None = None, windowed: tuple[bool, ...] = ()):
         """`shapes`: each block's (KV heads, head size) where they differ (gemma4), else `dims`'."""
         self.n_blocks = n_blocks
         self.dims = dims
@@ -74,27 +76,39 @@ class SlotCache:
         self.keys: list[mx.array | None] = [None] * n_blocks
         self.values: list[mx.array | None] = [None] * n_blocks
         self.recurrent: dict[int, tuple[mx.array, mx.array]] = {}  # hybrid models' states (hybrid.py)
+        self.windowed = windowed or (False,) * n_blocks
+        self.dropped = 0  # columns the windowed blocks no longer hold
+        self.seen = np.zeros(0, np.int64)  # the mask of the physical columns, as last given
 
-    @property
-    def capacity(self) -> int:
-        return 0 if not self.keys or self.keys[0] is None else self.keys[0].shape[2]
+    def offset(self, layer: int) -> int:
+        """The physical column of the block's buffer column 0."""
+        return self.dropped if self.windowed[layer] else 0
 
     def reserve(self, n: int) -> None:
         """Make room for n more positions, growing by whole steps (no O(n²) concatenation)."""
-        need = self.length + n
-        if need <= self.capacity:
-            return
-        capacity = -(-need // CACHE_STEP) * CACHE_STEP
         for i in range(self.n_blocks):
+            used = self.length - self.offset(i)
+            old = self.keys[i]
+            if old is not None and used + n <= old.shape[2]:
+                continue
+            capacity = -(-(used + n) // CACHE_STEP) * CACHE_STEP
             hkv, d = self.shapes[i]
-            pad_shape = (1, hkv, capacity - self.length, d)
+            pad_shape = (1, hkv, capacity - used, d)
             for buffers in (self.keys, self.values):
                 # a distinct array per buffer: block() writes into it in place
                 pad = mx.zeros(pad_shape, self.dtype)
                 old = buffers[i]
-                buffers[i] = (
-                    pad if old is None else mx.concatenate([old[:, :, : self.length], pad], axis=2)
-                )
+                buffers[i] = pad if old is None else mx.concatenate([old[:, :, :used], pad], axis=2)
+
+    def drop(self, start: int) -> None:
+        """The windowed blocks keep the columns from `start` on (copied out: a slice would keep
+        the whole buffer alive)."""
+        cut = start - self.dropped
+        for i in range(self.n_blocks):
+            if self.windowed[i] and self.keys[i] is not None:
+                self.keys[i] = mx.contiguous(self.keys[i][:, :, cut:])
+                self.values[i] = mx.contiguous(self.values[i][:, :, cut:])
+        self.dropped = start
 
     def arrays(self) -> list[mx.array]:
         return [a for a in self.keys + self.values if a is not None] + [a for s in self.recurrent.values() for a in s]
@@ -105,15 +119,16 @@ class SlotCache:
         n = self.length
         if n == 0:
             return 0, (), ()
-        keys = tuple(k[:, :, :n] for k in self.keys)
-        values = tuple(v[:, :, :n] for v in self.values)
+        keys = tuple(k[:, :, : n - self.offset(i)] for i, k in enumerate(self.keys))
+        values = tuple(v[:, :, : n - self.offset(i)] for i, v in enumerate(self.values))
         mx.eval(keys, values)
         return n, keys, values
 
-    def load(self, length: int, keys: tuple[mx.array, ...], values: tuple[mx.array, ...]) -> None:
-        self.length = length
+    def load(self, length: int, keys: tuple[mx.array, ...], values: tuple[mx.array, ...], dropped: int = 0) -> None:
+        self.length, self.dropped = length, dropped if length else 0
         self.keys = list(keys) if length else [None] * self.n_blocks
         self.values = list(values) if length else [None] * self.n_blocks
+        self.seen = np.ones(length, np.int64)
 
 
 def attention_mask(mask: np.ndarray, cache_len: int, n: int) -> mx.array | str | None:
@@ -227,7 +242,10 @@ def _attend(
     """One slot's attention: RoPE at its positions, its n new keys/values written at
     cache.length, attention over its cache with its mask (and gpt-oss's sinks) → [1, n, H·D]."""
     _, n, H, D = q.shape
-    start, end = cache.length, cache.length + n
+    off = cache.offset(layer)  # a windowed block holds the newest columns only (SlotCache)
+    start, end = cache.length - off, cache.length + n - off
+    if off and isinstance(mask, mx.array):
+        mask = mask[:, off:]
     q = rope(q.transpose(0, 2, 1, 3), positions, dims)  # [1, H, n, D]
     k = rope(k.transpose(0, 2, 1, 3), positions, dims)  # [1, Hkv, n, D]
     v = v.transpose(0, 2, 1, 3)  # [1, Hkv, n, D]

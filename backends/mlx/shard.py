@@ -27,6 +27,7 @@ from backends.base import HeadOps, ShardSpec
 from backends.errors import BadInput
 from backends.gguf import ModelIndex, open_model
 from backends.kept import KeptStates
+from backends.window import KeptWindow, holds_window, window_start
 from backends.gguf.families import Yarn, require_llama_blocks, yarn_magnitude, yarn_multipliers
 from backends.mlx.gemma4 import block_dims, gemma4_block
 from backends.mlx.hybrid import HybridDims, hybrid_block, init_state
@@ -44,6 +45,7 @@ class SlotState:
     first: int  # the shard it came from: blocks [first, last)
     last: int
     recurrent: dict | None = None  # a hybrid model's states (backends/mlx/hybrid.py)
+    dropped: int = 0  # columns the windowed blocks' K and V no longer hold (SlotCache)
 
 
 class MLXShard(HeadOps):
@@ -87,6 +89,8 @@ class MLXShard(HeadOps):
         self.dims_swa = dataclasses.replace(
             self.dims, rope_base=fam.rope_base_swa, rope_freqs=_periods(hp.head_dim, fam.rope_base_swa, fam.yarn),
             rope_scale=hp.rope_scale if fam.swa_rope_scaled else 1.0) if any(self._windowed) else self.dims  # fmt: skip
+        # their KV holds the window, not every position (backends/window.py): 0 when it holds all
+        self._window_size = fam.sliding_window if any(self._windowed) and hp.hybrid is None else 0
         # gemma4: each block its own heads, head size and RoPE (backends/mlx/gemma4.py)
         self._gemma4 = None if hp.gemma4 is None else block_dims(hp, index, spec.first, spec.last)
         self.weights = load_shard_weights(
@@ -108,7 +112,8 @@ class MLXShard(HeadOps):
     def open_slot(self) -> int:
         slot = next(i for i in range(len(self._slots) + 1) if i not in self._slots)
         shapes = None if self._gemma4 is None else [(d.n_kv_heads, d.head_dim) for d in self._gemma4]
-        self._slots[slot] = SlotCache(self.n_blocks, self.dims, shapes=shapes)
+        self._slots[slot] = SlotCache(self.n_blocks, self.dims, shapes=shapes,
+                                      windowed=self._windowed if self._window_size else ())  # fmt: skip
         if self.hybrid is not None:
             init_state(self._slots[slot], self.hybrid)
         return slot
@@ -136,17 +141,54 @@ class MLXShard(HeadOps):
             else:
                 self._cut_recurrent(slot, cache, length)
             return
+        if self._window_size:
+            self._cut_window(slot, cache, length, kept)
         cache.length = length
         if self.hybrid is not None and length == 0:
             init_state(cache, self.hybrid)
             self._last.pop(slot, None)
 
     def checkpoint(self, slot: int) -> None:
-        """Keep the slot's recurrent state as it is now (backends.base.Shard): the arrays are
-        immutable, so the dict of them is the copy."""
+        """Keep the slot's recurrent state (a sliding-window model's: its window) as it is now
+        (backends.base.Shard): the arrays are immutable, so the dict of them is the copy."""
+        cache = self._cache(slot)
         if self.hybrid is not None:
-            cache = self._cache(slot)
             self._kept.keep(slot, cache.length, dict(cache.recurrent))
+        elif self._window_size:
+            start = window_start(cache.seen, cache.length, self._window_size)
+            a, b = start - cache.dropped, cache.length - cache.dropped
+            arrays = {i: (cache.keys[i][:, :, a:b], cache.values[i][:, :, a:b])
+                      for i, w in enumerate(cache.windowed) if w}  # fmt: skip
+            mx.eval(arrays)
+            self._kept.keep(slot, cache.length, KeptWindow(arrays, cache.seen[start:].copy()))
+
+    def _cut_window(self, slot: int, cache: SlotCache, length: int, kept: KeptWindow | None) -> None:
+        """A sliding-window slot cut to `length`: its windowed blocks still hold the window there,
+        or go back to the window kept at that length (ValueError: neither)."""
+        if length == 0 or length <= cache.dropped and holds_window(cache.seen, np.arange(length), cache.dropped,
+                                                                 self._window_size):  # fmt: skip
+            for i, w in enumerate(cache.windowed):  # nothing of them is needed: start afresh
+                if w:
+                    cache.keys[i] = cache.values[i] = None
+            cache.dropped = length
+        elif not holds_window(cache.seen, np.arange(length), cache.dropped, self._window_size):
+            if kept is None:
+                raise ValueError(f"a sliding-window model's slot {slot} holds the window of its last "
+                                 f"positions only; it cannot be cut back to {length} positions")  # fmt: skip
+            for i, (k, v) in kept.arrays.items():
+                cache.keys[i], cache.values[i] = k, v
+            cache.dropped = length - len(kept.seen)
+            cache.seen = np.concatenate([np.ones(cache.dropped, np.int64), kept.seen])
+        cache.seen = cache.seen[:length]
+
+    def _fit(self, cache: SlotCache, mask: np.ndarray, before: int) -> None:
+        """After a step on a sliding-window slot: drop the windowed columns no later query needs,
+        once they are window_drop_at or more (backends/openvino/window.py's rule)."""
+        cache.seen = np.asarray(mask, np.int64).reshape(-1)
+        start = window_start(cache.seen, before, self._window_size)
+        if start - cache.dropped >= memory.window_drop_at(self._window_size):
+            cache.drop(start)
+            mx.eval(cache.arrays())
 
     def _cut_recurrent(self, slot: int, cache: SlotCache, length: int) -> None:
         """Back to `length` inside the slot's last step of several positions: its start state,
@@ -163,7 +205,8 @@ class MLXShard(HeadOps):
     def capture(self, slot: int) -> SlotState:
         cache = self._cache(slot)
         length, keys, values = cache.snapshot()
-        return SlotState(length, keys, values, self.spec.first, self.spec.last, dict(cache.recurrent) or None)
+        return SlotState(length, keys, values, self.spec.first, self.spec.last, dict(cache.recurrent) or None,
+                         cache.dropped)  # fmt: skip
 
     def restore(self, slot: int, state: SlotState) -> None:
         if not isinstance(state, SlotState) or (state.first, state.last) != (
@@ -174,7 +217,8 @@ class MLXShard(HeadOps):
                 "restore takes a state captured from an MLX shard of the same block range"
             )
         cache = self._cache(slot)
-        cache.load(state.length, state.keys, state.values)
+        cache.load(state.length, state.keys, state.values, state.dropped)
+        self._kept.forget(slot)
         if self.hybrid is not None:
             cache.recurrent = dict(state.recurrent or {})
             self._last.pop(slot, None)
@@ -209,6 +253,8 @@ class MLXShard(HeadOps):
                 h = block(h, w, cache, layer, pos, visible, self.dims)
         cache.length += n
         mx.eval(h, cache.arrays())  # one evaluation: the hidden states and every block's KV
+        if self._window_size:
+            self._fit(cache, mask, cache.length - n)
         return np.array(h[0], dtype=np.float32)  # [n, hidden]
 
     def forward_batch(
@@ -248,6 +294,9 @@ class MLXShard(HeadOps):
             cache.length += n
             arrays += cache.arrays()
         mx.eval(h, arrays)
+        if self._window_size:
+            for cache, m, n in zip(caches, masks, ns):
+                self._fit(cache, m, cache.length - n)
         out = np.array(h[0], dtype=np.float32)  # [T, hidden]
         return np.split(out, np.cumsum(ns)[:-1])  # [n, hidden] per row
 

@@ -1,4 +1,5 @@
-"""A windowed layer's KV holds its window, not the whole history (sliding-window models on OpenVINO).
+"""A windowed layer's KV holds its window, not the whole history (sliding-window models on OpenVINO;
+MLX holds its buffers the same way: backends/mlx/model.py's SlotCache).
 
 A windowed layer's query at logical position p sees keys at p − window < k ≤ p only
 (attention.window_mask), so once a slot is past its window, whatever lies before its last
@@ -31,14 +32,13 @@ window − 1 for each kept state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import openvino as ov
 import openvino.opset13 as ops
 
 from backends.kept import KeptStates
 from backends.memory import window_drop_at as drop_at
+from backends.window import KeptWindow, holds_window, window_start
 from backends.openvino.rows import row_kv, set_states
 
 I64 = ov.Type.i64
@@ -51,33 +51,6 @@ def last_columns(mask: ov.Output, kv: ov.Output) -> ov.Output:
     start = ops.subtract(total, held)
     return ops.slice(mask, start, total, ops.constant(np.array([1], np.int64)),
                      ops.constant(np.array([3], np.int64))).output(0)  # fmt: skip
-
-
-def window_start(seen: np.ndarray, before: int, window: int) -> int:
-    """The first column any later query of these rows may need: each row's (window − 1)-th last
-    visible column among its first `before` (seen [B, S] or [S], 0 = masked), the least over rows."""
-    need = window - 1
-    start = before
-    for row in np.atleast_2d(seen):
-        cols = np.flatnonzero(row[:before])
-        if need > 0 and cols.size:
-            start = min(start, int(cols[-need] if cols.size >= need else cols[0]))
-    return start
-
-
-def holds_window(seen: np.ndarray, cols: np.ndarray, dropped: int, window: int) -> bool:
-    """Whether a slot cut to its physical columns `cols` (in order) still holds the window of its
-    next query: its last window − 1 visible columns are at `dropped` or after."""
-    visible = cols[np.asarray(seen)[cols] != 0]
-    return window <= 1 or visible.size == 0 or int(visible[-(window - 1):][0]) >= dropped
-
-
-@dataclass
-class KeptWindow:
-    """The windowed variables' last columns at a kept length, and those columns' mask."""
-
-    arrays: dict[str, np.ndarray]  # [1, nkv, k, D]
-    seen: np.ndarray  # [k]
 
 
 class WindowedKV:

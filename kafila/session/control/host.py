@@ -59,9 +59,8 @@ def _resident_model(index, kinds: set[str], speculate: str = "off") -> dict:
 
     models = [index.planner_model(kind) for kind in sorted(kinds)]
     out = dict(models[0])
-    for key in ("process_bytes", "anchor_bytes", "block_resident_bytes", "head_resident_bytes",
-                "kv_bytes_per_token_per_block", "state_bytes_per_request_per_block"):  # KV: MLX holds whole windows
-        out[key] = max(m.get(key, 0.0) for m in models)
+    for key in ("process_bytes", "anchor_bytes", "block_resident_bytes", "head_resident_bytes"):
+        out[key] = max(m[key] for m in models)
     if speculate == "mtp" and has_mtp(index):
         mtp = index.block_tensors(index.hparams.n_blocks)
         out["head_resident_bytes"] += max(resident_bytes(kind, mtp) for kind in kinds)

@@ -60,9 +60,9 @@ def shard_memory(index, first: int, last: int, head: bool, context: int, concurr
     model = parse_fleet({"context": 1, "concurrency": 1, "anchor": "a", "model": raw,
                          "devices": [{"name": "a", "memory_gb": 1}]}).model  # fmt: skip
     kv = int(model.kv_bytes_per_token_per_block * context * concurrency * blocks)
-    # hybrids' state, and windowed layers' KV where only their window is held
+    # hybrids' state and windowed layers' KV (their window)
     state = (index.state_bytes_per_request(first, last) * RECURRENT_STATE_COPIES
-             + index.window_bytes_per_request(first, last, backend=backend)) * concurrency  # fmt: skip
+             + index.window_bytes_per_request(first, last)) * concurrency  # fmt: skip
     return {"shard_bytes": shard, "kv_bytes": kv, "state_bytes": state,
             "planned_bytes": int(member_bytes(model, blocks, head, context * concurrency, anchor, concurrency)),
             "planned_weights_bytes": int(member_bytes(model, blocks, head, 0, anchor))}  # fmt: skip

@@ -47,8 +47,8 @@ but not always that prefix or the answer as it was generated (Qwen3.5's template
 `<|im_start|>assistant\n<think>\n` for the answer to come and an earlier answer without its
 reasoning), and a turn that edits or regenerates an earlier message goes back to the turn
 before it (llama-server's context checkpoints do the same). Any other prompt starts afresh.
-Sliding-window models take the same rules: on OpenVINO a windowed layer's KV holds only its
-window (backends/openvino/window.py), so a cut further back than that needs the window every
+Sliding-window models take the same rules: a windowed layer's KV holds only its window
+(backends/window.py), so a cut further back than that needs the window every
 stage kept at that point (backends.kept.continues_whole).
 """
 

@@ -1,0 +1,42 @@
+"""Which positions a sliding-window layer still needs: the rules both backends' windowed KV keep
+(backends/openvino/window.py has the design; backends/mlx/shard.py holds its buffers the same way).
+
+A query at logical position p of a windowed layer sees keys at p − window < k ≤ p, where a key's
+logical position is its count among the visible (unmasked) physical columns before it. So a
+slot's columns before its (window − 1)-th last visible one are never read again, and a cut of
+the slot keeps its window only if those columns of the cut are still held.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def window_start(seen: np.ndarray, before: int, window: int) -> int:
+    """The first column any later query of these rows may need: each row's (window − 1)-th last
+    visible column among its first `before` (seen [B, S] or [S], 0 = masked), the least over rows."""
+    need = window - 1
+    start = before
+    for row in np.atleast_2d(seen):
+        cols = np.flatnonzero(row[:before])
+        if need > 0 and cols.size:
+            start = min(start, int(cols[-need] if cols.size >= need else cols[0]))
+    return start
+
+
+def holds_window(seen: np.ndarray, cols: np.ndarray, dropped: int, window: int) -> bool:
+    """Whether a slot cut to its physical columns `cols` (in order) still holds the window of its
+    next query: its last window − 1 visible columns are at `dropped` or after."""
+    visible = cols[np.asarray(seen)[cols] != 0]
+    return window <= 1 or visible.size == 0 or int(visible[-(window - 1):][0]) >= dropped
+
+
+@dataclass
+class KeptWindow:
+    """The windowed layers' last columns at a kept length (by variable name or layer), and those
+    columns' mask."""
+
+    arrays: dict
+    seen: np.ndarray  # [k]
