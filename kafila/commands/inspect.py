@@ -26,7 +26,7 @@ Kafila serves the file is `open_model`'s verdict: its BadInput message is the re
   block_bytes     β_block: bytes of the largest block's tensors (the planner's; ModelIndex when served)
   head_bytes      β_head: token_embd + output_norm + output (ModelIndex when served)
   kv_bytes_per_token_per_block   the planner's KV bytes per token per block (f16 values; the mean
-                  over blocks: a hybrid's delta-net layers and (OpenVINO) windowed layers hold none per token)
+                  over blocks: a hybrid's delta-net layers and windowed layers hold none per token)
   state_bytes_per_request_per_block   what the plan prices per request, the mean per block: a hybrid
                   model's recurrent state, the live state and its copies (f32;
                   backends.memory.RECURRENT_STATE_COPIES), and a sliding-window model's windowed KV,
