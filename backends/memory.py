@@ -102,6 +102,10 @@ RECURRENT_STATE_COPIES = 2 + KEPT_STATES
 # its window, at most WINDOW_DROP_AT(window) more before they are dropped, and a copy of the window
 # for each kept state. The plan prices them per request, not per token of context.
 WINDOW_DROP_MIN = 16
+# visible positions kept beyond the window (at most the window again), so a later step may mask that
+# many fed in earlier steps (a draft model's chain rewinds the drafts it fed one at a time:
+# kafila/session/ring/speculation/draft.py)
+WINDOW_REWIND = 64
 
 
 def window_drop_at(window: int) -> int:
@@ -109,9 +113,14 @@ def window_drop_at(window: int) -> int:
     return max(WINDOW_DROP_MIN, window // 2)
 
 
+def window_rewind(window: int) -> int:
+    """Visible positions a windowed layer keeps beyond its window (WINDOW_REWIND)."""
+    return min(WINDOW_REWIND, window)
+
+
 def window_held_positions(window: int) -> int:
     """Positions a request's windowed layer holds at most: its live KV and its kept windows."""
-    return window + window_drop_at(window) + KEPT_STATES * (window - 1)
+    return window + window_rewind(window) + window_drop_at(window) + KEPT_STATES * (window - 1)
 
 
 PREFILL_WORK_BYTES_PER_POSITION = 208  # per unit of hidden size

@@ -13,11 +13,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from backends.memory import window_rewind
 
-def window_start(seen: np.ndarray, before: int, window: int) -> int:
+
+def window_start(seen: np.ndarray, before: int, window: int, margin: int = 0) -> int:
     """The first column any later query of these rows may need: each row's (window − 1)-th last
-    visible column among its first `before` (seen [B, S] or [S], 0 = masked), the least over rows."""
-    need = window - 1
+    visible column among its first `before` (seen [B, S] or [S], 0 = masked), the least over rows;
+    with `margin`, that many visible columns earlier (later steps may mask as many)."""
+    need = window - 1 + margin
     start = before
     for row in np.atleast_2d(seen):
         cols = np.flatnonzero(row[:before])
@@ -31,6 +34,14 @@ def holds_window(seen: np.ndarray, cols: np.ndarray, dropped: int, window: int) 
     next query: its last window − 1 visible columns are at `dropped` or after."""
     visible = cols[np.asarray(seen)[cols] != 0]
     return window <= 1 or visible.size == 0 or int(visible[-(window - 1):][0]) >= dropped
+
+
+def check_window(seen: np.ndarray, before: int, dropped: int, window: int) -> None:
+    """ValueError (one line) when a step whose mask is `seen` needs columns before `dropped`: a
+    step masking more earlier positions than the windowed KV keeps for that (window_rewind)."""
+    if window_start(seen, before, window) < dropped:
+        raise ValueError(f"a step masks more earlier positions than a sliding-window layer keeps "
+                         f"({window_rewind(window)} beyond its window): feed the history again")  # fmt: skip
 
 
 @dataclass

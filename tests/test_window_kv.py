@@ -17,7 +17,7 @@ import pytest
 
 from backends import ShardSpec, load_shard, status
 from backends.gguf import open_model
-from backends.memory import window_drop_at
+from backends.memory import window_drop_at, window_rewind
 from tests.arch_gguf import write_arch_gguf
 
 BLOCKS = 4
@@ -91,22 +91,39 @@ def pair(request, tmp_path_factory):
 
 
 def test_decoding_past_the_window_holds_the_window_and_answers_as_the_whole_history(pair):
-    """60 positions on one slot, one at a time after a 12-id prompt, with every fourth position
-    masked out (a rejected draft): the windowed layers hold at most window + drop_at positions
-    (and the step's), the full ones all of them; every hidden state is the whole history's."""
+    """112 positions on one slot, one at a time after a 12-id prompt, with every fourth position
+    masked out (a rejected draft): the windowed layers hold at most window + window_rewind +
+    drop_at visible positions (and the masked ones among them, and the step's), the full ones all
+    of them; every hidden state is the whole history's. Then the last window_rewind positions,
+    fed one step each, are masked at once (a draft model's chain rewinding its drafts): still the
+    whole history's answer; masking more than that is refused in one line, not computed on keys
+    no longer held."""
     slot = pair.open()
     mask = [1] * 12
     pair.forward(slot, np.arange(5, 17), np.arange(12), mask)
     logical = 12
-    for i in range(48):
+    bound = 2 * (WINDOW + window_rewind(WINDOW)) + window_drop_at(WINDOW) + 1
+    for i in range(100):
         visible = int(i % 4 != 3)
         mask = mask + [1]
         pair.forward(slot, [(7 * i) % 256], [logical], mask)
         mask[-1] = visible  # the next steps see it masked out: rejected
         logical += visible
         windowed, full = pair.windowed_lengths(slot)
-        assert full == {len(mask)} and max(windowed) <= WINDOW - 1 + 2 + window_drop_at(WINDOW) + 1, (i, windowed)
+        assert full == {len(mask)} and max(windowed) <= bound, (i, windowed)
     assert max(windowed) < len(mask) // 2
+    back = np.flatnonzero(mask)[-window_rewind(WINDOW):]
+    rewound = list(mask)
+    for c in back:
+        rewound[c] = 0
+    pair.forward(slot, [3], [logical - len(back)], rewound + [1])
+    too_far = list(rewound) + [0]
+    for c in np.flatnonzero(too_far)[-2 * WINDOW:]:
+        too_far[c] = 0
+    with pytest.raises(ValueError, match="masks more earlier positions than a sliding-window layer keeps") as err:
+        pair.held.forward(slot, np.array([4]), np.array([logical - len(back) - 2 * WINDOW]),
+                          np.array(too_far + [1], np.int64))  # fmt: skip
+    assert "\n" not in str(err.value)
 
 
 def test_rows_in_a_group_hold_their_windows_and_answer_as_alone(pair):
@@ -121,7 +138,7 @@ def test_rows_in_a_group_hold_their_windows_and_answer_as_alone(pair):
         ma, mb = ma + [1], mb + [1]
         pair.batch([a, b], [[i + 1], [i + 2]], [[len(ma) - 1], [len(mb) - 1]], [ma, mb])
     windowed, full = pair.windowed_lengths(a)
-    assert full == {len(ma)} and max(windowed) <= WINDOW + window_drop_at(WINDOW) + 1, windowed
+    assert full == {len(ma)} and max(windowed) <= WINDOW + window_rewind(WINDOW) + window_drop_at(WINDOW) + 1, windowed
     ma = ma + [1]
     pair.forward(a, [9], [len(ma) - 1], ma)  # out of the group: its row copied back alone
     ma = ma + [1, 1, 1]

@@ -27,7 +27,7 @@ from backends.base import HeadOps, ShardSpec
 from backends.errors import BadInput
 from backends.gguf import ModelIndex, open_model
 from backends.kept import KeptStates
-from backends.window import KeptWindow, holds_window, window_start
+from backends.window import KeptWindow, check_window, holds_window, window_start
 from backends.gguf.families import Yarn, require_llama_blocks, yarn_magnitude, yarn_multipliers
 from backends.mlx.gemma4 import block_dims, gemma4_block
 from backends.mlx.hybrid import HybridDims, hybrid_block, init_state
@@ -185,7 +185,7 @@ class MLXShard(HeadOps):
         """After a step on a sliding-window slot: drop the windowed columns no later query needs,
         once they are window_drop_at or more (backends/openvino/window.py's rule)."""
         cache.seen = np.asarray(mask, np.int64).reshape(-1)
-        start = window_start(cache.seen, before, self._window_size)
+        start = window_start(cache.seen, before, self._window_size, memory.window_rewind(self._window_size))
         if start - cache.dropped >= memory.window_drop_at(self._window_size):
             cache.drop(start)
             mx.eval(cache.arrays())
@@ -237,6 +237,8 @@ class MLXShard(HeadOps):
     ) -> np.ndarray:
         cache = self._cache(slot)
         n, pos, visible = self._row_inputs(slot, cache, x, positions, mask)
+        if self._window_size:  # the keys the step's queries need are held
+            check_window(np.asarray(mask).reshape(-1), cache.length, cache.dropped, self._window_size)
         if self.hybrid is not None:
             return self._forward_hybrid(slot, cache, x, positions, mask, visible)
         near = self._window(cache, positions, mask)
@@ -276,6 +278,8 @@ class MLXShard(HeadOps):
             return [self.forward(*a) for a in zip(slots, xs, positions, masks)]
         caches = [self._cache(s) for s in slots]
         rows = [self._row_inputs(*a) for a in zip(slots, caches, xs, positions, masks)]
+        for cache, m in zip(caches, masks) if self._window_size else ():
+            check_window(np.asarray(m).reshape(-1), cache.length, cache.dropped, self._window_size)
         ns = [n for n, _, _ in rows]
         self._mind_cache(len(ns), max(ns))
         h = mx.concatenate([self._embed(x, n) for x, n in zip(xs, ns)])[None]  # [1, T, hidden]

@@ -36,6 +36,7 @@ from backends.openvino.rows import Row, RowGroup
 from backends import DEFAULT_KQUANT
 from backends.openvino.weights import WeightBank, releasing_pages
 from backends.openvino.window import windowed_kv
+from backends.window import check_window
 
 # serving: f32 activations and an f16 KV cache on every CPU, so every CPU kind computes one way:
 # - not the plugin's bf16 (its default where the CPU has it: AVX-512-BF16, AMX): there a question
@@ -400,6 +401,8 @@ class OpenVINOShard(HeadOps):
             full[held:] = mask[len(live):]
             mask = full
             self._live[slot] = np.concatenate([live, np.arange(held, held + n, dtype=np.int64)])
+        if self._window is not None:  # the keys the step's queries need are held
+            check_window(mask, held, self._wdrop[slot], self._window.window)
         self._held[slot] = held + n
         if self._large.due(1, x.shape[1]):
             self._release_scratch()
@@ -437,6 +440,8 @@ class OpenVINOShard(HeadOps):
         group = self._group_for(slots)
         xs = [self._inputs(x) for x in xs]
         step = rowmod.step_inputs(group, slots, xs, positions, masks, np.float32, self.index.hparams.hidden)
+        if self._window is not None:
+            check_window(step.mask, group.length, group.dropped, self._window.window)
         if self._large.due(*step.x.shape[:2]):
             self._release_scratch()
         req = group.req

@@ -12,10 +12,13 @@ windowed variables hold only the newest columns of the slot's physical layout:
   variable holds (`last_columns`): the mask still spans every physical position, so a key's
   logical position (the cumsum of the visible ones) is what it was;
 - the shard: after each step of a slot (or of a row group) the columns before the first one a later
-  query may need are dropped (`WindowedKV.fit`). That first column is the (window − 1)-th last
-  visible one *before the step*, so a cut anywhere inside the step (a verify step's rejected
-  drafts) still finds its window. Columns go drop_at(window) at a time (backends.memory), a copy of
-  the windowed variables that often rather than every step;
+  query may need are dropped (`WindowedKV.fit`). That first column is the (window − 1 +
+  window_rewind)-th last visible one *before the step*, so a cut anywhere inside the step (a verify
+  step's rejected drafts) still finds its window, and so does a later step that masks up to
+  window_rewind positions fed one step each (a draft model's chain rewinding its drafts); a step
+  that masks more is refused in one line (backends.window.check_window), never computed on missing
+  keys. Columns go drop_at(window) at a time (backends.memory), a copy of the windowed variables
+  that often rather than every step;
 - states read out (a row group joining, a row leaving it, capture) are padded on the left with
   zeros back to the slot's physical length (`WindowedKV.states`), so the code that moves rows works
   on every variable alike; the zeros lie outside every later query's window;
@@ -25,9 +28,9 @@ windowed variables hold only the newest columns of the slot's physical layout:
   a copy of the windowed variables' window (llama-server's context checkpoints do the same for
   sliding-window models). Any other cut is refused in one line.
 
-Memory (what the plan prices, backends.memory.window_held_positions): window + drop_at columns a request at most (plus
-a step's own positions while it runs and masked ones, rejected drafts, among them), and
-window − 1 for each kept state.
+Memory (what the plan prices, backends.memory.window_held_positions): window + window_rewind +
+drop_at columns a request at most (plus a step's own positions while it runs and masked ones,
+rejected drafts, among them), and window − 1 for each kept state.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from backends.kept import KeptStates
+from backends.memory import window_rewind
 from backends.memory import window_drop_at as drop_at
 from backends.window import KeptWindow, holds_window, window_start
 from backends.openvino.rows import row_kv, set_states
@@ -79,7 +83,7 @@ class WindowedKV:
         """Drop the windowed columns no later query needs (module docstring), once they are
         drop_at(window) or more; `seen` [B, S] (or [S]) the mask of every column the state holds, `before`
         the columns before the last step, `dropped` the columns gone already. The columns gone now."""
-        start = window_start(seen, before, self.window)
+        start = window_start(seen, before, self.window, window_rewind(self.window))
         if not before or start - dropped < drop_at(self.window):
             return dropped
         for s in req.query_state():
