@@ -97,7 +97,7 @@ def test_decoding_past_the_window_holds_the_window_and_answers_as_the_whole_hist
     of them; every hidden state is the whole history's. Then the last window_rewind positions,
     fed one step each, are masked at once (a draft model's chain rewinding its drafts): still the
     whole history's answer; masking more than that is refused in one line, not computed on keys
-    no longer held."""
+    no longer held, and leaves the slot as it was."""
     slot = pair.open()
     mask = [1] * 12
     pair.forward(slot, np.arange(5, 17), np.arange(12), mask)
@@ -124,6 +124,7 @@ def test_decoding_past_the_window_holds_the_window_and_answers_as_the_whole_hist
         pair.held.forward(slot, np.array([4]), np.array([logical - len(back) - 2 * WINDOW]),
                           np.array(too_far + [1], np.int64))  # fmt: skip
     assert "\n" not in str(err.value)
+    pair.forward(slot, [5], [logical - len(back) + 1], rewound + [1, 1])  # the refused step changed nothing
 
 
 def test_rows_in_a_group_hold_their_windows_and_answer_as_alone(pair):

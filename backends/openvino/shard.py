@@ -400,9 +400,10 @@ class OpenVINOShard(HeadOps):
             full[live] = mask[: len(live)]
             full[held:] = mask[len(live):]
             mask = full
-            self._live[slot] = np.concatenate([live, np.arange(held, held + n, dtype=np.int64)])
-        if self._window is not None:  # the keys the step's queries need are held
+        if self._window is not None:  # the keys the step's queries need are held (before anything changes)
             check_window(mask, held, self._wdrop[slot], self._window.window)
+        if live is not None:
+            self._live[slot] = np.concatenate([live, np.arange(held, held + n, dtype=np.int64)])
         self._held[slot] = held + n
         if self._large.due(1, x.shape[1]):
             self._release_scratch()
