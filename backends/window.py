@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from backends.memory import window_rewind
+from backends.memory import window_drop_at, window_rewind
 
 
 def window_start(seen: np.ndarray, before: int, window: int, margin: int = 0) -> int:
@@ -36,6 +36,26 @@ def holds_window(seen: np.ndarray, cols: np.ndarray, dropped: int, window: int) 
     return window <= 1 or visible.size == 0 or int(visible[-(window - 1):][0]) >= dropped
 
 
+def drop_to(seen: np.ndarray, before: int, dropped: int, window: int) -> int | None:
+    """After a step: the first column the windowed KV keeps from now on, when window_drop_at or
+    more columns are due to go (None: not yet). `seen` [B, S] or [S]: the mask of every column
+    held, `before`: the columns before the step, `dropped`: the columns gone already."""
+    start = window_start(seen, before, window, window_rewind(window))
+    return start if before and start - dropped >= window_drop_at(window) else None
+
+
+def needs_kept(slot: int, seen: np.ndarray, cols: np.ndarray, dropped: int, window: int,
+               kept: KeptWindow | None) -> bool:
+    """Whether a slot cut to its physical columns `cols` must go back to the window `kept` at that
+    length (False: the window is still held); ValueError (one line) when it must and none was kept."""
+    if holds_window(seen, cols, dropped, window):
+        return False
+    if kept is None:
+        raise ValueError(f"a sliding-window model's slot {slot} holds the window of its last "
+                         f"positions only; it cannot be cut back to {len(cols)} positions")  # fmt: skip
+    return True
+
+
 def check_window(seen: np.ndarray, before: int, dropped: int, window: int) -> None:
     """ValueError (one line) when a step whose mask is `seen` needs columns before `dropped`: a
     step masking more earlier positions than the windowed KV keeps for that (window_rewind)."""
@@ -51,3 +71,8 @@ class KeptWindow:
 
     arrays: dict
     seen: np.ndarray  # [k]
+
+    def mask(self, length: int) -> np.ndarray:
+        """The mask of a slot of `length` columns gone back to this window (the columns before it,
+        gone, count as visible: no later query reaches them)."""
+        return np.concatenate([np.ones(length - len(self.seen), np.int64), self.seen])

@@ -27,7 +27,7 @@ from backends.base import HeadOps, ShardSpec
 from backends.errors import BadInput
 from backends.gguf import ModelIndex, open_model
 from backends.kept import KeptStates
-from backends.window import KeptWindow, check_window, holds_window, window_start
+from backends.window import KeptWindow, check_window, drop_to, holds_window, needs_kept, window_start
 from backends.gguf.families import Yarn, require_llama_blocks, yarn_magnitude, yarn_multipliers
 from backends.mlx.gemma4 import block_dims, gemma4_block
 from backends.mlx.hybrid import HybridDims, hybrid_block, init_state
@@ -171,22 +171,18 @@ class MLXShard(HeadOps):
                 if w:
                     cache.keys[i] = cache.values[i] = None
             cache.dropped = length
-        elif not holds_window(cache.seen, np.arange(length), cache.dropped, self._window_size):
-            if kept is None:
-                raise ValueError(f"a sliding-window model's slot {slot} holds the window of its last "
-                                 f"positions only; it cannot be cut back to {length} positions")  # fmt: skip
+        elif needs_kept(slot, cache.seen, np.arange(length), cache.dropped, self._window_size, kept):
             for i, (k, v) in kept.arrays.items():
                 cache.keys[i], cache.values[i] = k, v
-            cache.dropped = length - len(kept.seen)
-            cache.seen = np.concatenate([np.ones(cache.dropped, np.int64), kept.seen])
+            cache.dropped, cache.seen = length - len(kept.seen), kept.mask(length)
         cache.seen = cache.seen[:length]
 
     def _fit(self, cache: SlotCache, mask: np.ndarray, before: int) -> None:
         """After a step on a sliding-window slot: drop the windowed columns no later query needs,
-        once they are window_drop_at or more (backends/openvino/window.py's rule)."""
+        when enough are due (backends.window.drop_to)."""
         cache.seen = np.asarray(mask, np.int64).reshape(-1)
-        start = window_start(cache.seen, before, self._window_size, memory.window_rewind(self._window_size))
-        if start - cache.dropped >= memory.window_drop_at(self._window_size):
+        start = drop_to(cache.seen, before, cache.dropped, self._window_size)
+        if start is not None:
             cache.drop(start)
             mx.eval(cache.arrays())
 

@@ -276,7 +276,7 @@ class OpenVINOShard(HeadOps):
                 self._take_out(slot)
             held, live = self._held[slot], self._live.get(slot)
             cols = np.arange(held, dtype=np.int64) if live is None else live
-            self._window.keep(slot, self._states(self._reqs[slot], held), self._seen[slot], cols)
+            self._window.keep(slot, self._reqs[slot], held, self._seen[slot], cols)
 
     def capture(self, slot: int) -> Any:
         """{variable name: a copy of its state} (the plugin hands states back at their own precision)."""
@@ -325,7 +325,7 @@ class OpenVINOShard(HeadOps):
             self._held[slot] = len(index)
             self._live.pop(slot, None)
             if self._window is not None:
-                self._seen[slot], self._wdrop[slot] = group.seen[p, index], 0
+                self._seen[slot] = group.seen[p, index]
                 self._wdrop[slot] = self._window.fit(req, self._seen[slot], len(index), 0)
         for slot in slots:
             self._leave_group(slot)

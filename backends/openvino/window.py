@@ -40,9 +40,7 @@ import openvino as ov
 import openvino.opset13 as ops
 
 from backends.kept import KeptStates
-from backends.memory import window_rewind
-from backends.memory import window_drop_at as drop_at
-from backends.window import KeptWindow, holds_window, window_start
+from backends.window import KeptWindow, drop_to, needs_kept, window_start
 from backends.openvino.rows import row_kv, set_states
 
 I64 = ov.Type.i64
@@ -65,10 +63,13 @@ class WindowedKV:
         self.window = window
         self.kept: KeptStates[KeptWindow] = KeptStates()
 
-    def states(self, req: ov.InferRequest, total: int) -> dict[str, ov.Tensor]:
-        """{name: state} of every variable, the windowed ones padded on the left to `total` columns."""
+    def states(self, req: ov.InferRequest, total: int, windowed_only: bool = False) -> dict[str, ov.Tensor]:
+        """{name: state} of every variable (`windowed_only`: of the windowed ones), the windowed
+        ones padded on the left to `total` columns."""
         out = {}
         for s in req.query_state():
+            if windowed_only and s.name not in self.names:
+                continue
             t = s.state
             if s.name in self.names and t.shape[2] < total:
                 b, nkv, held, d = t.shape
@@ -80,11 +81,10 @@ class WindowedKV:
         return out
 
     def fit(self, req: ov.InferRequest, seen: np.ndarray, before: int, dropped: int) -> int:
-        """Drop the windowed columns no later query needs (module docstring), once they are
-        drop_at(window) or more; `seen` [B, S] (or [S]) the mask of every column the state holds, `before`
-        the columns before the last step, `dropped` the columns gone already. The columns gone now."""
-        start = window_start(seen, before, self.window, window_rewind(self.window))
-        if not before or start - dropped < drop_at(self.window):
+        """Drop the windowed columns no later query needs, when enough are due
+        (backends.window.drop_to's arguments); the columns gone now."""
+        start = drop_to(seen, before, dropped, self.window)
+        if start is None:
             return dropped
         for s in req.query_state():
             if s.name in self.names:
@@ -102,22 +102,18 @@ class WindowedKV:
         windowed ones back to the window kept at that length, and (columns dropped, mask) after.
         ValueError when no window was kept there."""
         kept = self.kept.back_to(slot, len(live))
-        if holds_window(seen, live, dropped, self.window):
+        if not needs_kept(slot, seen, live, dropped, self.window, kept):
             return None
-        if kept is None:
-            raise ValueError(f"a sliding-window model's slot {slot} holds the window of its last "
-                             f"positions only; it cannot be cut back to {len(live)} positions")  # fmt: skip
         states = {s.name: s.state for s in req.query_state()}
         arrays = {**row_kv({n: t for n, t in states.items() if n not in self.names}, 0, live), **kept.arrays}
         set_states(req, arrays, {n: t.element_type for n, t in states.items()})
-        n, k = len(live), len(kept.seen)
-        return n - k, np.concatenate([np.ones(n - k, np.int64), kept.seen])
+        return len(live) - len(kept.seen), kept.mask(len(live))
 
-    def keep(self, slot: int, states: dict[str, ov.Tensor], seen: np.ndarray, cols: np.ndarray) -> None:
-        """Keep the window of a slot whose live physical columns are `cols` (states padded)."""
+    def keep(self, slot: int, req: ov.InferRequest, total: int, seen: np.ndarray, cols: np.ndarray) -> None:
+        """Keep the window of a slot of `total` physical columns whose live ones are `cols`."""
         start = window_start(seen[cols], len(cols), self.window)
         tail = cols[start:]
-        arrays = {n: np.ascontiguousarray(t.data[:, :, tail]) for n, t in states.items() if n in self.names}
+        arrays = {n: np.ascontiguousarray(t.data[:, :, tail]) for n, t in self.states(req, total, True).items()}
         self.kept.keep(slot, len(cols), KeptWindow(arrays, np.asarray(seen)[tail].copy()))
 
 
