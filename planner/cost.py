@@ -65,6 +65,7 @@ __all__ = [
     "block_limit",
     "bytes_per_block",
     "member_bytes",
+    "head_kv_bytes",
     "at_burst",
     "pick_ms",
     "quota_alone_ms",
@@ -231,13 +232,23 @@ def member_bytes(
     """What a member holding `blocks` blocks (and the head) is expected to hold resident, with
     `kv_tokens` positions of KV per block (context × concurrency at the declared load) and
     `requests` requests' recurrent state (hybrid models):
-    π + [anchor]·α + n·(ρ_block + kv·kv_tokens + σ·requests) + [head]·ρ_head. A member with no
-    blocks (and not the head) holds nothing of the model."""
+    π + [anchor]·α + n·(ρ_block + kv·kv_tokens + σ·requests) + [head]·(ρ_head + head_kv). A member
+    with no blocks (and not the head) holds nothing of the model."""
     if blocks <= 0 and not is_head:
         return 0.0
     per_block = (model.block_memory + model.kv_bytes_per_token_per_block * kv_tokens
                  + model.state_bytes_per_request_per_block * requests)  # fmt: skip
-    return _fixed(model, is_head, is_anchor) + blocks * per_block
+    context = kv_tokens / requests if requests > 0 else 0.0
+    head = head_kv_bytes(model, context, requests) if is_head else 0.0
+    return _fixed(model, is_head, is_anchor) + blocks * per_block + head
+
+
+def head_kv_bytes(model: Model, context: float, requests: int) -> float:
+    """What the head holds per request beside its blocks (`Model.head_bytes_per_token`: a draft
+    head's KV and rows) at `context` positions, for `requests` requests and the parked ones."""
+    if model.head_bytes_per_token <= 0 or requests <= 0:
+        return 0.0
+    return model.head_bytes_per_token * context * (requests + model.head_parked)
 
 
 def _fixed(model: Model, is_head: bool, is_anchor: bool) -> float:
@@ -248,6 +259,8 @@ def _fixed(model: Model, is_head: bool, is_anchor: bool) -> float:
 def block_limit(device: Device, fleet: Fleet, is_head: bool) -> int:
     """lim(i): the most blocks `device` can hold (0 when not even its fixed part fits)."""
     room = device.memory_bytes - _fixed(fleet.model, is_head, device.name == fleet.anchor)
+    if is_head:
+        room -= head_kv_bytes(fleet.model, fleet.context, fleet.concurrency)
     if room <= 0:
         return 0
     return math.floor(room / bytes_per_block(fleet))
@@ -271,11 +284,15 @@ def slots_that_fit(fleet: Fleet, blocks: Mapping[str, int], head: str, most: int
     fit = most
     for device in fleet.devices:
         n = blocks.get(device.name, 0)
-        if n <= 0:
+        is_head = device.name == head
+        if n <= 0 and not (is_head and model.head_bytes_per_token > 0):
             continue
-        fixed = _fixed(model, device.name == head, device.name == fleet.anchor)
+        fixed = _fixed(model, is_head, device.name == fleet.anchor)
         room = device.memory_bytes - fixed - n * model.block_memory
         per_slot = n * (model.kv_bytes_per_token_per_block * fleet.context + model.state_bytes_per_request_per_block)
+        if is_head:  # the head's own per-request bytes: one slot's, and the parked ones' once
+            per_slot += model.head_bytes_per_token * fleet.context
+            room -= model.head_bytes_per_token * fleet.context * model.head_parked
         if room < per_slot:
             return 0
         if per_slot > 0:

@@ -61,6 +61,7 @@ MAX_PERIOD_MS = 1e4  # a CFS period (the kernel allows 1 ms .. 1 s)
 MAX_SCALE = 1e3  # a calibration ratio (Model.block_scale, shared_scale)
 MAX_BYTES = 1e15  # one block's or the head's bytes
 MAX_BLOCKS = 100_000
+MAX_PARKED = 1024  # finished requests a head keeps state for
 MAX_CONTEXT_TOKENS = 1 << 24
 MAX_CONCURRENCY = 1 << 16
 MAX_EXPERTS = 1 << 16
@@ -98,6 +99,11 @@ class Model:
     # Hybrid (recurrent) models: a request's fixed state per block (a mean over the blocks: the
     # delta-net layers' conv and matrix states), held per request whatever its length (0: none).
     state_bytes_per_request_per_block: float = 0.0
+    # What the head holds per position of each request beside its blocks (0: nothing): a draft
+    # head's own KV and the rows it keeps (--speculate mtp), for every request and for
+    # `head_parked` finished ones kept for their conversations' next turns.
+    head_bytes_per_token: float = 0.0
+    head_parked: int = 0
     # the model's own blocks timed on the host against its probe (kafila/session/control/calibrate.py):
     block_scale: float = 1.0  # a block's time over what the probe's figures predict for its bytes
     stage_us: float = 0.0  # a stage's fixed time beyond the probe's dispatch overhead, µs
@@ -255,6 +261,8 @@ def _model(raw: Any, key: str | None) -> Model:
         expert_bytes=experts[2],
         head_read_bytes=_optional(raw, "head_read_bytes", where),
         state_bytes_per_request_per_block=_optional(raw, "state_bytes_per_request_per_block", where) or 0.0,
+        head_bytes_per_token=_optional(raw, "head_bytes_per_token", where) or 0.0,
+        head_parked=_integer(raw, "head_parked", where, 0, MAX_PARKED) if "head_parked" in raw else 0,
         block_scale=_calibration(raw, "block_scale", where, 1.0, MAX_SCALE),
         stage_us=_calibration(raw, "stage_us", where, 0.0, MAX_OVERHEAD_US),
         embed_us=_calibration(raw, "embed_us", where, 0.0, MAX_OVERHEAD_US),

@@ -258,13 +258,31 @@ def test_a_session_with_speculate_mtp_answers_as_one_stage_does(tmp_path):
 def test_the_head_is_priced_with_the_mtp_block_when_it_drafts_with_it(mtp_file):
     from backends.memory import resident_bytes
     from kafila.session.control.host import _resident_model
+    from kafila.session.ring.speculation.mtp import PARKED
 
     index = open_model(mtp_file)
     plain, mtp = _resident_model(index, {"openvino"}), _resident_model(index, {"openvino"}, "mtp")
     block = resident_bytes("openvino", index.block_tensors(SHAPE["blocks"]))
     assert block > 0 and mtp["head_resident_bytes"] == plain["head_resident_bytes"] + block
-    assert {k: v for k, v in mtp.items() if k != "head_resident_bytes"} == {
-        k: v for k, v in plain.items() if k != "head_resident_bytes"}
+    # and per position of each request (and of the parked ones): the block's K and V, the row kept
+    h = index.hparams
+    assert mtp["head_bytes_per_token"] == 2 * h.n_kv_heads * h.head_dim * 2 + h.hidden * 4
+    assert mtp["head_parked"] == PARKED and "head_bytes_per_token" not in plain
+    mine = ("head_resident_bytes", "head_bytes_per_token", "head_parked")
+    assert {k: v for k, v in mtp.items() if k not in mine} == {k: v for k, v in plain.items() if k not in mine}
+    # the plan's slots make room for them at the head (planner.cost.head_kv_bytes)
+    from planner import member_bytes, parse_fleet
+    from planner.cost import slots_that_fit
+
+    n, context = index.hparams.n_blocks, 4096
+
+    def fleet(model: dict, memory: float):
+        return parse_fleet({"context": context, "concurrency": 1, "anchor": "a", "model": model,
+                            "devices": [{"name": "a", "memory_gb": memory / 1e9}]})  # fmt: skip
+
+    memory = member_bytes(fleet(mtp, 1e9).model, n, True, context * 8, True, 8) + 1  # 8 requests drafting
+    assert slots_that_fit(fleet(mtp, memory), {"a": n}, "a", 1000) == 8
+    assert slots_that_fit(fleet({**mtp, "head_bytes_per_token": 0}, memory), {"a": n}, "a", 1000) > 8
 
 
 def test_a_request_that_stops_drafting_keeps_at_most_max_rows(mtp_file):

@@ -170,3 +170,33 @@ def test_a_member_under_a_cpu_quota_runs_one_requests_stage_in_a_burst():
     waits = [max(0.0, 7.5 - p) + (7.5 if p > 8.5 else 0.0) for p in (10 * (i + 0.5) / 64 for i in range(64))]
     assert quota_alone_ms(quota, 4.0, 16.0, circuit_ms=20) == pytest.approx(4.0 + sum(waits) / 64)
     assert quota_alone_ms(Device("n", 16, 5, 40), 2.0, 8.0, circuit_ms=10) == 8.0  # no quota: sustained
+
+
+def test_the_heads_own_per_request_bytes_are_priced_for_each_slot_and_the_parked_ones() -> None:
+    """A draft head's KV and rows (--speculate mtp): `head_bytes_per_token` per position of every
+    request and of `head_parked` finished ones, at the head only."""
+    from planner import member_bytes
+    from planner.cost import slots_that_fit
+
+    per_token, parked = 5e5, 4
+    plain = parse_fleet({**_session(30.0), "concurrency": 2})
+    drafting = parse_fleet({**_session(30.0), "concurrency": 2,
+                            "model": {**KV_MODEL, "head_bytes_per_token": per_token, "head_parked": parked}})  # fmt: skip
+    m0, m1 = plain.model, drafting.model
+    for head in (True, False):
+        grown = member_bytes(m1, 5, head, 1000 * 2, requests=2) - member_bytes(m0, 5, head, 1000 * 2, requests=2)
+        assert grown == pytest.approx(per_token * 1000 * (2 + parked) if head else 0.0)
+    blocks = {"a": 10, "b": 10}
+    wide = slots_that_fit(plain, blocks, "a", 10_000)
+    narrow = slots_that_fit(drafting, blocks, "a", 10_000)
+    assert narrow < wide  # the head's room goes to its draft KV too
+    assert slots_that_fit(drafting, blocks, "b", 10_000) == narrow  # whichever member heads
+    # the head's limit is its bytes at that many requests, the parked ones included
+    ctx = plain.context
+
+    def fits(n: int) -> bool:
+        return member_bytes(m1, 10, True, ctx * n, requests=n) <= 30.0 * GB
+
+    assert fits(narrow) and not fits(narrow + 1)
+    with pytest.raises(Exception, match="head_parked"):
+        parse_fleet({**_session(3.0), "model": {**KV_MODEL, "head_parked": -1}})

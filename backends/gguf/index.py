@@ -168,6 +168,14 @@ class ModelIndex:
         n = self.hparams.n_blocks
         return sum(self._kv_values(b) for b in range(n) if not self._bounded_window(b)) * bytes_per_value / n
 
+    def mtp_kv_bytes_per_token(self, bytes_per_value: int = 2) -> int:
+        """K and V of one position in the multi-token-prediction block's cache (0: none): a full
+        attention block after the trunk (backends/gguf/hybrid.py)."""
+        h = self.hparams
+        if h.hybrid is None or not h.hybrid.mtp_blocks:
+            return 0
+        return 2 * h.n_kv_heads * h.head_dim * bytes_per_value
+
     def window_bytes_per_request(self, first: int = 0, last: int | None = None, bytes_per_value: int = 2) -> int:
         """A request's windowed KV in blocks [first, last): each windowed layer's window and kept
         windows (backends.memory.window_held_positions)."""

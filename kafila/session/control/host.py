@@ -53,7 +53,8 @@ def member_row(name: str, info, state: str) -> dict:
 def _resident_model(index, kinds: set[str], speculate: str = "off") -> dict:
     """The plan's model entry with memory in the members' backends' forms (backends.memory): one
     Model serves every member, so a mixed ring takes each memory figure from its largest backend.
-    With --speculate mtp the head also holds the model's multi-token-prediction block."""
+    With --speculate mtp the head also holds the model's multi-token-prediction block, and its KV
+    and rows per position of every request and of the parked ones."""
     from backends.gguf.hybrid import has_mtp
     from backends.memory import resident_bytes
 
@@ -62,8 +63,13 @@ def _resident_model(index, kinds: set[str], speculate: str = "off") -> dict:
     for key in ("process_bytes", "anchor_bytes", "block_resident_bytes", "head_resident_bytes"):
         out[key] = max(m[key] for m in models)
     if speculate == "mtp" and has_mtp(index):
+        from kafila.session.ring.speculation.mtp import PARKED, row_bytes
+
         mtp = index.block_tensors(index.hparams.n_blocks)
         out["head_resident_bytes"] += max(resident_bytes(kind, mtp) for kind in kinds)
+        # per position of each request: the block's KV, and the model's row it keeps
+        out["head_bytes_per_token"] = index.mtp_kv_bytes_per_token() + row_bytes(index.hparams.hidden)
+        out["head_parked"] = PARKED
     return out
 
 

@@ -47,6 +47,11 @@ PARKED = 4  # finished requests' MTP slots kept for the next turn of their conve
 MAX_ROWS = 4096  # the model's rows a request keeps (positions) until its next proposal
 
 
+def row_bytes(hidden: int) -> int:
+    """Bytes of one kept row (the model's f32 hidden of one position), as the plan prices it."""
+    return hidden * np.dtype(np.float32).itemsize
+
+
 class _State:
     def __init__(self, slot: int, bound: int) -> None:
         self.slot = slot
