@@ -11,6 +11,9 @@ Four blocks (`blocks`: more repeat the four's pattern), hidden 64, 4 query heads
 - `moe`: every block also has 8 experts of FFN 32 (top 2) beside its dense FFN, with the router's
   input scale and a down scale per expert; `fused`: their gate and up as one ffn_gate_up_exps (as
   llama.cpp's converter writes Gemma 4's).
+`per_layer` P > 0: per-layer embeddings of P per block (the E2B/E4B models); `shared_kv` n: the
+last n blocks read an earlier block's KV and have no attn_k, attn_v or attn_k_norm (their KV heads
+are their source's), as E2B/E4B have them.
 `extra_kv` adds {key: (value, GGUFValueType)} (the refusal tests).
 """
 
@@ -45,11 +48,14 @@ def rope_factors() -> np.ndarray:
 
 def write_gemma4_gguf(path: str | os.PathLike, moe: bool = False, seed: int = 0, extra_kv: dict | None = None,
                       hidden: int = HIDDEN, ffn: int = FFN, experts: tuple[int, int, int] = EXPERTS,
-                      blocks: int = BLOCKS, fused: bool = False) -> str:
+                      blocks: int = BLOCKS, fused: bool = False, per_layer: int = 0, shared_kv: int = 0) -> str:
     """The file (module docstring); `hidden`, `ffn`, `experts` (E, k, expert FFN) resize it (rows
     of 256 let llama.cpp's quantizer put K-quants on the matrices)."""
     HIDDEN, FFN, EXPERTS = hidden, ffn, experts  # noqa: N806 (the module's shape, resized)
     SWA, KV_HEADS, OWN_VALUES = ([a[b % BLOCKS] for b in range(blocks)] for a in (SWA_4, KV_HEADS_4, OWN_VALUES_4))  # noqa: N806
+    own_kv = blocks - shared_kv
+    source = [b if b < own_kv else own_kv - (2 if SWA[b] else 1) for b in range(blocks)]
+    KV_HEADS = [KV_HEADS[source[b]] for b in range(blocks)]  # noqa: N806 (a sharing block: its source's)
     rng = np.random.default_rng(seed)
     w = gguf.GGUFWriter(str(path), ARCH)
     w.add_name("kafila-test-gemma4" + ("-moe" if moe else ""))
@@ -69,7 +75,9 @@ def write_gemma4_gguf(path: str | os.PathLike, moe: bool = False, seed: int = 0,
     w.add_float32(f"{ARCH}.rope.freq_base_swa", 10000.0)
     w.add_sliding_window(WINDOW)
     w.add_array(f"{ARCH}.attention.sliding_window_pattern", SWA)
-    w.add_uint32(f"{ARCH}.embedding_length_per_layer_input", 0)
+    w.add_uint32(f"{ARCH}.embedding_length_per_layer_input", per_layer)
+    if shared_kv:
+        w.add_uint32(f"{ARCH}.attention.shared_kv_layers", shared_kv)
     w.add_float32(f"{ARCH}.final_logit_softcapping", 30.0)
     w.add_layer_norm_rms_eps(1e-6)
     if moe:
@@ -88,16 +96,21 @@ def write_gemma4_gguf(path: str | os.PathLike, moe: bool = False, seed: int = 0,
     add("token_embd.weight", (vocab, HIDDEN), EMBED_SCALE)  # tied: also the lm_head
     add("output_norm.weight", (HIDDEN,), 0.1, 1.0)
     w.add_tensor("rope_freqs.weight", rope_factors())
+    if per_layer:
+        add("per_layer_token_embd.weight", (vocab, blocks * per_layer), 0.5)
+        add("per_layer_model_proj.weight", (blocks * per_layer, HIDDEN), 0.3)
+        add("per_layer_proj_norm.weight", (per_layer,), 0.1, 1.0)
     for b in range(blocks):
         p = f"blk.{b}."
         d = HEAD_SWA if SWA[b] else HEAD_FULL
         add(p + "attn_norm.weight", (HIDDEN,), 0.1, 1.0)
         add(p + "attn_q.weight", (HEADS * d, HIDDEN), 0.25)
-        add(p + "attn_k.weight", (KV_HEADS[b] * d, HIDDEN), 0.25)
-        if OWN_VALUES[b]:
-            add(p + "attn_v.weight", (KV_HEADS[b] * d, HIDDEN), 0.3)
+        if source[b] == b:
+            add(p + "attn_k.weight", (KV_HEADS[b] * d, HIDDEN), 0.25)
+            if OWN_VALUES[b]:
+                add(p + "attn_v.weight", (KV_HEADS[b] * d, HIDDEN), 0.3)
+            add(p + "attn_k_norm.weight", (d,), 0.1, 0.4)
         add(p + "attn_q_norm.weight", (d,), 0.1, 0.4)
-        add(p + "attn_k_norm.weight", (d,), 0.1, 0.4)
         add(p + "attn_output.weight", (HIDDEN, HEADS * d), 0.3)
         add(p + "post_attention_norm.weight", (HIDDEN,), 0.1, 1.0)
         add(p + "ffn_norm.weight", (HIDDEN,), 0.1, 1.0)
@@ -106,6 +119,10 @@ def write_gemma4_gguf(path: str | os.PathLike, moe: bool = False, seed: int = 0,
         add(p + "ffn_down.weight", (HIDDEN, FFN), 0.3)
         add(p + "post_ffw_norm.weight", (HIDDEN,), 0.1, 1.0)
         w.add_tensor(p + "layer_output_scale.weight", np.array([0.6 + 0.2 * b], np.float32))
+        if per_layer:
+            add(p + "inp_gate.weight", (per_layer, HIDDEN), 0.3)
+            add(p + "proj.weight", (HIDDEN, per_layer), 0.3)
+            add(p + "post_norm.weight", (HIDDEN,), 0.1, 1.0)
         if moe:
             n_exp, _, exp_ffn = EXPERTS
             add(p + "ffn_gate_inp.weight", (n_exp, HIDDEN), 0.5)

@@ -116,27 +116,53 @@ def test_each_block_keeps_its_own_kv_geometry_and_the_plan_prices_their_mean(tmp
         np.testing.assert_allclose(both[0], alone, rtol=1e-5, atol=1e-5)
 
 
+PLE_BLOCKS = 6  # blocks 4 (windowed) and 5 (full) share blocks 2's and 3's KV
+PLE_SPLITS = ([(0, 3), (3, 4), (4, 6)], [(0, 1), (1, 5), (5, 6)], [(0, 2), (2, 6)])
+
+
+@needs_llamacpp
+@pytest.mark.parametrize("backend", ["openvino", "mlx"])
+def test_per_layer_embeddings_and_shared_kv_match_llamacpp_one_stage_and_split(tmp_path, backend):
+    """The E2B/E4B parts: per-layer embeddings (P = 8 a block) and the last two blocks attending over
+    blocks 2's and 3's KV. Split so that both sources sit on an earlier stage than their sharers
+    (their step K and V travel in the carried row), one on the sharers' stage and one before it,
+    and both with them; 64 ids past the window."""
+    from tests.llamacpp_ref import greedy_run
+
+    path = write_gemma4_gguf(tmp_path / "ple.gguf", blocks=PLE_BLOCKS, per_layer=8, shared_kv=2)
+    index = open_model(path)
+    g = index.hparams.gemma4
+    assert [b.kv_from for b in g.blocks] == [0, 1, 2, 3, 2, 3] and g.shared_sources == (2, 3)
+    ref_ids, ref_logits = greedy_run(path, PROMPT_IDS, N_TOKENS)
+    assert len(set(ref_ids)) > 8, ref_ids
+    for ranges in ([(0, PLE_BLOCKS)], *PLE_SPLITS):
+        got = kafila_greedy(_shards(path, index, ranges, backend), PROMPT_IDS, N_TOKENS)
+        check_against_llamacpp(got, ref_ids, ref_logits)
+
+
+def test_a_carried_row_holds_the_per_layer_inputs_and_the_shared_sources_kv(tmp_path):
+    """The row's layout, the KV a sharing block holds (none of its own: the plan prices its source's
+    only), and the head's tensors: the per-layer tables go with the first stage."""
+    index = open_model(write_gemma4_gguf(tmp_path / "ple.gguf", blocks=PLE_BLOCKS, per_layer=8, shared_kv=2))
+    h, g = index.hparams, index.hparams.gemma4
+    kv2, kv3 = 2 * KV_HEADS[2] * HEAD_SWA, 2 * KV_HEADS[3] * HEAD_FULL
+    assert h.carried == h.hidden + PLE_BLOCKS * 8 + kv2 + kv3
+    assert g.ple_columns(h.hidden, 5) == (h.hidden + 40, h.hidden + 48)
+    assert g.kv_columns(h.hidden, 3) == h.hidden + PLE_BLOCKS * 8 + kv2
+    assert g.kv_values_per_token(4) == g.kv_values_per_token(5) == 0 < g.kv_values_per_token(2)
+    names = {t.name for t in index.shard_tensors(0, 1, True)}
+    assert {"per_layer_token_embd.weight", "per_layer_model_proj.weight", "per_layer_proj_norm.weight"} <= names
+    assert "per_layer_model_proj.weight" not in {t.name for t in index.shard_tensors(1, 6, False)}
+
+
 @pytest.mark.parametrize("key, value, says", [
-    ("gemma4.embedding_length_per_layer_input", 8, "per-layer embeddings"),
-    ("gemma4.attention.shared_kv_layers", 2, "share an earlier layer's KV"),
+    ("gemma4.attention.shared_kv_layers", 3, "another kind"),  # full block 3 would read windowed block 2's
+    ("gemma4.attention.shared_kv_layers", 5, "out of range"),  # llama.cpp needs 2 blocks of their own at least
 ])  # fmt: skip
-def test_the_gemma4_parts_not_served_are_refused_in_one_line(tmp_path, key, value, says):
+def test_a_shared_kv_llamacpp_would_not_compute_as_written_is_refused_in_one_line(tmp_path, key, value, says):
     import gguf
 
-    kv = {key: (value, gguf.GGUFValueType.UINT32)}
-    if key.endswith("per_layer_input"):  # the writer sets it to 0: write the file with it changed
-        path = write_gemma4_gguf(tmp_path / "g.gguf", extra_kv={})
-        _rewrite_uint32(path, key, value)
-    else:
-        path = write_gemma4_gguf(tmp_path / "g.gguf", extra_kv=kv)
+    path = write_gemma4_gguf(tmp_path / "g.gguf", blocks=PLE_BLOCKS, extra_kv={key: (value, gguf.GGUFValueType.UINT32)})
     with pytest.raises(BadInput) as e:
         open_model(path)
     assert says in str(e.value) and "\n" not in str(e.value)
-
-
-def _rewrite_uint32(path: str, key: str, value: int) -> None:
-    """Overwrite the UINT32 value of metadata `key` in place (same size)."""
-    import gguf
-
-    field = gguf.GGUFReader(path, "r+").fields[key]
-    field.parts[field.data[0]][...] = value

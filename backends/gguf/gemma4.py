@@ -28,9 +28,23 @@ Every block, as llama.cpp computes it:
 Around the blocks: the embedding's rows × sqrt(hidden); final RMSNorm, lm_head (tied unless
 output.weight), logits soft-capped by `final_logit_softcapping` when set.
 
-Not served (refused in one line): per-layer embeddings (`embedding_length_per_layer_input` > 0:
-the E2B/E4B models), layers sharing an earlier layer's KV (`attention.shared_kv_layers` > 0),
-a fused attn_qkv.
+Per-layer embeddings (`embedding_length_per_layer_input` P > 0: the E2B/E4B models), as llama.cpp
+computes them: each position's per-layer inputs, for every block l a P-vector,
+    pl = (RMSNorm((per_layer_model_proj · x0) / sqrt(hidden) per block; per_layer_proj_norm)
+          + per_layer_token_embd[token] × sqrt(P)) / sqrt(2)      (x0: the scaled embedding)
+and after block l's residual (before its output scale)
+    x = x + RMSNorm(proj · (GELU(tanh)(inp_gate · x) ⊙ pl_l); post_norm).
+Layers that share KV (`attention.shared_kv_layers` n > 0): the last n blocks compute no keys or
+values of their own; each attends over the KV of block L − n − 2 (a windowed one) or L − n − 1 (a
+full one), whichever has its kind (llama.cpp's reuse callback).
+
+On the ring both are carried with the hidden state (`Gemma4Params.carried`): a row is
+[hidden | every block's per-layer input | each shared source's new K and V]. The first stage
+computes the per-layer inputs (it reads per_layer_token_embd's rows from the file, as the
+embedding's); a shared source's stage writes its step's K and V there, and a later stage whose
+sharing blocks lack their source keeps a KV cache of its own for it from those columns.
+
+Not served (refused in one line): a fused attn_qkv.
 """
 
 from __future__ import annotations
@@ -38,6 +52,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+
+import numpy as np
 
 from backends.errors import BadInput
 from backends.gguf.families import DENSE_FFN_TENSORS, FUSED_GATE_UP_EXPS, Family
@@ -52,8 +68,11 @@ MOE = ("ffn_gate_inp.weight", "ffn_gate_inp.scale", "pre_ffw_norm_2.weight", "po
        "post_ffw_norm_2.weight", "ffn_down_exps.weight")  # fmt: skip; and gate and up, fused or not
 SPLIT_GATE_UP = ("ffn_gate_exps.weight", "ffn_up_exps.weight")
 OPTIONAL = ("attn_v.weight", "layer_output_scale.weight")
+OWN_KV = ("attn_k.weight", "attn_k_norm.weight")  # what a block that shares an earlier one's KV lacks
 HEAD = ("token_embd.weight", "output_norm.weight")
-OUTSIDE_BLOCKS = (*HEAD, "output.weight", "rope_freqs.weight")
+PLE_HEAD = ("per_layer_token_embd.weight", "per_layer_model_proj.weight", "per_layer_proj_norm.weight")
+PLE_BLOCK = ("inp_gate.weight", "proj.weight", "post_norm.weight")
+OUTSIDE_BLOCKS = (*HEAD, "output.weight", "rope_freqs.weight", *PLE_HEAD)
 
 
 @dataclass(frozen=True)
@@ -65,16 +84,43 @@ class Gemma4Block:
     rope_dims: int  # the first rope_dims of each head rotate (NEOX halves)
     own_values: bool  # attn_v present (else the values are the key projection)
     moe: bool  # experts beside the dense FFN
-
+    kv_from: int  # the block whose KV it attends over: itself, or a shared source
 
 @dataclass(frozen=True)
 class Gemma4Params:
     blocks: tuple[Gemma4Block, ...]
+    per_layer: int = 0  # P: each block's per-layer input (0: none)
 
     def kv_values_per_token(self, b: int) -> int:
-        """K and V values one position holds in block b's cache."""
+        """K and V values one position holds in block b's cache (0: it reads a shared source's)."""
         g = self.blocks[b]
-        return 2 * g.n_kv_heads * g.head_dim
+        return 2 * g.n_kv_heads * g.head_dim if g.kv_from == b else 0
+
+    @property
+    def shared_sources(self) -> tuple[int, ...]:
+        """The blocks whose KV later blocks read, in order."""
+        return tuple(sorted({g.kv_from for b, g in enumerate(self.blocks) if g.kv_from != b}))
+
+    def carried(self, hidden: int) -> int:
+        """The width of a row on the ring (module docstring): hidden, the per-layer inputs, the
+        shared sources' K and V."""
+        return self.kv_columns(hidden, None)
+
+    def ple_columns(self, hidden: int, b: int) -> tuple[int, int]:
+        """[start, end) of block b's per-layer input in a carried row."""
+        return hidden + b * self.per_layer, hidden + (b + 1) * self.per_layer
+
+    def kv_columns(self, hidden: int, source: int | None) -> int:
+        """Where shared source `source`'s K columns start in a carried row (its V follow them);
+        with None, the row's width."""
+        at = hidden + len(self.blocks) * self.per_layer
+        for s in self.shared_sources:
+            if s == source:
+                return at
+            at += 2 * self.blocks[s].n_kv_heads * self.blocks[s].head_dim
+        if source is not None:
+            raise ValueError(f"block {source} is not a shared KV source")
+        return at
 
 
 def _per_block(path: str, hp, key: str, n_blocks: int, default) -> list[int]:
@@ -89,11 +135,11 @@ def _per_block(path: str, hp, key: str, n_blocks: int, default) -> list[int]:
 def gemma4_params(path: str, hp, tensors: dict, n_blocks: int, hidden: int) -> tuple[Gemma4Params, Family]:
     """The per-block geometry and the family's parts of a gemma4 file (module docstring); BadInput
     for what llama.cpp would compute but Kafila does not, or a file llama.cpp would refuse."""
-    if int(hp("embedding_length_per_layer_input")):
-        raise BadInput(f"GGUF {path}: {GEMMA4} with per-layer embeddings (the E2B/E4B models) is not served; "
-                       "Kafila serves Gemma 4 files without them (e.g. 26B-A4B, 31B)")
-    if int(hp("attention.shared_kv_layers", 0)):
-        raise BadInput(f"GGUF {path}: {GEMMA4} layers that share an earlier layer's KV are not served")
+    per_layer = int(hp("embedding_length_per_layer_input"))
+    shared = int(hp("attention.shared_kv_layers", 0))
+    if not 0 <= shared <= n_blocks - 2 or per_layer < 0:
+        raise BadInput(f"GGUF {path}: {GEMMA4}.attention.shared_kv_layers {shared} or embedding_length_per_layer_input "
+                       f"{per_layer} is out of range for {n_blocks} blocks")
     pattern = hp("attention.sliding_window_pattern")
     if not isinstance(pattern, list) or len(pattern) != n_blocks:
         raise BadInput(f"GGUF {path}: {GEMMA4}.attention.sliding_window_pattern must be a bool per block "
@@ -111,13 +157,15 @@ def gemma4_params(path: str, hp, tensors: dict, n_blocks: int, hidden: int) -> t
     rot_full = int(hp("rope.dimension_count", d_full))
     rot_swa = int(hp("rope.dimension_count_swa", rot_full))
     experts = int(hp("expert_count", 0))
-    missing = [n for n in HEAD if n not in tensors]
-    stray = [n for n in tensors if not n.startswith("blk.") and n not in OUTSIDE_BLOCKS]
+    missing = [n for n in HEAD + (PLE_HEAD if per_layer else ()) if n not in tensors]
+    outside = OUTSIDE_BLOCKS if per_layer else tuple(n for n in OUTSIDE_BLOCKS if n not in PLE_HEAD)
+    stray = [n for n in tensors if not n.startswith("blk.") and n not in outside]
     stray += [n for n in tensors if (m := re.match(r"blk\.(\d+)\.", n)) and int(m.group(1)) >= n_blocks]
     if missing or stray:
         raise BadInput(f"GGUF {path} lacks tensor {missing[0]}" if missing else
                        f"GGUF {path}: tensor {stray[0]} is not part of the {GEMMA4} model Kafila serves")
     blocks = []
+    own_kv = n_blocks - shared  # llama.cpp's n_layer_kv_from_start
     for b in range(n_blocks):
         p = f"blk.{b}."
         d, rot = (d_swa, rot_swa) if swa[b] else (d_full, rot_full)
@@ -125,8 +173,12 @@ def gemma4_params(path: str, hp, tensors: dict, n_blocks: int, hidden: int) -> t
             raise BadInput(f"GGUF {path}: block {b} has {heads[b]} heads, {kv_heads[b]} KV heads of {d} with {rot} "
                            "rotated dims, which llama.cpp would not run")
         moe = p + "ffn_gate_inp.weight" in tensors
-        blocks.append(Gemma4Block(swa[b], heads[b], kv_heads[b], d, rot, p + "attn_v.weight" in tensors, moe))
-        _check_block(path, tensors, blocks[-1], b, hidden, experts)
+        kv_from = b if b < own_kv else own_kv - (2 if swa[b] else 1)
+        if kv_from != b and (swa[kv_from] != swa[b] or kv_heads[kv_from] != kv_heads[b]):
+            raise BadInput(f"GGUF {path}: block {b} shares block {kv_from}'s KV, which is of another kind or KV "
+                           "head count; Kafila serves a shared KV of the sharing block's own geometry")
+        blocks.append(Gemma4Block(swa[b], heads[b], kv_heads[b], d, rot, p + "attn_v.weight" in tensors, moe, kv_from))
+        _check_block(path, tensors, blocks[-1], b, hidden, experts, per_layer)
     if any(g.moe for g in blocks) and not 0 < int(hp("expert_used_count", 0)) <= experts:
         raise BadInput(f"GGUF {path}: {GEMMA4} experts need expert_count and expert_used_count in 1..expert_count")
     factors = tensors.get("rope_freqs.weight")
@@ -148,18 +200,27 @@ def gemma4_params(path: str, hp, tensors: dict, n_blocks: int, hidden: int) -> t
         n_experts_used=int(hp("expert_used_count", 0)) if any(g.moe for g in blocks) else 0,
         experts_renorm=True,
     )
-    return Gemma4Params(tuple(blocks)), family
+    if per_layer:
+        vocab = tensors["token_embd.weight"].shape[0]
+        want = {"per_layer_token_embd.weight": (vocab, n_blocks * per_layer),
+                "per_layer_model_proj.weight": (n_blocks * per_layer, hidden), "per_layer_proj_norm.weight": (per_layer,)}
+        for n, shape in want.items():
+            if tuple(tensors[n].shape) != shape:
+                raise BadInput(f"GGUF {path}: tensor {n} has shape {tensors[n].shape}, expected {shape}")
+    return Gemma4Params(tuple(blocks), per_layer), family
 
 
-def _check_block(path: str, tensors: dict, g: Gemma4Block, b: int, hidden: int, experts: int) -> None:
+def _check_block(path: str, tensors: dict, g: Gemma4Block, b: int, hidden: int, experts: int,
+                 per_layer: int) -> None:  # fmt: skip
     """Block b's tensors: the required ones present, none unknown, the attention's shapes."""
     p = f"blk.{b}."
     gate_up = (FUSED_GATE_UP_EXPS,) if p + FUSED_GATE_UP_EXPS in tensors else SPLIT_GATE_UP
-    required = ATTENTION + DENSE + (MOE + gate_up if g.moe else ())
+    attention = ATTENTION if g.kv_from == b else tuple(n for n in ATTENTION if n not in OWN_KV)
+    required = attention + DENSE + (MOE + gate_up if g.moe else ()) + (PLE_BLOCK if per_layer else ())
     missing = [n for n in required if p + n not in tensors]
     if missing:
         raise BadInput(f"GGUF {path} lacks tensor {p}{missing[0]} ({len(missing)} missing in block {b})")
-    known = set(required) | set(OPTIONAL)
+    known = set(required) | set(OPTIONAL) | set(OWN_KV)  # a sharing block's own K, V are not read
     known |= optional_block_tensors(GEMMA4, known)
     for name in tensors:
         if name.startswith(p) and name[len(p):] not in known:
@@ -167,7 +228,8 @@ def _check_block(path: str, tensors: dict, g: Gemma4Block, b: int, hidden: int, 
     want = {"attn_q.weight": (g.n_heads * g.head_dim, hidden), "attn_k.weight": (g.n_kv_heads * g.head_dim, hidden),
             "attn_v.weight": (g.n_kv_heads * g.head_dim, hidden), "attn_q_norm.weight": (g.head_dim,),
             "attn_k_norm.weight": (g.head_dim,), "attn_output.weight": (hidden, g.n_heads * g.head_dim),
-            "layer_output_scale.weight": (1,)}  # fmt: skip
+            "layer_output_scale.weight": (1,), "inp_gate.weight": (per_layer, hidden), "proj.weight": (hidden, per_layer),
+            "post_norm.weight": (hidden,)}  # fmt: skip
     if g.moe:
         want |= {"ffn_gate_inp.weight": (experts, hidden), "ffn_gate_inp.scale": (hidden,)}
     for n, shape in want.items():
@@ -178,3 +240,20 @@ def _check_block(path: str, tensors: dict, g: Gemma4Block, b: int, hidden: int, 
         t = tensors[p + n]
         if len(t.shape) != 3 or t.shape[0] != experts:
             raise BadInput(f"GGUF {path}: tensor {t.name} has shape {t.shape}, expected {experts} experts first")
+
+
+def first_rows(index, ids) -> np.ndarray:
+    """A first stage's input rows for token `ids` [n]: the embedding's rows, and for a carried row
+    (Gemma4Params.carried) the per_layer_token_embd rows in the per-layer columns (the stage graph
+    scales and adds their projection) and zeros for the shared sources' K and V: [n, carried]. Both
+    tables' rows are read from the file, not held."""
+    h = index.hparams
+    rows = index.rows("token_embd.weight", ids)
+    if h.carried == h.hidden:
+        return rows
+    out = np.zeros((len(rows), h.carried), np.float32)
+    out[:, : h.hidden] = rows
+    if h.gemma4.per_layer:
+        out[:, h.hidden : h.hidden + len(h.gemma4.blocks) * h.gemma4.per_layer] = index.rows(
+            "per_layer_token_embd.weight", ids)
+    return out

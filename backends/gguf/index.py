@@ -18,7 +18,7 @@ import numpy as np
 
 from backends.errors import BadInput
 from backends.gguf.families import GPT_OSS, Family, family_of, ffn_tensors
-from backends.gguf.gemma4 import GEMMA4, Gemma4Params, gemma4_params
+from backends.gguf.gemma4 import GEMMA4, PLE_HEAD, Gemma4Params, gemma4_params
 from backends.gguf.header import read_header
 from backends.gguf.hybrid import HYBRID_ARCHITECTURES, HybridParams, hybrid_params, mtp_block_count
 from backends.gguf.optional import HEAD_EXTRAS, optional_block_tensors, output_extras
@@ -80,6 +80,12 @@ class Hyperparams:
     gemma4: Gemma4Params | None = None  # Gemma 4's blocks, each its own geometry (backends/gguf/gemma4.py)
     extras: tuple[str, ...] = ()  # output scales and biases besides q/k/v's (backends/gguf/optional.py)
 
+    @property
+    def carried(self) -> int:
+        """The width of a row a stage takes and gives on the ring: the hidden size, and for Gemma 4
+        files with per-layer embeddings or shared KV what travels with it (Gemma4Params.carried)."""
+        return self.hidden if self.gemma4 is None else self.gemma4.carried(self.hidden)
+
 
 # the tokenizer's per-token arrays: open_model walks past them (ModelIndex.metadata reads them)
 VOCABULARY_KEYS = frozenset({"tokenizer.ggml.tokens", "tokenizer.ggml.merges", "tokenizer.ggml.scores",
@@ -113,7 +119,8 @@ class ModelIndex:
         return [t for n, t in self.tensors.items() if n.startswith(prefix)]
 
     def head_tensors(self) -> list[TensorInfo]:
-        return [self.tensors[n] for n in HEAD_TENSORS if n in self.tensors]
+        # Gemma 4's per-layer embeddings: the first stage (the head's) computes every block's input
+        return [self.tensors[n] for n in (*HEAD_TENSORS, *PLE_HEAD) if n in self.tensors]
 
     def shard_tensors(self, first: int, last: int, head: bool) -> list[TensorInfo]:
         """Every tensor a shard of blocks [first, last) needs (plus the head's when `head`)."""
@@ -227,11 +234,13 @@ class ModelIndex:
     def head_resident_bytes(self, backend: str) -> float:
         """The head's resident bytes on `backend`: lm_head (output.weight, or the tied embedding)
         and the final norm in the backend's form, and the logits/sampler buffers. An untied
-        embedding table is not held: the shards read each step's rows from the file (`rows`)."""
+        embedding table is not held: the shards read each step's rows from the file (`rows`), and
+        so are Gemma 4's per-layer embeddings (its projection is held)."""
         from backends.memory import HEAD_WORK_BYTES_PER_VOCAB, resident_bytes
 
         lm = self.tensors.get("output.weight") or self.tensors.get("token_embd.weight")
-        parts = [t for t in (lm, self.tensors.get("output_norm.weight")) if t is not None]
+        held = ("output_norm.weight", "per_layer_model_proj.weight", "per_layer_proj_norm.weight")
+        parts = [t for t in (lm, *(self.tensors.get(n) for n in held)) if t is not None]
         return resident_bytes(backend, parts) + HEAD_WORK_BYTES_PER_VOCAB * self.hparams.vocab
 
     @cached_property

@@ -9,6 +9,9 @@ Stage graph (blocks [first, last); a first stage's shard looks up the embedding'
                                 the plugins' KV fusion needs); a row group's rows (rows.py)
     → hidden_states f32 [B, L, H] after block last − 1
 
+(A Gemma 4 file with per-layer embeddings or shared KV: rows of `hparams.carried` columns, H first:
+backends/openvino/gemma4.py's Carried.)
+
 Head graph: hidden f32 [N, H] → final RMSNorm → lm_head → logits f32 [N, V], plus
 token i64 [1], the greedy top-1 of the last row (so a decode step reads one id, not V floats).
 A shard holding both the last block and the head folds norm + lm_head + top-1 of the last row
@@ -220,8 +223,14 @@ class StageBuilder:
         """The model of blocks [first, last). With `top1` (the shard also holds the head and the
         last block) a second output `token` i64 [1] is the greedy top-1 after the last row: a
         decode step is then one inference."""
-        params = x_in, attention_mask, position_ids, beam_idx = self.parameters(self.h.hidden)
+        params = x_in, attention_mask, position_ids, beam_idx = self.parameters(self.h.carried)
         x = x_in.output(0)  # [B, L, H]
+        carried = None
+        if self.h.carried != self.h.hidden:  # Gemma 4's per-layer inputs and shared KV travel along
+            from backends.openvino.gemma4 import Carried
+
+            carried = Carried(self, x)
+            x = carried.hidden
         new_len = ops.gather(ops.shape_of(position_ids, I64), _i64(1), _i64(0))  # [1] L
         mask = causal_mask(attention_mask.output(0), new_len)  # [B, 1, L, S]
         h, fam = self.h, self.h.family
@@ -237,6 +246,8 @@ class StageBuilder:
             masks[True] = window_mask(mask, attention_mask.output(0), position_ids.output(0), fam.sliding_window)
         if first == 0 and fam.embed_scale != 1.0:  # Gemma: the embedding's rows × sqrt(hidden)
             x = ops.multiply(x, ops.constant(np.float32(fam.embed_scale))).output(0)
+        if first == 0 and carried is not None and h.gemma4.per_layer:
+            carried.per_layer_inputs(x)
         sinks: list = []
         if h.hybrid is not None:  # delta-net and gated attention blocks (qwen35): delta_net.py
             from backends.openvino.delta_net import HybridBlocks
@@ -245,7 +256,7 @@ class StageBuilder:
         if h.gemma4 is not None:  # blocks of their own geometry each: gemma4.py
             from backends.openvino.gemma4 import Gemma4Blocks
 
-            gemma4 = Gemma4Blocks(self, position_ids.output(0))
+            gemma4 = Gemma4Blocks(self, position_ids.output(0), carried)
         for b in range(first, last):
             if h.hybrid is not None:
                 x = hybrid.block(b, x, position_ids.output(0), mask, beam_idx.output(0), sinks)
@@ -254,7 +265,7 @@ class StageBuilder:
                 x = gemma4.block(b, x, masks, beam_idx.output(0), sinks)
                 continue
             x = self.block(b, x, rope, masks, beam_idx.output(0), sinks)
-        out = ops.result(x, name="hidden_out")
+        out = ops.result(x if carried is None else carried.row(x), name="hidden_out")
         out.output(0).set_names({"hidden_out"})  # not "hidden_states": that names the input
         results = [out]
         if top1:
@@ -298,9 +309,12 @@ class StageBuilder:
 
     def head(self) -> ov.Model:
         """Final norm + lm_head: hidden [N, H] → logits [N, V] and the last row's top-1 token [1]."""
-        hidden = ops.parameter([-1, self.h.hidden], F32, name="hidden")
+        hidden = ops.parameter([-1, self.h.carried], F32, name="hidden")
         hidden.output(0).set_names({"hidden"})
-        logits = self._lm_head(hidden.output(0))  # [N, V]
+        x = hidden.output(0)
+        if self.h.carried != self.h.hidden:  # a carried row (gemma4.py): its hidden state
+            x = ops.slice(x, _i64(0), _i64(self.h.hidden), _i64(1), _i64(-1)).output(0)
+        logits = self._lm_head(x)  # [N, V]
         token = self._top1(logits)  # [1]
         r_logits = ops.result(logits, name="logits")
         r_logits.output(0).set_names({"logits"})

@@ -28,6 +28,7 @@ from backends import memory
 from backends.cgroups import quota_threads
 from backends.base import HeadOps, ShardSpec
 from backends.gguf import ModelIndex, open_model
+from backends.gguf.gemma4 import first_rows
 from backends.openvino import ggml_kernels
 from backends.openvino import rows as rowmod
 from backends.openvino.graph import StageBuilder
@@ -440,7 +441,7 @@ class OpenVINOShard(HeadOps):
             return [self.forward(slots[0], xs[0], positions[0], masks[0])]
         group = self._group_for(slots)
         xs = [self._inputs(x) for x in xs]
-        step = rowmod.step_inputs(group, slots, xs, positions, masks, np.float32, self.index.hparams.hidden)
+        step = rowmod.step_inputs(group, slots, xs, positions, masks, np.float32, self.index.hparams.carried)
         if self._window is not None:
             check_window(step.mask, group.length, group.dropped, self._window.window)
         if self._large.due(*step.x.shape[:2]):
@@ -477,8 +478,8 @@ class OpenVINOShard(HeadOps):
         req = self._spare.pop() if self._spare else self.compiled.create_infer_request()
         try:
             req.reset_state()
-            hidden = self.index.hparams.hidden
-            req.set_input_tensor(0, ov.Tensor(np.zeros((1, 1, hidden), np.float32)))
+            width = self.index.hparams.carried
+            req.set_input_tensor(0, ov.Tensor(np.zeros((1, 1, width), np.float32)))
             req.set_input_tensor(1, ov.Tensor(np.ones((1, 1), np.int64)))
             req.set_input_tensor(2, ov.Tensor(np.zeros((1, 1), np.int64)))
             req.set_input_tensor(3, self._beam)
@@ -493,8 +494,9 @@ class OpenVINOShard(HeadOps):
         return self._large.releases
 
     def _inputs(self, x: np.ndarray) -> np.ndarray:
-        """A forward's x as the stage graph takes it: hidden [n, H], the embedding's rows for ids."""
-        return self.index.rows("token_embd.weight", x) if self.spec.embed else x
+        """A forward's x as the stage graph takes it: hidden [n, H], the embedding's rows for ids
+        (a carried row's first columns: backends.gguf.gemma4.first_rows)."""
+        return first_rows(self.index, x) if self.spec.embed else x
 
     def release_weight_pages(self) -> None:
         """Drop the constants' file pages from the resident set (they come back if read)."""
@@ -528,7 +530,7 @@ class OpenVINOShard(HeadOps):
             builder, device, cfg = self._head_build
             self._head = core().compile_model(builder.head(), device, cfg).create_infer_request()
             with releasing_pages(self._bank, True):  # its first inference repacks the lm_head
-                self._head.infer({0: np.zeros((1, self.index.hparams.hidden), np.float32)})
+                self._head.infer({0: np.zeros((1, self.index.hparams.carried), np.float32)})
             self.release_weight_pages()
         return self._head
 

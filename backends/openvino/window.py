@@ -124,6 +124,7 @@ def windowed_kv(index, first: int, last: int) -> WindowedKV | None:
     fam = h.family
     if h.hybrid is not None or not fam.sliding_window:
         return None
-    names = frozenset(f"past_key_values.{b}.{kv}" for b in range(first, last) if fam.windowed(b)
-                      for kv in ("key", "value"))  # fmt: skip
+    g = h.gemma4  # a block that shares an earlier one's KV attends over that one's variable
+    names = frozenset(f"past_key_values.{b if g is None else g.blocks[b].kv_from}.{kv}" for b in range(first, last)
+                      if fam.windowed(b) for kv in ("key", "value"))  # fmt: skip
     return WindowedKV(names, fam.sliding_window) if names else None
