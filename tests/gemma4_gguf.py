@@ -105,12 +105,13 @@ def write_gemma4_gguf(path: str | os.PathLike, moe: bool = False, seed: int = 0,
         d = HEAD_SWA if SWA[b] else HEAD_FULL
         add(p + "attn_norm.weight", (HIDDEN,), 0.1, 1.0)
         add(p + "attn_q.weight", (HEADS * d, HIDDEN), 0.25)
-        if source[b] == b:
+        if source[b] == b:  # (the random draws in the order files without shared KV were written)
             add(p + "attn_k.weight", (KV_HEADS[b] * d, HIDDEN), 0.25)
             if OWN_VALUES[b]:
                 add(p + "attn_v.weight", (KV_HEADS[b] * d, HIDDEN), 0.3)
-            add(p + "attn_k_norm.weight", (d,), 0.1, 0.4)
         add(p + "attn_q_norm.weight", (d,), 0.1, 0.4)
+        if source[b] == b:
+            add(p + "attn_k_norm.weight", (d,), 0.1, 0.4)
         add(p + "attn_output.weight", (HIDDEN, HEADS * d), 0.3)
         add(p + "post_attention_norm.weight", (HIDDEN,), 0.1, 1.0)
         add(p + "ffn_norm.weight", (HIDDEN,), 0.1, 1.0)

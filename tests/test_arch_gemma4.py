@@ -126,7 +126,9 @@ def test_per_layer_embeddings_and_shared_kv_match_llamacpp_one_stage_and_split(t
     """The E2B/E4B parts: per-layer embeddings (P = 8 a block) and the last two blocks attending over
     blocks 2's and 3's KV. Split so that both sources sit on an earlier stage than their sharers
     (their step K and V travel in the carried row), one on the sharers' stage and one before it,
-    and both with them; 64 ids past the window."""
+    and both with them; 64 ids past the window. The logits within 0.02 of llama.cpp's, not the
+    other files' 0.01: llama.cpp's GELU reads an f16 table (GGML_GELU_FP16) where the exact form
+    computes it, and these blocks have a second GELU each (the per-layer gate), 64 ids deep."""
     from tests.llamacpp_ref import greedy_run
 
     path = write_gemma4_gguf(tmp_path / "ple.gguf", blocks=PLE_BLOCKS, per_layer=8, shared_kv=2)
@@ -137,7 +139,7 @@ def test_per_layer_embeddings_and_shared_kv_match_llamacpp_one_stage_and_split(t
     assert len(set(ref_ids)) > 8, ref_ids
     for ranges in ([(0, PLE_BLOCKS)], *PLE_SPLITS):
         got = kafila_greedy(_shards(path, index, ranges, backend), PROMPT_IDS, N_TOKENS)
-        check_against_llamacpp(got, ref_ids, ref_logits)
+        check_against_llamacpp(got, ref_ids, ref_logits, bound=0.02)
 
 
 def test_a_carried_row_holds_the_per_layer_inputs_and_the_shared_sources_kv(tmp_path):

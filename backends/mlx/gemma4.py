@@ -4,6 +4,12 @@ part; backends/openvino/gemma4.py is the same block on OpenVINO).
 Each block has its own head counts, head size and rotated dims (`block_dims`: one Dims a block,
 and the slot's KV buffers shaped per block: model.SlotCache's `shapes`); the attention itself is
 model._attend's, with q·k unscaled (attn_scale 1) and RoPE over the first rope_dims of each head.
+
+Per-layer embeddings and shared KV (the E2B/E4B models) travel with the hidden state in a carried
+row (backends/gguf/gemma4.py; backends/openvino/gemma4.py does the same): `Carried` holds a step's
+row split, and each block's `kv_routes` entry says whose buffers it attends over: its own, its
+source's in this stage, or (the first of a source's sharers here, when the source is another
+stage's) a buffer of its own filled from the row; a block reading another's holds an empty one.
 """
 
 from __future__ import annotations
@@ -13,7 +19,8 @@ import math
 import mlx.core as mx
 import numpy as np
 
-from backends.mlx.model import Dims, SlotCache, _attend, experts_ffn, gelu_tanh
+from backends.gguf.gemma4 import Gemma4Params
+from backends.mlx.model import Dims, SlotCache, _attend, experts_ffn, gelu_tanh, rope
 from backends.mlx.weights import BlockWeights
 
 
@@ -37,18 +44,87 @@ def block_dims(hp, index, first: int, last: int) -> list[Dims]:
     return out
 
 
+def kv_routes(g: Gemma4Params, first: int, last: int) -> list[tuple[str, int]]:
+    """Per block of [first, last): ("own", its layer) computes its K and V; ("hold", its layer)
+    takes its source's from the carried row into its buffer; ("read", layer) attends over that
+    layer's buffer (module docstring)."""
+    out, holder = [], {}
+    for b in range(first, last):
+        s = g.blocks[b].kv_from
+        if s == b:
+            out.append(("own", b - first))
+        elif first <= s:
+            out.append(("read", s - first))
+        elif s in holder:
+            out.append(("read", holder[s]))
+        else:
+            holder[s] = b - first
+            out.append(("hold", b - first))
+    return out
+
+
+class Carried:
+    """One step's carried row [1, n, C] split: the hidden state, the per-layer inputs, each shared
+    source's step K and V ([1, Hkv, n, D], K turned)."""
+
+    def __init__(self, g: Gemma4Params, hidden: int, row: mx.array) -> None:
+        self.g, self.H = g, hidden
+        self.hidden = row[..., :hidden]
+        n_ple = len(g.blocks) * g.per_layer
+        self.ple = row[..., hidden : hidden + n_ple] if g.per_layer else None
+        self.kv: dict[int, tuple[mx.array, mx.array]] = {}
+        for s in g.shared_sources:
+            b, at = g.blocks[s], g.kv_columns(hidden, s)
+            width = b.n_kv_heads * b.head_dim
+            k, v = (row[..., a : a + width].reshape(1, -1, b.n_kv_heads, b.head_dim).transpose(0, 2, 1, 3)
+                    for a in (at, at + width))  # fmt: skip
+            self.kv[s] = (k, v)
+
+    def per_layer_inputs(self, x0: mx.array, proj, norm: mx.array, eps: float) -> None:
+        """The first stage: every block's per-layer input from x0 (the scaled embedding) and the
+        per_layer_token_embd rows in the per-layer columns (backends/gguf/gemma4.py)."""
+        P, n = self.g.per_layer, len(self.g.blocks)
+        p = (proj(x0) * (1.0 / math.sqrt(self.H))).reshape(*x0.shape[:2], n, P)
+        p = mx.fast.rms_norm(p, norm, eps)
+        rows = self.ple.reshape(*x0.shape[:2], n, P) * math.sqrt(P)
+        self.ple = ((p + rows) * (1.0 / math.sqrt(2.0))).reshape(*x0.shape[:2], n * P)
+
+    def ple_of(self, b: int) -> mx.array:
+        P = self.g.per_layer
+        return self.ple[..., b * P : (b + 1) * P]
+
+    def row(self, x: mx.array) -> mx.array:
+        parts = [x] + ([self.ple] if self.ple is not None else [])
+        for s in self.g.shared_sources:
+            k, v = self.kv[s]
+            parts += [t.transpose(0, 2, 1, 3).reshape(*x.shape[:2], -1) for t in (k, v)]
+        return mx.concatenate(parts, axis=-1)
+
+
 def gemma4_block(x: mx.array, w: BlockWeights, cache: SlotCache, layer: int, positions: int | mx.array,
-                 mask: mx.array | str | None, dims: Dims) -> mx.array:
-    """One gemma4 block on x [1, n, hidden]; writes its n new keys/values at cache.length."""
+                 mask: mx.array | str | None, dims: Dims, route: tuple[str, int] | None = None,
+                 carried: Carried | None = None, b: int = -1) -> mx.array:  # fmt: skip
+    """One gemma4 block (model block b) on x [1, n, hidden]; writes its n new keys/values at
+    cache.length (`route`: kv_routes', else its own)."""
     _, n, hidden = x.shape
     H, Hkv, D, eps = dims.n_heads, dims.n_kv_heads, dims.head_dim, dims.rms_eps
+    kind, buf = route or ("own", layer)
     h = mx.fast.rms_norm(x, w.attn_norm, eps)
     q = mx.fast.rms_norm(w.q(h).reshape(1, n, H, D), w.q_norm, eps)
-    raw_k = w.k(h).reshape(1, n, Hkv, D)
-    v = raw_k if w.v is None else w.v(h).reshape(1, n, Hkv, D)  # no attn_v: the keys' projection
-    k = mx.fast.rms_norm(raw_k, w.k_norm, eps)
-    v = mx.fast.rms_norm(v, None, eps)
-    o = w.o(_attend(q, k, v, cache, layer, positions, mask, dims))  # [1, n, hidden]
+    if kind == "own":
+        raw_k = w.k(h).reshape(1, n, Hkv, D)
+        v = raw_k if w.v is None else w.v(h).reshape(1, n, Hkv, D)  # no attn_v: the keys' projection
+        k = mx.fast.rms_norm(raw_k, w.k_norm, eps)
+        v = mx.fast.rms_norm(v, None, eps)
+        if carried is not None and b in carried.kv:  # a shared source: its step's K and V travel on
+            carried.kv[b] = k, v = rope(k.transpose(0, 2, 1, 3), positions, dims), v.transpose(0, 2, 1, 3)
+        attended = _attend(q, k, v, cache, buf, positions, mask, dims, turned=carried is not None and b in carried.kv)
+    elif kind == "hold":
+        k, v = carried.kv[carried.g.blocks[b].kv_from]
+        attended = _attend(q, k, v, cache, buf, positions, mask, dims, turned=True)
+    else:
+        attended = _attend(q, None, None, cache, buf, positions, mask, dims)
+    o = w.o(attended)  # [1, n, hidden]
     a = x + mx.fast.rms_norm(o, w.post_attn_norm, eps)
     y = mx.fast.rms_norm(a, w.ffn_norm, eps)
     f = w.down(gelu_tanh(w.gate(y)) * w.up(y))
@@ -59,4 +135,7 @@ def gemma4_block(x: mx.array, w: BlockWeights, cache: SlotCache, layer: int, pos
         e = experts_ffn(mx.fast.rms_norm(a, g4.pre_ffw_norm_2, eps), w.moe, dims, router_x=router)
         f = f + mx.fast.rms_norm(e, g4.post_ffw_norm_2, eps)
     out = a + mx.fast.rms_norm(f, w.post_ffw_norm, eps)
+    if g4 is not None and g4.inp_gate is not None:  # the block's per-layer input, gated by its output
+        pe = g4.proj(gelu_tanh(g4.inp_gate(out)) * carried.ple_of(b))
+        out = out + mx.fast.rms_norm(pe, g4.post_norm, eps)
     return out if g4 is None or g4.layer_scale is None else out * g4.layer_scale

@@ -238,22 +238,26 @@ def _attend(
     mask: mx.array | str | None,
     dims: Dims,
     sinks: mx.array | None = None,
+    turned: bool = False,
 ) -> mx.array:
     """One slot's attention: RoPE at its positions, its n new keys/values written at
-    cache.length, attention over its cache with its mask (and gpt-oss's sinks) → [1, n, H·D]."""
+    cache.length, attention over its cache with its mask (and gpt-oss's sinks) → [1, n, H·D].
+    `turned`: k and v come as [1, Hkv, n, D], k already turned (gemma4's shared KV); k None: the
+    block's buffers already hold the step's keys and values (a block sharing them)."""
     _, n, H, D = q.shape
     off = cache.offset(layer)  # a windowed block holds the newest columns only (SlotCache)
     start, end = cache.length - off, cache.length + n - off
     if off and isinstance(mask, mx.array):
         mask = mask[:, off:]
     q = rope(q.transpose(0, 2, 1, 3), positions, dims)  # [1, H, n, D]
-    k = rope(k.transpose(0, 2, 1, 3), positions, dims)  # [1, Hkv, n, D]
-    v = v.transpose(0, 2, 1, 3)  # [1, Hkv, n, D]
-
     keys, values = cache.keys[layer], cache.values[layer]  # [1, Hkv, capacity, D]
-    keys[:, :, start:end] = k.astype(keys.dtype)
-    values[:, :, start:end] = v.astype(values.dtype)
-    cache.keys[layer], cache.values[layer] = keys, values
+    if k is not None:
+        if not turned:
+            k = rope(k.transpose(0, 2, 1, 3), positions, dims)  # [1, Hkv, n, D]
+            v = v.transpose(0, 2, 1, 3)  # [1, Hkv, n, D]
+        keys[:, :, start:end] = k.astype(keys.dtype)
+        values[:, :, start:end] = v.astype(values.dtype)
+        cache.keys[layer], cache.values[layer] = keys, values
     o = mx.fast.scaled_dot_product_attention(
         q, keys[:, :, :end], values[:, :, :end], scale=dims.attn_scale or D**-0.5, mask=mask, sinks=sinks
     )  # [1, H, n, D], GQA handled by the kernel

@@ -29,7 +29,8 @@ from backends.gguf import ModelIndex, open_model
 from backends.kept import KeptStates
 from backends.window import KeptWindow, check_window, drop_to, holds_window, needs_kept, window_start
 from backends.gguf.families import Yarn, require_llama_blocks, yarn_magnitude, yarn_multipliers
-from backends.mlx.gemma4 import block_dims, gemma4_block
+from backends.gguf.gemma4 import first_rows
+from backends.mlx.gemma4 import Carried, block_dims, gemma4_block, kv_routes
 from backends.mlx.hybrid import HybridDims, hybrid_block, init_state
 from backends.mlx.model import Dims, SlotCache, attention_mask, block, block_rows, window_mask
 from backends.mlx.weights import load_shard_weights, weight_bytes
@@ -93,6 +94,7 @@ class MLXShard(HeadOps):
         self._window_size = fam.sliding_window if any(self._windowed) and hp.hybrid is None else 0
         # gemma4: each block its own heads, head size and RoPE (backends/mlx/gemma4.py)
         self._gemma4 = None if hp.gemma4 is None else block_dims(hp, index, spec.first, spec.last)
+        self._routes = None if hp.gemma4 is None else kv_routes(hp.gemma4, spec.first, spec.last)
         self.weights = load_shard_weights(
             index.path, spec.first, spec.last, spec.embed, spec.head, f32=precision == "f32", index=index, mtp=mtp
         )
@@ -111,7 +113,8 @@ class MLXShard(HeadOps):
 
     def open_slot(self) -> int:
         slot = next(i for i in range(len(self._slots) + 1) if i not in self._slots)
-        shapes = None if self._gemma4 is None else [(d.n_kv_heads, d.head_dim) for d in self._gemma4]
+        shapes = None if self._gemma4 is None else [(d.n_kv_heads, d.head_dim if kind != "read" else 0)
+                                                    for d, (kind, _) in zip(self._gemma4, self._routes)]  # fmt: skip
         self._slots[slot] = SlotCache(self.n_blocks, self.dims, shapes=shapes,
                                       windowed=self._windowed if self._window_size else ())  # fmt: skip
         if self.hybrid is not None:
@@ -239,21 +242,27 @@ class MLXShard(HeadOps):
             return self._forward_hybrid(slot, cache, x, positions, mask, visible)
         near = self._window(cache, positions, mask)
         self._mind_cache(1, n)
-        h = self._embed(x, n)[None]  # [1, n, hidden]
+        carried = self._carried(x, n)
+        h = self._embed(x, n)[None] if carried is None else carried.hidden  # [1, n, hidden]
+        if carried is not None and self.weights.per_layer is not None:
+            carried.per_layer_inputs(h, *self.weights.per_layer, self.dims.rms_eps)
 
         cache.reserve(n)
         for layer, w in enumerate(self.weights.blocks):
             if self._gemma4 is not None:
-                h = gemma4_block(h, w, cache, layer, pos, near if self._windowed[layer] else visible, self._gemma4[layer])
+                h = gemma4_block(h, w, cache, layer, pos, near if self._windowed[layer] else visible, self._gemma4[layer],
+                                 self._routes[layer], carried, self.spec.first + layer)  # fmt: skip
             elif self._windowed[layer]:
                 h = block(h, w, cache, layer, pos, near, self.dims_swa)
             else:
                 h = block(h, w, cache, layer, pos, visible, self.dims)
         cache.length += n
+        if carried is not None:
+            h = carried.row(h)
         mx.eval(h, cache.arrays())  # one evaluation: the hidden states and every block's KV
         if self._window_size:
             self._fit(cache, mask, cache.length - n)
-        return np.array(h[0], dtype=np.float32)  # [n, hidden]
+        return np.array(h[0], dtype=np.float32)  # [n, hidden] (gemma4: a carried row's width)
 
     def forward_batch(
         self,
@@ -355,6 +364,17 @@ class MLXShard(HeadOps):
         pos: int | mx.array = first if consecutive else mx.array(positions.astype(np.int32))
         return n, pos, attention_mask(mask, cache.length, n)
 
+    def _carried(self, x: np.ndarray, n: int) -> Carried | None:
+        """A gemma4 step's carried row (backends/mlx/gemma4.py); None for every other model."""
+        hp = self.hparams
+        if hp.carried == hp.hidden:
+            return None
+        if not self.spec.embed:
+            return Carried(hp.gemma4, hp.hidden, mx.array(np.asarray(x, dtype=np.float32).reshape(n, hp.carried))[None])
+        carried = Carried(hp.gemma4, hp.hidden, mx.array(first_rows(self.index, np.asarray(x).reshape(n)))[None])
+        carried.hidden = self._embed(x, n)[None]  # as every model's first stage takes it
+        return carried
+
     def _embed(self, x: np.ndarray, n: int) -> mx.array:
         """Token ids (embed shard) or hidden states → f32 [n, hidden]."""
         if self.spec.embed and self.weights.embedding is not None:  # the tied lm_head's table
@@ -375,9 +395,8 @@ class MLXShard(HeadOps):
     def _logits(self, hidden: np.ndarray) -> mx.array:
         if not self.spec.head:
             raise ValueError("logits needs the head shard (spec.head)")
-        h = mx.array(
-            np.asarray(hidden, dtype=np.float32).reshape(-1, self.dims.hidden)
-        )  # [n, hidden]
+        rows = np.asarray(hidden, dtype=np.float32).reshape(-1, self.hparams.carried)
+        h = mx.array(rows[:, : self.dims.hidden])  # [n, hidden] (a carried row's first columns)
         h = mx.fast.rms_norm(h, self.weights.output_norm, self.dims.rms_eps)
         logits = self.weights.lm_head(h).astype(mx.float32)  # [n, vocab]
         cap = self.hparams.family.logit_softcap

@@ -186,13 +186,16 @@ class Gemma4Parts:
     post_ffw_norm_1: mx.array | None = None  # the dense FFN's output norm
     post_ffw_norm_2: mx.array | None = None  # the experts' output norm
     router_scale: mx.array | None = None  # [hidden]: the router's input × this (ffn_gate_inp.scale)
+    inp_gate: Linear | None = None  # per-layer embeddings: hidden → P, its gate
+    proj: Linear | None = None  # P → hidden
+    post_norm: mx.array | None = None  # [hidden]
 
 
 @dataclass(frozen=True)
 class BlockWeights:
     attn_norm: mx.array  # [hidden]
     q: Linear  # hidden → n_heads·head_dim, rows in GGUF (interleaved-RoPE) order
-    k: Linear  # hidden → n_kv_heads·head_dim, likewise
+    k: Linear | None  # hidden → n_kv_heads·head_dim, likewise (gemma4: none where the KV is shared)
     v: Linear | None  # hidden → n_kv_heads·head_dim (gemma4 may have none: the keys' projection)
     o: Linear  # n_heads·head_dim → hidden
     ffn_norm: mx.array  # [hidden]
@@ -258,6 +261,8 @@ class ShardWeights:
     output_norm: mx.array | None  # [hidden] (head shard)
     lm_head: Linear | None  # output.weight, or token_embd when tied (head shard)
     mtp: MtpWeights | None = None  # the multi-token-prediction block's own part (backends/mlx/mtp.py)
+    # gemma4's per-layer embeddings at the first stage: per_layer_model_proj, per_layer_proj_norm
+    per_layer: tuple[Linear, mx.array] | None = None
 
 
 
@@ -351,11 +356,16 @@ def load_shard_weights(
                              conv=vec(p + "ssm_conv1d.weight"), dt_bias=vec(p + "ssm_dt.bias"), a=vec(p + "ssm_a"),
                              ssm_norm=vec(p + "ssm_norm.weight"), out=lin("ssm_out"))  # fmt: skip
 
+    def per_layer(b: int) -> dict:
+        if f"blk.{b}.inp_gate.weight" not in tensors:
+            return {}
+        return dict(inp_gate=linear(f"blk.{b}.inp_gate"), proj=linear(f"blk.{b}.proj"), post_norm=vec(f"blk.{b}.post_norm.weight"))
+
     blocks = tuple(hybrid(b) for b in range(first, last)) if index.hparams.hybrid is not None else tuple(
         BlockWeights(
             attn_norm=vec(f"blk.{b}.attn_norm.weight"),
             q=linear(f"blk.{b}.attn_q"),
-            k=linear(f"blk.{b}.attn_k"),
+            k=linear(f"blk.{b}.attn_k") if f"blk.{b}.attn_k.weight" in tensors else None,
             v=linear(f"blk.{b}.attn_v") if f"blk.{b}.attn_v.weight" in tensors else None,
             o=linear(f"blk.{b}.attn_output"),
             ffn_norm=vec(f"blk.{b}.{index.hparams.family.ffn_norm}"),
@@ -369,7 +379,8 @@ def load_shard_weights(
             post_attn_norm=optional(f"blk.{b}.post_attention_norm.weight") if post_norms else None,
             post_ffw_norm=optional(f"blk.{b}.post_ffw_norm.weight") if post_norms else None,
             sinks=optional(f"blk.{b}.attn_sinks.weight"),
-            gemma4=Gemma4Parts(*(optional(f"blk.{b}.{n}") for n in GEMMA4_PARTS)) if index.hparams.gemma4 else None,
+            gemma4=Gemma4Parts(*(optional(f"blk.{b}.{n}") for n in GEMMA4_PARTS), **per_layer(b))
+            if index.hparams.gemma4 else None,
         )
         for b in range(first, last)
     )
@@ -393,6 +404,8 @@ def load_shard_weights(
         embedding=made.get("token_embd") if embed else None,
         output_norm=vec("output_norm.weight") if head else None,
         lm_head=lm_head,
+        per_layer=(linear("per_layer_model_proj"), vec("per_layer_proj_norm.weight"))
+        if embed and "per_layer_model_proj.weight" in tensors else None,
     )
     mx.eval(_arrays(weights))
     return weights
