@@ -96,7 +96,7 @@ ACT = {"k": "act", "rid": "r", "slot": 0, "cache": 0, "pos0": 0, "zeros": [], "d
 @pytest.mark.parametrize(
     "header,payload,why",
     [
-        ({**ACT, "shape": [1, 9]}, b"\0" * 36, "hidden size"),
+        ({**ACT, "shape": [1, 9]}, b"\0" * 36, "row width"),
         ({**ACT, "dtype": "f16"}, b"\0" * 32, "dtype"),
         ({**ACT, "slot": 2}, b"\0" * 32, "slot"),
         ({**ACT, "slot": -1}, b"\0" * 32, "slot"),

@@ -1,6 +1,7 @@
 """Mixture-of-experts models in real sessions (issue 34): separate `kafila` processes on 127.0.0.1
 serving a gpt-oss-shaped and a Qwen3-MoE-shaped file (tests/arch_gguf.py: 8 experts, top 2, random
-F32 weights, a real tokenizer), a Gemma 4 MoE (tests/gemma4_gguf.py: blocks of two geometries) and a
+F32 weights, a real tokenizer), a Gemma 4 MoE (tests/gemma4_gguf.py: blocks of two geometries), a
+Gemma 4 with per-layer embeddings and shared KV (the E2B/E4B parts: rows on the ring carry them) and a
 Qwen3.5-MoE hybrid (tests/hybrid_gguf.py, issue 35) at --precision f32.
 
 A 4-member session answers two users at once with the ids one stage computes in this process
@@ -46,7 +47,7 @@ def one_stage_texts(path: str) -> list[str]:
     return texts
 
 
-@pytest.mark.parametrize("kind", ["gpt-oss", "qwen3moe", "gemma4", "qwen35moe"])
+@pytest.mark.parametrize("kind", ["gpt-oss", "qwen3moe", "gemma4", "gemma4-ple", "qwen35moe"])
 def test_a_moe_session_answers_two_users_with_one_stages_ids_and_survives_a_kill(tmp_path, kind):
     """qwen35moe (issue 35): a hybrid, whose killed member held delta-net layers' recurrent
     state; the survivors rebuild it by replaying each request's history."""
@@ -54,6 +55,8 @@ def test_a_moe_session_answers_two_users_with_one_stages_ids_and_survives_a_kill
         path = write_qwen35_gguf(tmp_path / f"{kind}.gguf", moe=True, blocks=BLOCKS, tokenizer=True)
     elif kind == "gemma4":
         path = write_gemma4_gguf(tmp_path / f"{kind}.gguf", moe=True, blocks=BLOCKS)
+    elif kind == "gemma4-ple":  # blocks 4 and 5 share blocks 2's and 3's KV
+        path = write_gemma4_gguf(tmp_path / f"{kind}.gguf", blocks=BLOCKS, per_layer=8, shared_kv=2)
     else:
         path = write_arch_gguf(tmp_path / f"{kind}.gguf", kind, blocks=BLOCKS)
     want = one_stage_texts(path)

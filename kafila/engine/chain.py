@@ -50,7 +50,7 @@ def _chunk_tokens(index: ModelIndex) -> int:
     """Prefill positions per feed: the ring head's rule (a frame's worth at this hidden size)."""
     from kafila.session.ring.chunks import prefill_chunk_tokens
 
-    return prefill_chunk_tokens(index.hparams.hidden)
+    return prefill_chunk_tokens(index.hparams.carried)
 
 
 class LocalChain:

@@ -53,7 +53,7 @@ def calibrate(index: Any, probe: dict, kquant: str, precision: str) -> dict:
     first, deep = (1, CALIBRATE_BLOCKS) if n > CALIBRATE_BLOCKS else (0, n)
     shards = [load_shard("openvino", ShardSpec(index.path, first, first + k, embed=embed, head=False), precision,
                          index=index, kquant=kquant) for k, embed in ((1, False), (deep, False), (1, True))]  # fmt: skip
-    steps = [_stepper(s, index.hparams.hidden) for s in shards]
+    steps = [_stepper(s, index.hparams.carried) for s in shards]
     junk = np.ones(max(64 << 20, 2 * (last_level_cache_bytes() or 0)) // 8, np.uint64)
 
     def cold() -> None:

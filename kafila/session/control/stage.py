@@ -250,7 +250,7 @@ class Stage:
     async def form_ring(self) -> None:
         role, me, epoch, session = self.role, self.cfg.name, self.epoch, self.state.session
         assert role is not None
-        limits = Limits(hidden=self.index.hparams.hidden, context=int(session["context"]),
+        limits = Limits(hidden=self.index.hparams.carried, context=int(session["context"]),
                         slots=int(session["concurrency"]), vocab=self.index.hparams.vocab)  # fmt: skip
         speculate = _speculate_mode(session.get("speculate"))
         drafter = None

@@ -23,7 +23,7 @@ MAX_FRAME_BYTES = 16 << 20  # payload: 16 MiB bounds a prefill of 4096 positions
 class Limits:
     """What the session's plan and model allow on the wire."""
 
-    hidden: int  # the model's hidden size: activations are float32 [n, hidden]
+    hidden: int  # an activation row's width: float32 [n, hidden] (hparams.carried: the hidden size, or Gemma 4's carried row)
     context: int  # the most physical positions one slot may hold
     slots: int  # ring slot ids are 0..slots-1 (the session's concurrency)
     vocab: int  # token ids are 0..vocab-1

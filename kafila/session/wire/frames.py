@@ -168,7 +168,7 @@ class Activation(_Kind):
         if not 1 <= n <= limits.context - cache:
             raise FrameError(f"activation of {n} positions does not fit the context {limits.context} after {cache}")
         if hidden != limits.hidden:
-            raise FrameError(f"activation width {hidden} is not the model's hidden size {limits.hidden}")
+            raise FrameError(f"activation width {hidden} is not the model's row width {limits.hidden}")
         check_int(h, "pos0", 0, limits.context - 1)
         zeros = h.get("zeros")
         if not isinstance(zeros, list) or len(zeros) > cache or not all(
