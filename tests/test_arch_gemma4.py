@@ -145,15 +145,16 @@ def test_per_layer_embeddings_and_shared_kv_match_llamacpp_one_stage_and_split(t
 
 
 def test_a_carried_row_holds_the_per_layer_inputs_and_the_shared_sources_kv(tmp_path):
-    """The row's layout, the KV a sharing block holds (none of its own: the plan prices its source's
-    only), and the head's tensors: the per-layer tables go with the first stage."""
+    """The row's layout, the KV the plan prices for a sharing block (a copy of its source's, once per
+    source), and the head's tensors: the per-layer tables go with the first stage."""
     index = open_model(write_gemma4_gguf(tmp_path / "ple.gguf", blocks=PLE_BLOCKS, per_layer=8, shared_kv=2))
     h, g = index.hparams, index.hparams.gemma4
     kv2, kv3 = 2 * KV_HEADS[2] * HEAD_SWA, 2 * KV_HEADS[3] * HEAD_FULL
     assert h.carried == h.hidden + PLE_BLOCKS * 8 + kv2 + kv3
     assert g.ple_columns(h.hidden, 5) == (h.hidden + 40, h.hidden + 48)
     assert g.kv_columns(h.hidden, 3) == h.hidden + PLE_BLOCKS * 8 + kv2
-    assert g.kv_values_per_token(4) == g.kv_values_per_token(5) == 0 < g.kv_values_per_token(2)
+    # the first (only) sharer of each source is priced one copy of it: a stage apart from it holds one
+    assert [g.kv_values_per_token(b) for b in range(PLE_BLOCKS)] == [kv2, 2 * KV_HEADS[1] * HEAD_FULL, kv2, kv3, kv2, kv3]
     names = {t.name for t in index.shard_tensors(0, 1, True)}
     assert {"per_layer_token_embd.weight", "per_layer_model_proj.weight", "per_layer_proj_norm.weight"} <= names
     assert "per_layer_model_proj.weight" not in {t.name for t in index.shard_tensors(1, 6, False)}

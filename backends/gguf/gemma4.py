@@ -92,9 +92,12 @@ class Gemma4Params:
     per_layer: int = 0  # P: each block's per-layer input (0: none)
 
     def kv_values_per_token(self, b: int) -> int:
-        """K and V values one position holds in block b's cache (0: it reads a shared source's)."""
+        """K and V values one position holds for block b: its own; for the first block sharing a
+        source's, one copy of it (a stage holding the sharer apart from its source keeps one: the
+        plan prices it once); 0 for the other sharers."""
         g = self.blocks[b]
-        return 2 * g.n_kv_heads * g.head_dim if g.kv_from == b else 0
+        first_sharer = g.kv_from != b and all(o.kv_from != g.kv_from for o in self.blocks[g.kv_from + 1 : b])
+        return 2 * g.n_kv_heads * g.head_dim if g.kv_from == b or first_sharer else 0
 
     @property
     def shared_sources(self) -> tuple[int, ...]:
