@@ -86,11 +86,13 @@ SECTIONS = [
    "Which inference precision should serving compile here: is bf16 (the plugin's default on AVX-512-BF16 and"
    ' AMX) faster, and does it keep a question asked again and a split chain answering as before?',
    'python -m bench.serving_precision --model qwen2.5-coder-1.5b-q4_k_m --rounds 3',
-   'Both precisions on the same 1-stage chain, rounds alternating (run before serving also turned the '
-   "plugin's int8 activations off; both rows had them). bf16 prefills 1.44x faster here and decodes 0.90x; "
-   "its asked-again gap is twice f32's on this file and 0.65 against 0.05 on the default model, where it "
-   'flipped the answer. Serving compiles f32 on every CPU (backends/openvino/shard.py) for that agreement; '
-   "rerun this on an AMX machine before trading it for bf16's prefill speed there."),
+   'A Xeon with AMX (tiles for bf16 and int8), 2 threads. Both precisions on the same 1-stage chain, '
+   'rounds alternating, in the default (exact) K-quant form. Here bf16 prefills 3.59x faster and decodes '
+   "0.97x; its asked-again gap is 0.28 against f32's 0.0009. On the AVX-512-BF16 EPYC (commit 914e925's "
+   "table, `git log -p`) bf16 prefilled 1.44x faster and decoded 0.90x, with a gap twice f32's, and on "
+   'the default model 0.65 against 0.05, where it flipped the answer. Serving still compiles f32 on '
+   'every CPU (backends/openvino/shard.py) for that agreement, so on AMX it leaves 3.6x of the default '
+   "form's prefill to bf16 (`--kquant ggml` prefills with ggml's own kernels at either precision)."),
   ('Many users',
    "How does the aggregate rate grow, and each user's time per token, as more users ask at once, against what "
    "the machine's own compute allows?",
@@ -171,7 +173,7 @@ command and rebuilds this file; earlier runs are in git (`git log -p docs/BENCHM
 that code comments cite by section name is `git show 3ba472b:docs/BENCHMARKS.md`, the rooms move's
 `4fd7460`, the table against openvino_genai at 1 and 3 stages `3ddda38`; a ring against one process,
 n-gram speculation and weight transfer `b9b7e05`; churn `5e1587d`). They ran on 2-core AMD EPYCs
-(AVX-512 with VNNI and BF16 unless a section says AVX2) shared with other jobs: absolute figures are
+(AVX-512 with VNNI and BF16; a section says where it ran on an AVX2-only EPYC or a Xeon with AMX) shared with other jobs: absolute figures are
 noisy, and each benchmark measures its comparisons side by side, alternating.
 """
 
