@@ -140,13 +140,22 @@ def llamacpp_row(path: str, threads: int, prompt_len: int, tokens: int):
 
     ctx = multiprocessing.get_context("spawn")
     here, there = ctx.Pipe()
-    ctx.Process(target=_llamacpp_server, args=(there, path, threads, prompt_len, tokens), daemon=True).start()
+    server = ctx.Process(target=_llamacpp_server, args=(there, path, threads, prompt_len, tokens), daemon=True)
+    server.start()
 
     def run(prompt: list[int], n: int):
-        here.send((prompt, n))
-        return here.recv()
+        try:
+            here.send((prompt, n))
+            return here.recv()
+        except (EOFError, OSError):  # its process died (a crash inside llama.cpp)
+            server.join(5)
+            raise RowFailed(f"llama.cpp's process died (exit code {server.exitcode})") from None
 
     return run
+
+
+class RowFailed(Exception):
+    """A row that could not run on this machine; the table says why instead."""
 
 
 def _llamacpp_server(conn, path: str, threads: int, prompt_len: int, tokens: int) -> None:
@@ -186,10 +195,16 @@ def measure(path: str, rows: list[str], args) -> None:
     print(f"file {os.path.basename(path)}")
     prompt = prompt_ids(path, args.prompt_tokens)
     runs = {}
-    for name in rows:
+    for name in list(rows):
         t = time.perf_counter()
-        runs[name] = build(name, path, args.threads, args.prompt_tokens, args.tokens)
-        runs[name](prompt[:16], 4)  # warm-up: compile both shapes' kernels
+        try:
+            runs[name] = build(name, path, args.threads, args.prompt_tokens, args.tokens)
+            runs[name](prompt[:16], 4)  # warm-up: compile both shapes' kernels
+        except RowFailed as e:
+            print(f"{name}: not measured: {e}")
+            runs.pop(name, None)
+            rows = [r for r in rows if r != name]
+            continue
         print(f"built {name} in {time.perf_counter() - t:.1f} s", file=sys.stderr, flush=True)  # progress, not record
     pre: dict[str, list[float]] = {n: [] for n in rows}
     dec: dict[str, list[float]] = {n: [] for n in rows}
