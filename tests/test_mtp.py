@@ -283,6 +283,12 @@ def test_the_head_is_priced_with_the_mtp_block_when_it_drafts_with_it(mtp_file):
     memory = member_bytes(fleet(mtp, 1e9).model, n, True, context * 8, True, 8) + 1  # 8 requests drafting
     assert slots_that_fit(fleet(mtp, memory), {"a": n}, "a", 1000) == 8
     assert slots_that_fit(fleet({**mtp, "head_bytes_per_token": 0}, memory), {"a": n}, "a", 1000) > 8
+    # /status's planned bytes for the head (kafila/session/ring/memory.py) count the same
+    from kafila.session.ring.memory import shard_memory
+
+    args = (index, 0, n, True, context, 2)
+    got = shard_memory(*args, speculate="mtp")["planned_bytes"] - shard_memory(*args)["planned_bytes"]
+    assert got == pytest.approx(block + mtp["head_bytes_per_token"] * context * (2 + PARKED), abs=2)
 
 
 def test_a_request_that_stops_drafting_keeps_at_most_max_rows(mtp_file):

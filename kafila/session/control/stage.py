@@ -491,7 +491,8 @@ class Stage:
             return member_memory(None, 0, 0, False, 0, 0)
         kind = memory_kind(self.cfg.backend, getattr(self.shard, "kquant", ""))
         return member_memory(self.index, role.first, role.last, role.head == self.cfg.name,
-                             int(sess["context"]), int(sess["concurrency"]), kind, self.is_host)  # fmt: skip
+                             int(sess["context"]), int(sess["concurrency"]), kind, self.is_host,
+                             _speculate_mode(sess.get("speculate")))  # fmt: skip
 
     # --- leaving ------------------------------------------------------------------------------------
 

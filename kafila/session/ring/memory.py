@@ -42,19 +42,21 @@ def process_memory() -> dict:
 
 def shard_memory(index, first: int, last: int, head: bool, context: int, concurrency: int,
                  backend: str = "openvino", process_bytes: float | None = None,
-                 anchor: bool = False) -> dict:  # fmt: skip
+                 anchor: bool = False, speculate: str = "off") -> dict:  # fmt: skip
     """{"shard_bytes", "kv_bytes", "state_bytes", "planned_bytes", "planned_weights_bytes"} of
     blocks [first, last) (+ the head) of `index` on `backend` (state: a hybrid model's recurrent
     state, a sliding-window model's windowed KV, for `concurrency` requests): planned is planner.member_bytes at context × concurrency
     (what admission checked), planned_weights the same without KV (what a member holds before
     its KV fills). `process_bytes` replaces the backend's per-process term (`kafila run`);
-    `anchor`: the member is the host (planner's anchor_bytes)."""
+    `anchor`: the member is the host (planner's anchor_bytes); `speculate`: the session's mode
+    (with mtp the head's planned bytes hold the MTP block, its KV and rows)."""
     from backends.memory import RECURRENT_STATE_COPIES
+    from kafila.session.control.pricing import with_drafting_head
     from planner import member_bytes, parse_fleet
 
     blocks = last - first
     shard = sum(t.n_bytes for t in index.shard_tensors(first, last, head))
-    raw = index.planner_model(backend)
+    raw = with_drafting_head(index.planner_model(backend), index, {backend}, speculate)  # --speculate mtp
     if process_bytes is not None:
         raw["process_bytes"] = process_bytes
     model = parse_fleet({"context": 1, "concurrency": 1, "anchor": "a", "model": raw,
@@ -69,14 +71,14 @@ def shard_memory(index, first: int, last: int, head: bool, context: int, concurr
 
 
 def member_memory(index, first: int, last: int, head: bool, context: int, concurrency: int,
-                  backend: str = "openvino", anchor: bool = False) -> dict:
+                  backend: str = "openvino", anchor: bool = False, speculate: str = "off") -> dict:
     """What /status reports under "memory": the process's figures and the plan's for its shard,
     with RSS/PSS/peak as multiples of (shard + KV) and of the planned bytes."""
     out = process_memory()
     if index is None:
         return {**out, "shard_bytes": None, "kv_bytes": None, "state_bytes": None, "planned_bytes": None,
                 "planned_weights_bytes": None}  # fmt: skip
-    out.update(shard_memory(index, first, last, head, context, concurrency, backend, anchor=anchor))
+    out.update(shard_memory(index, first, last, head, context, concurrency, backend, anchor=anchor, speculate=speculate))
     base = out["shard_bytes"] + out["kv_bytes"]
     for key in ("rss_bytes", "pss_bytes", "peak_rss_bytes"):
         value = out[key]
