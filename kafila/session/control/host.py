@@ -28,7 +28,7 @@ from kafila.session.control.config import SessionConfig, session_context
 from kafila.session.control.host_weights import HostWeights
 from kafila.session.control.lifecycle import BREAK_GRACE_S  # noqa: F401 (re-exported)
 from kafila.session.control.messages import PlanMessage, SessionTerms
-from kafila.session.control.pricing import choose_context, model_reads, probe_fields, with_drafting_head
+from kafila.session.control.pricing import choose_context, model_reads, probe_fields
 from kafila.session.control.preview import members_table, plan_summary, plan_table, predicted_tok_s  # noqa: F401
 from kafila.session.control.replans import ReplanPacer
 from kafila.session.control.stage import STATUS_EVERY_S, Stage
@@ -54,11 +54,13 @@ def _resident_model(index, kinds: set[str], speculate: str = "off") -> dict:
     """The plan's model entry with memory in the members' backends' forms (backends.memory): one
     Model serves every member, so a mixed ring takes each memory figure from its largest backend.
     With --speculate mtp the head also holds the model's multi-token-prediction block, and its KV
-    and rows per position of every request and of the parked ones (pricing.with_drafting_head)."""
+    and rows per position of every request and of the parked ones (speculation.mtp.with_drafting_head)."""
     models = [index.planner_model(kind) for kind in sorted(kinds)]
     out = dict(models[0])
     for key in ("process_bytes", "anchor_bytes", "block_resident_bytes", "head_resident_bytes"):
         out[key] = max(m[key] for m in models)
+    from kafila.session.ring.speculation.mtp import with_drafting_head
+
     return with_drafting_head(out, index, kinds, speculate)
 
 

@@ -11,9 +11,7 @@ the measurement.
   members' memory holds (planner.largest_context), an explicit one refused with the largest
   that fits;
 - `predictions(plan, measured)`: per stage, the planner's ms beside the measured, and tok/s,
-  for /status, `kafila status` and `kafila demo --json`;
-- `drafting_head(index, kinds, speculate)`: what `--speculate mtp` adds to the head's entry (the
-  plan's and /status's alike).
+  for /status, `kafila status` and `kafila demo --json`.
 """
 
 from __future__ import annotations
@@ -85,33 +83,6 @@ def choose_context(fleet: dict, asked: int | None, model_context: int, model_nam
         return want, f"context {want}: {model_name}'s own (the members' memory cannot hold it)"
     return fits, (f"context {fits}: {model_name}'s own is {want}, the members' memory holds {fits} "
                   f"at {at}")  # fmt: skip
-
-
-def drafting_head(index: Any, kinds: set[str], speculate: str) -> dict:
-    """The model entry's head fields that drafting with the file's own MTP block adds: its weights
-    in the members' largest backend form, and per position of every request and of the parked
-    ones its KV and the model's row it keeps ({} without --speculate mtp or an MTP block)."""
-    from backends.gguf.hybrid import has_mtp
-    from backends.memory import resident_bytes
-
-    if speculate != "mtp" or not has_mtp(index):
-        return {}
-    from kafila.session.ring.speculation.mtp import PARKED, row_bytes
-
-    block = index.block_tensors(index.hparams.n_blocks)
-    return {"head_mtp_bytes": max(resident_bytes(kind, block) for kind in kinds),
-            "head_bytes_per_token": index.mtp_kv_bytes_per_token() + row_bytes(index.hparams.hidden),
-            "head_parked": PARKED}
-
-
-def with_drafting_head(model: dict, index: Any, kinds: set[str], speculate: str) -> dict:
-    """`model` (a planner model entry with head_resident_bytes) with drafting_head's fields in."""
-    extra = drafting_head(index, kinds, speculate)
-    if not extra:
-        return model
-    out = {**model, "head_bytes_per_token": extra["head_bytes_per_token"], "head_parked": extra["head_parked"]}
-    out["head_resident_bytes"] = out["head_resident_bytes"] + extra["head_mtp_bytes"]
-    return out
 
 
 def predictions(plan: dict | None, stage_ms: dict, tok_s: float | None) -> dict:

@@ -51,7 +51,7 @@ def shard_memory(index, first: int, last: int, head: bool, context: int, concurr
     `anchor`: the member is the host (planner's anchor_bytes); `speculate`: the session's mode
     (with mtp the head's planned bytes hold the MTP block, its KV and rows)."""
     from backends.memory import RECURRENT_STATE_COPIES
-    from kafila.session.control.pricing import with_drafting_head
+    from kafila.session.ring.speculation.mtp import with_drafting_head
     from planner import member_bytes, parse_fleet
 
     blocks = last - first

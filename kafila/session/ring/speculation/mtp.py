@@ -52,6 +52,22 @@ def row_bytes(hidden: int) -> int:
     return hidden * np.dtype(np.float32).itemsize
 
 
+def with_drafting_head(model: dict, index: ModelIndex, kinds: set[str], speculate: str) -> dict:
+    """A planner model entry (with head_resident_bytes) as the head holds it drafting with the
+    file's MTP block (--speculate mtp; else `model` as it is): the block's weights in the members'
+    largest backend form, and per position of every request and of the PARKED ones its KV and
+    the model's row it keeps. One formula for the plan and /status's planned bytes."""
+    from backends.gguf.hybrid import has_mtp
+    from backends.memory import resident_bytes
+
+    if speculate != "mtp" or not has_mtp(index):
+        return model
+    block = index.block_tensors(index.hparams.n_blocks)
+    return {**model, "head_resident_bytes": model["head_resident_bytes"] + max(resident_bytes(k, block) for k in kinds),
+            "head_bytes_per_token": index.mtp_kv_bytes_per_token() + row_bytes(index.hparams.hidden),
+            "head_parked": PARKED}  # fmt: skip
+
+
 class _State:
     def __init__(self, slot: int, bound: int) -> None:
         self.slot = slot
