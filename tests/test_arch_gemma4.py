@@ -54,10 +54,12 @@ def test_both_backends_match_llamacpp_one_and_three_stages(tmp_path, moe, fused,
 
 @needs_llamacpp
 @needs_openvino
-@pytest.mark.parametrize("moe, fused, ple", [(False, False, False), (True, False, False), (True, True, False),
-                                             (False, False, True)], ids=["dense", "moe", "fused", "e2b-like"])  # fmt: skip
-def test_a_quantized_gemma4_matches_llamacpp(tmp_path, moe, fused, ple):
-    """Q4_K_M from llama.cpp's quantizer (rows of 256: K-quants on the dense and expert matrices):
+@pytest.mark.parametrize("moe, fused, ple, ftype", [
+    (False, False, False, "Q4_K_M"), (True, False, False, "Q4_K_M"), (True, True, False, "Q4_K_M"),
+    (False, False, True, "Q4_K_M"), (True, False, False, "Q8_0")], ids=["dense", "moe", "fused", "e2b-like", "moe-q8_0"])  # fmt: skip
+def test_a_quantized_gemma4_matches_llamacpp(tmp_path, moe, fused, ple, ftype):
+    """Q4_K_M (and Q8_0 on the MoE file) from llama.cpp's quantizer (rows of 256: K-quants on the
+    dense and expert matrices):
     the exact form and MLX answer llama.cpp's ids on the file's dequantized weights at 1 and 3 stages.
     The ggml form on the file itself: the first logits are llama.cpp's own to rounding
     (tests/test_ggml_kernels.py's check), after an 8-id prompt for the dense file and after one id
@@ -73,9 +75,9 @@ def test_a_quantized_gemma4_matches_llamacpp(tmp_path, moe, fused, ple):
     shape = dict(blocks=PLE_BLOCKS, per_layer=8, shared_kv=2) if ple else {}  # e2b-like: per-layer inputs, shared KV
     src = write_gemma4_gguf(tmp_path / "f32.gguf", moe=moe, hidden=256, ffn=256, experts=(8, 2, 256), fused=fused,
                             **shape)  # fmt: skip
-    path = quantize(src, str(tmp_path / "q.gguf"), "Q4_K_M")
+    path = quantize(src, str(tmp_path / "q.gguf"), ftype)
     index = open_model(path)
-    assert {"Q4_K", "Q6_K"} <= {t.qtype for t in index.tensors.values()}
+    assert ({"Q4_K", "Q6_K"} if ftype == "Q4_K_M" else {"Q8_0"}) <= {t.qtype for t in index.tensors.values()}
     ref_ids, ref_logits = greedy_run(write_f32_copy(path, str(tmp_path / "deq.gguf")), PROMPT_IDS, N_TOKENS)
     n = index.hparams.n_blocks
     for backend in ("openvino", "mlx") if status("mlx").available else ("openvino",):
