@@ -97,7 +97,7 @@ class Gemma4Params:
         plan prices it once); 0 for the other sharers."""
         g = self.blocks[b]
         first_sharer = g.kv_from != b and all(o.kv_from != g.kv_from for o in self.blocks[g.kv_from + 1 : b])
-        return 2 * g.n_kv_heads * g.head_dim if g.kv_from == b or first_sharer else 0
+        return 2 * self.kv_width(b) if g.kv_from == b or first_sharer else 0
 
     @property
     def shared_sources(self) -> tuple[int, ...]:
@@ -113,6 +113,10 @@ class Gemma4Params:
         """[start, end) of block b's per-layer input in a carried row."""
         return hidden + b * self.per_layer, hidden + (b + 1) * self.per_layer
 
+    def kv_width(self, s: int) -> int:
+        """K (or V) values of one position of block s: its KV heads × head size."""
+        return self.blocks[s].n_kv_heads * self.blocks[s].head_dim
+
     def kv_columns(self, hidden: int, source: int | None) -> int:
         """Where shared source `source`'s K columns start in a carried row (its V follow them);
         with None, the row's width."""
@@ -120,7 +124,7 @@ class Gemma4Params:
         for s in self.shared_sources:
             if s == source:
                 return at
-            at += 2 * self.blocks[s].n_kv_heads * self.blocks[s].head_dim
+            at += 2 * self.kv_width(s)
         if source is not None:
             raise ValueError(f"block {source} is not a shared KV source")
         return at
@@ -246,17 +250,19 @@ def _check_block(path: str, tensors: dict, g: Gemma4Block, b: int, hidden: int, 
 
 
 def first_rows(index, ids) -> np.ndarray:
-    """A first stage's input rows for token `ids` [n]: the embedding's rows, and for a carried row
-    (Gemma4Params.carried) the per_layer_token_embd rows in the per-layer columns (the stage graph
-    scales and adds their projection) and zeros for the shared sources' K and V: [n, carried]. Both
-    tables' rows are read from the file, not held."""
-    h = index.hparams
+    """A first stage's input rows for token `ids` [n]: the embedding's rows, then `carried_tail`'s
+    columns for a carried row: [n, carried]. Both tables' rows are read from the file, not held."""
     rows = index.rows("token_embd.weight", ids)
-    if h.carried == h.hidden:
-        return rows
-    out = np.zeros((len(rows), h.carried), np.float32)
-    out[:, : h.hidden] = rows
-    if h.gemma4.per_layer:
-        out[:, h.hidden : h.hidden + len(h.gemma4.blocks) * h.gemma4.per_layer] = index.rows(
-            "per_layer_token_embd.weight", ids)
+    h = index.hparams
+    return rows if h.carried == h.hidden else np.concatenate([rows, carried_tail(index, ids)], axis=1)
+
+
+def carried_tail(index, ids) -> np.ndarray:
+    """What follows the hidden state in a first stage's carried row (Gemma4Params.carried) for
+    token `ids` [n]: the per_layer_token_embd rows in the per-layer columns (the stage graph scales
+    and adds their projection), zeros for the shared sources' K and V: [n, carried − hidden]."""
+    h, g = index.hparams, index.hparams.gemma4
+    out = np.zeros((len(np.asarray(ids).reshape(-1)), h.carried - h.hidden), np.float32)
+    if g.per_layer:
+        out[:, : len(g.blocks) * g.per_layer] = index.rows("per_layer_token_embd.weight", ids)
     return out

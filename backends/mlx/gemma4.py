@@ -74,8 +74,7 @@ class Carried:
         self.ple = row[..., hidden : hidden + n_ple] if g.per_layer else None
         self.kv: dict[int, tuple[mx.array, mx.array]] = {}
         for s in g.shared_sources:
-            b, at = g.blocks[s], g.kv_columns(hidden, s)
-            width = b.n_kv_heads * b.head_dim
+            b, at, width = g.blocks[s], g.kv_columns(hidden, s), g.kv_width(s)
             k, v = (row[..., a : a + width].reshape(1, -1, b.n_kv_heads, b.head_dim).transpose(0, 2, 1, 3)
                     for a in (at, at + width))  # fmt: skip
             self.kv[s] = (k, v)
@@ -116,9 +115,10 @@ def gemma4_block(x: mx.array, w: BlockWeights, cache: SlotCache, layer: int, pos
         v = raw_k if w.v is None else w.v(h).reshape(1, n, Hkv, D)  # no attn_v: the keys' projection
         k = mx.fast.rms_norm(raw_k, w.k_norm, eps)
         v = mx.fast.rms_norm(v, None, eps)
-        if carried is not None and b in carried.kv:  # a shared source: its step's K and V travel on
+        source = carried is not None and b in carried.kv
+        if source:  # a shared source: its step's K and V travel on, turned once
             carried.kv[b] = k, v = rope(k.transpose(0, 2, 1, 3), positions, dims), v.transpose(0, 2, 1, 3)
-        attended = _attend(q, k, v, cache, buf, positions, mask, dims, turned=carried is not None and b in carried.kv)
+        attended = _attend(q, k, v, cache, buf, positions, mask, dims, turned=source)
     elif kind == "hold":
         k, v = carried.kv[carried.g.blocks[b].kv_from]
         attended = _attend(q, k, v, cache, buf, positions, mask, dims, turned=True)

@@ -29,7 +29,7 @@ from backends.gguf import ModelIndex, open_model
 from backends.kept import KeptStates
 from backends.window import KeptWindow, check_window, drop_to, holds_window, needs_kept, window_start
 from backends.gguf.families import Yarn, require_llama_blocks, yarn_magnitude, yarn_multipliers
-from backends.gguf.gemma4 import first_rows
+from backends.gguf.gemma4 import carried_tail
 from backends.mlx.gemma4 import Carried, block_dims, gemma4_block, kv_routes
 from backends.mlx.hybrid import HybridDims, hybrid_block, init_state
 from backends.mlx.model import Dims, SlotCache, attention_mask, block, block_rows, window_mask
@@ -371,9 +371,8 @@ class MLXShard(HeadOps):
             return None
         if not self.spec.embed:
             return Carried(hp.gemma4, hp.hidden, mx.array(np.asarray(x, dtype=np.float32).reshape(n, hp.carried))[None])
-        carried = Carried(hp.gemma4, hp.hidden, mx.array(first_rows(self.index, np.asarray(x).reshape(n)))[None])
-        carried.hidden = self._embed(x, n)[None]  # as every model's first stage takes it
-        return carried
+        tail = mx.array(carried_tail(self.index, np.asarray(x).reshape(n)))
+        return Carried(hp.gemma4, hp.hidden, mx.concatenate([self._embed(x, n), tail], axis=-1)[None])
 
     def _embed(self, x: np.ndarray, n: int) -> mx.array:
         """Token ids (embed shard) or hidden states → f32 [n, hidden]."""

@@ -50,10 +50,7 @@ class Carried:
         self.kv: dict[int, ov.Output] = {}
         for s in self.g.shared_sources:
             at = self.g.kv_columns(self.H, s)
-            self.kv[s] = _columns(x_in, at, at + 2 * self._kv_width(s))
-
-    def _kv_width(self, s: int) -> int:
-        return self.g.blocks[s].n_kv_heads * self.g.blocks[s].head_dim
+            self.kv[s] = _columns(x_in, at, at + 2 * self.g.kv_width(s))
 
     def per_layer_inputs(self, x0: ov.Output) -> None:
         """The first stage: every block's per-layer input from x0 (the scaled embedding [B, L, H])
@@ -74,14 +71,14 @@ class Carried:
 
     def read_kv(self, s: int) -> tuple[ov.Output, ov.Output]:
         """Source s's step K and V [B, nkv, L, D] from the row."""
-        g, width = self.g.blocks[s], self._kv_width(s)
+        g, width = self.g.blocks[s], self.g.kv_width(s)
         k, v = (ops.transpose(ops.reshape(_columns(self.kv[s], a, a + width), _i64(0, 0, g.n_kv_heads, g.head_dim),
                                           True), _i64(0, 2, 1, 3)).output(0) for a in (0, width))  # fmt: skip
         return k, v
 
     def write_kv(self, s: int, k: ov.Output, v: ov.Output) -> None:
         """Source s's step K and V [B, nkv, L, D] into the row."""
-        width = self._kv_width(s)
+        width = self.g.kv_width(s)
         flat = [ops.reshape(ops.transpose(t, _i64(0, 2, 1, 3)), _i64(0, 0, width), True).output(0) for t in (k, v)]
         self.kv[s] = ops.concat(flat, axis=-1).output(0)
 
