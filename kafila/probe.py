@@ -163,7 +163,7 @@ def probe_device(quick: bool = False, backend: str = "openvino") -> ProbeResult:
     quota = cgroup_cpu_quota()
     burst = None
     if backend == "openvino" and quota is not None:
-        burst = _attempt(lambda: [measure_burst_openvino(quota[1])], errors, "burst")
+        burst = _attempt(lambda: measure_burst_openvino(quota[1]), errors, "burst")
     llc = last_level_cache_bytes()
     return ProbeResult(
         bandwidth_gbps=_median(bandwidth),
@@ -292,6 +292,8 @@ BLOCK_PROBE_RUN_S = 0.1
 BLOCK_PROBE_RUNS = 3
 BURST_PERIODS = 10  # quota periods the burst probe spans (10 ms periods: 0.1 s; 100 ms: 1 s)
 BURST_MIN_STEPS = 8
+BURST_WARM_PERIODS = 3
+BURST_WINDOWS = 3
 Q4_GROUP = 32  # weights a 4-bit group shares its scale and zero point with
 Q4_K_BLOCK_BYTES = 144  # a Q4_K super-block: 256 weights
 
@@ -436,20 +438,27 @@ def measure_block_openvino(settings: ProbeSettings) -> tuple[list[float], list[f
     return fixed, rates
 
 
-def measure_burst_openvino(period_s: float) -> float:
+def measure_burst_openvino(period_s: float) -> list[float]:
     """Under a CPU quota, how many times faster than its sustained rate a stage computes while
     the quota lets it run: the wide block's decode steps timed one by one over BURST_PERIODS of
     the quota's periods, their mean (stalls included) over their lower quartile (steps the
-    quota let through whole: a period's budget holds several). 1 when every step stalls."""
+    quota let through whole: a period's budget holds several). 1 when every step stalls.
+    Warmed over BURST_WARM_PERIODS first (a fresh graph's first steps fault in pages and eat a
+    period's budget, so one short window can read as all stalls), then BURST_WINDOWS windows:
+    one figure each, the probe takes their median."""
     step, _ = _step_timer(1, WIDE_PROBE_SHAPE, packed=True)
-    for _ in range(3):  # warm: the first steps allocate
+    warm_end = time.perf_counter() + BURST_WARM_PERIODS * period_s
+    while time.perf_counter() < warm_end:
         step()
-    times: list[float] = []
-    end = time.perf_counter() + BURST_PERIODS * period_s
-    while (start := time.perf_counter()) < end or len(times) < BURST_MIN_STEPS:
-        step()
-        times.append(time.perf_counter() - start)
-    return max(1.0, statistics.fmean(times) / statistics.quantiles(times, n=4)[0])
+    ratios = []
+    for _ in range(BURST_WINDOWS):
+        times: list[float] = []
+        end = time.perf_counter() + BURST_PERIODS * period_s
+        while (start := time.perf_counter()) < end or len(times) < BURST_MIN_STEPS:
+            step()
+            times.append(time.perf_counter() - start)
+        ratios.append(max(1.0, statistics.fmean(times) / statistics.quantiles(times, n=4)[0]))
+    return ratios
 
 
 def measure_head_openvino(settings: ProbeSettings) -> list[float]:
