@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 import psutil
 
-from backends.cgroups import cgroup_cpu_quota, cgroup_memory_room_bytes, usable_cpus  # noqa: F401 (re-exported)
+from backends.cgroups import cgroup_cpu_quota, cgroup_memory_room_bytes, quota_threads, usable_cpus  # noqa: F401 (re-exported)
 
 MIB = 1 << 20
 BYTES_PER_GB = 1e9
@@ -163,7 +163,8 @@ def probe_device(quick: bool = False, backend: str = "openvino") -> ProbeResult:
     quota = cgroup_cpu_quota()
     burst = None
     if backend == "openvino" and quota is not None:
-        burst = _attempt(lambda: measure_burst_openvino(quota[1]), errors, "burst")
+        threads = quota_threads() or usable_cpus()  # what OpenVINO computes on (backends.openvino.shard.core)
+        burst = _attempt(lambda: [measure_burst_openvino(quota[1], threads)], errors, "burst")
     llc = last_level_cache_bytes()
     return ProbeResult(
         bandwidth_gbps=_median(bandwidth),
@@ -290,10 +291,9 @@ WIDE_PROBE_DEEP = 3
 # CPU quota shows in it: a 25 ms run fits inside a 25 % quota's share of one period unthrottled
 BLOCK_PROBE_RUN_S = 0.1
 BLOCK_PROBE_RUNS = 3
-BURST_PERIODS = 10  # quota periods the burst probe spans (10 ms periods: 0.1 s; 100 ms: 1 s)
+BURST_PERIODS = 20  # quota periods the burst probe spans (10 ms periods: 0.2 s; 100 ms: 2 s)
 BURST_MIN_STEPS = 8
 BURST_WARM_PERIODS = 3
-BURST_WINDOWS = 3
 Q4_GROUP = 32  # weights a 4-bit group shares its scale and zero point with
 Q4_K_BLOCK_BYTES = 144  # a Q4_K super-block: 256 weights
 
@@ -438,27 +438,28 @@ def measure_block_openvino(settings: ProbeSettings) -> tuple[list[float], list[f
     return fixed, rates
 
 
-def measure_burst_openvino(period_s: float) -> list[float]:
+def measure_burst_openvino(period_s: float, threads: int) -> float:
     """Under a CPU quota, how many times faster than its sustained rate a stage computes while
-    the quota lets it run: the wide block's decode steps timed one by one over BURST_PERIODS of
-    the quota's periods, their mean (stalls included) over their lower quartile (steps the
-    quota let through whole: a period's budget holds several). 1 when every step stalls.
-    Warmed over BURST_WARM_PERIODS first (a fresh graph's first steps fault in pages and eat a
-    period's budget, so one short window can read as all stalls), then BURST_WINDOWS windows:
-    one figure each, the probe takes their median."""
+    the quota lets it run: t·W/C over the wide block's decode steps run back to back for
+    BURST_PERIODS of the quota's periods, W their wall time, C the CPU time they used and t the
+    CPUs they keep busy while running (the most any step used, CPU over wall, within 1..`threads`).
+    W/C is the time's share the quota grants, whatever the step's size. Timing steps alone (their
+    mean over their fastest) reads 1 where a step is near the period's budget: every step then
+    straddles a stall (CI read 1.48 where the quota allows 4). 1 where nothing stalls."""
     step, _ = _step_timer(1, WIDE_PROBE_SHAPE, packed=True)
     warm_end = time.perf_counter() + BURST_WARM_PERIODS * period_s
-    while time.perf_counter() < warm_end:
+    while time.perf_counter() < warm_end:  # a fresh graph's first steps fault in pages
         step()
-    ratios = []
-    for _ in range(BURST_WINDOWS):
-        times: list[float] = []
-        end = time.perf_counter() + BURST_PERIODS * period_s
-        while (start := time.perf_counter()) < end or len(times) < BURST_MIN_STEPS:
-            step()
-            times.append(time.perf_counter() - start)
-        ratios.append(max(1.0, statistics.fmean(times) / statistics.quantiles(times, n=4)[0]))
-    return ratios
+    busiest, steps = 0.0, 0
+    wall0, cpu0 = time.perf_counter(), time.process_time()
+    end = wall0 + BURST_PERIODS * period_s
+    while (w := time.perf_counter()) < end or steps < BURST_MIN_STEPS:
+        c = time.process_time()
+        step()
+        busiest = max(busiest, (time.process_time() - c) / max(time.perf_counter() - w, 1e-9))
+        steps += 1
+    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
+    return max(1.0, min(max(busiest, 1.0), threads) * wall / max(cpu, 1e-9))
 
 
 def measure_head_openvino(settings: ProbeSettings) -> list[float]:
