@@ -28,8 +28,10 @@ member will serve on (a member is priced by what its shards will run, not by num
 `ProbeResult.backend` names what was measured ("openvino CPU", "mlx CPU", "mlx GPU",
 "reference numpy CPU").
 Each figure is the median over several runs, with its spread (max − min over the runs, in the
-same unit). Every run lasts at least a fixed wall-clock time, so a figure is a sustained rate:
-a CPU quota or thermal throttling shows in it rather than hiding between bursts.
+same unit). Every run lasts at least a fixed time, so a figure is a sustained rate: thermal
+throttling shows in it rather than hiding between bursts. Under a CPU quota the runs are timed
+on the process's CPU time over the quota (`sustained_clock`), what the quota paces them at
+whatever its stalls fell on; `cpu_burst` says how much faster it computes while let run.
 A measurement that fails is reported as None with the reason in `errors`; the planner then
 plans in a lower admission tier.
 """
@@ -41,7 +43,7 @@ import statistics
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -67,6 +69,7 @@ class ProbeSettings:
     run_s: float  # each run repeats its work for at least this long
     buffer_bytes: int  # upper bound; lowered to a quarter of free memory
     matmul_n: int
+    clock: Callable[[], float] = time.perf_counter  # seconds; under a CPU quota, sustained_clock's
 
     @staticmethod
     def for_mode(quick: bool) -> ProbeSettings:
@@ -135,6 +138,9 @@ def probe_device(quick: bool = False, backend: str = "openvino") -> ProbeResult:
         choices = ", ".join(PROBE_BACKENDS)
         raise ValueError(f"no probe for backend {backend!r} (choose from {choices})")
     settings = ProbeSettings.for_mode(quick)
+    quota = cgroup_cpu_quota()
+    if quota is not None:
+        settings = replace(settings, clock=sustained_clock(quota[0]))
     errors: list[str] = []
     memory_bytes = free_memory_bytes()  # before the probe's own buffer takes some
     threads = usable_cpus()
@@ -160,7 +166,6 @@ def probe_device(quick: bool = False, backend: str = "openvino") -> ProbeResult:
         block = _attempt(lambda: measure_block_openvino(settings), errors, "block")
         head = _attempt(lambda: measure_head_openvino(settings), errors, "head")
     block_us, block_gbps = block if block is not None else (None, None)
-    quota = cgroup_cpu_quota()
     burst = None
     if backend == "openvino" and quota is not None:
         threads = quota_threads() or usable_cpus()  # what OpenVINO computes on (backends.openvino.shard.core)
@@ -217,6 +222,16 @@ def _spread(values: list[float] | None) -> float | None:
     return None if not values else max(values) - min(values)
 
 
+def sustained_clock(cpus: float) -> Callable[[], float]:
+    """Seconds as a CPU quota of `cpus` CPUs paces this process: its CPU time over `cpus`. The
+    quota grants that many CPU-seconds a second to a process that wants them, so work of C
+    CPU-seconds takes C/cpus seconds sustained. Wall time over short runs reads the quota's
+    stalls by chance of where they fall: at a quarter CPU, one thread's block ran 5-7x slower by
+    it than while let run, where the quota takes 4x. (Other load on the machine that leaves the
+    process less than its quota is not seen.)"""
+    return lambda: time.process_time() / cpus
+
+
 def _timed_runs(work: Callable[[], float], settings: ProbeSettings) -> list[float]:
     """Rates from `settings.runs` runs; `work` does one unit and returns its size.
 
@@ -226,10 +241,10 @@ def _timed_runs(work: Callable[[], float], settings: ProbeSettings) -> list[floa
     rates = []
     for run in range(settings.runs + 1):
         done = 0.0
-        start = time.perf_counter()
+        start = settings.clock()
         while True:
             done += work()
-            elapsed = time.perf_counter() - start
+            elapsed = settings.clock() - start
             if elapsed >= settings.run_s:
                 break
         if run > 0:
@@ -294,6 +309,7 @@ BLOCK_PROBE_RUNS = 3
 BURST_PERIODS = 20  # quota periods the burst probe spans (10 ms periods: 0.2 s; 100 ms: 2 s)
 BURST_MIN_STEPS = 8
 BURST_WARM_PERIODS = 3
+BURST_ALONE_STEPS = 9
 Q4_GROUP = 32  # weights a 4-bit group shares its scale and zero point with
 Q4_K_BLOCK_BYTES = 144  # a Q4_K super-block: 256 weights
 
@@ -425,7 +441,7 @@ def measure_block_openvino(settings: ProbeSettings) -> tuple[list[float], list[f
     wide1, _ = _step_timer(1, WIDE_PROBE_SHAPE, packed=True)
     wide, held = _step_timer(WIDE_PROBE_DEEP, WIDE_PROBE_SHAPE, packed=True)
     block_bytes = held / WIDE_PROBE_DEEP
-    one = ProbeSettings(runs=1, run_s=max(settings.run_s, BLOCK_PROBE_RUN_S), buffer_bytes=0, matmul_n=0)
+    one = replace(settings, runs=1, run_s=max(settings.run_s, BLOCK_PROBE_RUN_S))
     fixed, rates = [], []
     for _ in range(min(settings.runs, BLOCK_PROBE_RUNS) if settings.run_s < BLOCK_PROBE_RUN_S else settings.runs):
         t1, t9 = (1e6 / _timed_runs(f, one)[0] for f in (shallow, deep))
@@ -440,26 +456,31 @@ def measure_block_openvino(settings: ProbeSettings) -> tuple[list[float], list[f
 
 def measure_burst_openvino(period_s: float, threads: int) -> float:
     """Under a CPU quota, how many times faster than its sustained rate a stage computes while
-    the quota lets it run: t·W/C over the wide block's decode steps run back to back for
-    BURST_PERIODS of the quota's periods, W their wall time, C the CPU time they used and t the
-    CPUs they keep busy while running (the most any step used, CPU over wall, within 1..`threads`).
-    W/C is the time's share the quota grants, whatever the step's size. Timing steps alone (their
-    mean over their fastest) reads 1 where a step is near the period's budget: every step then
-    straddles a stall (CI read 1.48 where the quota allows 4). 1 where nothing stalls."""
+    the quota lets it run: the wide block's decode step run back to back over BURST_PERIODS of
+    the quota's periods (wall time a step, the stalls included: the sustained cost) over the same
+    step alone after a period idle, as a token reaching a quiet ring finds the quota refilled
+    (the median of BURST_ALONE_STEPS; a step the quota still stalls counts its CPU time over the
+    `threads` it computes on). Mean over fastest of the back-to-back steps read 1 where a step
+    is near the period's budget, every step straddling a stall (CI read 1.48 where the quota
+    allows 4); and a step that straddles one costs more CPU (a wide block's three: 1.55x).
+    1 where nothing stalls."""
     step, _ = _step_timer(1, WIDE_PROBE_SHAPE, packed=True)
     warm_end = time.perf_counter() + BURST_WARM_PERIODS * period_s
     while time.perf_counter() < warm_end:  # a fresh graph's first steps fault in pages
         step()
-    busiest, steps = 0.0, 0
-    wall0, cpu0 = time.perf_counter(), time.process_time()
-    end = wall0 + BURST_PERIODS * period_s
-    while (w := time.perf_counter()) < end or steps < BURST_MIN_STEPS:
-        c = time.process_time()
+    steps, start = 0, time.perf_counter()
+    end = start + BURST_PERIODS * period_s
+    while time.perf_counter() < end or steps < BURST_MIN_STEPS:
         step()
-        busiest = max(busiest, (time.process_time() - c) / max(time.perf_counter() - w, 1e-9))
         steps += 1
-    wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
-    return max(1.0, min(max(busiest, 1.0), threads) * wall / max(cpu, 1e-9))
+    sustained = (time.perf_counter() - start) / steps
+    alone = []
+    for _ in range(BURST_ALONE_STEPS):
+        time.sleep(period_s)
+        wall, cpu = time.perf_counter(), time.process_time()
+        step()
+        alone.append(min(time.perf_counter() - wall, (time.process_time() - cpu) / threads))
+    return max(1.0, sustained / statistics.median(alone))
 
 
 def measure_head_openvino(settings: ProbeSettings) -> list[float]:

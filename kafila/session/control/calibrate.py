@@ -7,8 +7,9 @@ quant forms, its own head count), its stage pays Python and tensor set-up beyond
 tiny graph, and in a ring whose members share one machine each forward meets caches the others
 have just used. The host holds the file, so it times the model's own blocks before its first
 plan (once the members are in: their probes are done), the median of single steps of a stage of
-CALIBRATE_BLOCKS blocks against one of one, back to back and each step after a read of twice the
-last-level cache (as another member's stage would leave it), the four timed in turn; the plan
+CALIBRATE_BLOCKS blocks against one of one, back to back and each step after a read of the
+model's bytes (what the ring's other stages read between two of its forwards; at most twice the
+last-level cache), the four timed in turn; the plan
 carries the ratios as the model's fields (planner.fleet.Model):
 
 - `block_scale`: the real per-block time over what the host's own probe predicts for those
@@ -54,7 +55,12 @@ def calibrate(index: Any, probe: dict, kquant: str, precision: str) -> dict:
     shards = [load_shard("openvino", ShardSpec(index.path, first, first + k, embed=embed, head=False), precision,
                          index=index, kquant=kquant) for k, embed in ((1, False), (deep, False), (1, True))]  # fmt: skip
     steps = [_stepper(s, index.hparams.carried) for s in shards]
-    junk = np.ones(max(64 << 20, 2 * (last_level_cache_bytes() or 0)) // 8, np.uint64)
+    # between two of a stage's forwards the ring's other stages read the rest of the model: a model
+    # the last-level cache holds whole stays in it (a 480 MB L3 holds a 135M model; a 32 MB one
+    # does not), so read what the model's stages read a token, at most twice that cache
+    ring_reads = _read_bytes(index, index.block_bytes) * n + index.head_bytes
+    junk = np.ones(int(min(max(64 << 20, 2 * (last_level_cache_bytes() or 0)), max(ring_reads, 1 << 20))) // 8,
+                   np.uint64)  # fmt: skip
 
     def cold() -> None:
         np.bitwise_or.reduce(junk)
