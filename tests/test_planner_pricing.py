@@ -55,6 +55,22 @@ def test_probe_fields_pass_what_was_measured() -> None:
     assert probe_fields(d) == {"bandwidth_gbps": 5.0, "block_us": 80.0, "machine": "abc"}
 
 
+def test_a_member_on_the_hosts_machine_is_priced_by_the_probe_the_host_calibrated_against() -> None:
+    """The host timed the model's blocks against its own probe: a member of its machine takes
+    those timing figures; one elsewhere, probed on another backend or under a CPU quota, its own."""
+    host = {"bandwidth_gbps": 20.0, "overhead_us": 20.0, "block_us": 90.0, "block_gbps": 15.0, "head_us": 50.0,
+            "machine": "abc", "probed_on": "openvino CPU"}  # fmt: skip
+    own = {"bandwidth_gbps": 18.0, "overhead_us": 25.0, "block_us": 110.0, "block_gbps": 13.0, "head_us": 60.0,
+           "machine": "abc", "probed_on": "openvino CPU"}  # fmt: skip
+    same = probe_fields(own, host)
+    assert same == {k: v for k, v in host.items() if k != "probed_on"}
+    assert probe_fields({**own, "machine": "xyz"}, host)["block_us"] == 110.0
+    assert probe_fields({**own, "probed_on": "mlx CPU"}, host)["block_us"] == 110.0
+    quota = probe_fields({**own, "cpu_quota": 0.25, "cpu_period_ms": 10.0, "cpu_burst": 4.0}, host)
+    assert quota["block_us"] == 110.0 and quota["cpu_burst"] == 4.0
+    assert probe_fields(own, {**host, "cpu_quota": 0.5})["block_us"] == 110.0
+
+
 KV_MODEL = {**SMALL_MODEL, "block_bytes": 0.1 * GB, "head_bytes": 0.1 * GB, "kv_bytes_per_token_per_block": 1e5}
 
 

@@ -497,13 +497,14 @@ class HostParticipant(driving.Driver):
         cfg = self.cfg
         form = _kquant_form(cfg.kquant, cfg.precision)
         devices, kinds = [], {memory_kind(cfg.backend, form)}
+        host = self._desc_task.result() if self._desc_task.done() else None  # its calibration's probe
         for name, info in self.stage.net.roster().items():
             d = info.descriptor or {}
             if why := control.protocol_mismatch(f"member {name}", d.get("protocol"), d.get("version")):
                 self._leave_out(name, why)  # it could not form a ring edge with this version's members
                 continue
             dev = {"name": name, "memory_gb": d.get("memory_gb") or 1.0, "nat": info.nat,
-                   "rtt_ms": float(info.rtt_ms), **probe_fields(d)}  # fmt: skip
+                   "rtt_ms": float(info.rtt_ms), **probe_fields(d, host)}  # fmt: skip
             devices.append(dev)
             if d.get("backend") in RESIDENT_BYTES_PER_WEIGHT:
                 kinds.add(memory_kind(d["backend"], form))

@@ -1,8 +1,12 @@
 """What the host hands the planner beyond the fleet contract's basics, and the prediction beside
 the measurement.
 
-- `probe_fields(descriptor)`: a member's probe figures as fleet fields (bandwidth, overhead,
-  TFLOP/s, a block's and the head's fixed cost, the machine it runs on);
+- `probe_fields(descriptor, host)`: a member's probe figures as fleet fields (bandwidth,
+  overhead, TFLOP/s, a block's and the head's fixed cost, the machine it runs on); a member on
+  the host's machine, neither under a CPU quota, takes the host's timing figures: the host
+  timed the model's own blocks against them (calibrate.py), so its stages are priced by that
+  timing, not by a second quick probe of the same cores (which moved the demo's stage
+  predictions by 10-20 % from run to run);
 - `model_reads(index)`: what a token reads of the model, from the GGUF: the head's lm_head (not
   the embedding table: a token reads one row of it) and, for a mixture-of-experts file, the
   expert count E, the experts a token uses k and one expert's bytes (a block's `*_exps`
@@ -20,17 +24,24 @@ from typing import Any
 
 from backends.errors import Refused
 
-PROBE_FIELDS = ("bandwidth_gbps", "overhead_us", "tflops", "block_us", "block_gbps", "head_us", "cpu_quota",
-                "cpu_period_ms", "cpu_burst", "machine")
+TIMING_FIELDS = ("bandwidth_gbps", "overhead_us", "tflops", "block_us", "block_gbps", "head_us")
+PROBE_FIELDS = (*TIMING_FIELDS, "cpu_quota", "cpu_period_ms", "cpu_burst", "machine")
 # With --concurrency auto the context is capped so that memory holds this many requests at it
 # (as llama-server's default parallel slots); auto then gives as many slots as memory holds.
 CONTEXT_ROOM_REQUESTS = 4
 
 
-def probe_fields(descriptor: dict) -> dict:
+def probe_fields(descriptor: dict, host: dict | None = None) -> dict:
     """The descriptor's measurements present (not null), as the fleet's device fields; the
-    planner validates them (PlanInputError: one line naming the field)."""
-    return {k: descriptor[k] for k in PROBE_FIELDS if descriptor.get(k) is not None}
+    planner validates them (PlanInputError: one line naming the field). With the `host`'s
+    descriptor: its timing figures where the member shares its machine and what it was probed
+    on, and neither computes under a CPU quota."""
+    own = {k: descriptor[k] for k in PROBE_FIELDS if descriptor.get(k) is not None}
+    if (host is None or descriptor.get("machine") is None or descriptor.get("machine") != host.get("machine")
+            or descriptor.get("probed_on") != host.get("probed_on")
+            or descriptor.get("cpu_quota") is not None or host.get("cpu_quota") is not None):
+        return own
+    return {**own, **{k: host[k] for k in TIMING_FIELDS if host.get(k) is not None}}
 
 
 def model_reads(index: Any) -> dict:
