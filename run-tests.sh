@@ -11,5 +11,7 @@ if [[ $# -eq 0 ]]; then
 fi
 if [[ "$1" == "--all" ]]; then
   shift
+  # the slowest tests listed at the end: CI's run is bounded (.ci/run), so what grows it shows
+  exec .venv/bin/python -m pytest -q -rs --durations=30 "$@"
 fi
 exec .venv/bin/python -m pytest -q -rs "$@"
