@@ -104,6 +104,7 @@ class ProbeResult:
     cpu_quota: float | None = None  # CPUs this process's cgroup allows (None: no quota)
     cpu_period_ms: float | None = None  # the quota's period
     cpu_burst: float | None = None  # under a quota: its speed while let run over its sustained speed
+    cpu_run_ms: float | None = None  # under a quota: CPU ms it computes after idle before a stall
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -127,6 +128,7 @@ class ProbeResult:
             "cpu_quota": self.cpu_quota,
             "cpu_period_ms": self.cpu_period_ms,
             "cpu_burst": self.cpu_burst,
+            "cpu_run_ms": self.cpu_run_ms,
         }
         entry.update(extra)
         return entry
@@ -170,6 +172,7 @@ def probe_device(quick: bool = False, backend: str = "openvino") -> ProbeResult:
     if backend == "openvino" and quota is not None:
         threads = quota_threads() or usable_cpus()  # what OpenVINO computes on (backends.openvino.shard.core)
         burst = _attempt(lambda: [measure_burst_openvino(quota[1], threads)], errors, "burst")
+    run = None if quota is None else _attempt(lambda: measure_quota_run(quota[1]), errors, "quota run")
     llc = last_level_cache_bytes()
     return ProbeResult(
         bandwidth_gbps=_median(bandwidth),
@@ -192,6 +195,7 @@ def probe_device(quick: bool = False, backend: str = "openvino") -> ProbeResult:
         cpu_quota=None if quota is None else quota[0],
         cpu_period_ms=None if quota is None else quota[1] * 1e3,
         cpu_burst=_median(burst),
+        cpu_run_ms=_median(run),
     )
 
 
@@ -310,6 +314,8 @@ BURST_PERIODS = 20  # quota periods the burst probe spans (10 ms periods: 0.2 s;
 BURST_MIN_STEPS = 8
 BURST_WARM_PERIODS = 3
 BURST_ALONE_STEPS = 9
+QUOTA_RUNS = 9
+QUOTA_GAP_S = 0.0008  # a stall, not the loop's own pace (µs) nor a timer tick's work
 Q4_GROUP = 32  # weights a 4-bit group shares its scale and zero point with
 Q4_K_BLOCK_BYTES = 144  # a Q4_K super-block: 256 weights
 
@@ -481,6 +487,23 @@ def measure_burst_openvino(period_s: float, threads: int) -> float:
         step()
         alone.append(min(time.perf_counter() - wall, (time.process_time() - cpu) / threads))
     return max(1.0, sustained / statistics.median(alone))
+
+
+def measure_quota_run(period_s: float) -> list[float]:
+    """Under a CPU quota, the CPU ms one thread computes after a rest before the quota stalls it
+    (QUOTA_RUNS runs: a busy loop until its clock jumps by over QUOTA_GAP_S). The quota grants
+    its share of each period, but the kernel only sees it spent at its next tick or switch: at
+    250 Hz a quarter of a 10 ms period ran 2.7-5.8 ms, so a step of 3 ms mostly runs whole
+    (planner.cost.quota_alone_ms). Each run rests two periods first: the debt of an overrun is
+    repaid from the periods after it, as a quiet ring's member repays it between tokens."""
+    runs = []
+    for _ in range(QUOTA_RUNS):
+        time.sleep(2 * period_s)
+        start = last = time.perf_counter()
+        while (now := time.perf_counter()) - last < QUOTA_GAP_S and now - start < period_s:
+            last = now
+        runs.append((last - start) * 1e3)
+    return runs
 
 
 def measure_head_openvino(settings: ProbeSettings) -> list[float]:

@@ -30,9 +30,10 @@ ops, measured), `block_gbps` (the rate weights stream at through the backend's q
 matrix-vector products, which a token's bytes pay instead of the plain read `bandwidth_gbps`
 measures), `head_us` (the head's, likewise), `machine` (an identity members on one
 computer share: they compute one at a time, planner.plan prices them so), `cpu_quota` (the
-CPUs a cgroup quota allows the member), `cpu_period_ms` (the quota's period) and `cpu_burst`
+CPUs a cgroup quota allows the member), `cpu_period_ms` (the quota's period), `cpu_burst`
 (how many times faster than its sustained rate the member computes while the quota lets it
-run): the other figures are sustained rates, and planner.cost prices one request's stage as
+run) and `cpu_run_ms` (the CPU ms it computes after a rest before the quota stalls it: more
+than its share of a period, the kernel seeing it spent at a tick): the other figures are sustained rates, and planner.cost prices one request's stage as
 the burst the quota lets through, with the stalls it meets when a stage needs more.
 """
 
@@ -161,6 +162,7 @@ class Device:
     cpu_quota: float | None = None  # CPUs a quota (cgroup) allows this member; None: none set
     cpu_period_ms: float | None = None  # the quota's period (CFS), ms
     cpu_burst: float | None = None  # its speed while the quota lets it run over its sustained speed
+    cpu_run_ms: float | None = None  # CPU ms it computes after a rest before the quota stalls it
 
     @property
     def memory_bytes(self) -> float:
@@ -342,6 +344,7 @@ def _devices(data: Mapping[str, Any]) -> tuple[Device, ...]:
                 cpu_quota=_measured(entry, "cpu_quota", where, MAX_CPUS),
                 cpu_period_ms=_measured(entry, "cpu_period_ms", where, MAX_PERIOD_MS),
                 cpu_burst=_measured(entry, "cpu_burst", where, MAX_SCALE),
+                cpu_run_ms=_measured(entry, "cpu_run_ms", where, MAX_PERIOD_MS),
             )
         )
     return tuple(devices)

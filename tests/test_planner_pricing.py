@@ -186,6 +186,14 @@ def test_a_member_under_a_cpu_quota_runs_one_requests_stage_in_a_burst():
     waits = [max(0.0, 7.5 - p) + (7.5 if p > 8.5 else 0.0) for p in (10 * (i + 0.5) / 64 for i in range(64))]
     assert quota_alone_ms(quota, 4.0, 16.0, circuit_ms=20) == pytest.approx(4.0 + sum(waits) / 64)
     assert quota_alone_ms(Device("n", 16, 5, 40), 2.0, 8.0, circuit_ms=10) == 8.0  # no quota: sustained
+    # the kernel saw a quarter of a 10 ms period spent only at its next tick: runs of 4 ms after a
+    # rest, so a 3.5 ms stage runs whole (priced stalled without the measured run)
+    ticked = Device("q", 16, 5, 40, cpu_quota=0.25, cpu_period_ms=10, cpu_burst=4, cpu_run_ms=4.0)
+    assert quota_alone_ms(ticked, 3.5, 14.0, circuit_ms=20) == 3.5
+    assert quota_alone_ms(quota, 3.5, 14.0, circuit_ms=20) > 6.0
+    assert quota_alone_ms(ticked, 4.5, 18.0, circuit_ms=20) > 6.0  # beyond the run: stalls again
+    short = Device("q", 16, 5, 40, cpu_quota=0.25, cpu_period_ms=10, cpu_burst=4, cpu_run_ms=1.0)
+    assert quota_alone_ms(short, 2.0, 8.0, circuit_ms=10) == 2.0  # never less than the share
 
 
 def test_the_heads_own_per_request_bytes_are_priced_for_each_slot_and_the_parked_ones() -> None:

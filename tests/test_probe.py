@@ -199,5 +199,7 @@ def test_a_member_under_a_cpu_quota_computes_on_the_quotas_threads_and_measures_
     assert out["cpu_quota"] == 0.25 and out["cpu_period_ms"] == 10.0 and out["threads_used"] == 1
     # one thread at a quarter of a CPU: runs of ~2.5 ms in every 10, so well over 1.5× while let run
     assert out["cpu_burst"] > 1.5, out
+    # its share is 2.5 CPU ms a period, seen spent at the kernel's next tick (1-10 ms later)
+    assert 2.0 <= out["cpu_run_ms"] <= 10.0, out
     device = ProbeResult(**{k: v for k, v in out.items() if k != "threads_used"}).fleet_device("q")
     assert device["cpu_burst"] == out["cpu_burst"] and device["cpu_period_ms"] == 10.0

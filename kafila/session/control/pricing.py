@@ -25,7 +25,7 @@ from typing import Any
 from backends.errors import Refused
 
 TIMING_FIELDS = ("bandwidth_gbps", "overhead_us", "tflops", "block_us", "block_gbps", "head_us")
-PROBE_FIELDS = (*TIMING_FIELDS, "cpu_quota", "cpu_period_ms", "cpu_burst", "machine")
+PROBE_FIELDS = (*TIMING_FIELDS, "cpu_quota", "cpu_period_ms", "cpu_burst", "cpu_run_ms", "machine")
 # With --concurrency auto the context is capped so that memory holds this many requests at it
 # (as llama-server's default parallel slots); auto then gives as many slots as memory holds.
 CONTEXT_ROOM_REQUESTS = 4
