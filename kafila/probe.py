@@ -51,7 +51,7 @@ import numpy as np
 import psutil
 
 from backends.cgroups import cgroup_cpu_quota, cgroup_memory_room_bytes, quota_threads, usable_cpus  # noqa: F401 (re-exported)
-from kafila.probe_quota import measure_burst_openvino, measure_quota_run, sustained_clock
+from kafila.probe_quota import measure_burst, measure_quota_run, sustained_clock
 
 MIB = 1 << 20
 BYTES_PER_GB = 1e9
@@ -171,8 +171,7 @@ def probe_device(quick: bool = False, backend: str = "openvino") -> ProbeResult:
     block_us, block_gbps = block if block is not None else (None, None)
     burst = None
     if backend == "openvino" and quota is not None:
-        threads = quota_threads() or usable_cpus()  # what OpenVINO computes on (backends.openvino.shard.core)
-        burst = _attempt(lambda: [measure_burst_openvino(quota[1], threads)], errors, "burst")
+        burst = _attempt(lambda: [measure_burst_openvino(quota[1])], errors, "burst")
     run = None if quota is None else _attempt(lambda: measure_quota_run(quota[1]), errors, "quota run")
     llc = last_level_cache_bytes()
     return ProbeResult(
@@ -443,6 +442,13 @@ def measure_block_openvino(settings: ProbeSettings) -> tuple[list[float], list[f
         if streamed_us > 0:
             rates.append(block_bytes / streamed_us / 1e3)  # bytes/µs = MB/s; GB/s
     return fixed, rates
+
+
+def measure_burst_openvino(period_s: float) -> float:
+    """`cpu_burst` of the wide block's decode step, on the threads OpenVINO computes on under the
+    quota (backends.openvino.shard.core)."""
+    step, _ = _step_timer(1, WIDE_PROBE_SHAPE, packed=True)
+    return measure_burst(step, period_s, quota_threads() or usable_cpus())
 
 
 def measure_head_openvino(settings: ProbeSettings) -> list[float]:

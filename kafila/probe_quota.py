@@ -2,7 +2,7 @@
 where the member computes in the quota's periods (`kafila demo --throttle`, a container's limit).
 
 - `sustained_clock(cpus)`: the clock its runs are timed on, CPU time over the quota;
-- `measure_burst_openvino(period_s, threads)`: how many times faster than sustained it computes
+- `measure_burst(step, period_s, threads)`: how many times faster than sustained it computes
   while the quota lets it run (`cpu_burst`);
 - `measure_quota_run(period_s)`: the CPU ms it runs after a rest before the quota stalls it
   (`cpu_run_ms`).
@@ -34,9 +34,9 @@ def sustained_clock(cpus: float) -> Callable[[], float]:
     return lambda: time.process_time() / cpus
 
 
-def measure_burst_openvino(period_s: float, threads: int) -> float:
+def measure_burst(step: Callable[[], object], period_s: float, threads: int) -> float:
     """Under a CPU quota, how many times faster than its sustained rate a stage computes while
-    the quota lets it run: the wide block's decode step run back to back over BURST_PERIODS of
+    the quota lets it run: `step` (a block's decode step, kafila.probe's wide one) run back to back over BURST_PERIODS of
     the quota's periods (wall time a step, the stalls included: the sustained cost) over the same
     step alone after a period idle, as a token reaching a quiet ring finds the quota refilled
     (the median of BURST_ALONE_STEPS; a step the quota still stalls counts its CPU time over the
@@ -44,9 +44,6 @@ def measure_burst_openvino(period_s: float, threads: int) -> float:
     is near the period's budget, every step straddling a stall (CI read 1.48 where the quota
     allows 4); and a step that straddles one costs more CPU (a wide block's three: 1.55x).
     1 where nothing stalls."""
-    from kafila.probe import WIDE_PROBE_SHAPE, _step_timer
-
-    step, _ = _step_timer(1, WIDE_PROBE_SHAPE, packed=True)
     warm_end = time.perf_counter() + BURST_WARM_PERIODS * period_s
     while time.perf_counter() < warm_end:  # a fresh graph's first steps fault in pages
         step()
@@ -82,4 +79,4 @@ def measure_quota_run(period_s: float) -> list[float]:
     return runs
 
 
-__all__ = ["measure_burst_openvino", "measure_quota_run", "sustained_clock"]
+__all__ = ["measure_burst", "measure_quota_run", "sustained_clock"]

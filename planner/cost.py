@@ -160,8 +160,8 @@ def quota_alone_ms(device: Device, burst_ms: float, stage_ms: float, circuit_ms:
 
     The quota lets it run b = P/s ms of every period P (s: `cpu_burst`), then stalls it to the
     period's end; b × r where the member measured its run after a rest (`cpu_run_ms`) r times
-    the quota's share q·P (the kernel sees the share spent at its next tick). Where the k = max(1, P/circuit) tokens of a period fit in b, the stage runs
-    whole at burst speed. Where one token's stage needs more than b, it runs until the budget
+    the quota's share q·P (the kernel sees the share spent at its next tick). Where the
+    k = max(1, P/circuit) tokens of a period fit in b, the stage runs whole at burst speed. Where one token's stage needs more than b, it runs until the budget
     is spent, waits for the next period, and so on: the mean over the phase of the period it
     arrives at (`_quota_wait_ms`). Where several tokens a period overflow it, the quota paces
     the ring: the sustained time."""
@@ -169,7 +169,7 @@ def quota_alone_ms(device: Device, burst_ms: float, stage_ms: float, circuit_ms:
     if device.cpu_quota is None or s is None or period is None or s <= 1.0:
         return stage_ms
     budget = period / s
-    if device.cpu_run_ms is not None and device.cpu_quota > 0:
+    if device.cpu_run_ms is not None:
         budget *= max(1.0, device.cpu_run_ms / (device.cpu_quota * period))
     k = max(1.0, period / circuit_ms) if circuit_ms > 0 else 1.0
     if k * burst_ms <= budget:

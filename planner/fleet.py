@@ -33,8 +33,9 @@ computer share: they compute one at a time, planner.plan prices them so), `cpu_q
 CPUs a cgroup quota allows the member), `cpu_period_ms` (the quota's period), `cpu_burst`
 (how many times faster than its sustained rate the member computes while the quota lets it
 run) and `cpu_run_ms` (the CPU ms it computes after a rest before the quota stalls it: more
-than its share of a period, the kernel seeing it spent at a tick): the other figures are sustained rates, and planner.cost prices one request's stage as
-the burst the quota lets through, with the stalls it meets when a stage needs more.
+than its share of a period, the kernel seeing it spent at a tick): the other figures are
+sustained rates, and planner.cost prices one request's stage as the burst the quota lets
+through, with the stalls it meets when a stage needs more.
 """
 
 from __future__ import annotations

@@ -9,8 +9,7 @@ have just used. The host holds the file, so it times the model's own blocks befo
 plan (once the members are in: their probes are done), the median of single steps of a stage of
 CALIBRATE_BLOCKS blocks against one of one, back to back and each step after a read of the
 model's bytes (what the ring's other stages read between two of its forwards; at most twice the
-last-level cache), the four timed in turn; the plan
-carries the ratios as the model's fields (planner.fleet.Model):
+last-level cache), the four timed in turn; the plan carries the ratios as the model's fields (planner.fleet.Model):
 
 - `block_scale`: the real per-block time over what the host's own probe predicts for those
   bytes (applied to every member's per-block term: the shape's cost relative to the probe's
@@ -59,8 +58,8 @@ def calibrate(index: Any, probe: dict, kquant: str, precision: str) -> dict:
     # the last-level cache holds whole stays in it (a 480 MB L3 holds a 135M model; a 32 MB one
     # does not), so read what the model's stages read a token, at most twice that cache
     ring_reads = _read_bytes(index, index.block_bytes) * n + index.head_bytes
-    junk = np.ones(int(min(max(64 << 20, 2 * (last_level_cache_bytes() or 0)), max(ring_reads, 1 << 20))) // 8,
-                   np.uint64)  # fmt: skip
+    most = max(64 << 20, 2 * (last_level_cache_bytes() or 0))
+    junk = np.ones(int(min(most, max(ring_reads, 1 << 20))) // 8, np.uint64)
 
     def cold() -> None:
         np.bitwise_or.reduce(junk)

@@ -37,11 +37,17 @@ def probe_fields(descriptor: dict, host: dict | None = None) -> dict:
     descriptor: its timing figures where the member shares its machine and what it was probed
     on, and neither computes under a CPU quota."""
     own = {k: descriptor[k] for k in PROBE_FIELDS if descriptor.get(k) is not None}
-    if (host is None or descriptor.get("machine") is None or descriptor.get("machine") != host.get("machine")
-            or descriptor.get("probed_on") != host.get("probed_on")
-            or descriptor.get("cpu_quota") is not None or host.get("cpu_quota") is not None):
+    if host is None or not _same_cores(descriptor, host):
         return own
     return {**own, **{k: host[k] for k in TIMING_FIELDS if host.get(k) is not None}}
+
+
+def _same_cores(a: dict, b: dict) -> bool:
+    """Whether two descriptors measured the same cores the same way: one machine, one backend,
+    neither under a CPU quota (a quota'd member's figures are its own)."""
+    return (a.get("machine") is not None and a.get("machine") == b.get("machine")
+            and a.get("probed_on") == b.get("probed_on")
+            and a.get("cpu_quota") is None and b.get("cpu_quota") is None)  # fmt: skip
 
 
 def model_reads(index: Any) -> dict:
