@@ -32,6 +32,13 @@ answers were the same text as plain decoding (at serving precision a K+1-row ste
 near-tie; at --precision f32 they are the same, tests/test_origin_session.py).
 `--speculate ngram` runs the same with every draft made at the head (the comparison: what
 drafting at the origin costs or gains against the head's own n-grams).
+With a draft model the run ends with this machine's bound (bench/ring_bound.py: its docstring
+has the formulas): the session's stages' batched steps (1 to 36 rows) and the draft model's
+one-token step, timed in one process after the session has gone, the head's network time per
+trip H and the acceptance α the speculating rounds measured give what plain decoding and
+speculation could deliver here at best (decoding only), their ratio, and each measured
+decoding-only rate over its bound. On one machine every member's drafts and stages share its
+cores, so the bound ratio, not a fixed 2×, is what this machine allows speculation.
 `--requests K`: every user asks K prompts one after another (prompts i, i + 1, … : with K = 4 and
 the 4 grounded prompts, every user asks all four, in a different order), so a round is users who
 keep asking and its aggregate (all tokens ÷ first request → last token) is their sustained rate:
@@ -51,6 +58,8 @@ from backends import DEFAULT_KQUANT, KQUANTS
 from bench._report import header
 from bench.multiuser import one_level
 from bench.spec import PROMPTS
+
+BOUND_ROWS = [1, 2, 4, 8, 16, 24, 36]  # rows of one batched step priced for the bound: up to 4 users × 9
 
 
 def spec_totals(levels: list[dict]) -> dict:
@@ -100,13 +109,16 @@ def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, mod
             order = [(spec, True), (plain, False)] if r % 2 == 0 else [(plain, False), (spec, True)]
             for rows, flag in order:
                 rows.append(one_level(s, users, max_tokens, prompts, {"speculate": flag}, requests))
-        session_spec = get_json(s.api(head), "/status").get("speculation")
+        head_status = get_json(s.api(head), "/status")
     finally:
         s.stop()
+    session_spec = head_status.get("speculation")
     med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
     same = sum(a == b for x, y in zip(spec, plain) for a, b in zip(x["texts"], y["texts"]))
     ratios = [a["aggregate_tok_s"] / b["aggregate_tok_s"] for a, b in zip(spec, plain)]
-    return {"latency_ms": latency_ms, "users": users, "plan": st["plan"], "slots": st["session"]["concurrency"],
+    totals = spec_totals(spec)
+    bounds = machine_bounds(head_status, model, draft, users, totals["acceptance"], precision, kquant)
+    return {"bounds": bounds, "latency_ms": latency_ms, "users": users, "plan": st["plan"], "slots": st["session"]["concurrency"],
             "plain_tok_s": med(plain, "aggregate_tok_s"), "origin_tok_s": med(spec, "aggregate_tok_s"),
             "ratio": med(spec, "aggregate_tok_s") / med(plain, "aggregate_tok_s"),
             "ratio_per_round": ratios, "plain_decode_tok_s": med(plain, "decode_aggregate_tok_s"),
@@ -114,10 +126,36 @@ def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, mod
             "decode_ratio": med(spec, "decode_aggregate_tok_s") / med(plain, "decode_aggregate_tok_s"),
             "ttft_ms": [med(plain, "ttft_ms_median"), med(spec, "ttft_ms_median")],
             "users_sum": [med(plain, "users_tok_s_sum"), med(spec, "users_tok_s_sum")], "plain_tpot_ms": med(plain, "tpot_ms_median"),
-            "origin_tpot_ms": med(spec, "tpot_ms_median"), **spec_totals(spec),
+            "origin_tpot_ms": med(spec, "tpot_ms_median"), **totals,
             "same_text": same, "answers": users * requests * rounds, "requests": requests,
             "short_answers": sum(r["short_answers"] for r in spec + plain), "session_speculation": session_spec,
             "rounds": {"origin": spec, "plain": plain}, "session_s": round(time.monotonic() - t0, 1)}  # fmt: skip
+
+
+def machine_bounds(head_status: dict, model: str, draft: str | None, users: int, alpha: float | None,
+                   precision: str, kquant: str) -> dict | None:  # fmt: skip
+    """What this machine allows plain and speculating decoding (bench.ring_bound.bound and
+    spec_bound), from the session's stages' batched steps and the draft model's one-token step,
+    each timed here in one process after the session has gone. None without a draft model or a
+    measured acceptance (n-gram drafts cost no model step to price)."""
+    if draft is None or alpha is None:
+        return None
+    from backends.gguf import open_model
+    from bench.ring_bound import bound, spec_bound, stage_costs
+    from kafila.models.registry import resolve_model
+
+    network_ms = head_status.get("network_ms")
+    if network_ms is None:
+        network_ms = sum((e.get("rtt_ms") or 0.0) / 2 for e in head_status.get("edges") or [])
+    counts = [head_status["stages"][n]["blocks"] for n in head_status["plan"]["ring"]]  # the head's first
+    stages = [(sum(counts[:i]), sum(counts[: i + 1])) for i in range(len(counts))]
+    costs = stage_costs(resolve_model(model_path(model)), stages, BOUND_ROWS, precision=precision, kquant=kquant)
+    draft_path = resolve_model(model_path(draft))
+    whole = open_model(draft_path).hparams.n_blocks
+    draft_ms = stage_costs(draft_path, [(0, whole)], [1], precision=precision, kquant=kquant)[0][1]
+    plain, spec = bound(costs, users, float(network_ms)), spec_bound(costs, users, float(network_ms), alpha, draft_ms)
+    return {"network_ms": network_ms, "draft_ms": draft_ms, "plain": plain, "spec": spec,
+            "ratio": spec["tok_s"] / plain["tok_s"], "stage_costs": costs}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -170,11 +208,22 @@ def main(argv: list[str] | None = None) -> int:
               f"({r['origin_steps']} of {r['origin_steps'] + r['fallback_steps']} drafting steps)  "
               f"same text {r['same_text']}/{r['answers']}  TPOT {r['plain_tpot_ms']:.0f} → {r['origin_tpot_ms']:.0f} ms"
               + (f"  ({r['short_answers']} answers ended early)" if r["short_answers"] else ""), flush=True)  # fmt: skip
+        if r["bounds"]:
+            b = r["bounds"]
+            print(f"{'':>4}   this machine's bound (bench/ring_bound.py; decoding only): plain {b['plain']['tok_s']:.1f} "
+                  f"tok/s ({b['plain']['groups']} × {b['plain']['rows']}), speculating {b['spec']['tok_s']:.1f} tok/s "
+                  f"({b['spec']['groups']} × {b['spec']['rows']}, {b['spec']['draft']} drafts), ratio {b['ratio']:.2f}×; "
+                  f"H {b['network_ms']:.1f} ms a trip, draft step {b['draft_ms']:.1f} ms, α {r['acceptance']:.2f}; "
+                  f"measured ÷ bound: plain {r['plain_decode_tok_s'] / b['plain']['tok_s']:.2f}, speculating "
+                  f"{r['origin_decode_tok_s'] / b['spec']['tok_s']:.2f}", flush=True)  # fmt: skip
     print(f"\n| hop ms | users | drafting | plain tok/s | speculating tok/s | ratio | decoding-only ratio "
-          "| acceptance | tokens/trip | same text |\n|---|---|---|---|---|---|---|---|---|---|")
+          "| this machine's bound ratio | decoding-only ratio ÷ bound ratio "
+          "| acceptance | tokens/trip | same text |\n|---|---|---|---|---|---|---|---|---|---|---|---|")
     for ms, r in out.items():
+        b = r["bounds"]
         print(f"| {ms} | {r['users']} | {args.speculate}{' + ' + args.draft if args.draft else ''} "
               f"| {r['plain_tok_s']:.1f} | {r['origin_tok_s']:.1f} | {r['ratio']:.2f}× | {r['decode_ratio']:.2f}× "
+              f"| {fmt(b and b['ratio'])}{'×' if b else ''} | {fmt(b and r['decode_ratio'] / b['ratio'])} "
               f"| {fmt(r['acceptance'])} | {fmt(r['tokens_per_trip'])} | {r['same_text']}/{r['answers']} |")
     if args.json:
         print(json.dumps(out, default=str))  # one line: bench.before_after reads the last

@@ -42,6 +42,7 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -242,7 +243,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--rows", default=",".join(ROWS))
+    ap.add_argument("--llama-cpp", metavar="DIR", default=None,
+                    help="a llama-cpp-python installed with pip --target DIR, for every row (the ggml form's "
+                         "ggml and llama.cpp alike): a build of its own, e.g. without AMX")
     args = ap.parse_args(argv)
+    if args.llama_cpp:  # before anything imports llama_cpp; the llama.cpp row's process inherits it
+        if not (Path(args.llama_cpp) / "llama_cpp" / "lib").is_dir():
+            ap.error(f"--llama-cpp {args.llama_cpp}: no llama_cpp/lib there (pip install --target DIR llama-cpp-python)")
+        sys.path.insert(0, args.llama_cpp)
+        os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [args.llama_cpp, os.environ.get("PYTHONPATH")]))
     if not 1 <= args.prompt_tokens <= 4096 or not 2 <= args.tokens <= 1024 or not 1 <= args.rounds <= 20:
         ap.error("--prompt-tokens 1..4096, --tokens 2..1024, --rounds 1..20")
     rows = [r for r in args.rows.split(",") if r]

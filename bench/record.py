@@ -47,6 +47,19 @@ SECTIONS = [
    ' 52 tok/s; llama.cpp 46 and 57). The fast form gains nothing at decode: without VNNI the CPU plugin '
    'takes no int8-activation path. openvino_genai (its own GGUF reader, u4 with integer zero points) '
    'prefills at 0.97x and decodes at 0.51x.'),
+  ('Speed against llama.cpp on a Xeon with AMX',
+   'The same question on an Intel Xeon (AVX-512 VNNI and BF16, AMX), where llama.cpp as pip builds it '
+   'crashes: with llama.cpp built without AMX, as a user of this machine would run it.',
+   'python -m bench.kquant_speed --file qwen1.5b --rows kafila-exact,kafila-ggml,llamacpp --rounds 2 '
+   '--llama-cpp /tmp/llama-noamx',
+   "An Intel Xeon VM, 2 threads. llama-cpp-python's native build (AMX_INT8) dies here in its first "
+   'inference (a general protection fault in ggml_backend_amx_mul_mat: ggml-org/llama.cpp#20824), so every '
+   'row uses one built without AMX into /tmp/llama-noamx: `CMAKE_ARGS="-DGGML_NATIVE=OFF -DGGML_AVX512=ON '
+   '-DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX512_VBMI=ON -DGGML_AVX_VNNI=ON -DGGML_AVX=ON '
+   '-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF '
+   '-DGGML_AMX_BF16=OFF" pip install --no-deps --target /tmp/llama-noamx llama-cpp-python==0.3.36` (its '
+   "repacked AVX-512 kernels, as on the EPYC; the ggml form computes with the same build's ggml). "
+   'RATIOS_TEXT'),
   ('The 8B shape against llama.cpp',
    "How fast does the ggml form decode and prefill a Llama-3-8B-shaped Q4_K_M file, next to llama.cpp?",
    'python -m bench.kquant_speed --file llama-3-8b --rows kafila-ggml,llamacpp --rounds 2',

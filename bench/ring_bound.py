@@ -16,6 +16,19 @@ kafila/session/ring/cores.py), so with N users split into g micro-batches of b =
 H is the network part of a trip: the head's measured `network_ms` (a trip's time less the
 stages' compute, /status) where it has one, else the ring edges' RTT/2 summed. Prefill, the
 HTTP streaming and the API processes are outside the bound (they cost the measured figure).
+
+With speculation (bench.dipsd): each user's step carries l drafts, so a micro-batch of b users
+runs b·(l + 1) rows, and yields u(l) = (1 − α^(l+1)) / (1 − α) tokens a user (planner.dipsd's
+geometric acceptance, α measured in the same run). The drafters (d ms a draft token, the draft
+model's one-token step timed here) compute on the same cores as the stages:
+
+    round(g, l)   = max(g · C(b·(l+1)) + N · l · d,   the machine computes every batch and
+                        C(b·(l+1)) + H)               every draft once; a batch's trip
+    spec_bound(N) = max over g = 1..N, l = 0..L of  N · u(l) / round(g, l)
+
+At l = 0 it is bound(N). It is an upper bound for drafting at the origins and at the head
+alike: a drafter drafting ahead while its step is out hides its drafts in the trip at best,
+which the second term grants whole (it leaves the drafts out of a batch's own cycle).
 """
 
 from __future__ import annotations
@@ -24,25 +37,28 @@ import math
 
 import numpy as np
 
+from planner.dipsd import expected_accepted
+
 STEPS = 3
 REPEATS = 3
 
 
 def stage_costs(model_path: str, stages: list[tuple[int, int]], rows: list[int], context: int = 64,
-                precision: str = "serving") -> list[dict[int, float]]:  # fmt: skip
+                precision: str = "serving", kquant: str | None = None) -> list[dict[int, float]]:  # fmt: skip
     """Per stage (the first is the head's: embedding and lm_head), {b: ms of one b-row decode step}.
     The stages are timed in turn, round after round, as a ring on one machine runs them: each
     stage's step meets the caches the others' steps left (timed alone, back to back, a stage
     whose weights fit the last-level cache would find them there every time)."""
-    from backends import ShardSpec
+    from backends import DEFAULT_KQUANT, ShardSpec
     from backends.gguf import open_model
     from backends.openvino import OpenVINOShard
     from bench.batch_rows import Rows
     from kafila.session.control.calibrate import medians_ms
 
     index = open_model(model_path)
-    shards = [OpenVINOShard(ShardSpec(index.path, first, last, embed=i == 0, head=i == 0), precision, index=index)
-              for i, (first, last) in enumerate(stages)]  # fmt: skip
+    kquant = kquant or DEFAULT_KQUANT
+    shards = [OpenVINOShard(ShardSpec(index.path, first, last, embed=i == 0, head=i == 0), precision, index=index,
+                            kquant=kquant) for i, (first, last) in enumerate(stages)]  # fmt: skip
     out: list[dict[int, float]] = [{} for _ in shards]
     for b in rows:
         rng = np.random.default_rng(b)
@@ -85,4 +101,22 @@ def bound(costs: list[dict[int, float]], users: int, network_ms: float) -> dict:
         rate = users / max(g * c, c + network_ms) * 1000
         if best is None or rate > best["tok_s"]:
             best = {"tok_s": rate, "groups": g, "rows": b, "compute_ms": c}
+    return best
+
+
+def spec_bound(costs: list[dict[int, float]], users: int, network_ms: float, alpha: float, draft_ms: float,
+               max_draft: int = 8) -> dict:  # fmt: skip
+    """spec_bound(N), with the micro-batch count g and the draft length l that give it (see the
+    module's docstring; l = 0 throughout is bound(N))."""
+    alpha = min(max(alpha, 0.0), 0.999)  # every draft accepted: u(l) = l + 1, near enough
+    best = None
+    for length in range(max_draft + 1):
+        tokens = users * expected_accepted(length, alpha)
+        for g in range(1, users + 1):
+            b = math.ceil(users / g)
+            c = ring_compute_ms(costs, b * (length + 1))
+            round_ms = max(g * c + users * length * draft_ms, c + network_ms)
+            rate = tokens / round_ms * 1000
+            if best is None or rate > best["tok_s"]:
+                best = {"tok_s": rate, "groups": g, "rows": b, "draft": length, "compute_ms": c}
     return best

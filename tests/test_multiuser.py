@@ -240,3 +240,23 @@ def test_the_many_users_bound_is_the_busier_of_the_machine_and_a_trip():
     b = bound(costs, 4, 100.0)
     assert (b["groups"], b["rows"]) == (4, 1) and b["tok_s"] == pytest.approx(4 / 115.0 * 1000)
     assert bound(costs, 1, 100.0)["tok_s"] == pytest.approx(1000 / 115.0)
+
+
+def test_the_speculating_bound_prices_drafts_on_the_same_cores():
+    """bench/ring_bound.py's spec_bound: l drafts a user make each batch b·(l+1) rows and yield
+    u(l) tokens a user; the machine also computes every draft, so a round takes
+    max(g·C(b·(l+1)) + N·l·d, C(b·(l+1)) + H). Without drafts it is bound(N)."""
+    from bench.ring_bound import bound, spec_bound
+
+    costs = [{1: 10.0, 2: 12.0, 4: 16.0}, {1: 5.0, 2: 6.0, 4: 8.0}]
+    # acceptance 0: a draft never yields a token, so the best is plain decoding's bound
+    plain = bound(costs, 1, 100.0)
+    none = spec_bound(costs, 1, 100.0, alpha=0.0, draft_ms=1.0)
+    assert none["draft"] == 0 and none["tok_s"] == pytest.approx(plain["tok_s"])
+    # one user, 100 ms a trip, free drafts accepted at 0.9: 8 drafts, 9 rows (past the measured
+    # 4: linear, 54 ms) wait for the trip (154 ms) and yield (1 − 0.9⁹) / 0.1 tokens
+    free = spec_bound(costs, 1, 100.0, alpha=0.9, draft_ms=0.0)
+    assert free["draft"] == 8 and free["tok_s"] == pytest.approx((1 - 0.9**9) / 0.1 / 154.0 * 1000)
+    # drafts that cost more than the trip they hide in: the machine's time bounds the round
+    slow = spec_bound(costs, 1, 0.0, alpha=0.5, draft_ms=50.0)
+    assert slow["draft"] == 0 and slow["tok_s"] == pytest.approx(1000 / 15.0)
