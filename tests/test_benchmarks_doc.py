@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "BENCHMARKS.md"
-MAX_LINES = 400
+MAX_LINES = 440  # one section a question (and a CPU kind where speed differs by kind); history lives in git
 COMMAND = re.compile(r"```sh\n(.*?)```", re.S)
 
 
