@@ -141,19 +141,15 @@ def machine_bounds(head_status: dict, model: str, draft: str | None, users: int,
     if draft is None or alpha is None:
         return None
     from backends.gguf import open_model
-    from bench.ring_bound import bound, spec_bound, stage_costs
+    from bench.ring_bound import bound, session_ring, spec_bound, stage_costs
     from kafila.models.registry import resolve_model
 
-    network_ms = head_status.get("network_ms")
-    if network_ms is None:
-        network_ms = sum((e.get("rtt_ms") or 0.0) / 2 for e in head_status.get("edges") or [])
-    counts = [head_status["stages"][n]["blocks"] for n in head_status["plan"]["ring"]]  # the head's first
-    stages = [(sum(counts[:i]), sum(counts[: i + 1])) for i in range(len(counts))]
+    stages, network_ms = session_ring(head_status)
     costs = stage_costs(resolve_model(model_path(model)), stages, BOUND_ROWS, precision=precision, kquant=kquant)
     draft_path = resolve_model(model_path(draft))
     whole = open_model(draft_path).hparams.n_blocks
     draft_ms = stage_costs(draft_path, [(0, whole)], [1], precision=precision, kquant=kquant)[0][1]
-    plain, spec = bound(costs, users, float(network_ms)), spec_bound(costs, users, float(network_ms), alpha, draft_ms)
+    plain, spec = bound(costs, users, network_ms), spec_bound(costs, users, network_ms, alpha, draft_ms)
     return {"network_ms": network_ms, "draft_ms": draft_ms, "plain": plain, "spec": spec,
             "ratio": spec["tok_s"] / plain["tok_s"], "stage_costs": costs}  # fmt: skip
 

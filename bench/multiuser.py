@@ -191,14 +191,10 @@ def run_latency(latency_ms: float, levels: list[int], max_tokens: int, rounds: i
     finally:
         s.stop()
     bounds = {}
-    network_ms = head_status.get("network_ms")
-    if network_ms is None:
-        network_ms = sum((e.get("rtt_ms") or 0.0) / 2 for e in head_status.get("edges") or [])
-    if with_bound:  # the session is gone: its stages' batched steps, one process, one at a time
-        from bench.ring_bound import bound, stage_costs
+    from bench.ring_bound import bound, session_ring, stage_costs
 
-        counts = [head_status["stages"][n]["blocks"] for n in head_status["plan"]["ring"]]  # the head's first
-        stages = [(sum(counts[:i]), sum(counts[: i + 1])) for i in range(len(counts))]
+    stages, network_ms = session_ring(head_status)
+    if with_bound:  # the session is gone: its stages' batched steps, one process, one at a time
         rows = sorted({1, 2, 4, 8, 16, *served} & set(range(1, max(served) + 1)))
         costs = stage_costs(resolve_model(model), stages, rows)
         bounds = {n: bound(costs, n, float(network_ms)) for n in served}

@@ -82,6 +82,17 @@ def _head_step(shard, rows):
     return lambda: shard.greedy_rows(rows.step_batched())
 
 
+def session_ring(head_status: dict) -> tuple[list[tuple[int, int]], float]:
+    """A session's stages as block ranges (the head's first, ring order) and H, from the head's
+    /status: its measured network ms per trip, else the ring edges' RTT/2 summed."""
+    counts = [head_status["stages"][n]["blocks"] for n in head_status["plan"]["ring"]]
+    stages = [(sum(counts[:i]), sum(counts[: i + 1])) for i in range(len(counts))]
+    network_ms = head_status.get("network_ms")
+    if network_ms is None:
+        network_ms = sum((e.get("rtt_ms") or 0.0) / 2 for e in head_status.get("edges") or [])
+    return stages, float(network_ms)
+
+
 def ring_compute_ms(costs: list[dict[int, float]], b: int) -> float:
     """C(b): one b-row micro-batch's compute through every stage (the measured row count at or
     above b, else the largest measured scaled linearly)."""

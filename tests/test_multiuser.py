@@ -260,3 +260,16 @@ def test_the_speculating_bound_prices_drafts_on_the_same_cores():
     # drafts that cost more than the trip they hide in: the machine's time bounds the round
     slow = spec_bound(costs, 1, 0.0, alpha=0.5, draft_ms=50.0)
     assert slow["draft"] == 0 and slow["tok_s"] == pytest.approx(1000 / 15.0)
+
+
+def test_a_sessions_ring_for_the_bound_is_its_block_ranges_and_network_time():
+    """bench/ring_bound.py's session_ring: the head's /status gives the stages' block ranges in
+    ring order (the head's first) and H, its measured network time, else the edges' RTT/2."""
+    from bench.ring_bound import session_ring
+
+    status = {"plan": {"ring": ["m2", "m1", "m3"]}, "stages": {"m1": {"blocks": 12}, "m2": {"blocks": 6},
+                                                                "m3": {"blocks": 12}},
+              "network_ms": 61.5, "edges": [{"rtt_ms": 40.0}]}  # fmt: skip
+    assert session_ring(status) == ([(0, 6), (6, 18), (18, 30)], 61.5)
+    status["network_ms"] = None  # none measured yet: half of every edge's round trip
+    assert session_ring(status)[1] == 20.0
