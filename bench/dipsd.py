@@ -35,7 +35,8 @@ drafting at the origin costs or gains against the head's own n-grams).
 With a draft model the run ends with this machine's bound (bench/ring_bound.py: its docstring
 has the formulas): the session's stages' batched steps (1 to 36 rows) and the draft model's
 one-token step, timed in one process after the session has gone, the head's network time per
-trip H and the acceptance α the speculating rounds measured give what plain decoding and
+trip H (the median after the plain rounds: after speculating ones it holds the drafters' wait for
+the cores) and the acceptance α the speculating rounds measured give what plain decoding and
 speculation could deliver here at best (decoding only), their ratio, and each measured
 decoding-only rate over its bound. On one machine every member's drafts and stages share its
 cores, so the bound ratio, not a fixed 2×, is what this machine allows speculation.
@@ -104,11 +105,14 @@ def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, mod
         for name in s.names:  # warm-up: the backends prepare kernels per new step shape at first use
             stream_chat(s.api(name), prompts[0], 16, extra={"speculate": True})
         one_level(s, users, 8, prompts, {"speculate": True})  # and the batched shapes
-        spec, plain = [], []
+        spec, plain, plain_h = [], [], []
         for r in range(rounds):
             order = [(spec, True), (plain, False)] if r % 2 == 0 else [(plain, False), (spec, True)]
             for rows, flag in order:
                 rows.append(one_level(s, users, max_tokens, prompts, {"speculate": flag}, requests))
+                if not flag:  # H for the bound: the trip's network time after plain rounds (the drafters'
+                    # contention for a shared machine's cores would count as network after speculating ones)
+                    plain_h.append(get_json(s.api(head), "/status").get("network_ms"))
         head_status = get_json(s.api(head), "/status")
     finally:
         s.stop()
@@ -117,6 +121,9 @@ def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, mod
     same = sum(a == b for x, y in zip(spec, plain) for a, b in zip(x["texts"], y["texts"]))
     ratios = [a["aggregate_tok_s"] / b["aggregate_tok_s"] for a, b in zip(spec, plain)]
     totals = spec_totals(spec)
+    known_h = [h for h in plain_h if h is not None]
+    if known_h:
+        head_status = {**head_status, "network_ms": statistics.median(known_h)}
     bounds = machine_bounds(head_status, model, draft, users, totals["acceptance"], precision, kquant)
     return {"bounds": bounds, "latency_ms": latency_ms, "users": users, "plan": st["plan"], "slots": st["session"]["concurrency"],
             "plain_tok_s": med(plain, "aggregate_tok_s"), "origin_tok_s": med(spec, "aggregate_tok_s"),
