@@ -282,24 +282,3 @@ def test_on_three_openvino_stages_the_optimised_requests_get_their_solo_ids(chai
     assert sum(st.extra["speculation"]["drafted"] for _, st in together) > 0
     solo_off, together_off, off = asyncio.run(main(False))
     assert off is None and [t for t, _ in together_off] == solo_off == solo
-
-
-def test_an_origin_is_told_to_draft_a_little_until_the_optimiser_plans_its_request():
-    """frames.Tokens.want: while the live optimiser has several requests to plan and has not
-    planned one yet, its origin drafts PRE_PLAN_WANT a step (enough to be measured), not its full
-    length; a request speculating alone, or a head without the optimiser, plans nothing (-1)."""
-    from kafila.session.ring.speculation.dipsd_live import PRE_PLAN_WANT
-
-    rig = Rig(slots=4, batch=True, speculate="ngram")
-    for r in "abcd":
-        rig.submit(r, PROMPTS[r] * 3, max_new=12, stop_at_eos=False, origin="m2")
-    rig.run()
-    first = {}
-    for t in rig.sent:
-        first.setdefault(t.req_id, t.want)
-    assert first == dict.fromkeys("abcd", PRE_PLAN_WANT)  # the prompts' first tokens: no plan yet
-    assert rig.solves and {t.want for t in rig.sent} - {PRE_PLAN_WANT, -1}  # then the plan's lengths
-    alone = Rig(slots=4, batch=True, speculate="ngram")
-    alone.submit("a", PROMPTS["a"] * 3, max_new=12, stop_at_eos=False, origin="m2")
-    alone.run()
-    assert {t.want for t in alone.sent} == {-1}

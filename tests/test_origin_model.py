@@ -120,9 +120,7 @@ def test_a_model_draft_is_kept_while_the_head_agrees_and_extended_a_chunk_at_a_t
     from kafila.session.ring.speculation.origin import CHUNK, aligned_draft
 
     o = OriginDrafts(10, model=True)
-    o.start("r", [1, 2])
-    assert o.wanted() == []  # not during the prompt's prefill: from its first token on
-    o.add("r", [3])
+    o.start("r", [1, 2, 3])
     assert o.draft("r") is None  # a model drafts off the loop: nothing until it is put
     assert o.wanted() == [("r", (1, 2, 3), (), CHUNK)]
     assert o.put("r", 3, (4, 5, 6, 7))

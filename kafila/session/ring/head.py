@@ -42,14 +42,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from kafila.sampling import Sampler
-from kafila.session.ring.speculation.dipsd_live import (
-    MIN_USERS,
-    PRE_PLAN_WANT,
-    LiveDipsd,
-    LiveSchedule,
-    LiveUser,
-    RingFit,
-)
+from kafila.session.ring.speculation.dipsd_live import LiveDipsd, LiveSchedule, LiveUser, RingFit
 from kafila.session.wire.frames import MAX_BATCH_ROWS, Activation, Frame, Limits, Request, Tokens
 from kafila.session.ring.microbatch import (ROW_MIN_SHARE, ROW_PRIOR_SLOPE, SHARED_BUSY_SHARE, MicroBatches, best_groups,
                                        prompt_batches)
@@ -334,18 +327,6 @@ class HeadCore:
             self.dipsd.solved(ev.problem, ev.answer, now)
         self._follow()
 
-    def _want(self, req_id: str) -> int:
-        """The drafts planned for a request's steps, its origin's budget (frames.Tokens.want): the
-        live optimiser's length; PRE_PLAN_WANT while the optimiser has several requests to plan
-        and none for this one yet (it plans once it has measured the stages and the drafters); -1
-        with no optimiser or one request speculating (the origin drafts its full length)."""
-        planned = self.scheduler.planned.get(req_id)
-        if planned is not None:
-            return planned
-        if self.dipsd is not None and len(self.scheduler.speculating()) >= MIN_USERS:
-            return PRE_PLAN_WANT
-        return -1
-
     def dipsd_status(self) -> dict | None:
         """/status `speculation.dipsd`: None when the optimiser is off."""
         return None if self.dipsd is None else self.dipsd.status()
@@ -514,7 +495,7 @@ class HeadCore:
                 if now is not None:
                     first, _, n = self._pace.get(ev.req_id, (now, now, 0))
                     self._pace[ev.req_id] = (first, now, n + 1)
-                want = self._want(ev.req_id)
+                want = self.scheduler.planned.get(ev.req_id, -1)  # the live optimiser's l: the origin's budget
                 out.append(self._to_origin(Tokens(ev.req_id, ev.origin, (ev.token,), want=want)))
             elif isinstance(ev, Finished):
                 self.batches.leave(ev.req_id)

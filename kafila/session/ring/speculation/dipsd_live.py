@@ -56,11 +56,6 @@ from planner.dipsd import (
 )  # fmt: skip
 
 MIN_USERS = 2  # one request alone: choose_k (the same model, without the batching)
-# what an origin is told to draft for a request the optimiser has not planned yet, while it has
-# several to plan (frames.Tokens.want): 2·1 + 1 tokens ahead, enough to measure its drafter's cost
-# and acceptance, where its full length before the first plan took the cores a shared machine's
-# ring needed (bench.dipsd)
-PRE_PLAN_WANT = 1
 SOLVE_EVERY_S = 1.0  # at most one solve a second (α moves every trip; a solve costs ~50 ms)
 ALPHA_DRIFT = 0.1  # re-solve when a request's α moved this much since the last solve
 SOLVE_MS = 50.0  # the MILP path's bound; past it the greedy rule's answer is kept

@@ -29,8 +29,6 @@ is the rest of the draft), so after an accepted run only the tokens the head too
 anew at the end, and after a rejection the draft restarts from the head's token: at most `CHUNK`
 tokens a job, so a fresh short draft is out soon and grows while the ring works. Until it is
 out, the older one rides along and the head falls back to its n-grams where it is not aligned.
-A draft model starts on a request at its first token, not during its prompt, and drafts as far
-as the head's plan (`add`'s want).
 """
 
 from __future__ import annotations
@@ -72,11 +70,6 @@ class OriginDrafts:
 
     def start(self, req_id: str, prompt: Sequence[int]) -> None:
         self._history[req_id] = [int(t) for t in prompt]
-        # a draft model waits for the first token: the prompt's prefill is the ring's heaviest
-        # step, and a draft made during it serves only the first decode step (on a machine the
-        # ring computes on too, 4 users' drafts during their prompts made the first tokens 1.5x
-        # as late: bench.dipsd)
-        self._budget[req_id] = 0
         self._redraft(req_id)
 
     def add(self, req_id: str, ids: Sequence[int], want: int = -1) -> None:
