@@ -176,3 +176,16 @@ def test_kafila_demo_with_a_draft_model_at_the_origins_answers_as_without(tmp_pa
     assert spec["text"] == plain["text"] and spec["tokens"] == plain["tokens"]
     s = spec["speculation"]
     assert s["drafted"] > 0 and s["accepted"] > 0, s
+
+
+def test_a_model_on_a_shared_machine_drafts_only_the_steps_want():
+    """Where other members share the machine (its core lock), a draft made for the next step
+    while one is out is the ring's compute, and lost at a rejection: the step's want alone."""
+    o = OriginDrafts(10, model=True, ahead=False)
+    o.start("r", [1, 2, 3])
+    o.add("r", [4], want=2)
+    assert o.wanted() == [("r", (1, 2, 3, 4), (), 2)]
+    assert o.put("r", 4, (5, 6))
+    assert o.wanted() == []
+    o.add("r", [7], want=-1)  # no plan: the full length, as anywhere
+    assert o.wanted() == [("r", (1, 2, 3, 4, 7), (), 4)]

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 
 import numpy as np
 
-from kafila.session.ring.cores import MAX_WAIT_S, core_lock
+from kafila.session.ring.cores import MAX_WAIT_S, NoLock, core_lock
 from kafila.session.ring.head import Back, Broken, Cancelled, HeadCore, HeadEvent, Pump, Submitted, check_prompt
 from kafila.session.ring.head_driver import HeadDriver
 from kafila.session.ring.local_slots import LocalSlots
@@ -120,7 +120,8 @@ class RingNode(HeadDriver):
         # --speculate origin: this member drafts for the requests typed at it (origin.py); its
         # drafts ride on their activations as they pass its stage (the head: handed over directly)
         model = origin_drafter is not None
-        self.origin_drafts = (OriginDrafts(min(2 * draft_k + 1, MODEL_DRAFT if model else MAX_ORIGIN_DRAFT), model)
+        self.origin_drafts = (OriginDrafts(min(2 * draft_k + 1, MODEL_DRAFT if model else MAX_ORIGIN_DRAFT), model,
+                                           ahead=isinstance(self.cores, NoLock))
                               if speculate == "origin" and draft_k > 0 else None)  # fmt: skip
         # the origin's draft model, on a thread of its own (origin_worker.py)
         self.origin_worker = (OriginWorker(name, origin_drafter, self.origin_drafts, machines,

@@ -59,11 +59,15 @@ class OriginDrafts:
     """The histories of the requests typed at this member and each one's latest draft
     (n-grams, or with `model` the draft model's tokens that `put` hands in)."""
 
-    def __init__(self, length: int, model: bool = False) -> None:
+    def __init__(self, length: int, model: bool = False, ahead: bool = True) -> None:
         if not 1 <= length <= MAX_ORIGIN_DRAFT:
             raise ValueError(f"an origin draft holds 1..{MAX_ORIGIN_DRAFT} tokens")
         self.length = length
         self.model = model
+        # a draft model drafts the next step's drafts too while a step is out (`add`); not where
+        # other members share this machine: there every draft is the ring's compute, and one the
+        # head may not take (a rejection) costs it, which the live optimiser does not price
+        self.ahead = ahead
         self._history: dict[str, list[int]] = {}
         self._draft: dict[str, tuple[int, tuple[int, ...]]] = {}
         self._budget: dict[str, int] = {}  # tokens worth drafting ahead, from the head's plan (`add`)
@@ -76,12 +80,14 @@ class OriginDrafts:
         """Tokens of `req_id` came back from the head (ignored for a request not drafted here);
         `want`: the drafts the head plans for its steps (frames.Tokens.want; -1: none planned).
         A draft model drafts at most 2·want + 1 ahead (a step's drafts, and the next step's if
-        the step in flight accepts them all), none when the head plans none: on a machine the
-        ring computes on too, a draft nobody verifies costs the ring its cores."""
+        the step in flight accepts them all; without `ahead` the step's want alone), none when
+        the head plans none: on a machine the ring computes on too, a draft nobody verifies
+        costs the ring its cores."""
         h = self._history.get(req_id)
         if h is None or not ids:
             return
-        self._budget[req_id] = self.length if want < 0 else min(self.length, 2 * want + 1 if want else 0)
+        reach = 2 * want + 1 if self.ahead else want
+        self._budget[req_id] = self.length if want < 0 else min(self.length, reach if want else 0)
         h.extend(int(t) for t in ids)
         self._redraft(req_id)
 
