@@ -127,17 +127,20 @@ SECTIONS = [
    'Do 4 users, each drafting with the real draft model at the member they typed at, get more tokens a '
    'second than batched plain decoding, 20 ms a hop, and how near what this machine allows?',
    'python -m bench.dipsd --model qwen2.5-coder-1.5b-q4_k_m --draft qwen2.5-coder-0.5b --latency 20 --users 4 '
-   '--rounds 1',
+   '--rounds 2',
    'The real pair (Qwen2.5-Coder-1.5B-Instruct Q4_K_M, its 0.5B sibling drafting), a 3-member loopback session '
    "on this Xeon. All three members and their draft models share its 2 cores, so drafting is not hidden behind"
    " the ring's work as on machines of their own. The bound (bench/ring_bound.py's spec_bound: the stages' "
-   "batched steps and the draft model's one-token step, 41 ms, timed after the session) lets speculation reach"
-   " 1.07x plain decoding here at best (3 drafts a user, one batch), not 2x. Measured: 0.78x decoding only, "
-   '0.73 of it; plain decoding reached 0.92 of its bound, speculating 0.67. The live optimiser counts a drafter'
-   " on the busiest machine as that machine's time (DraftUser.serial) and plans few drafts (1.37 tokens a "
-   'trip), and the head tells each origin what it plans (frames.Tokens.want). What is left is the drafting '
-   'before the first plan, during the prompts (TTFT 7.3 s against 4.8 s). On the AVX-512 EPYC (commit 81f6398, '
-   '`git log -p`) 0.84x, 0.93x decoding only. Run with ba3faf3\'s bench before its commit (3b5bfd3+dirty).'),
+   "batched steps and the draft model's one-token step, 49 ms, timed after the session; H after the plain "
+   "rounds) prices no draft worth its cores here: 1.00x. Measured 0.82x decoding only; plain decoding reached "
+   '0.93 of its bound, speculating 0.76. The live optimiser counts a drafter on the busiest machine as that '
+   "machine's time (DraftUser.serial) and plans few drafts (1.15 tokens a trip), the head tells each origin "
+   'what it plans (frames.Tokens.want), and where members share a machine an origin drafts only the step\'s '
+   'drafts, not the next step\'s too (origin.OriginDrafts.ahead; one run before it: 0.78x). What is left is '
+   'the drafting during the prompts, before the first plan (TTFT 8.3 s against 5.5 s); starting it at the '
+   'first token made TTFT equal but decoding 0.53-0.75x over three runs (reverted, 66290e0). On the AVX-512 '
+   'EPYC (commit 81f6398, `git log -p`) 0.84x, 0.93x decoding only. Run with 814ca9c\'s code before its '
+   'commit (the header\'s 8bbe89e is its parent 66290e0 before a message edit).'),
   ('A draft model at the head',
    'Does one user, the draft model drafting at the head, get answers faster at 50 ms a hop?',
    'python -m bench.dipsd --model qwen2.5-coder-1.5b-q4_k_m --draft qwen2.5-coder-0.5b --latency 50 --users 1 '
