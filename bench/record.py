@@ -138,9 +138,9 @@ SECTIONS = [
    'what it plans (frames.Tokens.want), and where members share a machine an origin drafts only the step\'s '
    'drafts, not the next step\'s too (origin.OriginDrafts.ahead; one run before it: 0.78x). What is left is '
    'the drafting during the prompts, before the first plan (TTFT 8.3 s against 5.5 s); starting it at the '
-   'first token made TTFT equal but decoding 0.53-0.75x over three runs (reverted, 66290e0). On the AVX-512 '
+   'first token made TTFT equal but decoding 0.53-0.75x over three runs (reverted, 8bbe89e). On the AVX-512 '
    'EPYC (commit 81f6398, `git log -p`) 0.84x, 0.93x decoding only. Run with 814ca9c\'s code before its '
-   'commit (the header\'s 8bbe89e is its parent 66290e0 before a message edit).'),
+   'commit (the header\'s 8bbe89e+dirty).'),
   ('A draft model at the head',
    'Does one user, the draft model drafting at the head, get answers faster at 50 ms a hop?',
    'python -m bench.dipsd --model qwen2.5-coder-1.5b-q4_k_m --draft qwen2.5-coder-0.5b --latency 50 --users 1 '
