@@ -121,10 +121,12 @@ def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, mod
     same = sum(a == b for x, y in zip(spec, plain) for a, b in zip(x["texts"], y["texts"]))
     ratios = [a["aggregate_tok_s"] / b["aggregate_tok_s"] for a, b in zip(spec, plain)]
     totals = spec_totals(spec)
+    from bench.ring_bound import session_ring
+
+    stages, network_ms = session_ring(head_status)
     known_h = [h for h in plain_h if h is not None]
-    if known_h:
-        head_status = {**head_status, "network_ms": statistics.median(known_h)}
-    bounds = machine_bounds(head_status, model, draft, users, totals["acceptance"], precision, kquant)
+    bounds = machine_bounds(stages, statistics.median(known_h) if known_h else network_ms, model, draft, users,
+                            totals["acceptance"], precision, kquant)  # fmt: skip
     return {"bounds": bounds, "latency_ms": latency_ms, "users": users, "plan": st["plan"], "slots": st["session"]["concurrency"],
             "plain_tok_s": med(plain, "aggregate_tok_s"), "origin_tok_s": med(spec, "aggregate_tok_s"),
             "ratio": med(spec, "aggregate_tok_s") / med(plain, "aggregate_tok_s"),
@@ -139,19 +141,18 @@ def run_latency(latency_ms: float, users: int, max_tokens: int, rounds: int, mod
             "rounds": {"origin": spec, "plain": plain}, "session_s": round(time.monotonic() - t0, 1)}  # fmt: skip
 
 
-def machine_bounds(head_status: dict, model: str, draft: str | None, users: int, alpha: float | None,
-                   precision: str, kquant: str) -> dict | None:  # fmt: skip
+def machine_bounds(stages: list[tuple[int, int]], network_ms: float, model: str, draft: str | None, users: int,
+                   alpha: float | None, precision: str, kquant: str) -> dict | None:  # fmt: skip
     """What this machine allows plain and speculating decoding (bench.ring_bound.bound and
     spec_bound), from the session's stages' batched steps and the draft model's one-token step,
-    each timed here in one process after the session has gone. None without a draft model or a
-    measured acceptance (n-gram drafts cost no model step to price)."""
+    each timed here in one process after the session has gone, and H = `network_ms`. None
+    without a draft model or a measured acceptance (n-gram drafts cost no model step to price)."""
     if draft is None or alpha is None:
         return None
     from backends.gguf import open_model
-    from bench.ring_bound import bound, session_ring, spec_bound, stage_costs
+    from bench.ring_bound import bound, spec_bound, stage_costs
     from kafila.models.registry import resolve_model
 
-    stages, network_ms = session_ring(head_status)
     costs = stage_costs(resolve_model(model_path(model)), stages, BOUND_ROWS, precision=precision, kquant=kquant)
     draft_path = resolve_model(model_path(draft))
     whole = open_model(draft_path).hparams.n_blocks
