@@ -59,8 +59,7 @@ SECTIONS = [
    '-DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF '
    '-DGGML_AMX_BF16=OFF" pip install --no-deps --target /tmp/llama-noamx llama-cpp-python==0.3.36` (its '
    "repacked AVX-512 kernels, as on the EPYC; the ggml form computes with the same build's ggml). "
-   'Here the ggml form decodes at 0.86x and prefills at 0.93x (an earlier run the same hour, with the same build'
-   ' on PYTHONPATH: 0.90x and 0.96x); the exact form 0.57x and 0.89x. This VM decodes the 1.5B at a third of '
+   'Here the ggml form decodes at 0.86x and prefills at 0.93x; the exact form 0.57x and 0.89x. This VM decodes the 1.5B at a third of '
    "the EPYC's rate (llama.cpp 13.7 tok/s against 43.6), so its ratios are not the EPYC's."),
   ('The 8B shape against llama.cpp',
    "How fast does the ggml form decode and prefill a Llama-3-8B-shaped Q4_K_M file, next to llama.cpp?",
